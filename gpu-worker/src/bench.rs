@@ -1,0 +1,1 @@
+//! `hearth-worker bench` (filled in below).

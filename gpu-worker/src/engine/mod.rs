@@ -1,0 +1,229 @@
+//! The engine: a scheduler that owns the model, the KV memory and every live sequence, running on
+//! its own OS thread, and the cloneable [`EngineHandle`] that async code uses to talk to it.
+//!
+//! Requests are validated on the caller's side into a [`ValidRequest`] (only [`validate`] builds
+//! one), sent over a bounded command channel, and answered with a stream of [`EngineEvent`]s:
+//! `Started`, then `Token`s, then exactly one `Finished` or `Error`. Dropping the stream cancels the
+//! request at the next engine step.
+
+mod error;
+mod scheduler;
+mod types;
+
+pub use error::EngineError;
+pub use scheduler::Scheduler;
+pub use types::{EngineConfig, EngineEvent, EngineStats, GenerateRequest, Timings, ValidRequest};
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use hearth_shared::{RequestId, SessionId};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::model::Model;
+
+/// Events of one request. Unbounded, but bounded in practice: a request produces at most
+/// `max_new_tokens + 2` events, and the engine thread must never block on a slow reader.
+pub type EventStream = mpsc::UnboundedReceiver<EngineEvent>;
+pub(crate) type EventSender = mpsc::UnboundedSender<EngineEvent>;
+
+pub(crate) enum Command {
+    Submit(Box<ValidRequest>, EventSender),
+    Cancel(RequestId),
+    DropSession(SessionId, oneshot::Sender<Result<(), EngineError>>),
+    Shutdown,
+}
+
+/// Live counters, updated by the engine thread after every step.
+#[derive(Debug, Default)]
+pub(crate) struct SharedStats {
+    pub running: AtomicUsize,
+    pub waiting: AtomicUsize,
+    pub blocks_used: AtomicUsize,
+    pub blocks_total: AtomicUsize,
+    pub cached_sessions: AtomicUsize,
+    pub evictions: AtomicUsize,
+    pub preemptions: AtomicUsize,
+    pub steps: AtomicUsize,
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: SyncSender<Command>,
+    stats: Arc<SharedStats>,
+    info: Arc<ModelInfo>,
+    closed: Arc<AtomicBool>,
+}
+
+/// What clients need to know about the loaded model.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    pub architecture: String,
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub bos_id: Option<u32>,
+    /// Stop tokens used when a request names none (EOS and `<end_of_turn>`).
+    pub default_stop_ids: Vec<u32>,
+    pub kv_capacity_tokens: usize,
+    pub block_size: usize,
+    /// Commands the engine accepts before `submit` answers `QueueFull`.
+    pub command_queue: usize,
+}
+
+/// Owns the engine thread; dropping it shuts the engine down after in-flight work.
+#[derive(Debug)]
+pub struct Engine {
+    handle: EngineHandle,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    /// Starts the engine thread over `model`.
+    pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Self, EngineError> {
+        let sched = Scheduler::new(model.clone(), config.clone())?;
+        let info = Arc::new(sched.model_info());
+        let (tx, rx) = sync_channel(config.command_queue);
+        let stats = Arc::new(SharedStats::default());
+        let thread_stats = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("hearth-engine".into())
+            .spawn(move || engine_task(sched, rx, thread_stats))
+            .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
+        Ok(Self {
+            handle: EngineHandle { tx, stats, info, closed: Arc::new(AtomicBool::new(false)) },
+            thread: Some(thread),
+        })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+
+    /// Stops accepting work, lets running sequences finish, and joins the thread.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.handle.closed.store(true, Ordering::SeqCst);
+        let _ = self.handle.tx.send(Command::Shutdown);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+impl EngineHandle {
+    pub fn model_info(&self) -> &ModelInfo {
+        &self.info
+    }
+
+    /// Validates and queues a request; its events arrive on the returned stream.
+    pub fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        let valid = types::validate(req, &self.info)?;
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(EngineError::ShuttingDown);
+        }
+        let (etx, erx) = mpsc::unbounded_channel();
+        match self.tx.try_send(Command::Submit(Box::new(valid), etx)) {
+            Ok(()) => Ok(erx),
+            Err(TrySendError::Full(_)) => Err(EngineError::QueueFull { limit: self.info.command_queue }),
+            Err(TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
+        }
+    }
+
+    /// Cancels a request; its stream ends with `Finished { reason: Cancelled }` at the next step.
+    pub fn cancel(&self, id: RequestId) {
+        let _ = self.tx.try_send(Command::Cancel(id));
+    }
+
+    /// Frees a session's cached KV.
+    pub async fn drop_session(&self, session: SessionId) -> Result<(), EngineError> {
+        let (tx, rx) = oneshot::channel();
+        self.tx.try_send(Command::DropSession(session, tx)).map_err(|_| EngineError::ShuttingDown)?;
+        rx.await.map_err(|_| EngineError::ShuttingDown)?
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let s = &self.stats;
+        let l = |a: &AtomicUsize| a.load(Ordering::Relaxed);
+        EngineStats {
+            running: l(&s.running),
+            waiting: l(&s.waiting),
+            kv_blocks_used: l(&s.blocks_used),
+            kv_blocks_total: l(&s.blocks_total),
+            cached_sessions: l(&s.cached_sessions),
+            session_evictions: l(&s.evictions),
+            preemptions: l(&s.preemptions),
+            steps: l(&s.steps),
+        }
+    }
+}
+
+/// The engine loop: take commands, run a step, publish counters. Blocks only when idle.
+fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedStats>) {
+    let mut shutting_down = false;
+    loop {
+        if sched.is_idle() {
+            if shutting_down {
+                break;
+            }
+            publish(&sched, &stats);
+            match rx.recv() {
+                Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd),
+                Err(_) => break,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd),
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    shutting_down = true;
+                    break;
+                }
+            }
+        }
+        // A bug in one step must not take the engine (and every other user) down.
+        if catch_unwind(AssertUnwindSafe(|| sched.step())).is_err() {
+            tracing::error!("engine step panicked; failing the sequences in it");
+            sched.fail_running("internal error in engine step");
+        }
+        stats.steps.fetch_add(1, Ordering::Relaxed);
+        publish(&sched, &stats);
+    }
+    tracing::info!("engine thread stopped");
+}
+
+fn handle_command(sched: &mut Scheduler, cmd: Command) -> bool {
+    match cmd {
+        Command::Submit(req, tx) => sched.enqueue(*req, tx),
+        Command::Cancel(id) => sched.cancel(id),
+        Command::DropSession(s, reply) => {
+            let _ = reply.send(sched.drop_session(&s));
+        }
+        Command::Shutdown => return true,
+    }
+    false
+}
+
+fn publish(sched: &Scheduler, stats: &SharedStats) {
+    let s = sched.stats();
+    stats.running.store(s.running, Ordering::Relaxed);
+    stats.waiting.store(s.waiting, Ordering::Relaxed);
+    stats.blocks_used.store(s.kv_blocks_used, Ordering::Relaxed);
+    stats.blocks_total.store(s.kv_blocks_total, Ordering::Relaxed);
+    stats.cached_sessions.store(s.cached_sessions, Ordering::Relaxed);
+    stats.evictions.store(s.session_evictions, Ordering::Relaxed);
+    stats.preemptions.store(s.preemptions, Ordering::Relaxed);
+}

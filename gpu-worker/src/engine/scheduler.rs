@@ -1,0 +1,507 @@
+//! The scheduler: plain synchronous state driven by the engine thread (and directly by tests).
+//!
+//! Each [`Scheduler::step`] admits waiting requests while KV blocks allow (evicting idle session
+//! caches least-recently-used first), gives every running sequence its slice of the step — one
+//! token when decoding, a chunk of the prompt when prefilling — runs one batched forward pass, and
+//! samples a token for every sequence that reached the end of its input. Finished sequences leave
+//! at once; their KV stays behind as the session's cache for the next turn.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
+use rayon::prelude::*;
+
+use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
+use super::{EngineError, EventSender, ModelInfo};
+use crate::kv::{BlockAllocator, BlockId, KvStore};
+use crate::model::{Model, SeqChunk};
+use crate::sampling::Sampler;
+
+/// A session's KV left behind by its last turn.
+#[derive(Debug)]
+struct SessionCache {
+    tokens: Vec<u32>,
+    blocks: Vec<BlockId>,
+    last_used: u64,
+}
+
+/// A request being served (or waiting, or preempted).
+#[derive(Debug)]
+struct Seq {
+    id: RequestId,
+    user: UserId,
+    session: Option<SessionId>,
+    /// Prompt followed by every generated token.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Positions whose K/V are in `blocks`.
+    kv_len: usize,
+    blocks: Vec<BlockId>,
+    generated: usize,
+    max_new: usize,
+    stop_ids: Vec<u32>,
+    sampler: Sampler,
+    cached_tokens: usize,
+    events: EventSender,
+    arrived: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    preempted: bool,
+    cancelled: bool,
+}
+
+impl Seq {
+    fn send(&self, e: EngineEvent) {
+        // A closed receiver is noticed (and the sequence cancelled) at the next step.
+        let _ = self.events.send(e);
+    }
+
+    fn finish(&self, reason: FinishReason) {
+        let ms = |t: Option<Instant>| t.map_or(0.0, |t| t.duration_since(self.arrived).as_secs_f64() * 1e3);
+        self.send(EngineEvent::Finished {
+            reason,
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached_tokens,
+            completion_tokens: self.generated,
+            timings: Timings {
+                queue_ms: ms(self.admitted),
+                time_to_first_token_ms: ms(self.first_token),
+                total_ms: self.arrived.elapsed().as_secs_f64() * 1e3,
+            },
+        });
+    }
+}
+
+#[derive(Debug)]
+pub struct Scheduler {
+    model: Arc<Model>,
+    config: EngineConfig,
+    info: ModelInfo,
+    alloc: BlockAllocator,
+    kv: KvStore,
+    waiting: Vec<Seq>,
+    running: Vec<Seq>,
+    sessions: HashMap<SessionId, SessionCache>,
+    clock: u64,
+    evictions: usize,
+    preemptions: usize,
+}
+
+impl Scheduler {
+    pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self, EngineError> {
+        let c = &model.config;
+        if config.block_size == 0 || config.max_batch == 0 || config.prefill_chunk == 0 {
+            return Err(EngineError::Internal("block_size, max_batch and prefill_chunk must be positive".into()));
+        }
+        let block_bytes = KvStore::block_bytes(c.num_layers, config.block_size, c.kv_dim());
+        let num_blocks = config.kv_budget_bytes / block_bytes;
+        if num_blocks == 0 {
+            return Err(EngineError::Internal(format!(
+                "KV budget of {} bytes is less than one block ({block_bytes} bytes)",
+                config.kv_budget_bytes
+            )));
+        }
+        let default_stop_ids = [model.eos_id, model.end_of_turn_id].into_iter().flatten().collect();
+        let info = ModelInfo {
+            architecture: c.architecture.clone(),
+            context_length: c.context_length,
+            vocab_size: c.vocab_size,
+            bos_id: model.bos_id,
+            default_stop_ids,
+            kv_capacity_tokens: num_blocks * config.block_size,
+            block_size: config.block_size,
+            command_queue: config.command_queue,
+        };
+        Ok(Self {
+            kv: KvStore::new(c.num_layers, num_blocks, config.block_size, c.kv_dim()),
+            alloc: BlockAllocator::new(num_blocks),
+            model,
+            config,
+            info,
+            waiting: Vec::new(),
+            running: Vec::new(),
+            sessions: HashMap::new(),
+            clock: 0,
+            evictions: 0,
+            preemptions: 0,
+        })
+    }
+
+    pub fn model_info(&self) -> ModelInfo {
+        self.info.clone()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            kv_blocks_used: self.alloc.used(),
+            kv_blocks_total: self.alloc.total(),
+            cached_sessions: self.sessions.len(),
+            session_evictions: self.evictions,
+            preemptions: self.preemptions,
+            steps: 0,
+        }
+    }
+
+    /// Queues a validated request, or answers it at once with an error.
+    pub(crate) fn enqueue(&mut self, req: ValidRequest, events: EventSender) {
+        let ValidRequest { inner, stop_ids, arrived } = req;
+        let in_flight = self.running.iter().chain(&self.waiting).any(|s| s.id == inner.id);
+        if in_flight {
+            let _ = events.send(EngineEvent::Error(EngineError::DuplicateRequest(inner.id)));
+            return;
+        }
+        if self.waiting.len() >= self.config.max_waiting {
+            let _ = events.send(EngineEvent::Error(EngineError::QueueFull { limit: self.config.max_waiting }));
+            return;
+        }
+        let prompt_len = inner.prompt.len();
+        let max_new = inner.max_new_tokens as usize;
+        self.waiting.push(Seq {
+            id: inner.id,
+            user: inner.user,
+            session: inner.session,
+            tokens: inner.prompt,
+            prompt_len,
+            kv_len: 0,
+            blocks: Vec::new(),
+            generated: 0,
+            max_new,
+            stop_ids,
+            sampler: Sampler::new(inner.params),
+            cached_tokens: 0,
+            events,
+            arrived,
+            admitted: None,
+            first_token: None,
+            preempted: false,
+            cancelled: false,
+        });
+    }
+
+    pub(crate) fn cancel(&mut self, id: RequestId) {
+        for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            if s.id == id {
+                s.cancelled = true;
+            }
+        }
+    }
+
+    pub(crate) fn drop_session(&mut self, id: &SessionId) -> Result<(), EngineError> {
+        match self.sessions.remove(id) {
+            Some(mut c) => {
+                self.alloc.release(&mut c.blocks);
+                Ok(())
+            }
+            None => Err(EngineError::UnknownSession(id.clone())),
+        }
+    }
+
+    /// Ends every running sequence with an internal error (after a failed step).
+    pub(crate) fn fail_running(&mut self, why: &str) {
+        for mut s in std::mem::take(&mut self.running) {
+            s.send(EngineEvent::Error(EngineError::Internal(why.into())));
+            self.alloc.release(&mut s.blocks);
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Frees the least recently used idle session cache; false if there is none.
+    fn evict_one_idle(&mut self) -> bool {
+        let Some(id) = self.sessions.iter().min_by_key(|(_, c)| c.last_used).map(|(id, _)| id.clone()) else {
+            return false;
+        };
+        if let Some(mut c) = self.sessions.remove(&id) {
+            self.alloc.release(&mut c.blocks);
+            self.evictions += 1;
+            tracing::debug!(session = %id, "evicted idle session cache");
+        }
+        true
+    }
+
+    /// Removes cancelled sequences and those whose client went away.
+    fn reap_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            if s.cancelled || s.events.is_closed() {
+                let s = self.running.swap_remove(i);
+                s.finish(FinishReason::Cancelled);
+                self.retire(s);
+            } else {
+                i += 1;
+            }
+        }
+        self.waiting.retain(|s| {
+            let gone = s.cancelled || s.events.is_closed();
+            if gone {
+                s.finish(FinishReason::Cancelled);
+            }
+            !gone
+        });
+    }
+
+    /// A finished sequence's KV becomes its session's cache (or is freed).
+    fn retire(&mut self, mut s: Seq) {
+        match s.session.take() {
+            Some(id) => {
+                s.tokens.truncate(s.kv_len);
+                let last_used = self.tick();
+                let cache = SessionCache { tokens: std::mem::take(&mut s.tokens), blocks: std::mem::take(&mut s.blocks), last_used };
+                if let Some(mut old) = self.sessions.insert(id, cache) {
+                    self.alloc.release(&mut old.blocks);
+                }
+            }
+            None => self.alloc.release(&mut s.blocks),
+        }
+    }
+
+    /// Index of the next waiting request to admit: the user with the fewest running sequences
+    /// first (fair share), preempted sequences before new ones, then arrival order.
+    fn next_waiting(&self) -> Option<usize> {
+        let mut per_user: HashMap<&UserId, usize> = HashMap::new();
+        for s in &self.running {
+            *per_user.entry(&s.user).or_default() += 1;
+        }
+        (0..self.waiting.len()).min_by_key(|&i| {
+            let s = &self.waiting[i];
+            (per_user.get(&s.user).copied().unwrap_or(0), !s.preempted, s.arrived)
+        })
+    }
+
+    /// Admits waiting requests while batch slots and KV blocks allow.
+    fn admit(&mut self) {
+        while self.running.len() < self.config.max_batch {
+            let Some(i) = self.next_waiting() else { return };
+            let bs = self.config.block_size;
+            // Reuse the session's cache: the common prefix of cache and prompt, minus at least one
+            // token so there is something to run for logits.
+            let (reuse, cache) = {
+                let s = &self.waiting[i];
+                match s.session.as_ref().and_then(|id| self.sessions.get(id).map(|c| (id, c))) {
+                    Some((_, c)) => {
+                        let common = c.tokens.iter().zip(&s.tokens).take_while(|(a, b)| a == b).count();
+                        (common.min(s.tokens.len() - 1), true)
+                    }
+                    None => (0, false),
+                }
+            };
+            let need_tokens = self.waiting[i].tokens.len() + 1;
+            let have_blocks = reuse.div_ceil(bs);
+            let need = BlockAllocator::blocks_needed(have_blocks, need_tokens, bs);
+            // Blocks this request's own cache frees by rewinding count as available.
+            let own_cached = if cache {
+                self.waiting[i].session.as_ref().and_then(|id| self.sessions.get(id)).map_or(0, |c| c.blocks.len() - have_blocks)
+            } else {
+                0
+            };
+            let mut available = self.alloc.free() + own_cached;
+            while available < need {
+                // Never evict the cache we are about to reuse.
+                let own = self.waiting[i].session.as_ref().and_then(|id| self.sessions.remove_entry(id));
+                let evicted = self.evict_one_idle();
+                if let Some((id, c)) = own {
+                    self.sessions.insert(id, c);
+                }
+                if !evicted {
+                    break;
+                }
+                available = self.alloc.free() + own_cached;
+            }
+            if available < need {
+                if self.running.is_empty() && self.sessions.is_empty() && !cache {
+                    // Cannot fit even in an empty engine; validation normally prevents this.
+                    let s = self.waiting.remove(i);
+                    s.send(EngineEvent::Error(EngineError::KvBudgetTooSmall { need: need_tokens, capacity: self.info.kv_capacity_tokens }));
+                    continue;
+                }
+                return;
+            }
+            let mut s = self.waiting.remove(i);
+            if let Some(mut c) = s.session.as_ref().and_then(|id| self.sessions.remove(id)) {
+                self.alloc.truncate(&mut c.blocks, reuse, bs);
+                s.blocks = c.blocks;
+                s.kv_len = reuse;
+            }
+            if !self.alloc.grow(&mut s.blocks, need_tokens, bs) {
+                // Accounting above guarantees room; keep the request rather than lose it.
+                self.alloc.release(&mut s.blocks);
+                s.kv_len = 0;
+                self.waiting.push(s);
+                return;
+            }
+            let now = Instant::now();
+            if !s.preempted {
+                s.cached_tokens = s.kv_len;
+                s.admitted = Some(now);
+                s.send(EngineEvent::Started {
+                    cached_tokens: s.kv_len,
+                    queue_ms: now.duration_since(s.arrived).as_secs_f64() * 1e3,
+                });
+            }
+            self.running.push(s);
+        }
+    }
+
+    /// Puts the youngest running sequence back in the queue, freeing its KV for recompute.
+    fn preempt_youngest(&mut self) -> Option<RequestId> {
+        let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
+        let mut s = self.running.remove(i);
+        self.alloc.release(&mut s.blocks);
+        s.kv_len = 0;
+        s.preempted = true;
+        self.preemptions += 1;
+        tracing::debug!(request = %s.id, "preempted for recompute");
+        let id = s.id;
+        self.waiting.push(s);
+        Some(id)
+    }
+
+    /// One engine step. Returns false when there was nothing to do.
+    pub fn step(&mut self) -> bool {
+        self.reap_cancelled();
+        self.admit();
+        if self.running.is_empty() {
+            return false;
+        }
+        let bs = self.config.block_size;
+        // Oldest first: they get blocks first, and the youngest are preempted if memory runs out.
+        self.running.sort_by_key(|s| s.arrived);
+        let mut prefill_budget = self.config.prefill_chunk;
+        let mut plan: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len());
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &self.running[i];
+            let pending = s.tokens.len() - s.kv_len;
+            let n = if pending <= 1 { pending } else { pending.min(prefill_budget) };
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let want = s.kv_len + n;
+            let id = s.id;
+            let mut ok = true;
+            while !self.alloc.grow(&mut self.running[i].blocks, want, bs) {
+                if self.evict_one_idle() {
+                    continue;
+                }
+                let victim = self.preempt_youngest();
+                plan.retain(|(p, _)| Some(*p) != victim);
+                if victim == Some(id) || i >= self.running.len() {
+                    ok = false;
+                    break;
+                }
+            }
+            if ok {
+                if pending > 1 {
+                    prefill_budget -= n;
+                }
+                plan.push((id, n));
+                i += 1;
+            }
+        }
+        if plan.is_empty() {
+            return false;
+        }
+        let order: Vec<usize> = plan.iter().map(|(id, _)| self.running.iter().position(|s| s.id == *id).unwrap_or(usize::MAX)).collect();
+        let chunks: Vec<SeqChunk<'_>> = order
+            .iter()
+            .zip(&plan)
+            .map(|(&ix, &(_, n))| {
+                let s = &self.running[ix];
+                SeqChunk {
+                    tokens: &s.tokens[s.kv_len..s.kv_len + n],
+                    start_pos: s.kv_len,
+                    blocks: &s.blocks,
+                    want_logits: s.kv_len + n == s.tokens.len(),
+                }
+            })
+            .collect();
+        let wants: Vec<bool> = chunks.iter().map(|c| c.want_logits).collect();
+        let result = self.model.forward(&chunks, &mut self.kv);
+        drop(chunks);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "forward pass failed");
+                self.fail_running(&e.to_string());
+                return true;
+            }
+        };
+        for (&ix, &(_, n)) in order.iter().zip(&plan) {
+            self.running[ix].kv_len += n;
+        }
+        // Sample every sequence that produced logits, in parallel (262k-wide rows).
+        let vocab = self.info.vocab_size;
+        let mut samplers: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut rows = logits;
+        {
+            let mut rest: &mut [f32] = &mut rows;
+            for (&ix, &w) in order.iter().zip(&wants) {
+                if w {
+                    let (row, tail) = rest.split_at_mut(vocab);
+                    samplers.push((ix, row));
+                    rest = tail;
+                }
+            }
+        }
+        let picks: Vec<(usize, u32, f32)> = {
+            let running = &mut self.running;
+            let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
+            let work: Vec<(usize, &mut Seq, &mut [f32])> = samplers
+                .into_iter()
+                .filter_map(|(ix, row)| seqs.get_mut(ix).and_then(Option::take).map(|s| (ix, s, row)))
+                .collect();
+            work.into_par_iter()
+                .map(|(ix, s, row)| {
+                    let (t, lp) = s.sampler.sample(row, &s.tokens);
+                    (ix, t, lp)
+                })
+                .collect()
+        };
+        let mut finished = Vec::new();
+        let ctx = self.info.context_length;
+        for (ix, token, logprob) in picks {
+            let s = &mut self.running[ix];
+            s.tokens.push(token);
+            s.generated += 1;
+            if s.first_token.is_none() {
+                s.first_token = Some(Instant::now());
+            }
+            let reason = if s.stop_ids.contains(&token) {
+                Some(FinishReason::Stop)
+            } else {
+                s.send(EngineEvent::Token { id: token, logprob });
+                if s.generated >= s.max_new {
+                    Some(FinishReason::Length)
+                } else if s.tokens.len() >= ctx {
+                    Some(FinishReason::ContextFull)
+                } else {
+                    None
+                }
+            };
+            if let Some(r) = reason {
+                finished.push((s.id, r));
+            }
+        }
+        for (id, reason) in finished {
+            if let Some(ix) = self.running.iter().position(|s| s.id == id) {
+                let s = self.running.swap_remove(ix);
+                s.finish(reason);
+                self.retire(s);
+            }
+        }
+        true
+    }
+}

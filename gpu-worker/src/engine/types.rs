@@ -1,0 +1,141 @@
+//! Requests, their validated form, events and configuration.
+
+use std::time::Instant;
+
+use hearth_shared::{FinishReason, RequestId, SamplingParams, SessionId, UserId};
+
+use super::{EngineError, ModelInfo};
+
+/// Engine tuning; the worker binary fills it from flags.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Bytes of KV memory (K and V, all layers); divided into blocks of `block_size` tokens.
+    pub kv_budget_bytes: usize,
+    pub block_size: usize,
+    /// Most sequences decoded in one step.
+    pub max_batch: usize,
+    /// Most requests waiting for admission; more get `QueueFull`.
+    pub max_waiting: usize,
+    /// Prompt tokens prefilled per step across all sequences, so decoding sequences keep streaming
+    /// while a long prompt is processed.
+    pub prefill_chunk: usize,
+    /// Capacity of the command channel to the engine thread.
+    pub command_queue: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            kv_budget_bytes: 2 << 30,
+            block_size: 16,
+            max_batch: 64,
+            max_waiting: 1024,
+            prefill_chunk: 512,
+            command_queue: 4096,
+        }
+    }
+}
+
+/// A generation request as clients send it.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub id: RequestId,
+    /// Requests of one session share its cached KV between turns.
+    pub session: Option<SessionId>,
+    pub user: UserId,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_new_tokens: u32,
+    /// Empty means the model's defaults (EOS and `<end_of_turn>`).
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl GenerateRequest {
+    /// A greedy request with default stop tokens; handy in tests and benchmarks.
+    pub fn new(id: u64, prompt: Vec<u32>, max_new_tokens: u32) -> Self {
+        Self {
+            id: RequestId(id),
+            session: None,
+            user: UserId::from("anonymous"),
+            prompt,
+            params: SamplingParams::default(),
+            max_new_tokens,
+            stop_token_ids: Vec::new(),
+        }
+    }
+}
+
+/// A request that passed [`validate`]; the only kind the scheduler accepts.
+#[derive(Clone, Debug)]
+pub struct ValidRequest {
+    pub(crate) inner: GenerateRequest,
+    pub(crate) stop_ids: Vec<u32>,
+    pub(crate) arrived: Instant,
+}
+
+impl ValidRequest {
+    pub fn request(&self) -> &GenerateRequest {
+        &self.inner
+    }
+}
+
+/// Checks a request against the model; errors name the offending field.
+pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, EngineError> {
+    if req.prompt.is_empty() {
+        return Err(EngineError::EmptyPrompt);
+    }
+    if req.prompt.len() >= info.context_length {
+        return Err(EngineError::PromptTooLong { len: req.prompt.len(), max: info.context_length - 1 });
+    }
+    if let Some((index, &id)) = req.prompt.iter().enumerate().find(|(_, &t)| t as usize >= info.vocab_size) {
+        return Err(EngineError::TokenOutOfRange { index, id, vocab: info.vocab_size });
+    }
+    if let Some(&id) = req.stop_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
+        return Err(EngineError::StopTokenOutOfRange { id, vocab: info.vocab_size });
+    }
+    req.params.validate()?;
+    if req.max_new_tokens == 0 {
+        return Err(EngineError::InvalidMaxNewTokens);
+    }
+    if req.prompt.len() + 1 > info.kv_capacity_tokens {
+        return Err(EngineError::KvBudgetTooSmall { need: req.prompt.len() + 1, capacity: info.kv_capacity_tokens });
+    }
+    let stop_ids = if req.stop_token_ids.is_empty() { info.default_stop_ids.clone() } else { req.stop_token_ids.clone() };
+    Ok(ValidRequest { inner: req, stop_ids, arrived: Instant::now() })
+}
+
+/// Wall-clock timings of a finished request, in milliseconds.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub time_to_first_token_ms: f64,
+    pub total_ms: f64,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// Admitted: `cached_tokens` prompt tokens came from the session cache.
+    Started { cached_tokens: usize, queue_ms: f64 },
+    Token { id: u32, logprob: f32 },
+    Finished {
+        reason: FinishReason,
+        prompt_tokens: usize,
+        cached_tokens: usize,
+        completion_tokens: usize,
+        timings: Timings,
+    },
+    Error(EngineError),
+}
+
+/// A snapshot of the engine's load.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
+    pub cached_sessions: usize,
+    pub session_evictions: usize,
+    pub preemptions: usize,
+    pub steps: usize,
+}

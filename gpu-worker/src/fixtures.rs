@@ -1,0 +1,205 @@
+//! Tiny random-weight Gemma-3-shaped models, written as GGUF or as a safetensors checkpoint, so
+//! tests run the real loading code and forward pass in milliseconds. The same spec and seed give
+//! the same weights in both formats.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+
+/// Shape of a tiny model. Widths are multiples of 32 (8-bit blocks) and the attention output and
+/// FFN widths multiples of 256 (k-quant super-blocks), like the real model's.
+#[derive(Clone, Debug)]
+pub struct TinySpec {
+    pub layers: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub ffn: usize,
+    pub vocab: usize,
+    pub context: usize,
+    pub sliding_window: usize,
+    pub sliding_window_pattern: usize,
+    pub seed: u64,
+    /// Use the real model's quantization mix (Q5_0, Q8_0, Q4_K, Q6_K) instead of F32.
+    pub quantized: bool,
+}
+
+impl Default for TinySpec {
+    fn default() -> Self {
+        Self {
+            layers: 6,
+            hidden: 64,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 64,
+            ffn: 256,
+            vocab: 512,
+            context: 1024,
+            sliding_window: 16,
+            sliding_window_pattern: 3,
+            seed: 7,
+            quantized: true,
+        }
+    }
+}
+
+/// Special token ids, as in Gemma's vocabulary.
+pub const PAD: u32 = 0;
+pub const EOS: u32 = 1;
+pub const BOS: u32 = 2;
+pub const END_OF_TURN: u32 = 106;
+
+fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn name_seed(seed: u64, name: &str) -> u64 {
+    name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+}
+
+/// One tensor of the model in HF orientation: `(gguf name, hf name, rows, cols, kind)`.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Matrix(GgmlDType),
+    Norm,
+}
+
+fn tensors(spec: &TinySpec) -> Vec<(String, String, usize, usize, Kind)> {
+    let (h, q, kv, f) = (spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.ffn);
+    let qt = |t| if spec.quantized { t } else { GgmlDType::F32 };
+    let mut v = vec![
+        ("token_embd.weight".into(), "model.embed_tokens.weight".into(), spec.vocab, h, Kind::Matrix(qt(GgmlDType::Q8_0))),
+        ("output_norm.weight".into(), "model.norm.weight".into(), 1, h, Kind::Norm),
+    ];
+    for i in 0..spec.layers {
+        let g = |s: &str| format!("blk.{i}.{s}");
+        let hf = |s: &str| format!("model.layers.{i}.{s}");
+        v.extend([
+            (g("attn_norm.weight"), hf("input_layernorm.weight"), 1, h, Kind::Norm),
+            (g("attn_q.weight"), hf("self_attn.q_proj.weight"), q, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
+            (g("attn_k.weight"), hf("self_attn.k_proj.weight"), kv, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
+            (g("attn_v.weight"), hf("self_attn.v_proj.weight"), kv, h, Kind::Matrix(qt(GgmlDType::Q8_0))),
+            (g("attn_output.weight"), hf("self_attn.o_proj.weight"), h, q, Kind::Matrix(qt(GgmlDType::Q4K))),
+            (g("attn_q_norm.weight"), hf("self_attn.q_norm.weight"), 1, spec.head_dim, Kind::Norm),
+            (g("attn_k_norm.weight"), hf("self_attn.k_norm.weight"), 1, spec.head_dim, Kind::Norm),
+            (g("post_attention_norm.weight"), hf("post_attention_layernorm.weight"), 1, h, Kind::Norm),
+            (g("ffn_norm.weight"), hf("pre_feedforward_layernorm.weight"), 1, h, Kind::Norm),
+            (g("ffn_gate.weight"), hf("mlp.gate_proj.weight"), f, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
+            (g("ffn_up.weight"), hf("mlp.up_proj.weight"), f, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
+            (g("ffn_down.weight"), hf("mlp.down_proj.weight"), h, f, Kind::Matrix(qt(GgmlDType::Q6K))),
+            (g("post_ffw_norm.weight"), hf("post_feedforward_layernorm.weight"), 1, h, Kind::Norm),
+        ]);
+    }
+    v
+}
+
+/// HF-convention values of one tensor (norms as `w` in `x * (1 + w)`).
+fn values(spec: &TinySpec, name: &str, rows: usize, cols: usize, kind: Kind) -> Vec<f32> {
+    let seed = name_seed(spec.seed, name);
+    match kind {
+        Kind::Norm => noise(cols, seed, 0.2),
+        // Embeddings of unit-ish size; other matrices scaled by fan-in so activations stay O(1).
+        Kind::Matrix(_) if name == "token_embd.weight" => noise(rows * cols, seed, 1.0),
+        Kind::Matrix(_) => noise(rows * cols, seed, (3.0 / cols as f32).sqrt()),
+    }
+}
+
+/// Writes the model as a GGUF file with `gemma3` metadata and a token list.
+pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> {
+    let dev = Device::Cpu;
+    let mut qtensors = Vec::new();
+    for (gname, _, rows, cols, kind) in tensors(spec) {
+        let vals = values(spec, &gname, rows, cols, kind);
+        let qt = match kind {
+            Kind::Norm => QTensor::quantize(&Tensor::from_vec(vals.iter().map(|w| 1.0 + w).collect::<Vec<_>>(), cols, &dev)?, GgmlDType::F32)?,
+            Kind::Matrix(dt) => QTensor::quantize(&Tensor::from_vec(vals, (rows, cols), &dev)?, dt)?,
+        };
+        qtensors.push((gname, qt));
+    }
+    let tokens: Vec<Value> = (0..spec.vocab)
+        .map(|i| {
+            Value::String(match i as u32 {
+                PAD => "<pad>".into(),
+                EOS => "<eos>".into(),
+                BOS => "<bos>".into(),
+                END_OF_TURN => "<end_of_turn>".into(),
+                _ => format!("tok{i}"),
+            })
+        })
+        .collect();
+    let u = |v: usize| Value::U32(v as u32);
+    let md: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("gemma3".into())),
+        ("general.name", Value::String("tiny-gemma3-test".into())),
+        ("gemma3.context_length", u(spec.context)),
+        ("gemma3.embedding_length", u(spec.hidden)),
+        ("gemma3.block_count", u(spec.layers)),
+        ("gemma3.feed_forward_length", u(spec.ffn)),
+        ("gemma3.attention.head_count", u(spec.heads)),
+        ("gemma3.attention.head_count_kv", u(spec.kv_heads)),
+        ("gemma3.attention.key_length", u(spec.head_dim)),
+        ("gemma3.attention.value_length", u(spec.head_dim)),
+        ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("gemma3.rope.freq_base", Value::F32(1_000_000.0)),
+        ("gemma3.attention.sliding_window", u(spec.sliding_window)),
+        ("gemma3.attention.sliding_window_pattern", u(spec.sliding_window_pattern)),
+        ("tokenizer.ggml.model", Value::String("llama".into())),
+        ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(BOS)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(EOS)),
+        ("tokenizer.ggml.padding_token_id", Value::U32(PAD)),
+    ];
+    let mut f = std::fs::File::create(path)?;
+    let md_refs: Vec<(&str, &Value)> = md.iter().map(|(k, v)| (*k, v)).collect();
+    let t_refs: Vec<(&str, &QTensor)> = qtensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    gguf_file::write(&mut f, &md_refs, &t_refs)
+}
+
+/// Writes the model as a HuggingFace checkpoint directory (`config.json`, `model.safetensors`).
+pub fn write_tiny_safetensors(dir: &Path, spec: &TinySpec) -> candle_core::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let dev = Device::Cpu;
+    let mut map = HashMap::new();
+    for (gname, hfname, rows, cols, kind) in tensors(spec) {
+        let vals = values(spec, &gname, rows, cols, kind);
+        let t = match kind {
+            Kind::Norm => Tensor::from_vec(vals, cols, &dev)?,
+            Kind::Matrix(_) => Tensor::from_vec(vals, (rows, cols), &dev)?,
+        };
+        map.insert(hfname, t);
+    }
+    candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
+    let config = serde_json::json!({
+        "model_type": "gemma3_text",
+        "vocab_size": spec.vocab,
+        "hidden_size": spec.hidden,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.ffn,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": spec.context,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "sliding_window": spec.sliding_window,
+        "sliding_window_pattern": spec.sliding_window_pattern,
+        "query_pre_attn_scalar": spec.head_dim,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+    });
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config).map_err(candle_core::Error::wrap)?)?;
+    Ok(())
+}

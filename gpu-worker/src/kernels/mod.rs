@@ -1,0 +1,96 @@
+//! CPU matrix kernels for 8-bit block-quantized weights, written for batch reuse.
+//!
+//! candle's CPU path for Q8_0/Q5_0 weights computes one activation row at a time, so every weight
+//! block is read from memory once per row of the batch; for the 262k-row output projection that
+//! makes batched decode no faster per row than single-stream decode. Here each weight block is
+//! loaded once per tile of activation rows. Q5_0 weights are widened to the same signed 8-bit
+//! layout at load (exact: values fit in `i8`), so one kernel serves both formats.
+//!
+//! Dispatch picks the widest instruction set the CPU has at run time (AVX-512 VNNI, AVX2, or
+//! portable scalar code); every path is tested against the scalar reference and against candle.
+
+mod q8;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use q8::{quantize_activations, ActQ8, Q8Matrix, QK};
+
+use rayon::prelude::*;
+
+/// Output rows per parallel task: large enough to amortize task overhead, small enough that both
+/// cores stay busy on the 256-row K/V projections.
+const ROWS_PER_TASK: usize = 64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    Scalar,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512Vnni,
+}
+
+/// The best kernel this CPU can run.
+pub fn detect_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+        {
+            return Isa::Avx512Vnni;
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+fn cached_isa() -> Isa {
+    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+    *ISA.get_or_init(detect_isa)
+}
+
+/// A pointer to the output that parallel tasks write through; each task owns disjoint columns.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint (row, column) cells of one live buffer; see `matmul_q8_with`.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+/// `out[m][n] = x[m] · w[n]` for every activation row `m` and weight row `n`.
+/// `out` has `x.rows * w.rows` elements, row-major by activation row.
+pub fn matmul_q8(w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
+    matmul_q8_with(cached_isa(), w, x, out)
+}
+
+pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
+    assert_eq!(w.cols, x.cols, "weight and activation widths differ");
+    assert_eq!(out.len(), w.rows * x.rows, "output has the wrong size");
+    let n = w.rows;
+    let ptr = OutPtr(out.as_mut_ptr());
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    (0..tasks).into_par_iter().for_each(|t| {
+        let r0 = t * ROWS_PER_TASK;
+        let r1 = (r0 + ROWS_PER_TASK).min(n);
+        let ptr = ptr;
+        // SAFETY: this task writes only columns r0..r1 of each output row, which no other task
+        // touches, and `out` outlives the parallel loop.
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, n * x.rows) };
+        match isa {
+            Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
+            Isa::Avx2 => unsafe { x86::matmul_rows_avx2(w, x, r0, r1, out) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above.
+            Isa::Avx512Vnni => unsafe { x86::matmul_rows_vnni(w, x, r0, r1, out) },
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,165 @@
+//! The signed 8-bit block layout (32 values and one f32 scale per block) for weights and
+//! activations, conversion from GGUF's Q8_0 and Q5_0 blocks, and the scalar reference kernel.
+
+use half::f16;
+
+/// Values per block (GGUF's QK8_0 and QK5_0).
+pub const QK: usize = 32;
+
+/// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values row-major and
+/// `scales` one factor per block, kept apart so SIMD loads of values are contiguous.
+#[derive(Clone, Debug)]
+pub struct Q8Matrix {
+    pub rows: usize,
+    pub cols: usize,
+    pub qs: Vec<i8>,
+    pub scales: Vec<f32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("{format} data for a {rows}x{cols} matrix: {reason}")]
+pub struct LayoutError {
+    format: &'static str,
+    rows: usize,
+    cols: usize,
+    reason: String,
+}
+
+impl Q8Matrix {
+    fn check(format: &'static str, rows: usize, cols: usize, bytes: usize, block_bytes: usize) -> Result<(), LayoutError> {
+        let err = |reason: String| LayoutError { format, rows, cols, reason };
+        if cols % QK != 0 {
+            return Err(err(format!("width must be a multiple of {QK}")));
+        }
+        let want = rows * cols / QK * block_bytes;
+        if bytes != want {
+            return Err(err(format!("expected {want} bytes, found {bytes}")));
+        }
+        Ok(())
+    }
+
+    /// From GGUF Q8_0 blocks: `f16 d, i8 qs[32]` (34 bytes).
+    pub fn from_q8_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
+        Self::check("Q8_0", rows, cols, data.len(), 34)?;
+        let blocks = rows * cols / QK;
+        let mut qs = Vec::with_capacity(rows * cols);
+        let mut scales = Vec::with_capacity(blocks);
+        for b in data.chunks_exact(34) {
+            scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
+            qs.extend(b[2..].iter().map(|&v| v as i8));
+        }
+        Ok(Self { rows, cols, qs, scales })
+    }
+
+    /// From GGUF Q5_0 blocks: `f16 d, u8 qh[4], u8 qs[16]` (22 bytes); value `j` is the low (`j < 16`)
+    /// or high nibble of `qs[j % 16]` with bit `j` of `qh` on top, minus 16.
+    pub fn from_q5_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
+        Self::check("Q5_0", rows, cols, data.len(), 22)?;
+        let blocks = rows * cols / QK;
+        let mut qs = Vec::with_capacity(rows * cols);
+        let mut scales = Vec::with_capacity(blocks);
+        for b in data.chunks_exact(22) {
+            scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
+            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+            let nib = &b[6..22];
+            for j in 0..QK {
+                let low = if j < 16 { nib[j] & 0x0f } else { nib[j - 16] >> 4 };
+                let high = (((qh >> j) & 1) as u8) << 4;
+                qs.push(((low | high) as i8) - 16);
+            }
+        }
+        Ok(Self { rows, cols, qs, scales })
+    }
+
+    /// Quantizes dense f32 weights (`rows × cols`, row-major) to this layout.
+    pub fn quantize(rows: usize, cols: usize, w: &[f32]) -> Self {
+        assert_eq!(w.len(), rows * cols);
+        assert_eq!(cols % QK, 0, "width must be a multiple of {QK}");
+        let mut qs = vec![0i8; rows * cols];
+        let mut scales = vec![0f32; rows * cols / QK];
+        for (i, (src, dst)) in w.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+            scales[i] = quantize_block(src, dst);
+        }
+        Self { rows, cols, qs, scales }
+    }
+
+    /// Row `r` as f32 (embedding lookup).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        let bpr = self.cols / QK;
+        let qs = &self.qs[r * self.cols..(r + 1) * self.cols];
+        for (b, (q, o)) in qs.chunks_exact(QK).zip(out.chunks_exact_mut(QK)).enumerate() {
+            let d = self.scales[r * bpr + b];
+            for (o, &q) in o.iter_mut().zip(q) {
+                *o = d * q as f32;
+            }
+        }
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.qs.len() + self.scales.len() * 4
+    }
+}
+
+/// Symmetric round-to-nearest into `[-127, 127]`; returns the scale.
+fn quantize_block(src: &[f32], dst: &mut [i8]) -> f32 {
+    let amax = src.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    for (o, &v) in dst.iter_mut().zip(src) {
+        *o = (v * inv).round().clamp(-127.0, 127.0) as i8;
+    }
+    d
+}
+
+/// Activation rows quantized to 8-bit blocks, ready for [`super::matmul_q8`].
+#[derive(Clone, Debug, Default)]
+pub struct ActQ8 {
+    pub rows: usize,
+    pub cols: usize,
+    pub qs: Vec<i8>,
+    pub scales: Vec<f32>,
+}
+
+/// Quantizes `rows × cols` activations (row-major) block by block.
+pub fn quantize_activations(x: &[f32], rows: usize, cols: usize) -> ActQ8 {
+    let mut a = ActQ8::default();
+    quantize_activations_into(x, rows, cols, &mut a);
+    a
+}
+
+/// As [`quantize_activations`], reusing `a`'s buffers.
+pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut ActQ8) {
+    assert_eq!(x.len(), rows * cols);
+    assert_eq!(cols % QK, 0, "width must be a multiple of {QK}");
+    a.rows = rows;
+    a.cols = cols;
+    a.qs.resize(rows * cols, 0);
+    a.scales.resize(rows * cols / QK, 0.0);
+    for (i, (src, dst)) in x.chunks_exact(QK).zip(a.qs.chunks_exact_mut(QK)).enumerate() {
+        a.scales[i] = quantize_block(src, dst);
+    }
+}
+
+/// Reference kernel: output columns `r0..r1` of every activation row.
+pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+    let k = w.cols;
+    let bpr = k / QK;
+    for r in r0..r1 {
+        let wq = &w.qs[r * k..(r + 1) * k];
+        let ws = &w.scales[r * bpr..(r + 1) * bpr];
+        for m in 0..x.rows {
+            let xq = &x.qs[m * k..(m + 1) * k];
+            let xs = &x.scales[m * bpr..(m + 1) * bpr];
+            let mut acc = 0f32;
+            for b in 0..bpr {
+                let dot: i32 = wq[b * QK..(b + 1) * QK]
+                    .iter()
+                    .zip(&xq[b * QK..(b + 1) * QK])
+                    .map(|(&a, &b)| a as i32 * b as i32)
+                    .sum();
+                acc += ws[b] * xs[b] * dot as f32;
+            }
+            out[m * w.rows + r] = acc;
+        }
+    }
+}

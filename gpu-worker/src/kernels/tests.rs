@@ -1,0 +1,121 @@
+use super::*;
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+
+/// Deterministic pseudo-random values in [-1, 1).
+pub(crate) fn noise(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn all_isas() -> Vec<Isa> {
+    let mut v = vec![Isa::Scalar];
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            v.push(Isa::Avx2);
+        }
+        if detect_isa() == Isa::Avx512Vnni {
+            v.push(Isa::Avx512Vnni);
+        }
+    }
+    v
+}
+
+/// candle's own quantized matmul on the same GGUF bytes is the reference.
+fn candle_reference(dtype: GgmlDType, rows: usize, cols: usize, m: usize, seed: u64) -> (Q8Matrix, Vec<f32>, Vec<f32>) {
+    let dev = Device::Cpu;
+    let w = Tensor::from_vec(noise(rows * cols, seed), (rows, cols), &dev).unwrap();
+    let qt = QTensor::quantize(&w, dtype).unwrap();
+    let bytes = qt.data().unwrap();
+    let ours = match dtype {
+        GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &bytes).unwrap(),
+        GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &bytes).unwrap(),
+        _ => unreachable!(),
+    };
+    let x = noise(m * cols, seed + 1);
+    let xt = Tensor::from_vec(x.clone(), (m, cols), &dev).unwrap();
+    let want = QMatMul::from_qtensor(qt).unwrap().forward(&xt).unwrap();
+    (ours, x, want.flatten_all().unwrap().to_vec1().unwrap())
+}
+
+#[test]
+fn every_isa_matches_candle_for_q8_0_and_q5_0() {
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0] {
+        // Odd sizes exercise the remainder paths (rows not a multiple of 4, batch not of 4).
+        for (rows, cols, m) in [(64, 64, 1), (70, 96, 3), (131, 640, 9), (256, 640, 16)] {
+            let (w, x, want) = candle_reference(dtype, rows, cols, m, rows as u64);
+            let xq = quantize_activations(&x, m, cols);
+            for isa in all_isas() {
+                let mut got = vec![0f32; m * rows];
+                matmul_q8_with(isa, &w, &xq, &mut got);
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    let tol = 1e-3 * (1.0 + w.abs());
+                    assert!((g - w).abs() <= tol, "{dtype:?} {isa:?} {rows}x{cols} m={m} [{i}]: {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn simd_paths_equal_the_scalar_reference_exactly_in_integer_part() {
+    let (rows, cols, m) = (37, 128, 6);
+    let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 7));
+    let x = quantize_activations(&noise(m * cols, 8), m, cols);
+    let mut reference = vec![0f32; m * rows];
+    matmul_q8_with(Isa::Scalar, &w, &x, &mut reference);
+    for isa in all_isas() {
+        let mut got = vec![0f32; m * rows];
+        matmul_q8_with(isa, &w, &x, &mut got);
+        for (g, r) in got.iter().zip(&reference) {
+            assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{isa:?}: {g} vs {r}");
+        }
+    }
+}
+
+#[test]
+fn batch_rows_are_independent() {
+    // Row 2 of a batch equals the same activation computed alone.
+    let (rows, cols) = (40, 64);
+    let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 3));
+    let x = noise(5 * cols, 4);
+    let mut batch = vec![0f32; 5 * rows];
+    matmul_q8(&w, &quantize_activations(&x, 5, cols), &mut batch);
+    let mut alone = vec![0f32; rows];
+    matmul_q8(&w, &quantize_activations(&x[2 * cols..3 * cols], 1, cols), &mut alone);
+    assert_eq!(&batch[2 * rows..3 * rows], &alone[..]);
+}
+
+#[test]
+fn q5_0_and_q8_0_dequantize_like_candle() {
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0] {
+        let (rows, cols) = (3, 64);
+        let t = Tensor::from_vec(noise(rows * cols, 11), (rows, cols), &Device::Cpu).unwrap();
+        let qt = QTensor::quantize(&t, dtype).unwrap();
+        let want: Vec<f32> = qt.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let bytes = qt.data().unwrap();
+        let m = match dtype {
+            GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &bytes).unwrap(),
+            _ => Q8Matrix::from_q5_0(rows, cols, &bytes).unwrap(),
+        };
+        let mut row = vec![0f32; cols];
+        for r in 0..rows {
+            m.dequantize_row(r, &mut row);
+            assert_eq!(&row[..], &want[r * cols..(r + 1) * cols], "{dtype:?} row {r}");
+        }
+    }
+}
+
+#[test]
+fn malformed_block_data_is_an_error_not_a_panic() {
+    assert!(Q8Matrix::from_q8_0(2, 32, &[0u8; 67]).is_err());
+    assert!(Q8Matrix::from_q5_0(1, 48, &[0u8; 33]).is_err());
+}

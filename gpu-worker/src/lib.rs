@@ -1,0 +1,19 @@
+//! The Hearth GPU worker: Gemma on candle, continuous batching, per-session KV caches.
+//!
+//! # Layout
+//! - [`model`]: Gemma weights (GGUF or safetensors) and the batched forward pass.
+//! - [`kernels`]: CPU matrix kernels for 8-bit block weights that reuse each block across the batch.
+//! - [`kv`]: the KV block budget, block tables and paged K/V storage.
+//! - [`sampling`]: per-request token sampling with its own seeded RNG.
+//! - [`engine`]: the scheduler on its own thread and the [`engine::EngineHandle`] used to submit,
+//!   stream and cancel requests.
+//! - [`fixtures`]: tiny random-weight Gemma-shaped models for tests and benchmarks.
+//! - [`bench`]: the `hearth-worker bench` benchmark.
+
+pub mod bench;
+pub mod engine;
+pub mod fixtures;
+pub mod kernels;
+pub mod kv;
+pub mod model;
+pub mod sampling;

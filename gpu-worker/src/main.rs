@@ -1,0 +1,2 @@
+//! `hearth-worker`: the GPU worker binary.
+fn main() {}

@@ -1,0 +1,97 @@
+//! A linear layer over whichever weight format the checkpoint has: our batch-reusing 8-bit kernel
+//! for Q8_0/Q5_0, candle's quantized matmul for k-quants (its x86 path already tiles them), or
+//! dense f32 for safetensors checkpoints.
+
+use std::cell::OnceCell;
+use std::sync::Arc;
+
+use candle_core::quantized::QMatMul;
+use candle_core::{Device, Module, Tensor};
+
+use super::ModelError;
+use crate::kernels::{self, ActQ8, Q8Matrix};
+
+/// Activation rows fed to several linear layers; the 8-bit copy is made once, on first use.
+#[derive(Debug)]
+pub struct Input<'a> {
+    pub x: &'a [f32],
+    pub rows: usize,
+    pub cols: usize,
+    quantized: OnceCell<ActQ8>,
+}
+
+impl<'a> Input<'a> {
+    pub fn new(x: &'a [f32], rows: usize, cols: usize) -> Self {
+        debug_assert_eq!(x.len(), rows * cols);
+        Self { x, rows, cols, quantized: OnceCell::new() }
+    }
+
+    fn q8(&self) -> &ActQ8 {
+        self.quantized.get_or_init(|| kernels::quantize_activations(self.x, self.rows, self.cols))
+    }
+}
+
+pub enum Linear {
+    /// Q8_0 or Q5_0 weights, widened to signed 8-bit blocks.
+    Q8(Arc<Q8Matrix>),
+    /// Other GGML quantizations, through candle.
+    Candle { mm: QMatMul, rows: usize, cols: usize },
+    /// Dense f32 weights `[rows, cols]`.
+    Dense(Tensor),
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (rows, cols) = self.shape();
+        let kind = match self {
+            Self::Q8(_) => "q8",
+            Self::Candle { .. } => "candle-quantized",
+            Self::Dense(_) => "dense-f32",
+        };
+        write!(f, "Linear({kind}, {rows}x{cols})")
+    }
+}
+
+impl Linear {
+    /// `(output features, input features)`.
+    pub fn shape(&self) -> (usize, usize) {
+        match self {
+            Self::Q8(m) => (m.rows, m.cols),
+            Self::Candle { rows, cols, .. } => (*rows, *cols),
+            Self::Dense(t) => t.dims2().unwrap_or((0, 0)),
+        }
+    }
+
+    /// `out = input · Wᵀ`, `out` resized to `input.rows × rows`.
+    pub fn forward(&self, input: &Input<'_>, out: &mut Vec<f32>) -> Result<(), ModelError> {
+        let (rows, cols) = self.shape();
+        if input.cols != cols {
+            return Err(ModelError::Shape(format!("linear expects width {cols}, got {}", input.cols)));
+        }
+        out.clear();
+        out.resize(input.rows * rows, 0.0);
+        match self {
+            Self::Q8(m) => kernels::matmul_q8(m, input.q8(), out),
+            Self::Candle { mm, .. } => {
+                let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
+                let y = mm.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
+                out.copy_from_slice(&y);
+            }
+            Self::Dense(w) => {
+                let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
+                let y = x.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+                out.copy_from_slice(&y);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        let (rows, cols) = self.shape();
+        match self {
+            Self::Q8(m) => m.size_in_bytes(),
+            Self::Candle { .. } => rows * cols / 2,
+            Self::Dense(_) => rows * cols * 4,
+        }
+    }
+}

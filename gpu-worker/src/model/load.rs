@@ -1,0 +1,248 @@
+//! Loading weights from GGUF (quantized, the primary format) and from safetensors checkpoints.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::BufReader;
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::quantized::gguf_file::Content;
+use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::{DType, Device, Tensor};
+
+use super::config::{special_tokens, GemmaConfig};
+use super::{Embedding, Layer, Linear, Model, ModelError};
+use crate::kernels::Q8Matrix;
+
+fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
+    ModelError::Io { path: path.display().to_string(), reason: e.to_string() }
+}
+
+struct Gguf<'a> {
+    path: &'a Path,
+    file: File,
+    content: Content,
+}
+
+impl Gguf<'_> {
+    fn has(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
+    }
+
+    fn raw(&self, name: &str) -> Result<(GgmlDType, usize, usize, Vec<u8>), ModelError> {
+        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::MissingTensor(name.into()))?;
+        let dims = info.shape.dims();
+        let (rows, cols) = match dims {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            _ => return Err(ModelError::Shape(format!("{name}: unexpected rank {}", dims.len()))),
+        };
+        let bytes = rows * cols / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let mut buf = vec![0u8; bytes];
+        self.file
+            .read_exact_at(&mut buf, self.content.tensor_data_offset + info.offset)
+            .map_err(|e| io_err(self.path, format!("tensor {name}: {e}")))?;
+        Ok((info.ggml_dtype, rows, cols, buf))
+    }
+
+    fn vector(&self, name: &str) -> Result<Vec<f32>, ModelError> {
+        let (dtype, _, _, data) = self.raw(name)?;
+        let qt = candle_core::quantized::QTensor::new(
+            candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), &Device::Cpu, dtype)?,
+            (self.content.tensor_infos[name].shape.elem_count(),),
+        )?;
+        Ok(qt.dequantize(&Device::Cpu)?.to_vec1()?)
+    }
+
+    fn opt_vector(&self, name: &str) -> Result<Option<Vec<f32>>, ModelError> {
+        if self.has(name) {
+            self.vector(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn q8(&self, name: &str) -> Result<Option<Q8Matrix>, ModelError> {
+        let (dtype, rows, cols, data) = self.raw(name)?;
+        let m = match dtype {
+            GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &data),
+            GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
+            _ => return Ok(None),
+        };
+        m.map(Some).map_err(|e| ModelError::Shape(format!("{name}: {e}")))
+    }
+
+    fn linear(&self, name: &str) -> Result<Linear, ModelError> {
+        if let Some(m) = self.q8(name)? {
+            return Ok(Linear::Q8(Arc::new(m)));
+        }
+        let mut file = &self.file;
+        let qt = self.content.tensor(&mut file, name, &Device::Cpu)?;
+        let (rows, cols) = qt.shape().dims2()?;
+        Ok(Linear::Candle { mm: QMatMul::from_qtensor(qt)?, rows, cols })
+    }
+}
+
+/// Loads a Gemma GGUF file. The embedding stays in its 8-bit form (tied to the output projection
+/// when the file has no `output.weight`).
+pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
+    let file = File::open(path).map_err(|e| io_err(path, e))?;
+    let content = {
+        let mut reader = BufReader::new(&file);
+        Content::read(&mut reader).map_err(|e| io_err(path, format!("not a GGUF file: {e}")))?
+    };
+    let config = GemmaConfig::from_gguf(&content)?;
+    let special = special_tokens(&content.metadata);
+    let g = Gguf { path, file, content };
+
+    let (embedding, tied) = match g.q8("token_embd.weight")? {
+        Some(m) => {
+            let m = Arc::new(m);
+            (Embedding::Q8(m.clone()), Some(Linear::Q8(m)))
+        }
+        None => {
+            let (dtype, rows, cols, _) = g.raw("token_embd.weight")?;
+            if !matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
+                return Err(ModelError::Unsupported(format!("token_embd.weight in {dtype:?} (supported: Q8_0, Q5_0, F32, F16, BF16)")));
+            }
+            let data = g.vector("token_embd.weight")?;
+            let t = Tensor::from_vec(data.clone(), (rows, cols), &Device::Cpu)?;
+            (Embedding::Dense { rows, cols, data }, Some(Linear::Dense(t)))
+        }
+    };
+    let output = if g.has("output.weight") {
+        g.linear("output.weight")?
+    } else {
+        tied.ok_or_else(|| ModelError::MissingTensor("output.weight".into()))?
+    };
+
+    let mut layers = Vec::with_capacity(config.num_layers);
+    for i in 0..config.num_layers {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        layers.push(Layer {
+            attn_norm: g.vector(&n("attn_norm.weight"))?,
+            q: g.linear(&n("attn_q.weight"))?,
+            k: g.linear(&n("attn_k.weight"))?,
+            v: g.linear(&n("attn_v.weight"))?,
+            o: g.linear(&n("attn_output.weight"))?,
+            q_norm: g.opt_vector(&n("attn_q_norm.weight"))?,
+            k_norm: g.opt_vector(&n("attn_k_norm.weight"))?,
+            post_attn_norm: g.opt_vector(&n("post_attention_norm.weight"))?,
+            ffn_norm: g.vector(&n("ffn_norm.weight"))?,
+            gate: g.linear(&n("ffn_gate.weight"))?,
+            up: g.linear(&n("ffn_up.weight"))?,
+            down: g.linear(&n("ffn_down.weight"))?,
+            post_ffn_norm: g.opt_vector(&n("post_ffw_norm.weight"))?,
+        });
+    }
+    let output_norm = g.vector("output_norm.weight")?;
+    let model = Model::assemble(config, embedding, layers, output_norm, output, special);
+    check_shapes(&model)?;
+    Ok(model)
+}
+
+/// Loads a HuggingFace Gemma checkpoint directory (`config.json` and `*.safetensors`) as dense
+/// f32 weights. Norm weights are stored as `w` with the model using `1 + w`; that is folded here.
+pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
+    let cfg_path = dir.join("config.json");
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).map_err(|e| io_err(&cfg_path, e))?)
+        .map_err(|e| io_err(&cfg_path, e))?;
+    let config = GemmaConfig::from_hf_json(&json)?;
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    let mut files: Vec<_> = std::fs::read_dir(dir)
+        .map_err(|e| io_err(dir, e))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(io_err(dir, "no .safetensors files"));
+    }
+    for f in files {
+        for (name, t) in candle_core::safetensors::load(&f, &Device::Cpu).map_err(|e| io_err(&f, e))? {
+            // Multimodal checkpoints prefix the text model.
+            let name = name.strip_prefix("language_model.").unwrap_or(&name).to_string();
+            tensors.insert(name, t.to_dtype(DType::F32)?);
+        }
+    }
+    let get = |name: &str| tensors.get(name).cloned().ok_or_else(|| ModelError::MissingTensor(name.into()));
+    let norm = |name: &str| -> Result<Vec<f32>, ModelError> { Ok(get(name)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|w| 1.0 + w).collect()) };
+    let opt_norm = |name: &str| if tensors.contains_key(name) { norm(name).map(Some) } else { Ok(None) };
+    let dense = |name: &str| get(name).map(Linear::Dense);
+
+    let gemma1 = config.architecture == "gemma";
+    let mut layers = Vec::with_capacity(config.num_layers);
+    for i in 0..config.num_layers {
+        let n = |s: &str| format!("model.layers.{i}.{s}");
+        let (post_attn, ffn_norm) = if gemma1 {
+            (None, norm(&n("post_attention_layernorm.weight"))?)
+        } else {
+            (opt_norm(&n("post_attention_layernorm.weight"))?, norm(&n("pre_feedforward_layernorm.weight"))?)
+        };
+        layers.push(Layer {
+            attn_norm: norm(&n("input_layernorm.weight"))?,
+            q: dense(&n("self_attn.q_proj.weight"))?,
+            k: dense(&n("self_attn.k_proj.weight"))?,
+            v: dense(&n("self_attn.v_proj.weight"))?,
+            o: dense(&n("self_attn.o_proj.weight"))?,
+            q_norm: opt_norm(&n("self_attn.q_norm.weight"))?,
+            k_norm: opt_norm(&n("self_attn.k_norm.weight"))?,
+            post_attn_norm: post_attn,
+            ffn_norm,
+            gate: dense(&n("mlp.gate_proj.weight"))?,
+            up: dense(&n("mlp.up_proj.weight"))?,
+            down: dense(&n("mlp.down_proj.weight"))?,
+            post_ffn_norm: opt_norm(&n("post_feedforward_layernorm.weight"))?,
+        });
+    }
+    let emb = get("model.embed_tokens.weight")?;
+    let (rows, cols) = emb.dims2()?;
+    let output = match tensors.get("lm_head.weight") {
+        Some(t) => Linear::Dense(t.clone()),
+        None => Linear::Dense(emb.clone()),
+    };
+    let embedding = Embedding::Dense { rows, cols, data: emb.flatten_all()?.to_vec1()? };
+    let special = (
+        json.get("bos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32),
+        json.get("eos_token_id").and_then(|v| v.as_u64().or_else(|| v.get(0).and_then(|x| x.as_u64()))).map(|v| v as u32),
+        None,
+    );
+    let model = Model::assemble(config, embedding, layers, norm("model.norm.weight")?, output, special);
+    check_shapes(&model)?;
+    Ok(model)
+}
+
+/// Every matrix must agree with the configuration, so a malformed file fails at load, not mid-step.
+fn check_shapes(m: &Model) -> Result<(), ModelError> {
+    let c = &m.config;
+    let (h, qd, kd, f) = (c.hidden_size, c.num_heads * c.head_dim, c.kv_dim(), c.ffn_size);
+    let expect = |what: String, l: &Linear, want: (usize, usize)| {
+        if l.shape() == want {
+            Ok(())
+        } else {
+            Err(ModelError::Shape(format!("{what}: expected {want:?}, found {:?}", l.shape())))
+        }
+    };
+    for (i, l) in m.layers.iter().enumerate() {
+        expect(format!("layer {i} q"), &l.q, (qd, h))?;
+        expect(format!("layer {i} k"), &l.k, (kd, h))?;
+        expect(format!("layer {i} v"), &l.v, (kd, h))?;
+        expect(format!("layer {i} o"), &l.o, (h, qd))?;
+        expect(format!("layer {i} gate"), &l.gate, (f, h))?;
+        expect(format!("layer {i} up"), &l.up, (f, h))?;
+        expect(format!("layer {i} down"), &l.down, (h, f))?;
+        for (name, v, len) in [("attn_norm", Some(&l.attn_norm), h), ("ffn_norm", Some(&l.ffn_norm), h), ("q_norm", l.q_norm.as_ref(), c.head_dim), ("k_norm", l.k_norm.as_ref(), c.head_dim)] {
+            if let Some(v) = v {
+                if v.len() != len {
+                    return Err(ModelError::Shape(format!("layer {i} {name}: expected {len} values, found {}", v.len())));
+                }
+            }
+        }
+    }
+    expect("output".into(), &m.output, (c.vocab_size, h))?;
+    if m.output_norm.len() != h {
+        return Err(ModelError::Shape(format!("output_norm: expected {h} values, found {}", m.output_norm.len())));
+    }
+    Ok(())
+}

@@ -1,0 +1,302 @@
+//! Gemma (1, 2 and 3) as a batched forward pass over paged KV memory.
+//!
+//! Architecture, per layer: RMS norm → Q/K/V projections → (Gemma 3) per-head RMS norm of Q and K
+//! → rotary embedding (a smaller base on sliding-window layers) → attention over the sequence's
+//! own cached tokens (only the last `sliding_window` on local layers; scores soft-capped on
+//! Gemma 2) → output projection → (Gemma 2/3) post-attention norm → residual; then RMS norm →
+//! GELU(gate) × up → down → (Gemma 2/3) post-FFN norm → residual. The token embedding is scaled by
+//! √hidden and, when there is no separate output matrix, tied to the output projection.
+//!
+//! A step's input is a list of [`SeqChunk`]s: each sequence contributes the tokens it feeds this
+//! step (one when decoding, a prompt chunk when prefilling) at its own positions and with its own
+//! block table. Linear layers see all of them as one `[tokens, hidden]` matrix; attention is per
+//! sequence. Logits are computed only for chunks that ask for them.
+
+mod config;
+mod linear;
+mod load;
+pub(crate) mod ops;
+
+pub use config::GemmaConfig;
+pub use linear::{Input, Linear};
+pub use load::{load_gguf, load_safetensors};
+
+use rayon::prelude::*;
+use std::sync::Arc;
+
+use crate::kernels::Q8Matrix;
+use crate::kv::{BlockId, KvStore};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("cannot read model file {path}: {reason}")]
+    Io { path: String, reason: String },
+    #[error("model metadata is missing `{0}`")]
+    MissingMetadata(String),
+    #[error("model is missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("invalid model configuration: {0}")]
+    BadConfig(String),
+    #[error("tensor shape mismatch: {0}")]
+    Shape(String),
+    #[error("tensor backend: {0}")]
+    Candle(#[from] candle_core::Error),
+}
+
+/// The token embedding, kept in its stored format (the 262k-row table is never expanded to f32).
+#[derive(Debug)]
+pub enum Embedding {
+    Q8(Arc<Q8Matrix>),
+    Dense { rows: usize, cols: usize, data: Vec<f32> },
+}
+
+impl Embedding {
+    fn row(&self, id: usize, out: &mut [f32]) {
+        match self {
+            Self::Q8(m) => m.dequantize_row(id, out),
+            Self::Dense { cols, data, .. } => out.copy_from_slice(&data[id * cols..(id + 1) * cols]),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<Vec<f32>>,
+    pub k_norm: Option<Vec<f32>>,
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+    pub post_ffn_norm: Option<Vec<f32>>,
+}
+
+/// Immutable weights; shared by reference with the engine thread.
+#[derive(Debug)]
+pub struct Model {
+    pub config: GemmaConfig,
+    pub embedding: Embedding,
+    pub layers: Vec<Layer>,
+    pub output_norm: Vec<f32>,
+    pub output: Linear,
+    pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub end_of_turn_id: Option<u32>,
+    inv_freq_global: Vec<f32>,
+    inv_freq_local: Vec<f32>,
+}
+
+/// The tokens one sequence feeds in one step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqChunk<'a> {
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; the sequence's cache holds positions `0..start_pos`.
+    pub start_pos: usize,
+    /// Must cover `start_pos + tokens.len()` positions.
+    pub blocks: &'a [BlockId],
+    pub want_logits: bool,
+}
+
+impl Model {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn assemble(
+        config: GemmaConfig,
+        embedding: Embedding,
+        layers: Vec<Layer>,
+        output_norm: Vec<f32>,
+        output: Linear,
+        special: (Option<u32>, Option<u32>, Option<u32>),
+    ) -> Self {
+        let hd = config.head_dim;
+        Self {
+            inv_freq_global: ops::rope_inv_freq(hd, config.rope_base_global, config.rope_scale_global),
+            inv_freq_local: ops::rope_inv_freq(hd, config.rope_base_local, 1.0),
+            config,
+            embedding,
+            layers,
+            output_norm,
+            output,
+            bos_id: special.0,
+            eos_id: special.1,
+            end_of_turn_id: special.2,
+        }
+    }
+
+    /// Bytes of weights held.
+    pub fn weights_bytes(&self) -> usize {
+        let emb = match &self.embedding {
+            Embedding::Q8(m) => m.size_in_bytes(),
+            Embedding::Dense { data, .. } => data.len() * 4,
+        };
+        let tied = matches!((&self.embedding, &self.output), (Embedding::Q8(a), Linear::Q8(b)) if Arc::ptr_eq(a, b));
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|x| x.size_in_bytes()).sum::<usize>())
+            .sum();
+        emb + layers + if tied { 0 } else { self.output.size_in_bytes() }
+    }
+
+    /// Runs one step; returns `vocab_size` logits for each chunk with `want_logits`, in order.
+    pub fn forward(&self, chunks: &[SeqChunk<'_>], kv: &mut KvStore) -> Result<Vec<f32>, ModelError> {
+        let c = &self.config;
+        let (h, hd) = (c.hidden_size, c.head_dim);
+        let n_tok: usize = chunks.iter().map(|s| s.tokens.len()).sum();
+        if n_tok == 0 {
+            return Ok(Vec::new());
+        }
+        // Token rows: which chunk and position each belongs to.
+        let mut pos = Vec::with_capacity(n_tok);
+        for ch in chunks {
+            pos.extend((0..ch.tokens.len()).map(|i| ch.start_pos + i));
+        }
+        let mut x = vec![0f32; n_tok * h];
+        let scale = (h as f32).sqrt();
+        for (row, &t) in x.chunks_exact_mut(h).zip(chunks.iter().flat_map(|ch| ch.tokens)) {
+            if t as usize >= c.vocab_size {
+                return Err(ModelError::Shape(format!("token id {t} outside vocabulary of {}", c.vocab_size)));
+            }
+            self.embedding.row(t as usize, row);
+            row.iter_mut().for_each(|v| *v *= scale);
+        }
+
+        let (mut hbuf, mut q, mut k, mut v, mut o, mut g, mut u, mut d) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut attn = vec![0f32; n_tok * c.num_heads * hd];
+        for (li, layer) in self.layers.iter().enumerate() {
+            let local = c.is_sliding(li);
+            ops::rms_norm_into(&x, &layer.attn_norm, c.rms_eps, &mut hbuf);
+            let input = Input::new(&hbuf, n_tok, h);
+            layer.q.forward(&input, &mut q)?;
+            layer.k.forward(&input, &mut k)?;
+            layer.v.forward(&input, &mut v)?;
+            if let Some(w) = &layer.q_norm {
+                ops::rms_norm_rows(&mut q, w, c.rms_eps);
+            }
+            if let Some(w) = &layer.k_norm {
+                ops::rms_norm_rows(&mut k, w, c.rms_eps);
+            }
+            let inv = if local { &self.inv_freq_local } else { &self.inv_freq_global };
+            let (qd, kd) = (c.num_heads * hd, c.kv_dim());
+            for (t, &p) in pos.iter().enumerate() {
+                ops::rope(&mut q[t * qd..(t + 1) * qd], hd, p, inv);
+                ops::rope(&mut k[t * kd..(t + 1) * kd], hd, p, inv);
+            }
+            // Write this step's K/V first, so attention reads every position from one place.
+            let mut t = 0;
+            for ch in chunks {
+                for i in 0..ch.tokens.len() {
+                    kv.write(li, ch.blocks, ch.start_pos + i, &k[t * kd..(t + 1) * kd], &v[t * kd..(t + 1) * kd]);
+                    t += 1;
+                }
+            }
+            self.attention(li, local, chunks, &q, kv, &mut attn);
+            let input = Input::new(&attn, n_tok, qd);
+            layer.o.forward(&input, &mut o)?;
+            if let Some(w) = &layer.post_attn_norm {
+                ops::rms_norm_rows(&mut o, w, c.rms_eps);
+            }
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+
+            ops::rms_norm_into(&x, &layer.ffn_norm, c.rms_eps, &mut hbuf);
+            let input = Input::new(&hbuf, n_tok, h);
+            layer.gate.forward(&input, &mut g)?;
+            layer.up.forward(&input, &mut u)?;
+            ops::gelu_mul(&mut g, &u);
+            let input = Input::new(&g, n_tok, c.ffn_size);
+            layer.down.forward(&input, &mut d)?;
+            if let Some(w) = &layer.post_ffn_norm {
+                ops::rms_norm_rows(&mut d, w, c.rms_eps);
+            }
+            x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
+        }
+
+        // Only the last row of chunks that sample needs the (expensive) output projection.
+        let mut last = Vec::new();
+        let mut end = 0;
+        for ch in chunks {
+            end += ch.tokens.len();
+            if ch.want_logits {
+                last.extend_from_slice(&x[(end - 1) * h..end * h]);
+            }
+        }
+        let rows = last.len() / h;
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        ops::rms_norm_rows(&mut last, &self.output_norm, c.rms_eps);
+        let mut logits = Vec::new();
+        self.output.forward(&Input::new(&last, rows, h), &mut logits)?;
+        if let Some(cap) = c.final_logit_softcap {
+            ops::softcap(&mut logits, cap);
+        }
+        Ok(logits)
+    }
+
+    /// Causal attention of every chunk's queries over its sequence's cache, into `out`
+    /// (`tokens × heads × head_dim`). Parallel over (chunk, head).
+    fn attention(&self, layer: usize, local: bool, chunks: &[SeqChunk<'_>], q: &[f32], kv: &KvStore, out: &mut [f32]) {
+        let c = &self.config;
+        let (nh, hd) = (c.num_heads, c.head_dim);
+        let group = nh / c.num_kv_heads;
+        let scale = 1.0 / c.query_pre_attn_scalar.sqrt();
+        let window = if local { c.sliding_window } else { None };
+        let mut offsets = Vec::with_capacity(chunks.len());
+        let mut t = 0;
+        for ch in chunks {
+            offsets.push(t);
+            t += ch.tokens.len();
+        }
+        let jobs: Vec<(usize, usize)> = (0..chunks.len()).flat_map(|ci| (0..nh).map(move |hh| (ci, hh))).collect();
+        let results: Vec<Vec<f32>> = jobs
+            .par_iter()
+            .map(|&(ci, head)| {
+                let ch = &chunks[ci];
+                let kvh = head / group;
+                let mut res = vec![0f32; ch.tokens.len() * hd];
+                let mut scores = Vec::new();
+                for i in 0..ch.tokens.len() {
+                    let p = ch.start_pos + i;
+                    let row = offsets[ci] + i;
+                    let qv = &q[(row * nh + head) * hd..(row * nh + head + 1) * hd];
+                    let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
+                    scores.clear();
+                    let mut max = f32::NEG_INFINITY;
+                    for j in lo..=p {
+                        let (kr, _) = kv.read(layer, ch.blocks, j);
+                        let mut s = ops::dot(qv, &kr[kvh * hd..(kvh + 1) * hd]) * scale;
+                        if let Some(cap) = c.attn_logit_softcap {
+                            s = (s / cap).tanh() * cap;
+                        }
+                        max = max.max(s);
+                        scores.push(s);
+                    }
+                    let mut sum = 0.0;
+                    for s in scores.iter_mut() {
+                        *s = (*s - max).exp();
+                        sum += *s;
+                    }
+                    let dst = &mut res[i * hd..(i + 1) * hd];
+                    for (j, s) in (lo..=p).zip(&scores) {
+                        let (_, vr) = kv.read(layer, ch.blocks, j);
+                        ops::axpy(dst, s / sum, &vr[kvh * hd..(kvh + 1) * hd]);
+                    }
+                }
+                res
+            })
+            .collect();
+        for (&(ci, head), res) in jobs.iter().zip(results) {
+            for i in 0..chunks[ci].tokens.len() {
+                let row = offsets[ci] + i;
+                out[(row * nh + head) * hd..(row * nh + head + 1) * hd].copy_from_slice(&res[i * hd..(i + 1) * hd]);
+            }
+        }
+    }
+}

@@ -1,0 +1,121 @@
+//! Element-wise pieces of the forward pass on plain f32 slices: RMS norm, rotary embedding,
+//! GELU, dot products. Written so LLVM vectorizes them (independent accumulators, no bounds
+//! checks in the inner loops).
+
+/// `x * w / rms(x)` over each row of width `w.len()`. Gemma's `(1 + w)` is folded into `w` at load.
+pub fn rms_norm_rows(x: &mut [f32], w: &[f32], eps: f32) {
+    for row in x.chunks_exact_mut(w.len()) {
+        let ms = dot(row, row) / w.len() as f32;
+        let inv = 1.0 / (ms + eps).sqrt();
+        for (v, &g) in row.iter_mut().zip(w) {
+            *v *= inv * g;
+        }
+    }
+}
+
+/// As [`rms_norm_rows`], writing into `out`.
+pub fn rms_norm_into(x: &[f32], w: &[f32], eps: f32, out: &mut Vec<f32>) {
+    out.clear();
+    out.extend_from_slice(x);
+    rms_norm_rows(out, w, eps);
+}
+
+#[inline]
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let (ra, rb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for i in 0..16 {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for (x, y) in ra.iter().zip(rb) {
+        s += x * y;
+    }
+    s
+}
+
+/// `out += w * v`.
+#[inline]
+pub fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
+    for (o, &x) in out.iter_mut().zip(v) {
+        *o += w * x;
+    }
+}
+
+/// GELU (tanh approximation) of `gate`, times `up`, into `gate`.
+pub fn gelu_mul(gate: &mut [f32], up: &[f32]) {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    for (g, &u) in gate.iter_mut().zip(up) {
+        let x = *g;
+        *g = 0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh()) * u;
+    }
+}
+
+/// Inverse frequencies of the rotary embedding for a head of `dim` values.
+pub fn rope_inv_freq(dim: usize, base: f32, scale: f32) -> Vec<f32> {
+    (0..dim / 2)
+        .map(|i| 1.0 / (base.powf(2.0 * i as f32 / dim as f32) * scale))
+        .collect()
+}
+
+/// Rotates each head of `x` (`heads × dim`) by `pos`, rotating the two halves of the head (GPT-NeoX
+/// layout, as Gemma uses).
+pub fn rope(x: &mut [f32], dim: usize, pos: usize, inv_freq: &[f32]) {
+    let half = dim / 2;
+    let (mut cos, mut sin) = ([0f32; 512], [0f32; 512]);
+    for (i, f) in inv_freq.iter().enumerate() {
+        let (s, c) = (pos as f32 * f).sin_cos();
+        cos[i] = c;
+        sin[i] = s;
+    }
+    for head in x.chunks_exact_mut(dim) {
+        let (a, b) = head.split_at_mut(half);
+        for i in 0..half {
+            let (x0, x1) = (a[i], b[i]);
+            a[i] = x0 * cos[i] - x1 * sin[i];
+            b[i] = x0 * sin[i] + x1 * cos[i];
+        }
+    }
+}
+
+pub fn softcap(x: &mut [f32], cap: f32) {
+    for v in x {
+        *v = (*v / cap).tanh() * cap;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rms_norm_gives_unit_rms_with_unit_weights() {
+        let mut x = vec![3.0, -4.0, 0.0, 5.0];
+        rms_norm_rows(&mut x, &[1.0; 4], 0.0);
+        let rms = (dot(&x, &x) / 4.0).sqrt();
+        assert!((rms - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rope_preserves_norm_and_is_identity_at_zero() {
+        let inv = rope_inv_freq(8, 10_000.0, 1.0);
+        let orig: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
+        let mut x = orig.clone();
+        rope(&mut x, 8, 0, &inv);
+        assert_eq!(x, orig);
+        rope(&mut x, 8, 37, &inv);
+        for (h, o) in x.chunks(8).zip(orig.chunks(8)) {
+            assert!((dot(h, h) - dot(o, o)).abs() < 1e-3);
+        }
+    }
+
+    #[test]
+    fn dot_handles_remainders() {
+        let a: Vec<f32> = (0..37).map(|i| i as f32).collect();
+        let want: f32 = a.iter().map(|v| v * v).sum();
+        assert_eq!(dot(&a, &a), want);
+    }
+}

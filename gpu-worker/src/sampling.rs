@@ -1,0 +1,222 @@
+//! Choosing the next token from a row of logits, per request: greedy, temperature, top-k, top-p,
+//! min-p and repetition penalty, with the request's own seeded RNG so a seed reproduces the output.
+
+use hearth_shared::SamplingParams;
+
+/// xoshiro256**: small, fast, and fully determined by its seed.
+#[derive(Clone, Debug)]
+pub struct Rng([u64; 4]);
+
+impl Rng {
+    pub fn seeded(seed: u64) -> Self {
+        // splitmix64 spreads any seed (0 included) over the state.
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            x ^ (x >> 31)
+        };
+        Self([next(), next(), next(), next()])
+    }
+
+    pub fn from_entropy() -> Self {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        Self::seeded(h.finish())
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+
+    /// Uniform in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// A request's sampler: its parameters and RNG.
+#[derive(Clone, Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Self {
+        let rng = params.seed.map_or_else(Rng::from_entropy, Rng::seeded);
+        Self { params, rng }
+    }
+
+    /// Picks a token from `logits` (modified in place); `history` holds the tokens seen so far
+    /// (for the repetition penalty). Returns the token and its log-probability under the model's
+    /// unmodified distribution.
+    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> (u32, f32) {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+        let mut original = Vec::new();
+        let penalty = self.params.repetition_penalty;
+        if penalty != 1.0 {
+            for &t in history {
+                let Some(l) = logits.get_mut(t as usize) else { continue };
+                if original.iter().any(|&(id, _)| id == t) {
+                    continue;
+                }
+                original.push((t, *l));
+                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
+            }
+        }
+        let token = if self.params.is_greedy() { argmax(logits) } else { self.sample_stochastic(logits) };
+        let raw = original.iter().find(|&&(id, _)| id == token).map_or(logits[token as usize], |&(_, l)| l);
+        (token, raw - lse)
+    }
+
+    fn sample_stochastic(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let mut cand: Vec<(f32, u32)> = logits.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect();
+        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
+        if p.top_k > 0 && (p.top_k as usize) < cand.len() {
+            cand.select_nth_unstable_by(p.top_k as usize - 1, desc);
+            cand.truncate(p.top_k as usize);
+        }
+        let max = cand.iter().map(|c| c.0).fold(f32::NEG_INFINITY, f32::max);
+        let inv_t = 1.0 / p.temperature;
+        // Weights relative to the most likely token (which has weight 1).
+        for c in cand.iter_mut() {
+            c.0 = ((c.0 - max) * inv_t).exp();
+        }
+        if p.min_p > 0.0 {
+            cand.retain(|c| c.0 >= p.min_p);
+        }
+        if p.top_p < 1.0 {
+            let total: f32 = cand.iter().map(|c| c.0).sum();
+            let target = p.top_p * total;
+            // Sort only as much of the head as the mass needs: usually a few dozen tokens.
+            let mut m = 64usize;
+            loop {
+                let m_eff = m.min(cand.len());
+                if m_eff < cand.len() {
+                    cand.select_nth_unstable_by(m_eff - 1, |a, b| b.0.total_cmp(&a.0));
+                }
+                cand[..m_eff].sort_unstable_by(|a, b| b.0.total_cmp(&a.0));
+                let mut cum = 0.0;
+                let cut = cand[..m_eff].iter().position(|c| {
+                    cum += c.0;
+                    cum >= target
+                });
+                if let Some(i) = cut {
+                    cand.truncate(i + 1);
+                    break;
+                }
+                if m_eff == cand.len() {
+                    break;
+                }
+                m *= 8;
+            }
+        }
+        let total: f64 = cand.iter().map(|c| c.0 as f64).sum();
+        let mut r = self.rng.next_f64() * total;
+        for c in &cand {
+            r -= c.0 as f64;
+            if r < 0.0 {
+                return c.1;
+            }
+        }
+        cand.last().map_or(0, |c| c.1)
+    }
+}
+
+fn argmax(xs: &[f32]) -> u32 {
+    let mut best = (f32::NEG_INFINITY, 0u32);
+    for (i, &x) in xs.iter().enumerate() {
+        if x > best.0 {
+            best = (x, i as u32);
+        }
+    }
+    best.1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect()
+    }
+
+    #[test]
+    fn greedy_takes_the_argmax_with_its_logprob() {
+        let mut s = Sampler::new(SamplingParams::greedy());
+        let mut l = vec![0.0, 2.0, 1.0];
+        let (t, lp) = s.sample(&mut l, &[]);
+        assert_eq!(t, 1);
+        let want = 2.0 - (1f32 + 2f32.exp() + 1f32.exp()).ln();
+        assert!((lp - want).abs() < 1e-5);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_different_seed_different_tokens() {
+        let params = |seed| SamplingParams { temperature: 1.5, seed: Some(seed), ..Default::default() };
+        let run = |seed| {
+            let mut s = Sampler::new(params(seed));
+            (0..50).map(|_| s.sample(&mut logits(), &[]).0).collect::<Vec<_>>()
+        };
+        assert_eq!(run(42), run(42));
+        assert_ne!(run(42), run(43));
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_k_limits_choices() {
+        let l = logits();
+        let best = argmax(&l);
+        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 1, seed: Some(1), ..Default::default() });
+        assert_eq!(s.sample(&mut l.clone(), &[]).0, best);
+        let mut sorted = l.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        let threshold = sorted[4];
+        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 5, seed: Some(2), ..Default::default() });
+        for _ in 0..200 {
+            let (t, _) = s.sample(&mut l.clone(), &[]);
+            assert!(l[t as usize] >= threshold);
+        }
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        // One dominant token holds > 90% of the mass.
+        let mut l = vec![0.0f32; 100];
+        l[7] = 10.0;
+        for params in [
+            SamplingParams { temperature: 1.0, top_p: 0.9, seed: Some(3), ..Default::default() },
+            SamplingParams { temperature: 1.0, min_p: 0.01, seed: Some(3), ..Default::default() },
+        ] {
+            let mut s = Sampler::new(params);
+            for _ in 0..200 {
+                assert_eq!(s.sample(&mut l.clone(), &[]).0, 7);
+            }
+        }
+    }
+
+    #[test]
+    fn repetition_penalty_steers_greedy_away_from_seen_tokens() {
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() });
+        let mut l = vec![1.0, 3.0, 2.0];
+        let (t, lp) = s.sample(&mut l, &[1]);
+        assert_eq!(t, 2);
+        // The logprob is the model's, before the penalty.
+        let want = 2.0 - (1f32.exp() + 3f32.exp() + 2f32.exp()).ln();
+        assert!((lp - want).abs() < 1e-5);
+    }
+}

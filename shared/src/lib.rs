@@ -1,0 +1,16 @@
+//! Types shared by the Hearth orchestrator and GPU worker.
+//!
+//! # Layout
+//! - [`ids`]: newtypes for request, session and user ids.
+//! - [`sampling`]: per-request sampling parameters and their validation.
+//! - [`finish`]: why a generation ended.
+//! - [`tokenizer`]: a thin wrapper over a `tokenizer.json` with Gemma's special tokens.
+
+pub mod finish;
+pub mod ids;
+pub mod sampling;
+pub mod tokenizer;
+
+pub use finish::FinishReason;
+pub use ids::{RequestId, SessionId, UserId};
+pub use sampling::{SamplingError, SamplingParams};

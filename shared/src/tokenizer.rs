@@ -1,0 +1,58 @@
+//! A thin wrapper over a HuggingFace `tokenizer.json` that knows Gemma's special tokens.
+
+use std::path::Path;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("cannot load tokenizer {path}: {reason} (run scripts/fetch-model.sh to fetch the default one)")]
+    Load { path: String, reason: String },
+    #[error("tokenizer has no token {0:?}")]
+    MissingToken(&'static str),
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+}
+
+/// Gemma's tokenizer with the ids of the tokens the engine must know.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    pub bos_id: u32,
+    pub eos_id: u32,
+    pub end_of_turn_id: u32,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.inner.get_vocab_size(true))
+            .field("bos_id", &self.bos_id)
+            .field("eos_id", &self.eos_id)
+            .field("end_of_turn_id", &self.end_of_turn_id)
+            .finish()
+    }
+}
+
+impl Tokenizer {
+    pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        let load_err = |reason: String| TokenizerError::Load { path: path.display().to_string(), reason };
+        if !path.is_file() {
+            return Err(load_err("file not found".into()));
+        }
+        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| load_err(e.to_string()))?;
+        let id = |tok: &'static str| inner.token_to_id(tok).ok_or(TokenizerError::MissingToken(tok));
+        Ok(Self { bos_id: id("<bos>")?, eos_id: id("<eos>")?, end_of_turn_id: id("<end_of_turn>")?, inner })
+    }
+
+    /// Token ids for `text`, without adding BOS (the chat template adds it once).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner.decode(ids, true).map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+}
