@@ -110,8 +110,9 @@ fn values(spec: &TinySpec, name: &str, rows: usize, cols: usize, kind: Kind) -> 
     let seed = name_seed(spec.seed, name);
     match kind {
         Kind::Norm => noise(cols, seed, 0.2),
-        // Embeddings of unit-ish size; other matrices scaled by fan-in so activations stay O(1).
-        Kind::Matrix(_) if name == "token_embd.weight" => noise(rows * cols, seed, 1.0),
+        // Small embeddings keep the tied output logits spread out (a random model with large ones
+        // predicts one token everywhere); other matrices scaled by fan-in so activations stay O(1).
+        Kind::Matrix(_) if name == "token_embd.weight" => noise(rows * cols, seed, 0.15),
         Kind::Matrix(_) => noise(rows * cols, seed, (3.0 / cols as f32).sqrt()),
     }
 }

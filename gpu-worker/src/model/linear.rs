@@ -73,9 +73,18 @@ impl Linear {
         match self {
             Self::Q8(m) => kernels::matmul_q8(m, input.q8(), out),
             Self::Candle { mm, .. } => {
-                let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
+                // candle takes a different kernel for one row than for several (for Q6_K), which
+                // would make a sequence's output depend on the batch it is in. A single row is
+                // padded to two so every call takes the same path.
+                let x = if input.rows == 1 {
+                    let mut padded = input.x.to_vec();
+                    padded.extend_from_slice(input.x);
+                    Tensor::from_vec(padded, (2, cols), &Device::Cpu)?
+                } else {
+                    Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?
+                };
                 let y = mm.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
-                out.copy_from_slice(&y);
+                out.copy_from_slice(&y[..input.rows * rows]);
             }
             Self::Dense(w) => {
                 let x = Tensor::from_slice(input.x, (input.rows, cols), &Device::Cpu)?;
