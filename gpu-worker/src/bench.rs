@@ -1,1 +1,209 @@
-//! `hearth-worker bench` (filled in below).
+//! `hearth-worker bench`: load time, memory, prefill, single-stream and batched decode, and
+//! multi-turn time to first token with and without session reuse. Prints one JSON document.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_shared::SessionId;
+use serde_json::{json, Value};
+
+use crate::engine::{Engine, EngineConfig, EngineEvent, EngineHandle, EventStream, GenerateRequest};
+use crate::model::{load_gguf, Model};
+
+/// Options of a benchmark run.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    pub model: PathBuf,
+    pub prefill_tokens: usize,
+    pub decode_tokens: u32,
+    pub concurrency: Vec<usize>,
+    pub batch_tokens: u32,
+    pub sessions: Vec<usize>,
+    pub turns: usize,
+    pub turn_tokens: usize,
+    pub reply_tokens: u32,
+    pub kv_budget_bytes: usize,
+}
+
+/// Resident set size of this process, in bytes.
+pub fn rss_bytes() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok()))
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Deterministic "ordinary" token ids (clear of the special tokens at the start of the vocabulary).
+fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (1000 + s % (vocab as u64 / 2)) as u32
+        })
+        .collect()
+}
+
+struct Run {
+    tokens: Vec<u32>,
+    ttft: Duration,
+    total: Duration,
+    cached: usize,
+}
+
+fn run(rx: EventStream, start: Instant) -> Run {
+    let mut rx = rx;
+    let mut out = Run { tokens: Vec::new(), ttft: Duration::ZERO, total: Duration::ZERO, cached: 0 };
+    while let Some(e) = rx.blocking_recv() {
+        match e {
+            EngineEvent::Started { cached_tokens, .. } => out.cached = cached_tokens,
+            EngineEvent::Token { id, .. } => {
+                if out.tokens.is_empty() {
+                    out.ttft = start.elapsed();
+                }
+                out.tokens.push(id);
+            }
+            EngineEvent::Finished { .. } | EngineEvent::Error(_) => break,
+        }
+    }
+    out.total = start.elapsed();
+    out
+}
+
+/// A request that never stops early: its only stop token is one the model will not produce.
+fn req(h: &EngineHandle, id: u64, prompt: Vec<u32>, n: u32, session: Option<String>) -> GenerateRequest {
+    let mut r = GenerateRequest::new(id, prompt, n);
+    r.stop_token_ids = vec![h.model_info().vocab_size as u32 - 1];
+    r.session = session.map(SessionId::new);
+    r
+}
+
+fn percentile(xs: &mut [f64], p: f64) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    xs[((xs.len() - 1) as f64 * p).round() as usize]
+}
+
+fn progress(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
+pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
+    let rss_before = rss_bytes();
+    let t = Instant::now();
+    let model: Arc<Model> = Arc::new(load_gguf(&o.model)?);
+    let load_s = t.elapsed().as_secs_f64();
+    let rss_loaded = rss_bytes();
+    progress(&format!("loaded {} in {load_s:.2}s, rss {} MB", o.model.display(), rss_loaded >> 20));
+    let vocab = model.config.vocab_size;
+    let engine = Engine::start(model.clone(), EngineConfig { kv_budget_bytes: o.kv_budget_bytes, ..Default::default() })?;
+    let h = engine.handle();
+    let mut id = 0u64;
+    let mut next = || {
+        id += 1;
+        id
+    };
+
+    // Warm-up: first touches of weights and thread pools.
+    run(h.submit(req(&h, next(), tokens(32, 1, vocab), 4, None))?, Instant::now());
+
+    let t = Instant::now();
+    let r = run(h.submit(req(&h, next(), tokens(o.prefill_tokens, 2, vocab), 1, None))?, t);
+    let prefill_tok_s = o.prefill_tokens as f64 / r.ttft.as_secs_f64();
+    progress(&format!("prefill {} tokens: {prefill_tok_s:.0} tok/s", o.prefill_tokens));
+
+    let t = Instant::now();
+    let r = run(h.submit(req(&h, next(), tokens(16, 3, vocab), o.decode_tokens, None))?, t);
+    let decode_tok_s = (r.tokens.len() - 1) as f64 / (r.total - r.ttft).as_secs_f64();
+    progress(&format!("single-stream decode: {decode_tok_s:.1} tok/s"));
+
+    let mut batched = Vec::new();
+    for &n in &o.concurrency {
+        let t = Instant::now();
+        let streams: Vec<_> = (0..n)
+            .map(|i| h.submit(req(&h, next(), tokens(16, 100 + i as u64, vocab), o.batch_tokens, None)))
+            .collect::<Result<_, _>>()?;
+        let runs: Vec<_> = streams.into_iter().map(|s| run(s, t)).collect();
+        let wall = t.elapsed().as_secs_f64();
+        let generated: usize = runs.iter().map(|r| r.tokens.len()).sum();
+        let last_first = runs.iter().map(|r| r.ttft).max().unwrap_or_default().as_secs_f64();
+        let agg = generated as f64 / wall;
+        progress(&format!("{n} concurrent: {agg:.1} tok/s aggregate"));
+        batched.push(json!({
+            "concurrency": n,
+            "generated_tokens": generated,
+            "wall_s": wall,
+            "aggregate_tok_s": agg,
+            "decode_phase_tok_s": (generated - n) as f64 / (wall - last_first).max(1e-9),
+        }));
+    }
+
+    let mut multi = Vec::new();
+    for &sessions in &o.sessions {
+        progress(&format!("multi-turn: {sessions} sessions x {} turns, reuse on", o.turns));
+        let mut history: Vec<Vec<u32>> = vec![Vec::new(); sessions];
+        let mut last_turn_prompts = Vec::new();
+        let (mut ttft_by_turn, mut cached_last) = (vec![Vec::new(); o.turns], Vec::new());
+        for turn in 0..o.turns {
+            for (s, hist) in history.iter_mut().enumerate() {
+                hist.extend(tokens(o.turn_tokens, (s * 1000 + turn) as u64, vocab));
+                if turn + 1 == o.turns {
+                    last_turn_prompts.push(hist.clone());
+                }
+                let t = Instant::now();
+                let session = format!("bench-{sessions}-{s}");
+                let r = run(h.submit(req(&h, next(), hist.clone(), o.reply_tokens, Some(session)))?, t);
+                ttft_by_turn[turn].push(r.ttft.as_secs_f64() * 1e3);
+                if turn + 1 == o.turns {
+                    cached_last.push(r.cached as f64 / hist.len() as f64);
+                }
+                hist.extend(&r.tokens);
+            }
+        }
+        // Without reuse the turn's whole history is prefilled; the cost does not depend on how
+        // many sessions exist, so a few suffice.
+        progress("multi-turn: reuse off");
+        let mut cold = Vec::new();
+        for p in last_turn_prompts.iter().take(4) {
+            let t = Instant::now();
+            cold.push(run(h.submit(req(&h, next(), p.clone(), 1, None))?, t).ttft.as_secs_f64() * 1e3);
+        }
+        let last = &mut ttft_by_turn[o.turns - 1];
+        let prompt_len = last_turn_prompts.iter().map(Vec::len).sum::<usize>() / last_turn_prompts.len().max(1);
+        multi.push(json!({
+            "sessions": sessions,
+            "turns": o.turns,
+            "last_turn_prompt_tokens": prompt_len,
+            "last_turn_cached_ratio": cached_last.iter().sum::<f64>() / cached_last.len().max(1) as f64,
+            "last_turn_ttft_ms_reuse_on": { "p50": percentile(last, 0.5), "p95": percentile(last, 0.95), "max": percentile(last, 1.0) },
+            "last_turn_ttft_ms_reuse_off": { "p50": percentile(&mut cold, 0.5), "max": percentile(&mut cold, 1.0) },
+            "ttft_ms_p50_by_turn_reuse_on": ttft_by_turn.iter_mut().map(|v| percentile(v, 0.5)).collect::<Vec<_>>(),
+            "session_evictions": h.stats().session_evictions,
+        }));
+    }
+
+    let stats = h.stats();
+    drop(engine);
+    Ok(json!({
+        "model": o.model.display().to_string(),
+        "architecture": model.config.architecture,
+        "kernel_isa": format!("{:?}", crate::kernels::detect_isa()),
+        "compiled_with_avx512": cfg!(target_feature = "avx512f"),
+        "compiled_with_avx2": cfg!(target_feature = "avx2"),
+        "threads": rayon::current_num_threads(),
+        "load_s": load_s,
+        "rss_mb_before_load": rss_before >> 20,
+        "rss_mb_loaded_idle": rss_loaded >> 20,
+        "weights_mb": model.weights_bytes() >> 20,
+        "prefill": { "prompt_tokens": o.prefill_tokens, "tok_s": prefill_tok_s },
+        "decode_single_stream_tok_s": decode_tok_s,
+        "batched_decode": batched,
+        "multi_turn": multi,
+        "engine": { "kv_blocks_total": stats.kv_blocks_total, "preemptions": stats.preemptions },
+    }))
+}

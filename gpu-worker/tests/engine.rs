@@ -212,3 +212,37 @@ fn one_user_with_many_requests_does_not_starve_another() {
     // takes the slot freed by the first heavy request, long before the heavy queue drains.
     assert!(light_done < all_done.mul_f32(0.6), "light {light_done:?} vs all {all_done:?}");
 }
+
+#[test]
+fn safetensors_and_gguf_checkpoints_of_the_same_weights_agree() {
+    use hearth_worker::fixtures::{write_tiny_gguf, write_tiny_safetensors, TinySpec};
+    use hearth_worker::model::{load_gguf, load_safetensors};
+    let spec = TinySpec { quantized: false, ..TinySpec::default() };
+    let dir = temp_dir("st");
+    write_tiny_safetensors(&dir.join("ckpt"), &spec).unwrap();
+    write_tiny_gguf(&dir.join("f32.gguf"), &spec).unwrap();
+    let st = std::sync::Arc::new(load_safetensors(&dir.join("ckpt")).unwrap());
+    let gg = std::sync::Arc::new(load_gguf(&dir.join("f32.gguf")).unwrap());
+    assert_eq!(st.config.num_layers, gg.config.num_layers);
+    assert_eq!(st.config.sliding_window, gg.config.sliding_window);
+    let p = prompt(30, 5, VOCAB);
+    let a = collect(engine(st, EngineConfig::default()).handle().submit(greedy(1, p.clone(), 16)).unwrap());
+    let b = collect(engine(gg, EngineConfig::default()).handle().submit(greedy(2, p, 16)).unwrap());
+    assert_eq!(a.tokens, b.tokens);
+    for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
+        assert!((x - y).abs() < 1e-3, "{x} vs {y}");
+    }
+}
+
+#[test]
+fn missing_or_corrupt_model_files_are_clear_errors() {
+    use hearth_worker::model::{load_gguf, load_safetensors};
+    let dir = temp_dir("bad");
+    let err = load_gguf(&dir.join("nope.gguf")).unwrap_err().to_string();
+    assert!(err.contains("nope.gguf"), "{err}");
+    std::fs::write(dir.join("junk.gguf"), b"definitely not gguf").unwrap();
+    let err = load_gguf(&dir.join("junk.gguf")).unwrap_err().to_string();
+    assert!(err.contains("junk.gguf") && err.contains("GGUF"), "{err}");
+    let err = load_safetensors(&dir).unwrap_err().to_string();
+    assert!(err.contains("config.json"), "{err}");
+}
