@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use hearth_shared::SessionId;
 use serde_json::{json, Value};
 
-use crate::engine::{Engine, EngineConfig, EngineEvent, EngineHandle, EventStream, GenerateRequest};
+use crate::engine::{
+    Engine, EngineConfig, EngineEvent, EngineHandle, EventStream, GenerateRequest,
+};
 use crate::model::{load_gguf, Model};
 
 /// Options of a benchmark run.
@@ -30,7 +32,11 @@ pub struct BenchOptions {
 pub fn rss_bytes() -> usize {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmRSS:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmRSS:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
+        })
         .map_or(0, |kb| kb * 1024)
 }
 
@@ -56,7 +62,12 @@ struct Run {
 
 fn run(rx: EventStream, start: Instant) -> Run {
     let mut rx = rx;
-    let mut out = Run { tokens: Vec::new(), ttft: Duration::ZERO, total: Duration::ZERO, cached: 0 };
+    let mut out = Run {
+        tokens: Vec::new(),
+        ttft: Duration::ZERO,
+        total: Duration::ZERO,
+        cached: 0,
+    };
     while let Some(e) = rx.blocking_recv() {
         match e {
             EngineEvent::Started { cached_tokens, .. } => out.cached = cached_tokens,
@@ -74,7 +85,13 @@ fn run(rx: EventStream, start: Instant) -> Run {
 }
 
 /// A request that never stops early: its only stop token is one the model will not produce.
-fn req(h: &EngineHandle, id: u64, prompt: Vec<u32>, n: u32, session: Option<String>) -> GenerateRequest {
+fn req(
+    h: &EngineHandle,
+    id: u64,
+    prompt: Vec<u32>,
+    n: u32,
+    session: Option<String>,
+) -> GenerateRequest {
     let mut r = GenerateRequest::new(id, prompt, n);
     r.stop_token_ids = vec![h.model_info().vocab_size as u32 - 1];
     r.session = session.map(SessionId::new);
@@ -99,9 +116,19 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
     let model: Arc<Model> = Arc::new(load_gguf(&o.model)?);
     let load_s = t.elapsed().as_secs_f64();
     let rss_loaded = rss_bytes();
-    progress(&format!("loaded {} in {load_s:.2}s, rss {} MB", o.model.display(), rss_loaded >> 20));
+    progress(&format!(
+        "loaded {} in {load_s:.2}s, rss {} MB",
+        o.model.display(),
+        rss_loaded >> 20
+    ));
     let vocab = model.config.vocab_size;
-    let engine = Engine::start(model.clone(), EngineConfig { kv_budget_bytes: o.kv_budget_bytes, ..Default::default() })?;
+    let engine = Engine::start(
+        model.clone(),
+        EngineConfig {
+            kv_budget_bytes: o.kv_budget_bytes,
+            ..Default::default()
+        },
+    )?;
     let h = engine.handle();
     let mut id = 0u64;
     let mut next = || {
@@ -110,15 +137,27 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
     };
 
     // Warm-up: first touches of weights and thread pools.
-    run(h.submit(req(&h, next(), tokens(32, 1, vocab), 4, None))?, Instant::now());
+    run(
+        h.submit(req(&h, next(), tokens(32, 1, vocab), 4, None))?,
+        Instant::now(),
+    );
 
     let t = Instant::now();
-    let r = run(h.submit(req(&h, next(), tokens(o.prefill_tokens, 2, vocab), 1, None))?, t);
+    let r = run(
+        h.submit(req(&h, next(), tokens(o.prefill_tokens, 2, vocab), 1, None))?,
+        t,
+    );
     let prefill_tok_s = o.prefill_tokens as f64 / r.ttft.as_secs_f64();
-    progress(&format!("prefill {} tokens: {prefill_tok_s:.0} tok/s", o.prefill_tokens));
+    progress(&format!(
+        "prefill {} tokens: {prefill_tok_s:.0} tok/s",
+        o.prefill_tokens
+    ));
 
     let t = Instant::now();
-    let r = run(h.submit(req(&h, next(), tokens(16, 3, vocab), o.decode_tokens, None))?, t);
+    let r = run(
+        h.submit(req(&h, next(), tokens(16, 3, vocab), o.decode_tokens, None))?,
+        t,
+    );
     let decode_tok_s = (r.tokens.len() - 1) as f64 / (r.total - r.ttft).as_secs_f64();
     progress(&format!("single-stream decode: {decode_tok_s:.1} tok/s"));
 
@@ -126,12 +165,25 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
     for &n in &o.concurrency {
         let t = Instant::now();
         let streams: Vec<_> = (0..n)
-            .map(|i| h.submit(req(&h, next(), tokens(16, 100 + i as u64, vocab), o.batch_tokens, None)))
+            .map(|i| {
+                h.submit(req(
+                    &h,
+                    next(),
+                    tokens(16, 100 + i as u64, vocab),
+                    o.batch_tokens,
+                    None,
+                ))
+            })
             .collect::<Result<_, _>>()?;
         let runs: Vec<_> = streams.into_iter().map(|s| run(s, t)).collect();
         let wall = t.elapsed().as_secs_f64();
         let generated: usize = runs.iter().map(|r| r.tokens.len()).sum();
-        let last_first = runs.iter().map(|r| r.ttft).max().unwrap_or_default().as_secs_f64();
+        let last_first = runs
+            .iter()
+            .map(|r| r.ttft)
+            .max()
+            .unwrap_or_default()
+            .as_secs_f64();
         let agg = generated as f64 / wall;
         progress(&format!("{n} concurrent: {agg:.1} tok/s aggregate"));
         batched.push(json!({
@@ -145,11 +197,14 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
 
     let mut multi = Vec::new();
     for &sessions in &o.sessions {
-        progress(&format!("multi-turn: {sessions} sessions x {} turns, reuse on", o.turns));
+        progress(&format!(
+            "multi-turn: {sessions} sessions x {} turns, reuse on",
+            o.turns
+        ));
         let mut history: Vec<Vec<u32>> = vec![Vec::new(); sessions];
         let mut last_turn_prompts = Vec::new();
         let (mut ttft_by_turn, mut cached_last) = (vec![Vec::new(); o.turns], Vec::new());
-        for turn in 0..o.turns {
+        for (turn, turn_ttfts) in ttft_by_turn.iter_mut().enumerate() {
             for (s, hist) in history.iter_mut().enumerate() {
                 hist.extend(tokens(o.turn_tokens, (s * 1000 + turn) as u64, vocab));
                 if turn + 1 == o.turns {
@@ -157,8 +212,11 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
                 }
                 let t = Instant::now();
                 let session = format!("bench-{sessions}-{s}");
-                let r = run(h.submit(req(&h, next(), hist.clone(), o.reply_tokens, Some(session)))?, t);
-                ttft_by_turn[turn].push(r.ttft.as_secs_f64() * 1e3);
+                let r = run(
+                    h.submit(req(&h, next(), hist.clone(), o.reply_tokens, Some(session)))?,
+                    t,
+                );
+                turn_ttfts.push(r.ttft.as_secs_f64() * 1e3);
                 if turn + 1 == o.turns {
                     cached_last.push(r.cached as f64 / hist.len() as f64);
                 }
@@ -171,10 +229,16 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
         let mut cold = Vec::new();
         for p in last_turn_prompts.iter().take(4) {
             let t = Instant::now();
-            cold.push(run(h.submit(req(&h, next(), p.clone(), 1, None))?, t).ttft.as_secs_f64() * 1e3);
+            cold.push(
+                run(h.submit(req(&h, next(), p.clone(), 1, None))?, t)
+                    .ttft
+                    .as_secs_f64()
+                    * 1e3,
+            );
         }
         let last = &mut ttft_by_turn[o.turns - 1];
-        let prompt_len = last_turn_prompts.iter().map(Vec::len).sum::<usize>() / last_turn_prompts.len().max(1);
+        let prompt_len =
+            last_turn_prompts.iter().map(Vec::len).sum::<usize>() / last_turn_prompts.len().max(1);
         multi.push(json!({
             "sessions": sessions,
             "turns": o.turns,

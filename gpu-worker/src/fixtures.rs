@@ -66,7 +66,9 @@ fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 fn name_seed(seed: u64, name: &str) -> u64 {
-    name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3))
+    name.bytes().fold(seed ^ 0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// One tensor of the model in HF orientation: `(gguf name, hf name, rows, cols, kind)`.
@@ -77,29 +79,124 @@ enum Kind {
 }
 
 fn tensors(spec: &TinySpec) -> Vec<(String, String, usize, usize, Kind)> {
-    let (h, q, kv, f) = (spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim, spec.ffn);
+    let (h, q, kv, f) = (
+        spec.hidden,
+        spec.heads * spec.head_dim,
+        spec.kv_heads * spec.head_dim,
+        spec.ffn,
+    );
     let qt = |t| if spec.quantized { t } else { GgmlDType::F32 };
     let mut v = vec![
-        ("token_embd.weight".into(), "model.embed_tokens.weight".into(), spec.vocab, h, Kind::Matrix(qt(GgmlDType::Q8_0))),
-        ("output_norm.weight".into(), "model.norm.weight".into(), 1, h, Kind::Norm),
+        (
+            "token_embd.weight".into(),
+            "model.embed_tokens.weight".into(),
+            spec.vocab,
+            h,
+            Kind::Matrix(qt(GgmlDType::Q8_0)),
+        ),
+        (
+            "output_norm.weight".into(),
+            "model.norm.weight".into(),
+            1,
+            h,
+            Kind::Norm,
+        ),
     ];
     for i in 0..spec.layers {
         let g = |s: &str| format!("blk.{i}.{s}");
         let hf = |s: &str| format!("model.layers.{i}.{s}");
         v.extend([
-            (g("attn_norm.weight"), hf("input_layernorm.weight"), 1, h, Kind::Norm),
-            (g("attn_q.weight"), hf("self_attn.q_proj.weight"), q, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
-            (g("attn_k.weight"), hf("self_attn.k_proj.weight"), kv, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
-            (g("attn_v.weight"), hf("self_attn.v_proj.weight"), kv, h, Kind::Matrix(qt(GgmlDType::Q8_0))),
-            (g("attn_output.weight"), hf("self_attn.o_proj.weight"), h, q, Kind::Matrix(qt(GgmlDType::Q4K))),
-            (g("attn_q_norm.weight"), hf("self_attn.q_norm.weight"), 1, spec.head_dim, Kind::Norm),
-            (g("attn_k_norm.weight"), hf("self_attn.k_norm.weight"), 1, spec.head_dim, Kind::Norm),
-            (g("post_attention_norm.weight"), hf("post_attention_layernorm.weight"), 1, h, Kind::Norm),
-            (g("ffn_norm.weight"), hf("pre_feedforward_layernorm.weight"), 1, h, Kind::Norm),
-            (g("ffn_gate.weight"), hf("mlp.gate_proj.weight"), f, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
-            (g("ffn_up.weight"), hf("mlp.up_proj.weight"), f, h, Kind::Matrix(qt(GgmlDType::Q5_0))),
-            (g("ffn_down.weight"), hf("mlp.down_proj.weight"), h, f, Kind::Matrix(qt(GgmlDType::Q6K))),
-            (g("post_ffw_norm.weight"), hf("post_feedforward_layernorm.weight"), 1, h, Kind::Norm),
+            (
+                g("attn_norm.weight"),
+                hf("input_layernorm.weight"),
+                1,
+                h,
+                Kind::Norm,
+            ),
+            (
+                g("attn_q.weight"),
+                hf("self_attn.q_proj.weight"),
+                q,
+                h,
+                Kind::Matrix(qt(GgmlDType::Q5_0)),
+            ),
+            (
+                g("attn_k.weight"),
+                hf("self_attn.k_proj.weight"),
+                kv,
+                h,
+                Kind::Matrix(qt(GgmlDType::Q5_0)),
+            ),
+            (
+                g("attn_v.weight"),
+                hf("self_attn.v_proj.weight"),
+                kv,
+                h,
+                Kind::Matrix(qt(GgmlDType::Q8_0)),
+            ),
+            (
+                g("attn_output.weight"),
+                hf("self_attn.o_proj.weight"),
+                h,
+                q,
+                Kind::Matrix(qt(GgmlDType::Q4K)),
+            ),
+            (
+                g("attn_q_norm.weight"),
+                hf("self_attn.q_norm.weight"),
+                1,
+                spec.head_dim,
+                Kind::Norm,
+            ),
+            (
+                g("attn_k_norm.weight"),
+                hf("self_attn.k_norm.weight"),
+                1,
+                spec.head_dim,
+                Kind::Norm,
+            ),
+            (
+                g("post_attention_norm.weight"),
+                hf("post_attention_layernorm.weight"),
+                1,
+                h,
+                Kind::Norm,
+            ),
+            (
+                g("ffn_norm.weight"),
+                hf("pre_feedforward_layernorm.weight"),
+                1,
+                h,
+                Kind::Norm,
+            ),
+            (
+                g("ffn_gate.weight"),
+                hf("mlp.gate_proj.weight"),
+                f,
+                h,
+                Kind::Matrix(qt(GgmlDType::Q5_0)),
+            ),
+            (
+                g("ffn_up.weight"),
+                hf("mlp.up_proj.weight"),
+                f,
+                h,
+                Kind::Matrix(qt(GgmlDType::Q5_0)),
+            ),
+            (
+                g("ffn_down.weight"),
+                hf("mlp.down_proj.weight"),
+                h,
+                f,
+                Kind::Matrix(qt(GgmlDType::Q6K)),
+            ),
+            (
+                g("post_ffw_norm.weight"),
+                hf("post_feedforward_layernorm.weight"),
+                1,
+                h,
+                Kind::Norm,
+            ),
         ]);
     }
     v
@@ -124,8 +221,13 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
     for (gname, _, rows, cols, kind) in tensors(spec) {
         let vals = values(spec, &gname, rows, cols, kind);
         let qt = match kind {
-            Kind::Norm => QTensor::quantize(&Tensor::from_vec(vals.iter().map(|w| 1.0 + w).collect::<Vec<_>>(), cols, &dev)?, GgmlDType::F32)?,
-            Kind::Matrix(dt) => QTensor::quantize(&Tensor::from_vec(vals, (rows, cols), &dev)?, dt)?,
+            Kind::Norm => QTensor::quantize(
+                &Tensor::from_vec(vals.iter().map(|w| 1.0 + w).collect::<Vec<_>>(), cols, &dev)?,
+                GgmlDType::F32,
+            )?,
+            Kind::Matrix(dt) => {
+                QTensor::quantize(&Tensor::from_vec(vals, (rows, cols), &dev)?, dt)?
+            }
         };
         qtensors.push((gname, qt));
     }
@@ -155,7 +257,10 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
         ("gemma3.rope.freq_base", Value::F32(1_000_000.0)),
         ("gemma3.attention.sliding_window", u(spec.sliding_window)),
-        ("gemma3.attention.sliding_window_pattern", u(spec.sliding_window_pattern)),
+        (
+            "gemma3.attention.sliding_window_pattern",
+            u(spec.sliding_window_pattern),
+        ),
         ("tokenizer.ggml.model", Value::String("llama".into())),
         ("tokenizer.ggml.tokens", Value::Array(tokens)),
         ("tokenizer.ggml.bos_token_id", Value::U32(BOS)),
@@ -201,6 +306,9 @@ pub fn write_tiny_safetensors(dir: &Path, spec: &TinySpec) -> candle_core::Resul
         "bos_token_id": BOS,
         "eos_token_id": EOS,
     });
-    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config).map_err(candle_core::Error::wrap)?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_vec_pretty(&config).map_err(candle_core::Error::wrap)?,
+    )?;
     Ok(())
 }

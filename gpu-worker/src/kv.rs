@@ -19,7 +19,10 @@ pub struct BlockAllocator {
 impl BlockAllocator {
     pub fn new(total: usize) -> Self {
         // Pop from the end: low ids first, which keeps touched memory compact.
-        Self { total, free: (0..total as BlockId).rev().collect() }
+        Self {
+            total,
+            free: (0..total as BlockId).rev().collect(),
+        }
     }
 
     pub fn total(&self) -> usize {

@@ -10,7 +10,11 @@ use clap::{Parser, Subcommand};
 use hearth_worker::bench::{run_bench, BenchOptions};
 
 #[derive(Parser, Debug)]
-#[command(name = "hearth-worker", version, about = "Hearth GPU worker: Gemma inference engine")]
+#[command(
+    name = "hearth-worker",
+    version,
+    about = "Hearth GPU worker: Gemma inference engine"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -19,7 +23,9 @@ struct Cli {
 fn default_models_dir() -> PathBuf {
     std::env::var_os("HEARTH_MODELS_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/hearth/models"))
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/hearth/models")
+        })
 }
 
 #[derive(Subcommand, Debug)]
@@ -69,13 +75,26 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
     let models = default_models_dir();
     match cli.command {
-        Command::Bench { model, prefill_tokens, decode_tokens, concurrency, batch_tokens, sessions, turns, turn_tokens, reply_tokens, kv_budget_mb } => {
+        Command::Bench {
+            model,
+            prefill_tokens,
+            decode_tokens,
+            concurrency,
+            batch_tokens,
+            sessions,
+            turns,
+            turn_tokens,
+            reply_tokens,
+            kv_budget_mb,
+        } => {
             let model = model.unwrap_or_else(|| models.join(repl::DEFAULT_MODEL));
             repl::require_file(&model)?;
             let report = run_bench(&BenchOptions {
@@ -96,7 +115,12 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Command::Chat { model, tokenizer, max_new_tokens, temperature } => repl::chat(
+        Command::Chat {
+            model,
+            tokenizer,
+            max_new_tokens,
+            temperature,
+        } => repl::chat(
             &model.unwrap_or_else(|| models.join(repl::DEFAULT_MODEL)),
             &tokenizer.unwrap_or_else(|| models.join(repl::DEFAULT_TOKENIZER)),
             max_new_tokens,

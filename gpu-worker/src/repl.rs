@@ -23,14 +23,28 @@ pub fn require_file(path: &Path) -> anyhow::Result<()> {
     }
 }
 
-pub fn chat(model: &Path, tokenizer: &Path, max_new_tokens: u32, temperature: f32) -> anyhow::Result<()> {
+pub fn chat(
+    model: &Path,
+    tokenizer: &Path,
+    max_new_tokens: u32,
+    temperature: f32,
+) -> anyhow::Result<()> {
     require_file(model)?;
     require_file(tokenizer)?;
     let tok = Tokenizer::from_file(tokenizer)?;
     let model = Arc::new(load_gguf(model)?);
-    let engine = Engine::start(model, EngineConfig { kv_budget_bytes: 512 << 20, ..Default::default() })?;
+    let engine = Engine::start(
+        model,
+        EngineConfig {
+            kv_budget_bytes: 512 << 20,
+            ..Default::default()
+        },
+    )?;
     let h = engine.handle();
-    let params = SamplingParams { temperature, ..Default::default() };
+    let params = SamplingParams {
+        temperature,
+        ..Default::default()
+    };
     params.validate()?;
     let mut history: Vec<u32> = vec![tok.bos_id];
     let stdin = std::io::stdin();
@@ -41,7 +55,9 @@ pub fn chat(model: &Path, tokenizer: &Path, max_new_tokens: u32, temperature: f3
         if line.trim().is_empty() {
             continue;
         }
-        history.extend(tok.encode(&format!("<start_of_turn>user\n{line}<end_of_turn>\n<start_of_turn>model\n"))?);
+        history.extend(tok.encode(&format!(
+            "<start_of_turn>user\n{line}<end_of_turn>\n<start_of_turn>model\n"
+        ))?);
         let mut req = GenerateRequest::new(turn as u64, history.clone(), max_new_tokens);
         req.session = Some(SessionId::from("terminal"));
         req.params = params.clone();
@@ -60,7 +76,12 @@ pub fn chat(model: &Path, tokenizer: &Path, max_new_tokens: u32, temperature: f3
                         out.flush()?;
                     }
                 }
-                EngineEvent::Finished { cached_tokens, completion_tokens, timings, .. } => {
+                EngineEvent::Finished {
+                    cached_tokens,
+                    completion_tokens,
+                    timings,
+                    ..
+                } => {
                     println!("\n[{completion_tokens} tokens, {cached_tokens} prompt tokens from cache, first token after {:.0} ms]", timings.time_to_first_token_ms);
                     break;
                 }

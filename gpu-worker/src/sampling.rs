@@ -24,7 +24,11 @@ impl Rng {
     pub fn from_entropy() -> Self {
         use std::hash::{BuildHasher, Hasher};
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
         Self::seeded(h.finish())
     }
 
@@ -70,7 +74,9 @@ impl Sampler {
         let penalty = self.params.repetition_penalty;
         if penalty != 1.0 {
             for &t in history {
-                let Some(l) = logits.get_mut(t as usize) else { continue };
+                let Some(l) = logits.get_mut(t as usize) else {
+                    continue;
+                };
                 if original.iter().any(|&(id, _)| id == t) {
                     continue;
                 }
@@ -78,14 +84,25 @@ impl Sampler {
                 *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
             }
         }
-        let token = if self.params.is_greedy() { argmax(logits) } else { self.sample_stochastic(logits) };
-        let raw = original.iter().find(|&&(id, _)| id == token).map_or(logits[token as usize], |&(_, l)| l);
+        let token = if self.params.is_greedy() {
+            argmax(logits)
+        } else {
+            self.sample_stochastic(logits)
+        };
+        let raw = original
+            .iter()
+            .find(|&&(id, _)| id == token)
+            .map_or(logits[token as usize], |&(_, l)| l);
         (token, raw - lse)
     }
 
     fn sample_stochastic(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let mut cand: Vec<(f32, u32)> = logits.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect();
+        let mut cand: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
         let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0);
         if p.top_k > 0 && (p.top_k as usize) < cand.len() {
             cand.select_nth_unstable_by(p.top_k as usize - 1, desc);
@@ -153,7 +170,9 @@ mod tests {
     use super::*;
 
     fn logits() -> Vec<f32> {
-        (0..1000).map(|i| ((i * 7919) % 1000) as f32 / 100.0).collect()
+        (0..1000)
+            .map(|i| ((i * 7919) % 1000) as f32 / 100.0)
+            .collect()
     }
 
     #[test]
@@ -168,10 +187,16 @@ mod tests {
 
     #[test]
     fn same_seed_same_tokens_different_seed_different_tokens() {
-        let params = |seed| SamplingParams { temperature: 1.5, seed: Some(seed), ..Default::default() };
+        let params = |seed| SamplingParams {
+            temperature: 1.5,
+            seed: Some(seed),
+            ..Default::default()
+        };
         let run = |seed| {
             let mut s = Sampler::new(params(seed));
-            (0..50).map(|_| s.sample(&mut logits(), &[]).0).collect::<Vec<_>>()
+            (0..50)
+                .map(|_| s.sample(&mut logits(), &[]).0)
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
@@ -181,12 +206,22 @@ mod tests {
     fn top_k_one_is_greedy_and_top_k_limits_choices() {
         let l = logits();
         let best = argmax(&l);
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 1, seed: Some(1), ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 1,
+            seed: Some(1),
+            ..Default::default()
+        });
         assert_eq!(s.sample(&mut l.clone(), &[]).0, best);
         let mut sorted = l.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let threshold = sorted[4];
-        let mut s = Sampler::new(SamplingParams { temperature: 5.0, top_k: 5, seed: Some(2), ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 5.0,
+            top_k: 5,
+            seed: Some(2),
+            ..Default::default()
+        });
         for _ in 0..200 {
             let (t, _) = s.sample(&mut l.clone(), &[]);
             assert!(l[t as usize] >= threshold);
@@ -199,8 +234,18 @@ mod tests {
         let mut l = vec![0.0f32; 100];
         l[7] = 10.0;
         for params in [
-            SamplingParams { temperature: 1.0, top_p: 0.9, seed: Some(3), ..Default::default() },
-            SamplingParams { temperature: 1.0, min_p: 0.01, seed: Some(3), ..Default::default() },
+            SamplingParams {
+                temperature: 1.0,
+                top_p: 0.9,
+                seed: Some(3),
+                ..Default::default()
+            },
+            SamplingParams {
+                temperature: 1.0,
+                min_p: 0.01,
+                seed: Some(3),
+                ..Default::default()
+            },
         ] {
             let mut s = Sampler::new(params);
             for _ in 0..200 {
@@ -211,7 +256,10 @@ mod tests {
 
     #[test]
     fn repetition_penalty_steers_greedy_away_from_seen_tokens() {
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 2.0, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        });
         let mut l = vec![1.0, 3.0, 2.0];
         let (t, lp) = s.sample(&mut l, &[1]);
         assert_eq!(t, 2);

@@ -1,6 +1,8 @@
 //! Engine behaviour over a tiny generated Gemma-3-shaped model: batching equivalence, session
 //! caches, errors, cancellation, memory pressure.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use std::time::Duration;
@@ -24,17 +26,31 @@ fn a_prompt_alone_and_inside_a_batch_of_eight_gives_identical_tokens() {
     let e = engine(model, EngineConfig::default());
     let h = e.handle();
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(5 + i * 7, i as u32, VOCAB)).collect();
-    let alone: Vec<_> = prompts.iter().enumerate().map(|(i, p)| collect(h.submit(greedy(i as u64, p.clone(), 24)).unwrap()).tokens).collect();
+    let alone: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| collect(h.submit(greedy(i as u64, p.clone(), 24)).unwrap()).tokens)
+        .collect();
     // Submit all eight before reading any: they share the engine's steps.
-    let streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| h.submit(greedy(100 + i as u64, p.clone(), 24)).unwrap()).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| h.submit(greedy(100 + i as u64, p.clone(), 24)).unwrap())
+        .collect();
     let batched: Vec<_> = streams.into_iter().map(|s| collect(s).tokens).collect();
     for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
         assert_eq!(a.len(), 24);
-        assert_eq!(a, b, "sequence {i} differs between solo and batched decoding");
+        assert_eq!(
+            a, b,
+            "sequence {i} differs between solo and batched decoding"
+        );
     }
     // The model's output depends on its input (otherwise this test would prove nothing).
     let distinct: std::collections::HashSet<_> = alone.iter().flatten().collect();
-    assert!(distinct.len() >= 8, "random model output is degenerate: {alone:?}");
+    assert!(
+        distinct.len() >= 8,
+        "random model output is degenerate: {alone:?}"
+    );
     // The prompts (up to 54 tokens) cross the 16-token sliding window of the local layers.
     assert!(prompts[7].len() > 16);
 }
@@ -59,15 +75,26 @@ fn a_turn_served_from_the_session_cache_matches_the_same_prompt_served_cold() {
     r2.session = Some(session.clone());
     let warm = collect(h.submit(r2).unwrap());
     // Everything but the last generated token (whose K/V was never computed) is reused.
-    assert_eq!(warm.cached_tokens, Some(turn1.len() + out1.tokens.len() - 1));
+    assert_eq!(
+        warm.cached_tokens,
+        Some(turn1.len() + out1.tokens.len() - 1)
+    );
 
     let cold_engine = engine(model, EngineConfig::default());
     let cold = collect(cold_engine.handle().submit(greedy(3, turn2, 10)).unwrap());
     assert_eq!(cold.cached_tokens, Some(0));
     assert_eq!(warm.tokens, cold.tokens);
     match warm.finish {
-        Some(EngineEvent::Finished { cached_tokens, prompt_tokens, completion_tokens, .. }) => {
-            assert_eq!((cached_tokens, completion_tokens), (turn1.len() + out1.tokens.len() - 1, 10));
+        Some(EngineEvent::Finished {
+            cached_tokens,
+            prompt_tokens,
+            completion_tokens,
+            ..
+        }) => {
+            assert_eq!(
+                (cached_tokens, completion_tokens),
+                (turn1.len() + out1.tokens.len() - 1, 10)
+            );
             assert_eq!(prompt_tokens, turn1.len() + out1.tokens.len() + 12);
         }
         other => panic!("expected Finished, got {other:?}"),
@@ -91,7 +118,12 @@ fn a_diverging_prompt_rewinds_to_the_common_prefix() {
     r.session = Some(s);
     let warm = collect(h.submit(r).unwrap());
     assert_eq!(warm.cached_tokens, Some(25));
-    let cold = collect(engine(model, EngineConfig::default()).handle().submit(greedy(3, edited, 8)).unwrap());
+    let cold = collect(
+        engine(model, EngineConfig::default())
+            .handle()
+            .submit(greedy(3, edited, 8))
+            .unwrap(),
+    );
     assert_eq!(warm.tokens, cold.tokens);
 }
 
@@ -103,15 +135,42 @@ fn bad_requests_get_typed_errors_and_the_engine_keeps_serving() {
         (greedy(1, vec![], 4), "prompt_token_ids"),
         (greedy(2, vec![5; 1024], 4), "context window"),
         (greedy(3, vec![5, VOCAB + 3], 4), "prompt_token_ids[1]"),
-        (GenerateRequest { params: SamplingParams { temperature: f32::NAN, ..Default::default() }, ..greedy(4, vec![5], 4) }, "temperature"),
-        (GenerateRequest { params: SamplingParams { top_p: 2.0, ..Default::default() }, ..greedy(5, vec![5], 4) }, "top_p"),
+        (
+            GenerateRequest {
+                params: SamplingParams {
+                    temperature: f32::NAN,
+                    ..Default::default()
+                },
+                ..greedy(4, vec![5], 4)
+            },
+            "temperature",
+        ),
+        (
+            GenerateRequest {
+                params: SamplingParams {
+                    top_p: 2.0,
+                    ..Default::default()
+                },
+                ..greedy(5, vec![5], 4)
+            },
+            "top_p",
+        ),
         (greedy(6, vec![5], 0), "max_new_tokens"),
-        (GenerateRequest { stop_token_ids: vec![99_999], ..greedy(7, vec![5], 4) }, "stop_token_ids"),
+        (
+            GenerateRequest {
+                stop_token_ids: vec![99_999],
+                ..greedy(7, vec![5], 4)
+            },
+            "stop_token_ids",
+        ),
     ];
     for (req, needle) in cases {
         let err = h.submit(req).expect_err(needle);
         assert!(err.is_invalid_argument(), "{err:?}");
-        assert!(err.to_string().contains(needle), "`{err}` should mention `{needle}`");
+        assert!(
+            err.to_string().contains(needle),
+            "`{err}` should mention `{needle}`"
+        );
     }
     let ok = collect(h.submit(greedy(10, prompt(8, 1, VOCAB), 5)).unwrap());
     assert_eq!(ok.tokens.len(), 5);
@@ -127,11 +186,25 @@ fn cancel_and_dropped_streams_free_the_slot() {
     drop(dropped);
     h.cancel(hearth_shared::RequestId(1));
     let out = collect(rx);
-    assert!(matches!(out.finish, Some(EngineEvent::Finished { reason: FinishReason::Cancelled, .. })), "{:?}", out.finish);
+    assert!(
+        matches!(
+            out.finish,
+            Some(EngineEvent::Finished {
+                reason: FinishReason::Cancelled,
+                ..
+            })
+        ),
+        "{:?}",
+        out.finish
+    );
     // The engine notices the dropped stream at its next step.
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while h.stats().running > 0 || h.stats().kv_blocks_used > 0 {
-        assert!(std::time::Instant::now() < deadline, "slots not freed: {:?}", h.stats());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "slots not freed: {:?}",
+            h.stats()
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
 }
@@ -141,7 +214,14 @@ fn seeded_sampling_is_reproducible_and_sessions_can_be_dropped() {
     let e = engine(tiny_model(), EngineConfig::default());
     let h = e.handle();
     let req = |id, seed| GenerateRequest {
-        params: SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 50, min_p: 0.01, repetition_penalty: 1.1, seed: Some(seed) },
+        params: SamplingParams {
+            temperature: 1.0,
+            top_p: 0.95,
+            top_k: 50,
+            min_p: 0.01,
+            repetition_penalty: 1.1,
+            seed: Some(seed),
+        },
         session: Some(SessionId::from("seeded")),
         ..greedy(id, prompt(12, 4, VOCAB), 20)
     };
@@ -151,7 +231,9 @@ fn seeded_sampling_is_reproducible_and_sessions_can_be_dropped() {
     assert_eq!(a.tokens, b.tokens);
     assert_ne!(a.tokens, c.tokens);
     assert!(a.logprobs.iter().all(|lp| *lp <= 0.0 && lp.is_finite()));
-    let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     rt.block_on(async {
         h.drop_session(SessionId::from("seeded")).await.unwrap();
         let err = h.drop_session(SessionId::from("seeded")).await.unwrap_err();
@@ -162,9 +244,13 @@ fn seeded_sampling_is_reproducible_and_sessions_can_be_dropped() {
 #[test]
 fn memory_pressure_evicts_idle_sessions_then_preempts_and_loses_nothing() {
     let model = tiny_model();
-    let block_bytes = hearth_worker::kv::KvStore::block_bytes(model.config.num_layers, 16, model.config.kv_dim());
+    let block_bytes =
+        hearth_worker::kv::KvStore::block_bytes(model.config.num_layers, 16, model.config.kv_dim());
     // Room for 12 blocks (192 tokens): far less than 6 concurrent 60-token sequences need.
-    let small = EngineConfig { kv_budget_bytes: 12 * block_bytes, ..Default::default() };
+    let small = EngineConfig {
+        kv_budget_bytes: 12 * block_bytes,
+        ..Default::default()
+    };
     let reference = engine(model.clone(), EngineConfig::default());
     let e = engine(model, small);
     let h = e.handle();
@@ -176,11 +262,23 @@ fn memory_pressure_evicts_idle_sessions_then_preempts_and_loses_nothing() {
     }
     assert!(h.stats().cached_sessions >= 1);
     let prompts: Vec<_> = (0..6).map(|i| prompt(20, 50 + i, VOCAB)).collect();
-    let streams: Vec<_> = prompts.iter().enumerate().map(|(i, p)| h.submit(greedy(100 + i as u64, p.clone(), 40)).unwrap()).collect();
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| h.submit(greedy(100 + i as u64, p.clone(), 40)).unwrap())
+        .collect();
     let outs: Vec<_> = streams.into_iter().map(collect).collect();
     for (i, (o, p)) in outs.iter().zip(&prompts).enumerate() {
-        let want = collect(reference.handle().submit(greedy(1000 + i as u64, p.clone(), 40)).unwrap());
-        assert_eq!(o.tokens, want.tokens, "sequence {i} changed under memory pressure");
+        let want = collect(
+            reference
+                .handle()
+                .submit(greedy(1000 + i as u64, p.clone(), 40))
+                .unwrap(),
+        );
+        assert_eq!(
+            o.tokens, want.tokens,
+            "sequence {i} changed under memory pressure"
+        );
     }
     let s = h.stats();
     assert!(s.session_evictions >= 1, "{s:?}");
@@ -190,7 +288,13 @@ fn memory_pressure_evicts_idle_sessions_then_preempts_and_loses_nothing() {
 
 #[test]
 fn one_user_with_many_requests_does_not_starve_another() {
-    let e = engine(tiny_model(), EngineConfig { max_batch: 2, ..Default::default() });
+    let e = engine(
+        tiny_model(),
+        EngineConfig {
+            max_batch: 2,
+            ..Default::default()
+        },
+    );
     let h = e.handle();
     let mut greedy_user = Vec::new();
     for i in 0..8 {
@@ -210,14 +314,20 @@ fn one_user_with_many_requests_does_not_starve_another() {
     assert!(heavy_done.iter().all(|o| o.tokens.len() == 30));
     // With FIFO the light request would finish last (after all 8 heavy ones); with fair share it
     // takes the slot freed by the first heavy request, long before the heavy queue drains.
-    assert!(light_done < all_done.mul_f32(0.6), "light {light_done:?} vs all {all_done:?}");
+    assert!(
+        light_done < all_done.mul_f32(0.6),
+        "light {light_done:?} vs all {all_done:?}"
+    );
 }
 
 #[test]
 fn safetensors_and_gguf_checkpoints_of_the_same_weights_agree() {
     use hearth_worker::fixtures::{write_tiny_gguf, write_tiny_safetensors, TinySpec};
     use hearth_worker::model::{load_gguf, load_safetensors};
-    let spec = TinySpec { quantized: false, ..TinySpec::default() };
+    let spec = TinySpec {
+        quantized: false,
+        ..TinySpec::default()
+    };
     let dir = temp_dir("st");
     write_tiny_safetensors(&dir.join("ckpt"), &spec).unwrap();
     write_tiny_gguf(&dir.join("f32.gguf"), &spec).unwrap();
@@ -226,8 +336,18 @@ fn safetensors_and_gguf_checkpoints_of_the_same_weights_agree() {
     assert_eq!(st.config.num_layers, gg.config.num_layers);
     assert_eq!(st.config.sliding_window, gg.config.sliding_window);
     let p = prompt(30, 5, VOCAB);
-    let a = collect(engine(st, EngineConfig::default()).handle().submit(greedy(1, p.clone(), 16)).unwrap());
-    let b = collect(engine(gg, EngineConfig::default()).handle().submit(greedy(2, p, 16)).unwrap());
+    let a = collect(
+        engine(st, EngineConfig::default())
+            .handle()
+            .submit(greedy(1, p.clone(), 16))
+            .unwrap(),
+    );
+    let b = collect(
+        engine(gg, EngineConfig::default())
+            .handle()
+            .submit(greedy(2, p, 16))
+            .unwrap(),
+    );
     assert_eq!(a.tokens, b.tokens);
     for (x, y) in a.logprobs.iter().zip(&b.logprobs) {
         assert!((x - y).abs() < 1e-3, "{x} vs {y}");

@@ -40,11 +40,18 @@ pub struct SamplingError {
     pub reason: String,
 }
 
-fn check(ok: bool, field: &'static str, reason: impl FnOnce() -> String) -> Result<(), SamplingError> {
+fn check(
+    ok: bool,
+    field: &'static str,
+    reason: impl FnOnce() -> String,
+) -> Result<(), SamplingError> {
     if ok {
         Ok(())
     } else {
-        Err(SamplingError { field, reason: reason() })
+        Err(SamplingError {
+            field,
+            reason: reason(),
+        })
     }
 }
 
@@ -60,9 +67,11 @@ impl SamplingParams {
     /// Rejects NaN, infinities and out-of-range values.
     pub fn validate(&self) -> Result<(), SamplingError> {
         let t = self.temperature;
-        check(t.is_finite() && (0.0..=100.0).contains(&t), "temperature", || {
-            format!("must be a finite number in [0, 100], got {t}")
-        })?;
+        check(
+            t.is_finite() && (0.0..=100.0).contains(&t),
+            "temperature",
+            || format!("must be a finite number in [0, 100], got {t}"),
+        )?;
         let p = self.top_p;
         check(p.is_finite() && p > 0.0 && p <= 1.0, "top_p", || {
             format!("must be in (0, 1], got {p}")
@@ -72,9 +81,11 @@ impl SamplingParams {
             format!("must be in [0, 1], got {m}")
         })?;
         let r = self.repetition_penalty;
-        check(r.is_finite() && r > 0.0 && r <= 10.0, "repetition_penalty", || {
-            format!("must be in (0, 10], got {r}")
-        })?;
+        check(
+            r.is_finite() && r > 0.0 && r <= 10.0,
+            "repetition_penalty",
+            || format!("must be in (0, 10], got {r}"),
+        )?;
         Ok(())
     }
 }
@@ -93,13 +104,55 @@ mod tests {
     #[test]
     fn rejects_out_of_range_values_naming_the_field() {
         let cases = [
-            (SamplingParams { temperature: f32::NAN, ..Default::default() }, "temperature"),
-            (SamplingParams { temperature: -1.0, ..Default::default() }, "temperature"),
-            (SamplingParams { top_p: 0.0, ..Default::default() }, "top_p"),
-            (SamplingParams { top_p: 1.5, ..Default::default() }, "top_p"),
-            (SamplingParams { min_p: -0.1, ..Default::default() }, "min_p"),
-            (SamplingParams { repetition_penalty: 0.0, ..Default::default() }, "repetition_penalty"),
-            (SamplingParams { repetition_penalty: f32::INFINITY, ..Default::default() }, "repetition_penalty"),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: -1.0,
+                    ..Default::default()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.5,
+                    ..Default::default()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: -0.1,
+                    ..Default::default()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: f32::INFINITY,
+                    ..Default::default()
+                },
+                "repetition_penalty",
+            ),
         ];
         for (params, field) in cases {
             let err = params.validate().expect_err(field);

@@ -33,23 +33,40 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
-        let load_err = |reason: String| TokenizerError::Load { path: path.display().to_string(), reason };
+        let load_err = |reason: String| TokenizerError::Load {
+            path: path.display().to_string(),
+            reason,
+        };
         if !path.is_file() {
             return Err(load_err("file not found".into()));
         }
         let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| load_err(e.to_string()))?;
-        let id = |tok: &'static str| inner.token_to_id(tok).ok_or(TokenizerError::MissingToken(tok));
-        Ok(Self { bos_id: id("<bos>")?, eos_id: id("<eos>")?, end_of_turn_id: id("<end_of_turn>")?, inner })
+        let id = |tok: &'static str| {
+            inner
+                .token_to_id(tok)
+                .ok_or(TokenizerError::MissingToken(tok))
+        };
+        Ok(Self {
+            bos_id: id("<bos>")?,
+            eos_id: id("<eos>")?,
+            end_of_turn_id: id("<end_of_turn>")?,
+            inner,
+        })
     }
 
     /// Token ids for `text`, without adding BOS (the chat template adds it once).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self.inner.encode(text, false).map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
-        self.inner.decode(ids, true).map_err(|e| TokenizerError::Encode(e.to_string()))
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
     pub fn vocab_size(&self) -> usize {

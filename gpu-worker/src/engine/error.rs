@@ -16,7 +16,9 @@ pub enum EngineError {
     InvalidSampling(#[from] SamplingError),
     #[error("max_new_tokens: must be at least 1")]
     InvalidMaxNewTokens,
-    #[error("prompt_token_ids: {need} tokens exceed the worker's whole KV budget of {capacity} tokens")]
+    #[error(
+        "prompt_token_ids: {need} tokens exceed the worker's whole KV budget of {capacity} tokens"
+    )]
     KvBudgetTooSmall { need: usize, capacity: usize },
     #[error("the engine queue is full ({limit} waiting requests); retry later")]
     QueueFull { limit: usize },
@@ -42,7 +44,10 @@ impl EngineError {
             | Self::InvalidMaxNewTokens
             | Self::KvBudgetTooSmall { .. }
             | Self::DuplicateRequest(_) => true,
-            Self::QueueFull { .. } | Self::UnknownSession(_) | Self::ShuttingDown | Self::Internal(_) => false,
+            Self::QueueFull { .. }
+            | Self::UnknownSession(_)
+            | Self::ShuttingDown
+            | Self::Internal(_) => false,
         }
     }
 }

@@ -94,7 +94,12 @@ impl Engine {
             .spawn(move || engine_task(sched, rx, thread_stats))
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
-            handle: EngineHandle { tx, stats, info, closed: Arc::new(AtomicBool::new(false)) },
+            handle: EngineHandle {
+                tx,
+                stats,
+                info,
+                closed: Arc::new(AtomicBool::new(false)),
+            },
             thread: Some(thread),
         })
     }
@@ -137,7 +142,9 @@ impl EngineHandle {
         let (etx, erx) = mpsc::unbounded_channel();
         match self.tx.try_send(Command::Submit(Box::new(valid), etx)) {
             Ok(()) => Ok(erx),
-            Err(TrySendError::Full(_)) => Err(EngineError::QueueFull { limit: self.info.command_queue }),
+            Err(TrySendError::Full(_)) => Err(EngineError::QueueFull {
+                limit: self.info.command_queue,
+            }),
             Err(TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
         }
     }
@@ -150,7 +157,9 @@ impl EngineHandle {
     /// Frees a session's cached KV.
     pub async fn drop_session(&self, session: SessionId) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
-        self.tx.try_send(Command::DropSession(session, tx)).map_err(|_| EngineError::ShuttingDown)?;
+        self.tx
+            .try_send(Command::DropSession(session, tx))
+            .map_err(|_| EngineError::ShuttingDown)?;
         rx.await.map_err(|_| EngineError::ShuttingDown)?
     }
 
@@ -222,8 +231,14 @@ fn publish(sched: &Scheduler, stats: &SharedStats) {
     stats.running.store(s.running, Ordering::Relaxed);
     stats.waiting.store(s.waiting, Ordering::Relaxed);
     stats.blocks_used.store(s.kv_blocks_used, Ordering::Relaxed);
-    stats.blocks_total.store(s.kv_blocks_total, Ordering::Relaxed);
-    stats.cached_sessions.store(s.cached_sessions, Ordering::Relaxed);
-    stats.evictions.store(s.session_evictions, Ordering::Relaxed);
+    stats
+        .blocks_total
+        .store(s.kv_blocks_total, Ordering::Relaxed);
+    stats
+        .cached_sessions
+        .store(s.cached_sessions, Ordering::Relaxed);
+    stats
+        .evictions
+        .store(s.session_evictions, Ordering::Relaxed);
     stats.preemptions.store(s.preemptions, Ordering::Relaxed);
 }

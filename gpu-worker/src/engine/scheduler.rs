@@ -59,7 +59,9 @@ impl Seq {
     }
 
     fn finish(&self, reason: FinishReason) {
-        let ms = |t: Option<Instant>| t.map_or(0.0, |t| t.duration_since(self.arrived).as_secs_f64() * 1e3);
+        let ms = |t: Option<Instant>| {
+            t.map_or(0.0, |t| t.duration_since(self.arrived).as_secs_f64() * 1e3)
+        };
         self.send(EngineEvent::Finished {
             reason,
             prompt_tokens: self.prompt_len,
@@ -93,7 +95,9 @@ impl Scheduler {
     pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self, EngineError> {
         let c = &model.config;
         if config.block_size == 0 || config.max_batch == 0 || config.prefill_chunk == 0 {
-            return Err(EngineError::Internal("block_size, max_batch and prefill_chunk must be positive".into()));
+            return Err(EngineError::Internal(
+                "block_size, max_batch and prefill_chunk must be positive".into(),
+            ));
         }
         let block_bytes = KvStore::block_bytes(c.num_layers, config.block_size, c.kv_dim());
         let num_blocks = config.kv_budget_bytes / block_bytes;
@@ -103,7 +107,10 @@ impl Scheduler {
                 config.kv_budget_bytes
             )));
         }
-        let default_stop_ids = [model.eos_id, model.end_of_turn_id].into_iter().flatten().collect();
+        let default_stop_ids = [model.eos_id, model.end_of_turn_id]
+            .into_iter()
+            .flatten()
+            .collect();
         let info = ModelInfo {
             architecture: c.architecture.clone(),
             context_length: c.context_length,
@@ -152,14 +159,24 @@ impl Scheduler {
 
     /// Queues a validated request, or answers it at once with an error.
     pub(crate) fn enqueue(&mut self, req: ValidRequest, events: EventSender) {
-        let ValidRequest { inner, stop_ids, arrived } = req;
-        let in_flight = self.running.iter().chain(&self.waiting).any(|s| s.id == inner.id);
+        let ValidRequest {
+            inner,
+            stop_ids,
+            arrived,
+        } = req;
+        let in_flight = self
+            .running
+            .iter()
+            .chain(&self.waiting)
+            .any(|s| s.id == inner.id);
         if in_flight {
             let _ = events.send(EngineEvent::Error(EngineError::DuplicateRequest(inner.id)));
             return;
         }
         if self.waiting.len() >= self.config.max_waiting {
-            let _ = events.send(EngineEvent::Error(EngineError::QueueFull { limit: self.config.max_waiting }));
+            let _ = events.send(EngineEvent::Error(EngineError::QueueFull {
+                limit: self.config.max_waiting,
+            }));
             return;
         }
         let prompt_len = inner.prompt.len();
@@ -219,7 +236,12 @@ impl Scheduler {
 
     /// Frees the least recently used idle session cache; false if there is none.
     fn evict_one_idle(&mut self) -> bool {
-        let Some(id) = self.sessions.iter().min_by_key(|(_, c)| c.last_used).map(|(id, _)| id.clone()) else {
+        let Some(id) = self
+            .sessions
+            .iter()
+            .min_by_key(|(_, c)| c.last_used)
+            .map(|(id, _)| id.clone())
+        else {
             return false;
         };
         if let Some(mut c) = self.sessions.remove(&id) {
@@ -258,7 +280,11 @@ impl Scheduler {
             Some(id) => {
                 s.tokens.truncate(s.kv_len);
                 let last_used = self.tick();
-                let cache = SessionCache { tokens: std::mem::take(&mut s.tokens), blocks: std::mem::take(&mut s.blocks), last_used };
+                let cache = SessionCache {
+                    tokens: std::mem::take(&mut s.tokens),
+                    blocks: std::mem::take(&mut s.blocks),
+                    last_used,
+                };
                 if let Some(mut old) = self.sessions.insert(id, cache) {
                     self.alloc.release(&mut old.blocks);
                 }
@@ -276,7 +302,11 @@ impl Scheduler {
         }
         (0..self.waiting.len()).min_by_key(|&i| {
             let s = &self.waiting[i];
-            (per_user.get(&s.user).copied().unwrap_or(0), !s.preempted, s.arrived)
+            (
+                per_user.get(&s.user).copied().unwrap_or(0),
+                !s.preempted,
+                s.arrived,
+            )
         })
     }
 
@@ -289,9 +319,18 @@ impl Scheduler {
             // token so there is something to run for logits.
             let (reuse, cache) = {
                 let s = &self.waiting[i];
-                match s.session.as_ref().and_then(|id| self.sessions.get(id).map(|c| (id, c))) {
+                match s
+                    .session
+                    .as_ref()
+                    .and_then(|id| self.sessions.get(id).map(|c| (id, c)))
+                {
                     Some((_, c)) => {
-                        let common = c.tokens.iter().zip(&s.tokens).take_while(|(a, b)| a == b).count();
+                        let common = c
+                            .tokens
+                            .iter()
+                            .zip(&s.tokens)
+                            .take_while(|(a, b)| a == b)
+                            .count();
                         (common.min(s.tokens.len() - 1), true)
                     }
                     None => (0, false),
@@ -302,14 +341,21 @@ impl Scheduler {
             let need = BlockAllocator::blocks_needed(have_blocks, need_tokens, bs);
             // Blocks this request's own cache frees by rewinding count as available.
             let own_cached = if cache {
-                self.waiting[i].session.as_ref().and_then(|id| self.sessions.get(id)).map_or(0, |c| c.blocks.len() - have_blocks)
+                self.waiting[i]
+                    .session
+                    .as_ref()
+                    .and_then(|id| self.sessions.get(id))
+                    .map_or(0, |c| c.blocks.len() - have_blocks)
             } else {
                 0
             };
             let mut available = self.alloc.free() + own_cached;
             while available < need {
                 // Never evict the cache we are about to reuse.
-                let own = self.waiting[i].session.as_ref().and_then(|id| self.sessions.remove_entry(id));
+                let own = self.waiting[i]
+                    .session
+                    .as_ref()
+                    .and_then(|id| self.sessions.remove_entry(id));
                 let evicted = self.evict_one_idle();
                 if let Some((id, c)) = own {
                     self.sessions.insert(id, c);
@@ -323,7 +369,10 @@ impl Scheduler {
                 if self.running.is_empty() && self.sessions.is_empty() && !cache {
                     // Cannot fit even in an empty engine; validation normally prevents this.
                     let s = self.waiting.remove(i);
-                    s.send(EngineEvent::Error(EngineError::KvBudgetTooSmall { need: need_tokens, capacity: self.info.kv_capacity_tokens }));
+                    s.send(EngineEvent::Error(EngineError::KvBudgetTooSmall {
+                        need: need_tokens,
+                        capacity: self.info.kv_capacity_tokens,
+                    }));
                     continue;
                 }
                 return;
@@ -384,7 +433,11 @@ impl Scheduler {
         while i < self.running.len() {
             let s = &self.running[i];
             let pending = s.tokens.len() - s.kv_len;
-            let n = if pending <= 1 { pending } else { pending.min(prefill_budget) };
+            let n = if pending <= 1 {
+                pending
+            } else {
+                pending.min(prefill_budget)
+            };
             if n == 0 {
                 i += 1;
                 continue;
@@ -414,7 +467,15 @@ impl Scheduler {
         if plan.is_empty() {
             return false;
         }
-        let order: Vec<usize> = plan.iter().map(|(id, _)| self.running.iter().position(|s| s.id == *id).unwrap_or(usize::MAX)).collect();
+        let order: Vec<usize> = plan
+            .iter()
+            .map(|(id, _)| {
+                self.running
+                    .iter()
+                    .position(|s| s.id == *id)
+                    .unwrap_or(usize::MAX)
+            })
+            .collect();
         let chunks: Vec<SeqChunk<'_>> = order
             .iter()
             .zip(&plan)
@@ -461,7 +522,11 @@ impl Scheduler {
             let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
             let work: Vec<(usize, &mut Seq, &mut [f32])> = samplers
                 .into_iter()
-                .filter_map(|(ix, row)| seqs.get_mut(ix).and_then(Option::take).map(|s| (ix, s, row)))
+                .filter_map(|(ix, row)| {
+                    seqs.get_mut(ix)
+                        .and_then(Option::take)
+                        .map(|s| (ix, s, row))
+                })
                 .collect();
             work.into_par_iter()
                 .map(|(ix, s, row)| {

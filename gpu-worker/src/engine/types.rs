@@ -85,23 +85,53 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
         return Err(EngineError::EmptyPrompt);
     }
     if req.prompt.len() >= info.context_length {
-        return Err(EngineError::PromptTooLong { len: req.prompt.len(), max: info.context_length - 1 });
+        return Err(EngineError::PromptTooLong {
+            len: req.prompt.len(),
+            max: info.context_length - 1,
+        });
     }
-    if let Some((index, &id)) = req.prompt.iter().enumerate().find(|(_, &t)| t as usize >= info.vocab_size) {
-        return Err(EngineError::TokenOutOfRange { index, id, vocab: info.vocab_size });
+    if let Some((index, &id)) = req
+        .prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= info.vocab_size)
+    {
+        return Err(EngineError::TokenOutOfRange {
+            index,
+            id,
+            vocab: info.vocab_size,
+        });
     }
-    if let Some(&id) = req.stop_token_ids.iter().find(|&&t| t as usize >= info.vocab_size) {
-        return Err(EngineError::StopTokenOutOfRange { id, vocab: info.vocab_size });
+    if let Some(&id) = req
+        .stop_token_ids
+        .iter()
+        .find(|&&t| t as usize >= info.vocab_size)
+    {
+        return Err(EngineError::StopTokenOutOfRange {
+            id,
+            vocab: info.vocab_size,
+        });
     }
     req.params.validate()?;
     if req.max_new_tokens == 0 {
         return Err(EngineError::InvalidMaxNewTokens);
     }
     if req.prompt.len() + 1 > info.kv_capacity_tokens {
-        return Err(EngineError::KvBudgetTooSmall { need: req.prompt.len() + 1, capacity: info.kv_capacity_tokens });
+        return Err(EngineError::KvBudgetTooSmall {
+            need: req.prompt.len() + 1,
+            capacity: info.kv_capacity_tokens,
+        });
     }
-    let stop_ids = if req.stop_token_ids.is_empty() { info.default_stop_ids.clone() } else { req.stop_token_ids.clone() };
-    Ok(ValidRequest { inner: req, stop_ids, arrived: Instant::now() })
+    let stop_ids = if req.stop_token_ids.is_empty() {
+        info.default_stop_ids.clone()
+    } else {
+        req.stop_token_ids.clone()
+    };
+    Ok(ValidRequest {
+        inner: req,
+        stop_ids,
+        arrived: Instant::now(),
+    })
 }
 
 /// Wall-clock timings of a finished request, in milliseconds.
@@ -115,8 +145,14 @@ pub struct Timings {
 #[derive(Clone, Debug, PartialEq)]
 pub enum EngineEvent {
     /// Admitted: `cached_tokens` prompt tokens came from the session cache.
-    Started { cached_tokens: usize, queue_ms: f64 },
-    Token { id: u32, logprob: f32 },
+    Started {
+        cached_tokens: usize,
+        queue_ms: f64,
+    },
+    Token {
+        id: u32,
+        logprob: f32,
+    },
     Finished {
         reason: FinishReason,
         prompt_tokens: usize,

@@ -61,6 +61,13 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// Taking `self` makes closures capture the whole (Send) wrapper, not its raw field.
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `out[m][n] = x[m] · w[n]` for every activation row `m` and weight row `n`.
 /// `out` has `x.rows * w.rows` elements, row-major by activation row.
 pub fn matmul_q8(w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
@@ -76,10 +83,9 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
     (0..tasks).into_par_iter().for_each(|t| {
         let r0 = t * ROWS_PER_TASK;
         let r1 = (r0 + ROWS_PER_TASK).min(n);
-        let ptr = ptr;
         // SAFETY: this task writes only columns r0..r1 of each output row, which no other task
         // touches, and `out` outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.0, n * x.rows) };
+        let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), n * x.rows) };
         match isa {
             Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
             #[cfg(target_arch = "x86_64")]

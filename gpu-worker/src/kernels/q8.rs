@@ -26,9 +26,20 @@ pub struct LayoutError {
 }
 
 impl Q8Matrix {
-    fn check(format: &'static str, rows: usize, cols: usize, bytes: usize, block_bytes: usize) -> Result<(), LayoutError> {
-        let err = |reason: String| LayoutError { format, rows, cols, reason };
-        if cols % QK != 0 {
+    fn check(
+        format: &'static str,
+        rows: usize,
+        cols: usize,
+        bytes: usize,
+        block_bytes: usize,
+    ) -> Result<(), LayoutError> {
+        let err = |reason: String| LayoutError {
+            format,
+            rows,
+            cols,
+            reason,
+        };
+        if !cols.is_multiple_of(QK) {
             return Err(err(format!("width must be a multiple of {QK}")));
         }
         let want = rows * cols / QK * block_bytes;
@@ -48,7 +59,12 @@ impl Q8Matrix {
             scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
             qs.extend(b[2..].iter().map(|&v| v as i8));
         }
-        Ok(Self { rows, cols, qs, scales })
+        Ok(Self {
+            rows,
+            cols,
+            qs,
+            scales,
+        })
     }
 
     /// From GGUF Q5_0 blocks: `f16 d, u8 qh[4], u8 qs[16]` (22 bytes); value `j` is the low (`j < 16`)
@@ -63,12 +79,21 @@ impl Q8Matrix {
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
             let nib = &b[6..22];
             for j in 0..QK {
-                let low = if j < 16 { nib[j] & 0x0f } else { nib[j - 16] >> 4 };
+                let low = if j < 16 {
+                    nib[j] & 0x0f
+                } else {
+                    nib[j - 16] >> 4
+                };
                 let high = (((qh >> j) & 1) as u8) << 4;
                 qs.push(((low | high) as i8) - 16);
             }
         }
-        Ok(Self { rows, cols, qs, scales })
+        Ok(Self {
+            rows,
+            cols,
+            qs,
+            scales,
+        })
     }
 
     /// Quantizes dense f32 weights (`rows × cols`, row-major) to this layout.
@@ -80,14 +105,23 @@ impl Q8Matrix {
         for (i, (src, dst)) in w.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
             scales[i] = quantize_block(src, dst);
         }
-        Self { rows, cols, qs, scales }
+        Self {
+            rows,
+            cols,
+            qs,
+            scales,
+        }
     }
 
     /// Row `r` as f32 (embedding lookup).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         let bpr = self.cols / QK;
         let qs = &self.qs[r * self.cols..(r + 1) * self.cols];
-        for (b, (q, o)) in qs.chunks_exact(QK).zip(out.chunks_exact_mut(QK)).enumerate() {
+        for (b, (q, o)) in qs
+            .chunks_exact(QK)
+            .zip(out.chunks_exact_mut(QK))
+            .enumerate()
+        {
             let d = self.scales[r * bpr + b];
             for (o, &q) in o.iter_mut().zip(q) {
                 *o = d * q as f32;
@@ -135,7 +169,11 @@ pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut Ac
     a.cols = cols;
     a.qs.resize(rows * cols, 0);
     a.scales.resize(rows * cols / QK, 0.0);
-    for (i, (src, dst)) in x.chunks_exact(QK).zip(a.qs.chunks_exact_mut(QK)).enumerate() {
+    for (i, (src, dst)) in x
+        .chunks_exact(QK)
+        .zip(a.qs.chunks_exact_mut(QK))
+        .enumerate()
+    {
         a.scales[i] = quantize_block(src, dst);
     }
 }

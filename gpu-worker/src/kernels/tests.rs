@@ -30,7 +30,13 @@ fn all_isas() -> Vec<Isa> {
 }
 
 /// candle's own quantized matmul on the same GGUF bytes is the reference.
-fn candle_reference(dtype: GgmlDType, rows: usize, cols: usize, m: usize, seed: u64) -> (Q8Matrix, Vec<f32>, Vec<f32>) {
+fn candle_reference(
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    m: usize,
+    seed: u64,
+) -> (Q8Matrix, Vec<f32>, Vec<f32>) {
     let dev = Device::Cpu;
     let w = Tensor::from_vec(noise(rows * cols, seed), (rows, cols), &dev).unwrap();
     let qt = QTensor::quantize(&w, dtype).unwrap();
@@ -59,7 +65,10 @@ fn every_isa_matches_candle_for_q8_0_and_q5_0() {
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     // candle rounds activation scales to f16, we keep f32: allow that difference.
                     let tol = 1e-2 * (1.0 + w.abs());
-                    assert!((g - w).abs() <= tol, "{dtype:?} {isa:?} {rows}x{cols} m={m} [{i}]: {g} vs {w}");
+                    assert!(
+                        (g - w).abs() <= tol,
+                        "{dtype:?} {isa:?} {rows}x{cols} m={m} [{i}]: {g} vs {w}"
+                    );
                 }
             }
         }
@@ -77,7 +86,10 @@ fn simd_paths_equal_the_scalar_reference_exactly_in_integer_part() {
         let mut got = vec![0f32; m * rows];
         matmul_q8_with(isa, &w, &x, &mut got);
         for (g, r) in got.iter().zip(&reference) {
-            assert!((g - r).abs() <= 1e-4 * (1.0 + r.abs()), "{isa:?}: {g} vs {r}");
+            assert!(
+                (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                "{isa:?}: {g} vs {r}"
+            );
         }
     }
 }
@@ -91,7 +103,11 @@ fn batch_rows_are_independent() {
     let mut batch = vec![0f32; 5 * rows];
     matmul_q8(&w, &quantize_activations(&x, 5, cols), &mut batch);
     let mut alone = vec![0f32; rows];
-    matmul_q8(&w, &quantize_activations(&x[2 * cols..3 * cols], 1, cols), &mut alone);
+    matmul_q8(
+        &w,
+        &quantize_activations(&x[2 * cols..3 * cols], 1, cols),
+        &mut alone,
+    );
     assert_eq!(&batch[2 * rows..3 * rows], &alone[..]);
 }
 
@@ -101,7 +117,13 @@ fn q5_0_and_q8_0_dequantize_like_candle() {
         let (rows, cols) = (3, 64);
         let t = Tensor::from_vec(noise(rows * cols, 11), (rows, cols), &Device::Cpu).unwrap();
         let qt = QTensor::quantize(&t, dtype).unwrap();
-        let want: Vec<f32> = qt.dequantize(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let want: Vec<f32> = qt
+            .dequantize(&Device::Cpu)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let bytes = qt.data().unwrap();
         let m = match dtype {
             GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &bytes).unwrap(),
@@ -110,7 +132,11 @@ fn q5_0_and_q8_0_dequantize_like_candle() {
         let mut row = vec![0f32; cols];
         for r in 0..rows {
             m.dequantize_row(r, &mut row);
-            assert_eq!(&row[..], &want[r * cols..(r + 1) * cols], "{dtype:?} row {r}");
+            assert_eq!(
+                &row[..],
+                &want[r * cols..(r + 1) * cols],
+                "{dtype:?} row {r}"
+            );
         }
     }
 }

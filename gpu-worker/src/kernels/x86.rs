@@ -50,14 +50,18 @@ macro_rules! kernel_module {
                     for a in 0..A {
                         // SAFETY: row m + a < x.rows and block b < bpr, so the 32 bytes are in bounds.
                         xv[a] = unsafe {
-                            _mm256_loadu_si256(x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m256i)
+                            _mm256_loadu_si256(
+                                x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m256i
+                            )
                         };
                         xs[a] = x.scales[(m + a) * bpr + b];
                     }
                     for i in 0..R {
                         // SAFETY: row r + i < w.rows, block b < bpr.
                         let wv = unsafe {
-                            _mm256_loadu_si256(w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m256i)
+                            _mm256_loadu_si256(
+                                w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m256i
+                            )
                         };
                         let aw = _mm256_sign_epi8(wv, wv);
                         let ws = w.scales[(r + i) * bpr + b];
@@ -95,7 +99,13 @@ macro_rules! kernel_module {
             /// # Safety
             /// The CPU must support the features this module is compiled for.
             #[target_feature(enable = $features)]
-            pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+            pub unsafe fn matmul_rows(
+                w: &Q8Matrix,
+                x: &ActQ8,
+                r0: usize,
+                r1: usize,
+                out: &mut [f32],
+            ) {
                 assert!(r1 <= w.rows && w.cols == x.cols && w.cols % QK == 0);
                 assert!(out.len() >= x.rows * w.rows);
                 let mut r = r0;
@@ -117,20 +127,34 @@ macro_rules! kernel_module {
 kernel_module!(avx2, "avx2,fma", |aw, sx| {
     _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
 });
-kernel_module!(vnni, "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni", |aw, sx| {
-    _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
-});
+kernel_module!(
+    vnni,
+    "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni",
+    |aw, sx| _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
+);
 
 /// # Safety
 /// The CPU must support AVX2 and FMA.
-pub(super) unsafe fn matmul_rows_avx2(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+pub(super) unsafe fn matmul_rows_avx2(
+    w: &Q8Matrix,
+    x: &ActQ8,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+) {
     // SAFETY: forwarded from the caller.
     unsafe { avx2::matmul_rows(w, x, r0, r1, out) }
 }
 
 /// # Safety
 /// The CPU must support AVX-512 F/VL/BW/VNNI, AVX2 and FMA.
-pub(super) unsafe fn matmul_rows_vnni(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+pub(super) unsafe fn matmul_rows_vnni(
+    w: &Q8Matrix,
+    x: &ActQ8,
+    r0: usize,
+    r1: usize,
+    out: &mut [f32],
+) {
     // SAFETY: forwarded from the caller.
     unsafe { vnni::matmul_rows(w, x, r0, r1, out) }
 }

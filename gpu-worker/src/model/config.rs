@@ -37,7 +37,8 @@ pub struct GemmaConfig {
 
 impl GemmaConfig {
     pub fn is_sliding(&self, layer: usize) -> bool {
-        self.sliding_window.is_some() && (layer + 1) % self.sliding_window_pattern.max(1) != 0
+        self.sliding_window.is_some()
+            && !(layer + 1).is_multiple_of(self.sliding_window_pattern.max(1))
     }
 
     pub fn kv_dim(&self) -> usize {
@@ -51,14 +52,27 @@ impl GemmaConfig {
 
     pub fn validate(&self) -> Result<(), ModelError> {
         let bad = |what: String| Err(ModelError::BadConfig(what));
-        if self.num_heads == 0 || self.num_kv_heads == 0 || self.num_heads % self.num_kv_heads != 0 {
-            return bad(format!("head_count {} must be a positive multiple of head_count_kv {}", self.num_heads, self.num_kv_heads));
+        if self.num_heads == 0
+            || self.num_kv_heads == 0
+            || !self.num_heads.is_multiple_of(self.num_kv_heads)
+        {
+            return bad(format!(
+                "head_count {} must be a positive multiple of head_count_kv {}",
+                self.num_heads, self.num_kv_heads
+            ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return bad(format!("head dimension {} must be even", self.head_dim));
         }
-        if self.hidden_size == 0 || self.num_layers == 0 || self.vocab_size == 0 || self.context_length == 0 {
-            return bad("embedding_length, block_count, vocabulary and context_length must be positive".into());
+        if self.hidden_size == 0
+            || self.num_layers == 0
+            || self.vocab_size == 0
+            || self.context_length == 0
+        {
+            return bad(
+                "embedding_length, block_count, vocabulary and context_length must be positive"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -72,7 +86,9 @@ impl GemmaConfig {
             .cloned()
             .ok_or(ModelError::MissingMetadata("general.architecture".into()))?;
         if !matches!(arch.as_str(), "gemma" | "gemma2" | "gemma3") {
-            return Err(ModelError::Unsupported(format!("architecture `{arch}` (expected gemma, gemma2 or gemma3)")));
+            return Err(ModelError::Unsupported(format!(
+                "architecture `{arch}` (expected gemma, gemma2 or gemma3)"
+            )));
         }
         let key = |k: &str| format!("{arch}.{k}");
         let get_u = |k: &str| -> Result<usize, ModelError> {
@@ -85,17 +101,26 @@ impl GemmaConfig {
         let hidden_size = get_u("embedding_length")?;
         let num_heads = get_u("attention.head_count")?;
         let head_dim = get_u("attention.key_length").unwrap_or(hidden_size / num_heads.max(1));
-        let vocab_size = match (content.tensor_infos.get("token_embd.weight"), md.get("tokenizer.ggml.tokens")) {
+        let vocab_size = match (
+            content.tensor_infos.get("token_embd.weight"),
+            md.get("tokenizer.ggml.tokens"),
+        ) {
             (Some(t), _) => t.shape.dims()[0],
             (None, Some(Value::Array(tokens))) => tokens.len(),
             _ => return Err(ModelError::MissingTensor("token_embd.weight".into())),
         };
         let (sliding_window, pattern) = match arch.as_str() {
-            "gemma3" => (get_u("attention.sliding_window").ok(), get_u("attention.sliding_window_pattern").unwrap_or(6)),
+            "gemma3" => (
+                get_u("attention.sliding_window").ok(),
+                get_u("attention.sliding_window_pattern").unwrap_or(6),
+            ),
             "gemma2" => (get_u("attention.sliding_window").ok(), 2),
             _ => (None, 1),
         };
-        let rope_scale = match md.get(&key("rope.scaling.type")).and_then(|v| v.to_string().ok()) {
+        let rope_scale = match md
+            .get(&key("rope.scaling.type"))
+            .and_then(|v| v.to_string().ok())
+        {
             Some(t) if t == "linear" => get_f("rope.scaling.factor").unwrap_or(1.0),
             _ => 1.0,
         };
@@ -110,11 +135,16 @@ impl GemmaConfig {
             rms_eps: get_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-6),
             context_length: get_u("context_length")?,
             rope_base_global: get_f("rope.freq_base").unwrap_or(10_000.0),
-            rope_base_local: if arch == "gemma3" { 10_000.0 } else { get_f("rope.freq_base").unwrap_or(10_000.0) },
+            rope_base_local: if arch == "gemma3" {
+                10_000.0
+            } else {
+                get_f("rope.freq_base").unwrap_or(10_000.0)
+            },
             rope_scale_global: rope_scale,
             sliding_window,
             sliding_window_pattern: pattern,
-            query_pre_attn_scalar: get_f("attention.query_pre_attn_scalar").unwrap_or(head_dim as f32),
+            query_pre_attn_scalar: get_f("attention.query_pre_attn_scalar")
+                .unwrap_or(head_dim as f32),
             attn_logit_softcap: get_f("attn_logit_softcapping").filter(|v| *v > 0.0),
             final_logit_softcap: get_f("final_logit_softcapping").filter(|v| *v > 0.0),
             architecture: arch,
@@ -127,7 +157,10 @@ impl GemmaConfig {
     pub fn from_hf_json(json: &serde_json::Value) -> Result<Self, ModelError> {
         // Multimodal Gemma 3 checkpoints nest the language model's settings.
         let c = json.get("text_config").unwrap_or(json);
-        let model_type = c.get("model_type").and_then(|v| v.as_str()).unwrap_or("gemma3_text");
+        let model_type = c
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("gemma3_text");
         let arch = match model_type {
             "gemma3_text" | "gemma3" => "gemma3",
             "gemma2" => "gemma2",
@@ -164,7 +197,11 @@ impl GemmaConfig {
             rope_base_global: f("rope_theta").unwrap_or(10_000.0),
             rope_base_local: f("rope_local_base_freq").unwrap_or(10_000.0),
             rope_scale_global: rope_scale,
-            sliding_window: if arch == "gemma" { None } else { u("sliding_window").ok() },
+            sliding_window: if arch == "gemma" {
+                None
+            } else {
+                u("sliding_window").ok()
+            },
             sliding_window_pattern: match arch {
                 "gemma3" => u("sliding_window_pattern").unwrap_or(6),
                 "gemma2" => 2,
@@ -189,5 +226,9 @@ pub fn special_tokens(md: &HashMap<String, Value>) -> (Option<u32>, Option<u32>,
             .map(|p| p as u32),
         _ => None,
     };
-    (id("tokenizer.ggml.bos_token_id"), id("tokenizer.ggml.eos_token_id"), end_of_turn)
+    (
+        id("tokenizer.ggml.bos_token_id"),
+        id("tokenizer.ggml.eos_token_id"),
+        end_of_turn,
+    )
 }

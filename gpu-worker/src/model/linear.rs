@@ -23,11 +23,17 @@ pub struct Input<'a> {
 impl<'a> Input<'a> {
     pub fn new(x: &'a [f32], rows: usize, cols: usize) -> Self {
         debug_assert_eq!(x.len(), rows * cols);
-        Self { x, rows, cols, quantized: OnceCell::new() }
+        Self {
+            x,
+            rows,
+            cols,
+            quantized: OnceCell::new(),
+        }
     }
 
     fn q8(&self) -> &ActQ8 {
-        self.quantized.get_or_init(|| kernels::quantize_activations(self.x, self.rows, self.cols))
+        self.quantized
+            .get_or_init(|| kernels::quantize_activations(self.x, self.rows, self.cols))
     }
 }
 
@@ -35,7 +41,11 @@ pub enum Linear {
     /// Q8_0 or Q5_0 weights, widened to signed 8-bit blocks.
     Q8(Arc<Q8Matrix>),
     /// Other GGML quantizations, through candle.
-    Candle { mm: QMatMul, rows: usize, cols: usize },
+    Candle {
+        mm: QMatMul,
+        rows: usize,
+        cols: usize,
+    },
     /// Dense f32 weights `[rows, cols]`.
     Dense(Tensor),
 }
@@ -66,7 +76,10 @@ impl Linear {
     pub fn forward(&self, input: &Input<'_>, out: &mut Vec<f32>) -> Result<(), ModelError> {
         let (rows, cols) = self.shape();
         if input.cols != cols {
-            return Err(ModelError::Shape(format!("linear expects width {cols}, got {}", input.cols)));
+            return Err(ModelError::Shape(format!(
+                "linear expects width {cols}, got {}",
+                input.cols
+            )));
         }
         out.clear();
         out.resize(input.rows * rows, 0.0);

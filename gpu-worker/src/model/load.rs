@@ -13,10 +13,13 @@ use candle_core::{DType, Device, Tensor};
 
 use super::config::{special_tokens, GemmaConfig};
 use super::{Embedding, Layer, Linear, Model, ModelError};
-use crate::kernels::Q8Matrix;
+use crate::kernels::{Q8Matrix, QK};
 
 fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
-    ModelError::Io { path: path.display().to_string(), reason: e.to_string() }
+    ModelError::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
 }
 
 struct Gguf<'a> {
@@ -31,12 +34,21 @@ impl Gguf<'_> {
     }
 
     fn raw(&self, name: &str) -> Result<(GgmlDType, usize, usize, Vec<u8>), ModelError> {
-        let info = self.content.tensor_infos.get(name).ok_or_else(|| ModelError::MissingTensor(name.into()))?;
+        let info = self
+            .content
+            .tensor_infos
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor(name.into()))?;
         let dims = info.shape.dims();
         let (rows, cols) = match dims {
             [n] => (1, *n),
             [r, c] => (*r, *c),
-            _ => return Err(ModelError::Shape(format!("{name}: unexpected rank {}", dims.len()))),
+            _ => {
+                return Err(ModelError::Shape(format!(
+                    "{name}: unexpected rank {}",
+                    dims.len()
+                )))
+            }
         };
         let bytes = rows * cols / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
         let mut buf = vec![0u8; bytes];
@@ -49,7 +61,11 @@ impl Gguf<'_> {
     fn vector(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let (dtype, _, _, data) = self.raw(name)?;
         let qt = candle_core::quantized::QTensor::new(
-            candle_core::quantized::QStorage::from_data(std::borrow::Cow::Owned(data), &Device::Cpu, dtype)?,
+            candle_core::quantized::QStorage::from_data(
+                std::borrow::Cow::Owned(data),
+                &Device::Cpu,
+                dtype,
+            )?,
             (self.content.tensor_infos[name].shape.elem_count(),),
         )?;
         Ok(qt.dequantize(&Device::Cpu)?.to_vec1()?)
@@ -70,7 +86,8 @@ impl Gguf<'_> {
             GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
             _ => return Ok(None),
         };
-        m.map(Some).map_err(|e| ModelError::Shape(format!("{name}: {e}")))
+        m.map(Some)
+            .map_err(|e| ModelError::Shape(format!("{name}: {e}")))
     }
 
     fn linear(&self, name: &str) -> Result<Linear, ModelError> {
@@ -80,7 +97,23 @@ impl Gguf<'_> {
         let mut file = &self.file;
         let qt = self.content.tensor(&mut file, name, &Device::Cpu)?;
         let (rows, cols) = qt.shape().dims2()?;
-        Ok(Linear::Candle { mm: QMatMul::from_qtensor(qt)?, rows, cols })
+        let dtype = qt.dtype();
+        let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
+        if !dense && cols % QK == 0 {
+            // Other block formats (Q4_K, Q6_K, ...) are re-quantized to 8-bit blocks so every matrix
+            // runs through the one batch-reusing kernel. The extra rounding is at most 1/254 of a
+            // block's largest weight, far below the 4- and 6-bit formats' own quantization step.
+            let w = qt
+                .dequantize(&Device::Cpu)?
+                .flatten_all()?
+                .to_vec1::<f32>()?;
+            return Ok(Linear::Q8(Arc::new(Q8Matrix::quantize(rows, cols, &w))));
+        }
+        Ok(Linear::Candle {
+            mm: QMatMul::from_qtensor(qt)?,
+            rows,
+            cols,
+        })
     }
 }
 
@@ -94,7 +127,11 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
     };
     let config = GemmaConfig::from_gguf(&content)?;
     let special = special_tokens(&content.metadata);
-    let g = Gguf { path, file, content };
+    let g = Gguf {
+        path,
+        file,
+        content,
+    };
 
     let (embedding, tied) = match g.q8("token_embd.weight")? {
         Some(m) => {
@@ -104,11 +141,16 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
         None => {
             let (dtype, rows, cols, _) = g.raw("token_embd.weight")?;
             if !matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) {
-                return Err(ModelError::Unsupported(format!("token_embd.weight in {dtype:?} (supported: Q8_0, Q5_0, F32, F16, BF16)")));
+                return Err(ModelError::Unsupported(format!(
+                    "token_embd.weight in {dtype:?} (supported: Q8_0, Q5_0, F32, F16, BF16)"
+                )));
             }
             let data = g.vector("token_embd.weight")?;
             let t = Tensor::from_vec(data.clone(), (rows, cols), &Device::Cpu)?;
-            (Embedding::Dense { rows, cols, data }, Some(Linear::Dense(t)))
+            (
+                Embedding::Dense { rows, cols, data },
+                Some(Linear::Dense(t)),
+            )
         }
     };
     let output = if g.has("output.weight") {
@@ -146,8 +188,9 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
 /// f32 weights. Norm weights are stored as `w` with the model using `1 + w`; that is folded here.
 pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
     let cfg_path = dir.join("config.json");
-    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path).map_err(|e| io_err(&cfg_path, e))?)
-        .map_err(|e| io_err(&cfg_path, e))?;
+    let json: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&cfg_path).map_err(|e| io_err(&cfg_path, e))?)
+            .map_err(|e| io_err(&cfg_path, e))?;
     let config = GemmaConfig::from_hf_json(&json)?;
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let mut files: Vec<_> = std::fs::read_dir(dir)
@@ -160,15 +203,38 @@ pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
         return Err(io_err(dir, "no .safetensors files"));
     }
     for f in files {
-        for (name, t) in candle_core::safetensors::load(&f, &Device::Cpu).map_err(|e| io_err(&f, e))? {
+        for (name, t) in
+            candle_core::safetensors::load(&f, &Device::Cpu).map_err(|e| io_err(&f, e))?
+        {
             // Multimodal checkpoints prefix the text model.
-            let name = name.strip_prefix("language_model.").unwrap_or(&name).to_string();
+            let name = name
+                .strip_prefix("language_model.")
+                .unwrap_or(&name)
+                .to_string();
             tensors.insert(name, t.to_dtype(DType::F32)?);
         }
     }
-    let get = |name: &str| tensors.get(name).cloned().ok_or_else(|| ModelError::MissingTensor(name.into()));
-    let norm = |name: &str| -> Result<Vec<f32>, ModelError> { Ok(get(name)?.flatten_all()?.to_vec1::<f32>()?.iter().map(|w| 1.0 + w).collect()) };
-    let opt_norm = |name: &str| if tensors.contains_key(name) { norm(name).map(Some) } else { Ok(None) };
+    let get = |name: &str| {
+        tensors
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ModelError::MissingTensor(name.into()))
+    };
+    let norm = |name: &str| -> Result<Vec<f32>, ModelError> {
+        Ok(get(name)?
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .map(|w| 1.0 + w)
+            .collect())
+    };
+    let opt_norm = |name: &str| {
+        if tensors.contains_key(name) {
+            norm(name).map(Some)
+        } else {
+            Ok(None)
+        }
+    };
     let dense = |name: &str| get(name).map(Linear::Dense);
 
     let gemma1 = config.architecture == "gemma";
@@ -178,7 +244,10 @@ pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
         let (post_attn, ffn_norm) = if gemma1 {
             (None, norm(&n("post_attention_layernorm.weight"))?)
         } else {
-            (opt_norm(&n("post_attention_layernorm.weight"))?, norm(&n("pre_feedforward_layernorm.weight"))?)
+            (
+                opt_norm(&n("post_attention_layernorm.weight"))?,
+                norm(&n("pre_feedforward_layernorm.weight"))?,
+            )
         };
         layers.push(Layer {
             attn_norm: norm(&n("input_layernorm.weight"))?,
@@ -202,13 +271,28 @@ pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
         Some(t) => Linear::Dense(t.clone()),
         None => Linear::Dense(emb.clone()),
     };
-    let embedding = Embedding::Dense { rows, cols, data: emb.flatten_all()?.to_vec1()? };
+    let embedding = Embedding::Dense {
+        rows,
+        cols,
+        data: emb.flatten_all()?.to_vec1()?,
+    };
     let special = (
-        json.get("bos_token_id").and_then(|v| v.as_u64()).map(|v| v as u32),
-        json.get("eos_token_id").and_then(|v| v.as_u64().or_else(|| v.get(0).and_then(|x| x.as_u64()))).map(|v| v as u32),
+        json.get("bos_token_id")
+            .and_then(|v| v.as_u64())
+            .map(|v| v as u32),
+        json.get("eos_token_id")
+            .and_then(|v| v.as_u64().or_else(|| v.get(0).and_then(|x| x.as_u64())))
+            .map(|v| v as u32),
         None,
     );
-    let model = Model::assemble(config, embedding, layers, norm("model.norm.weight")?, output, special);
+    let model = Model::assemble(
+        config,
+        embedding,
+        layers,
+        norm("model.norm.weight")?,
+        output,
+        special,
+    );
     check_shapes(&model)?;
     Ok(model)
 }
@@ -216,12 +300,20 @@ pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
 /// Every matrix must agree with the configuration, so a malformed file fails at load, not mid-step.
 fn check_shapes(m: &Model) -> Result<(), ModelError> {
     let c = &m.config;
-    let (h, qd, kd, f) = (c.hidden_size, c.num_heads * c.head_dim, c.kv_dim(), c.ffn_size);
+    let (h, qd, kd, f) = (
+        c.hidden_size,
+        c.num_heads * c.head_dim,
+        c.kv_dim(),
+        c.ffn_size,
+    );
     let expect = |what: String, l: &Linear, want: (usize, usize)| {
         if l.shape() == want {
             Ok(())
         } else {
-            Err(ModelError::Shape(format!("{what}: expected {want:?}, found {:?}", l.shape())))
+            Err(ModelError::Shape(format!(
+                "{what}: expected {want:?}, found {:?}",
+                l.shape()
+            )))
         }
     };
     for (i, l) in m.layers.iter().enumerate() {
@@ -232,17 +324,28 @@ fn check_shapes(m: &Model) -> Result<(), ModelError> {
         expect(format!("layer {i} gate"), &l.gate, (f, h))?;
         expect(format!("layer {i} up"), &l.up, (f, h))?;
         expect(format!("layer {i} down"), &l.down, (h, f))?;
-        for (name, v, len) in [("attn_norm", Some(&l.attn_norm), h), ("ffn_norm", Some(&l.ffn_norm), h), ("q_norm", l.q_norm.as_ref(), c.head_dim), ("k_norm", l.k_norm.as_ref(), c.head_dim)] {
+        for (name, v, len) in [
+            ("attn_norm", Some(&l.attn_norm), h),
+            ("ffn_norm", Some(&l.ffn_norm), h),
+            ("q_norm", l.q_norm.as_ref(), c.head_dim),
+            ("k_norm", l.k_norm.as_ref(), c.head_dim),
+        ] {
             if let Some(v) = v {
                 if v.len() != len {
-                    return Err(ModelError::Shape(format!("layer {i} {name}: expected {len} values, found {}", v.len())));
+                    return Err(ModelError::Shape(format!(
+                        "layer {i} {name}: expected {len} values, found {}",
+                        v.len()
+                    )));
                 }
             }
         }
     }
     expect("output".into(), &m.output, (c.vocab_size, h))?;
     if m.output_norm.len() != h {
-        return Err(ModelError::Shape(format!("output_norm: expected {h} values, found {}", m.output_norm.len())));
+        return Err(ModelError::Shape(format!(
+            "output_norm: expected {h} values, found {}",
+            m.output_norm.len()
+        )));
     }
     Ok(())
 }

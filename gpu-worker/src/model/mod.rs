@@ -49,14 +49,20 @@ pub enum ModelError {
 #[derive(Debug)]
 pub enum Embedding {
     Q8(Arc<Q8Matrix>),
-    Dense { rows: usize, cols: usize, data: Vec<f32> },
+    Dense {
+        rows: usize,
+        cols: usize,
+        data: Vec<f32>,
+    },
 }
 
 impl Embedding {
     fn row(&self, id: usize, out: &mut [f32]) {
         match self {
             Self::Q8(m) => m.dequantize_row(id, out),
-            Self::Dense { cols, data, .. } => out.copy_from_slice(&data[id * cols..(id + 1) * cols]),
+            Self::Dense { cols, data, .. } => {
+                out.copy_from_slice(&data[id * cols..(id + 1) * cols])
+            }
         }
     }
 }
@@ -116,7 +122,11 @@ impl Model {
     ) -> Self {
         let hd = config.head_dim;
         Self {
-            inv_freq_global: ops::rope_inv_freq(hd, config.rope_base_global, config.rope_scale_global),
+            inv_freq_global: ops::rope_inv_freq(
+                hd,
+                config.rope_base_global,
+                config.rope_scale_global,
+            ),
             inv_freq_local: ops::rope_inv_freq(hd, config.rope_base_local, 1.0),
             config,
             embedding,
@@ -139,13 +149,22 @@ impl Model {
         let layers: usize = self
             .layers
             .iter()
-            .map(|l| [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down].iter().map(|x| x.size_in_bytes()).sum::<usize>())
+            .map(|l| {
+                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|x| x.size_in_bytes())
+                    .sum::<usize>()
+            })
             .sum();
         emb + layers + if tied { 0 } else { self.output.size_in_bytes() }
     }
 
     /// Runs one step; returns `vocab_size` logits for each chunk with `want_logits`, in order.
-    pub fn forward(&self, chunks: &[SeqChunk<'_>], kv: &mut KvStore) -> Result<Vec<f32>, ModelError> {
+    pub fn forward(
+        &self,
+        chunks: &[SeqChunk<'_>],
+        kv: &mut KvStore,
+    ) -> Result<Vec<f32>, ModelError> {
         let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let n_tok: usize = chunks.iter().map(|s| s.tokens.len()).sum();
@@ -159,16 +178,30 @@ impl Model {
         }
         let mut x = vec![0f32; n_tok * h];
         let scale = (h as f32).sqrt();
-        for (row, &t) in x.chunks_exact_mut(h).zip(chunks.iter().flat_map(|ch| ch.tokens)) {
+        for (row, &t) in x
+            .chunks_exact_mut(h)
+            .zip(chunks.iter().flat_map(|ch| ch.tokens))
+        {
             if t as usize >= c.vocab_size {
-                return Err(ModelError::Shape(format!("token id {t} outside vocabulary of {}", c.vocab_size)));
+                return Err(ModelError::Shape(format!(
+                    "token id {t} outside vocabulary of {}",
+                    c.vocab_size
+                )));
             }
             self.embedding.row(t as usize, row);
             row.iter_mut().for_each(|v| *v *= scale);
         }
 
-        let (mut hbuf, mut q, mut k, mut v, mut o, mut g, mut u, mut d) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut hbuf, mut q, mut k, mut v, mut o, mut g, mut u, mut d) = (
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+            Vec::new(),
+        );
         let mut attn = vec![0f32; n_tok * c.num_heads * hd];
         for (li, layer) in self.layers.iter().enumerate() {
             let local = c.is_sliding(li);
@@ -183,7 +216,11 @@ impl Model {
             if let Some(w) = &layer.k_norm {
                 ops::rms_norm_rows(&mut k, w, c.rms_eps);
             }
-            let inv = if local { &self.inv_freq_local } else { &self.inv_freq_global };
+            let inv = if local {
+                &self.inv_freq_local
+            } else {
+                &self.inv_freq_global
+            };
             let (qd, kd) = (c.num_heads * hd, c.kv_dim());
             for (t, &p) in pos.iter().enumerate() {
                 ops::rope(&mut q[t * qd..(t + 1) * qd], hd, p, inv);
@@ -193,7 +230,13 @@ impl Model {
             let mut t = 0;
             for ch in chunks {
                 for i in 0..ch.tokens.len() {
-                    kv.write(li, ch.blocks, ch.start_pos + i, &k[t * kd..(t + 1) * kd], &v[t * kd..(t + 1) * kd]);
+                    kv.write(
+                        li,
+                        ch.blocks,
+                        ch.start_pos + i,
+                        &k[t * kd..(t + 1) * kd],
+                        &v[t * kd..(t + 1) * kd],
+                    );
                     t += 1;
                 }
             }
@@ -233,7 +276,8 @@ impl Model {
         }
         ops::rms_norm_rows(&mut last, &self.output_norm, c.rms_eps);
         let mut logits = Vec::new();
-        self.output.forward(&Input::new(&last, rows, h), &mut logits)?;
+        self.output
+            .forward(&Input::new(&last, rows, h), &mut logits)?;
         if let Some(cap) = c.final_logit_softcap {
             ops::softcap(&mut logits, cap);
         }
@@ -242,7 +286,15 @@ impl Model {
 
     /// Causal attention of every chunk's queries over its sequence's cache, into `out`
     /// (`tokens × heads × head_dim`). Parallel over (chunk, head).
-    fn attention(&self, layer: usize, local: bool, chunks: &[SeqChunk<'_>], q: &[f32], kv: &KvStore, out: &mut [f32]) {
+    fn attention(
+        &self,
+        layer: usize,
+        local: bool,
+        chunks: &[SeqChunk<'_>],
+        q: &[f32],
+        kv: &KvStore,
+        out: &mut [f32],
+    ) {
         let c = &self.config;
         let (nh, hd) = (c.num_heads, c.head_dim);
         let group = nh / c.num_kv_heads;
@@ -254,7 +306,9 @@ impl Model {
             offsets.push(t);
             t += ch.tokens.len();
         }
-        let jobs: Vec<(usize, usize)> = (0..chunks.len()).flat_map(|ci| (0..nh).map(move |hh| (ci, hh))).collect();
+        let jobs: Vec<(usize, usize)> = (0..chunks.len())
+            .flat_map(|ci| (0..nh).map(move |hh| (ci, hh)))
+            .collect();
         let results: Vec<Vec<f32>> = jobs
             .par_iter()
             .map(|&(ci, head)| {
@@ -295,7 +349,8 @@ impl Model {
         for (&(ci, head), res) in jobs.iter().zip(results) {
             for i in 0..chunks[ci].tokens.len() {
                 let row = offsets[ci] + i;
-                out[(row * nh + head) * hd..(row * nh + head + 1) * hd].copy_from_slice(&res[i * hd..(i + 1) * hd]);
+                out[(row * nh + head) * hd..(row * nh + head + 1) * hd]
+                    .copy_from_slice(&res[i * hd..(i + 1) * hd]);
             }
         }
     }

@@ -65,5 +65,7 @@ pub fn collect(mut rx: EventStream) -> Outcome {
 
 /// Deterministic prompt of `len` ordinary tokens (no special ids).
 pub fn prompt(len: usize, seed: u32, vocab: u32) -> Vec<u32> {
-    (0..len as u32).map(|i| 200 + (i * 37 + seed * 101) % (vocab - 200)).collect()
+    (0..len as u32)
+        .map(|i| 200 + (i * 37 + seed * 101) % (vocab - 200))
+        .collect()
 }

@@ -1,0 +1,30 @@
+# Hearth developer entry points. See README.md.
+CARGO ?= cargo
+SHELL := /bin/bash
+
+.PHONY: run test fetch-model build bench fmt lint
+
+## Fetch the model if missing, build, and chat with it in the terminal.
+run: fetch-model
+	$(CARGO) build --release -p hearth-worker
+	./target/release/hearth-worker chat
+
+## Everything CI checks: formatting, lints, and every test (unit, engine, real model).
+test: fetch-model
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) test --workspace
+
+fetch-model:
+	bash scripts/fetch-model.sh
+
+build:
+	$(CARGO) build --release --workspace
+
+## Engine benchmark on the real model (prints JSON; about 5 minutes on 2 cores).
+bench: fetch-model
+	$(CARGO) build --release -p hearth-worker
+	./target/release/hearth-worker bench
+
+fmt:
+	$(CARGO) fmt --all
