@@ -89,9 +89,17 @@ impl Engine {
         let (tx, rx) = sync_channel(config.command_queue);
         let stats = Arc::new(SharedStats::default());
         let thread_stats = stats.clone();
+        // Steps run inside a dedicated compute pool: parallel kernels called from one of its own
+        // threads run inline with work stealing, instead of every call handing work to another
+        // pool and sleeping until it is done (two context switches per matrix product).
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(config.compute_threads)
+            .thread_name(|i| format!("hearth-compute-{i}"))
+            .build()
+            .map_err(|e| EngineError::Internal(format!("cannot start compute threads: {e}")))?;
         let thread = std::thread::Builder::new()
             .name("hearth-engine".into())
-            .spawn(move || engine_task(sched, rx, thread_stats))
+            .spawn(move || engine_task(sched, rx, thread_stats, pool))
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
             handle: EngineHandle {
@@ -180,7 +188,12 @@ impl EngineHandle {
 }
 
 /// The engine loop: take commands, run a step, publish counters. Blocks only when idle.
-fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedStats>) {
+fn engine_task(
+    mut sched: Scheduler,
+    rx: Receiver<Command>,
+    stats: Arc<SharedStats>,
+    pool: rayon::ThreadPool,
+) {
     let mut shutting_down = false;
     loop {
         if sched.is_idle() {
@@ -204,7 +217,7 @@ fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedSta
             }
         }
         // A bug in one step must not take the engine (and every other user) down.
-        if catch_unwind(AssertUnwindSafe(|| sched.step())).is_err() {
+        if catch_unwind(AssertUnwindSafe(|| pool.install(|| sched.step()))).is_err() {
             tracing::error!("engine step panicked; failing the sequences in it");
             sched.fail_running("internal error in engine step");
         }
