@@ -146,3 +146,24 @@ fn malformed_block_data_is_an_error_not_a_panic() {
     assert!(Q8Matrix::from_q8_0(2, 32, &[0u8; 67]).is_err());
     assert!(Q8Matrix::from_q5_0(1, 48, &[0u8; 33]).is_err());
 }
+
+#[test]
+fn odd_block_counts_and_single_rows_match_the_scalar_reference() {
+    // 96 columns: an odd number of blocks exercises the AVX-512 path's single-block tail.
+    for (rows, cols, m) in [(19, 96, 5), (8, 32, 4), (5, 160, 1)] {
+        let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 9));
+        let x = quantize_activations(&noise(m * cols, 10), m, cols);
+        let mut reference = vec![0f32; m * rows];
+        matmul_q8_with(Isa::Scalar, &w, &x, &mut reference);
+        for isa in all_isas() {
+            let mut got = vec![0f32; m * rows];
+            matmul_q8_with(isa, &w, &x, &mut got);
+            for (g, r) in got.iter().zip(&reference) {
+                assert!(
+                    (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                    "{isa:?} {rows}x{cols}: {g} vs {r}"
+                );
+            }
+        }
+    }
+}

@@ -3,7 +3,8 @@
 //! per 4 activation rows and each activation block once per 4 weight rows.
 //!
 //! Signed×signed 8-bit products use the usual trick: `|w|` (unsigned) times `x` with `w`'s sign,
-//! fed to `vpmaddubsw`+`vpmaddwd` (AVX2) or one `vpdpbusd` (AVX-512 VNNI).
+//! fed to `vpmaddubsw`+`vpmaddwd` (AVX2) or `vpdpbusd` (AVX-512 VNNI, where one 512-bit vector
+//! holds two blocks and a per-half scale vector applies both blocks' scales at once).
 
 use super::q8::{ActQ8, Q8Matrix, QK};
 
@@ -127,12 +128,6 @@ macro_rules! kernel_module {
 kernel_module!(avx2, "avx2,fma", |aw, sx| {
     _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
 });
-kernel_module!(
-    vnni,
-    "avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni",
-    |aw, sx| _mm256_dpbusd_epi32(_mm256_setzero_si256(), aw, sx)
-);
-
 /// # Safety
 /// The CPU must support AVX2 and FMA.
 pub(super) unsafe fn matmul_rows_avx2(
@@ -156,5 +151,110 @@ pub(super) unsafe fn matmul_rows_vnni(
     out: &mut [f32],
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe { vnni::matmul_rows(w, x, r0, r1, out) }
+    unsafe { vnni512::matmul_rows(w, x, r0, r1, out) }
+}
+
+mod vnni512 {
+    use super::{ActQ8, Q8Matrix, QK};
+    use std::arch::x86_64::*;
+
+    /// `[s0; 8] ++ [s1; 8]`: the scales of the two blocks in one 512-bit vector.
+    #[target_feature(enable = "avx512f")]
+    #[inline]
+    fn pair(s0: f32, s1: f32) -> __m512 {
+        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1))
+    }
+
+    /// Scalar dot product of one block (odd block counts leave one at the end).
+    fn block_dot(w: &Q8Matrix, x: &ActQ8, r: usize, m: usize, b: usize) -> f32 {
+        let (k, bpr) = (w.cols, w.cols / QK);
+        let wq = &w.qs[r * k + b * QK..r * k + (b + 1) * QK];
+        let xq = &x.qs[m * k + b * QK..m * k + (b + 1) * QK];
+        let dot: i32 = wq.iter().zip(xq).map(|(&a, &b)| a as i32 * b as i32).sum();
+        w.scales[r * bpr + b] * x.scales[m * bpr + b] * dot as f32
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn tile<const R: usize, const A: usize>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        r: usize,
+        m: usize,
+        out: &mut [f32],
+    ) {
+        let k = w.cols;
+        let bpr = k / QK;
+        let mut acc = [[_mm512_setzero_ps(); A]; R];
+        let zero = _mm512_setzero_si512();
+        for b in (0..bpr - bpr % 2).step_by(2) {
+            let mut xv = [zero; A];
+            let mut xs = [_mm512_setzero_ps(); A];
+            for a in 0..A {
+                // SAFETY: row m + a < x.rows and blocks b, b + 1 < bpr: 64 bytes in bounds.
+                xv[a] = unsafe {
+                    _mm512_loadu_si512(x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m512i)
+                };
+                xs[a] = pair(x.scales[(m + a) * bpr + b], x.scales[(m + a) * bpr + b + 1]);
+            }
+            for i in 0..R {
+                // SAFETY: row r + i < w.rows, blocks b, b + 1 < bpr.
+                let wv = unsafe {
+                    _mm512_loadu_si512(w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m512i)
+                };
+                let neg = _mm512_movepi8_mask(wv);
+                let aw = _mm512_abs_epi8(wv);
+                let ws = pair(w.scales[(r + i) * bpr + b], w.scales[(r + i) * bpr + b + 1]);
+                for a in 0..A {
+                    let sx = _mm512_mask_sub_epi8(xv[a], neg, zero, xv[a]);
+                    let d = _mm512_dpbusd_epi32(zero, aw, sx);
+                    acc[i][a] =
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[a]), acc[i][a]);
+                }
+            }
+        }
+        for i in 0..R {
+            for a in 0..A {
+                let mut total = _mm512_reduce_add_ps(acc[i][a]);
+                if bpr % 2 == 1 {
+                    total += block_dot(w, x, r + i, m + a, bpr - 1);
+                }
+                out[(m + a) * w.rows + r + i] = total;
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn rows<const R: usize>(w: &Q8Matrix, x: &ActQ8, r: usize, out: &mut [f32]) {
+        let mut m = 0;
+        while m + 4 <= x.rows {
+            // SAFETY: bounds as documented on `tile`.
+            unsafe { tile::<R, 4>(w, x, r, m, out) };
+            m += 4;
+        }
+        while m < x.rows {
+            // SAFETY: as above.
+            unsafe { tile::<R, 1>(w, x, r, m, out) };
+            m += 1;
+        }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+        assert!(r1 <= w.rows && w.cols == x.cols && w.cols % QK == 0);
+        assert!(out.len() >= x.rows * w.rows);
+        let mut r = r0;
+        while r + 4 <= r1 {
+            // SAFETY: r + 3 < r1 <= w.rows.
+            unsafe { rows::<4>(w, x, r, out) };
+            r += 4;
+        }
+        while r < r1 {
+            // SAFETY: r < r1 <= w.rows.
+            unsafe { rows::<1>(w, x, r, out) };
+            r += 1;
+        }
+    }
 }
