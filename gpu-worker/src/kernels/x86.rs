@@ -154,6 +154,7 @@ pub(super) unsafe fn matmul_rows_vnni(
     unsafe { vnni512::matmul_rows(w, x, r0, r1, out) }
 }
 
+#[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
 mod vnni512 {
     use super::{ActQ8, Q8Matrix, QK};
     use std::arch::x86_64::*;
@@ -243,7 +244,7 @@ mod vnni512 {
     /// The CPU must support AVX-512 F, BW and VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
-        assert!(r1 <= w.rows && w.cols == x.cols && w.cols % QK == 0);
+        assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
         assert!(out.len() >= x.rows * w.rows);
         let mut r = r0;
         while r + 4 <= r1 {
