@@ -42,15 +42,7 @@ pub fn rss_bytes() -> usize {
 
 /// Deterministic "ordinary" token ids (clear of the special tokens at the start of the vocabulary).
 fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (1000 + s % (vocab as u64 / 2)) as u32
-        })
-        .collect()
+    crate::fixtures::xorshift(seed).take(n).map(|s| (1000 + s % (vocab as u64 / 2)) as u32).collect()
 }
 
 struct Run {

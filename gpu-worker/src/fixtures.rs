@@ -53,16 +53,20 @@ pub const EOS: u32 = 1;
 pub const BOS: u32 = 2;
 pub const END_OF_TURN: u32 = 106;
 
-fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+/// A deterministic xorshift stream: the one source of pseudo-random fixtures and bench inputs.
+pub fn xorshift(seed: u64) -> impl Iterator<Item = u64> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale
-        })
-        .collect()
+    std::iter::repeat_with(move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s
+    })
+}
+
+/// `n` deterministic values uniform in `[-scale, scale)`.
+pub fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    xorshift(seed).take(n).map(|s| ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale).collect()
 }
 
 fn name_seed(seed: u64, name: &str) -> u64 {
