@@ -42,7 +42,10 @@ pub fn rss_bytes() -> usize {
 
 /// Deterministic "ordinary" token ids (clear of the special tokens at the start of the vocabulary).
 fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
-    crate::fixtures::xorshift(seed).take(n).map(|s| (1000 + s % (vocab as u64 / 2)) as u32).collect()
+    crate::fixtures::xorshift(seed)
+        .take(n)
+        .map(|s| (1000 + s % (vocab as u64 / 2)) as u32)
+        .collect()
 }
 
 struct Run {
@@ -167,7 +170,14 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
                 ))
             })
             .collect::<Result<_, _>>()?;
-        let runs: Vec<_> = streams.into_iter().map(|s| run(s, t)).collect();
+        // Read every stream at once, so each one's first-token time is when it was produced.
+        let runs: Vec<Run> = std::thread::scope(|scope| {
+            let readers: Vec<_> = streams
+                .into_iter()
+                .map(|s| scope.spawn(move || run(s, t)))
+                .collect();
+            readers.into_iter().filter_map(|r| r.join().ok()).collect()
+        });
         let wall = t.elapsed().as_secs_f64();
         let generated: usize = runs.iter().map(|r| r.tokens.len()).sum();
         let last_first = runs

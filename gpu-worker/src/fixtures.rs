@@ -66,7 +66,10 @@ pub fn xorshift(seed: u64) -> impl Iterator<Item = u64> {
 
 /// `n` deterministic values uniform in `[-scale, scale)`.
 pub fn noise(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    xorshift(seed).take(n).map(|s| ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale).collect()
+    xorshift(seed)
+        .take(n)
+        .map(|s| ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * scale)
+        .collect()
 }
 
 fn name_seed(seed: u64, name: &str) -> u64 {

@@ -3,6 +3,8 @@
 
 use hearth_shared::SamplingParams;
 
+use crate::model::ops::exp;
+
 /// xoshiro256**: small, fast, and fully determined by its seed.
 #[derive(Clone, Debug)]
 pub struct Rng([u64; 4]);
@@ -69,7 +71,7 @@ impl Sampler {
     /// unmodified distribution.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> (u32, f32) {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let lse = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+        let lse = max + logits.iter().map(|&l| exp(l - max)).sum::<f32>().ln();
         let mut original = Vec::new();
         let penalty = self.params.repetition_penalty;
         if penalty != 1.0 {
@@ -112,7 +114,7 @@ impl Sampler {
         let inv_t = 1.0 / p.temperature;
         // Weights relative to the most likely token (which has weight 1).
         for c in cand.iter_mut() {
-            c.0 = ((c.0 - max) * inv_t).exp();
+            c.0 = exp((c.0 - max) * inv_t);
         }
         if p.min_p > 0.0 {
             cand.retain(|c| c.0 >= p.min_p);

@@ -9,17 +9,18 @@
 //! Dispatch picks the widest instruction set the CPU has at run time (AVX-512 VNNI, AVX2, or
 //! portable scalar code); every path is tested against the scalar reference and against candle.
 
+mod pool;
 mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use q8::{quantize_activations, ActQ8, Q8Matrix, QK};
+pub use pool::SpinPool;
+pub use q8::{pack_into_arena, quantize_activations, ActQ8, Q8Matrix, Values, QK};
 
-use rayon::prelude::*;
-
-/// Output rows per parallel task: large enough to amortize task overhead, small enough that both
-/// cores stay busy on the 256-row K/V projections.
-const ROWS_PER_TASK: usize = 64;
+/// Parallel tasks per thread: a few, so uneven progress between threads evens out.
+const TASKS_PER_THREAD: usize = 4;
+/// Least work per task (multiply-adds): below this, scheduling costs more than it saves.
+const MIN_TASK_WORK: usize = 1 << 18;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
@@ -79,10 +80,14 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
     assert_eq!(out.len(), w.rows * x.rows, "output has the wrong size");
     let n = w.rows;
     let ptr = OutPtr(out.as_mut_ptr());
-    let tasks = n.div_ceil(ROWS_PER_TASK);
-    (0..tasks).into_par_iter().for_each(|t| {
-        let r0 = t * ROWS_PER_TASK;
-        let r1 = (r0 + ROWS_PER_TASK).min(n);
+    let pool = SpinPool::global();
+    let max_tasks = pool.threads() * TASKS_PER_THREAD;
+    let min_rows = MIN_TASK_WORK.div_ceil(w.cols * x.rows.max(1));
+    let per_task = n.div_ceil(max_tasks).max(min_rows).next_multiple_of(4);
+    let tasks = n.div_ceil(per_task);
+    pool.run(tasks, &|t| {
+        let r0 = t * per_task;
+        let r1 = (r0 + per_task).min(n);
         // SAFETY: this task writes only columns r0..r1 of each output row, which no other task
         // touches, and `out` outlives the parallel loop.
         let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), n * x.rows) };

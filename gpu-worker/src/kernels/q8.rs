@@ -2,9 +2,89 @@
 //! activations, conversion from GGUF's Q8_0 and Q5_0 blocks, and the scalar reference kernel.
 
 use half::f16;
+use std::ops::Deref;
+use std::sync::Arc;
 
 /// Values per block (GGUF's QK8_0 and QK5_0).
 pub const QK: usize = 32;
+
+/// An empty vector with room for `n` values, backed by transparent huge pages where the OS allows.
+///
+/// Weights are streamed from memory on every decode step; with 4 KiB pages the hardware prefetcher
+/// stops at every page boundary (and the TLB misses every 4 KiB), with 2 MiB pages it does not.
+/// The hint is given before the memory is first touched, so the pages are huge from the start.
+fn weight_vec<T>(n: usize) -> Vec<T> {
+    let v: Vec<T> = Vec::with_capacity(n);
+    #[cfg(target_os = "linux")]
+    {
+        let bytes = n * std::mem::size_of::<T>();
+        if bytes >= 4 << 20 {
+            let start = v.as_ptr() as usize;
+            let aligned = start.next_multiple_of(2 << 20);
+            let end = (start + bytes) & !((2 << 20) - 1);
+            if end > aligned {
+                // SAFETY: the range lies inside the vector's allocation; MADV_HUGEPAGE only changes
+                // how the kernel backs the pages, never their contents. Failure is harmless.
+                unsafe {
+                    libc::madvise(
+                        aligned as *mut libc::c_void,
+                        end - aligned,
+                        libc::MADV_HUGEPAGE,
+                    );
+                }
+            }
+        }
+    }
+    v
+}
+
+/// A matrix's 8-bit values: its own buffer, or a range of an arena shared by many matrices (see
+/// [`pack_into_arena`]).
+#[derive(Clone, Debug)]
+pub struct Values {
+    buf: Arc<Vec<i8>>,
+    start: usize,
+    len: usize,
+}
+
+impl Values {
+    fn owned(v: Vec<i8>) -> Self {
+        let len = v.len();
+        Self {
+            buf: Arc::new(v),
+            start: 0,
+            len,
+        }
+    }
+}
+
+impl Deref for Values {
+    type Target = [i8];
+    fn deref(&self) -> &[i8] {
+        &self.buf[self.start..self.start + self.len]
+    }
+}
+
+/// Moves the values of many matrices into one huge-page-backed allocation, so the small per-layer
+/// matrices stream as fast as the big ones (a 1 MiB matrix alone cannot fill a 2 MiB page).
+pub fn pack_into_arena(matrices: &mut [&mut Q8Matrix]) {
+    let total: usize = matrices.iter().map(|m| m.qs.len()).sum();
+    let mut arena = weight_vec(total);
+    for m in matrices.iter() {
+        arena.extend_from_slice(&m.qs);
+    }
+    let arena = Arc::new(arena);
+    let mut at = 0;
+    for m in matrices.iter_mut() {
+        let len = m.qs.len();
+        m.qs = Values {
+            buf: arena.clone(),
+            start: at,
+            len,
+        };
+        at += len;
+    }
+}
 
 /// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values row-major and
 /// `scales` one factor per block, kept apart so SIMD loads of values are contiguous.
@@ -12,7 +92,7 @@ pub const QK: usize = 32;
 pub struct Q8Matrix {
     pub rows: usize,
     pub cols: usize,
-    pub qs: Vec<i8>,
+    pub qs: Values,
     pub scales: Vec<f32>,
 }
 
@@ -53,8 +133,8 @@ impl Q8Matrix {
     pub fn from_q8_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
         Self::check("Q8_0", rows, cols, data.len(), 34)?;
         let blocks = rows * cols / QK;
-        let mut qs = Vec::with_capacity(rows * cols);
-        let mut scales = Vec::with_capacity(blocks);
+        let mut qs = weight_vec(rows * cols);
+        let mut scales = weight_vec(blocks);
         for b in data.chunks_exact(34) {
             scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
             qs.extend(b[2..].iter().map(|&v| v as i8));
@@ -62,7 +142,7 @@ impl Q8Matrix {
         Ok(Self {
             rows,
             cols,
-            qs,
+            qs: Values::owned(qs),
             scales,
         })
     }
@@ -72,8 +152,8 @@ impl Q8Matrix {
     pub fn from_q5_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
         Self::check("Q5_0", rows, cols, data.len(), 22)?;
         let blocks = rows * cols / QK;
-        let mut qs = Vec::with_capacity(rows * cols);
-        let mut scales = Vec::with_capacity(blocks);
+        let mut qs = weight_vec(rows * cols);
+        let mut scales = weight_vec(blocks);
         for b in data.chunks_exact(22) {
             scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
@@ -91,7 +171,7 @@ impl Q8Matrix {
         Ok(Self {
             rows,
             cols,
-            qs,
+            qs: Values::owned(qs),
             scales,
         })
     }
@@ -100,15 +180,17 @@ impl Q8Matrix {
     pub fn quantize(rows: usize, cols: usize, w: &[f32]) -> Self {
         assert_eq!(w.len(), rows * cols);
         assert_eq!(cols % QK, 0, "width must be a multiple of {QK}");
-        let mut qs = vec![0i8; rows * cols];
-        let mut scales = vec![0f32; rows * cols / QK];
+        let mut qs = weight_vec(rows * cols);
+        qs.resize(rows * cols, 0i8);
+        let mut scales = weight_vec(rows * cols / QK);
+        scales.resize(rows * cols / QK, 0f32);
         for (i, (src, dst)) in w.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
             scales[i] = quantize_block(src, dst);
         }
         Self {
             rows,
             cols,
-            qs,
+            qs: Values::owned(qs),
             scales,
         }
     }
@@ -127,6 +209,27 @@ impl Q8Matrix {
                 *o = d * q as f32;
             }
         }
+    }
+
+    /// The rows of several matrices of equal width, stacked (one product instead of several).
+    pub fn concat_rows(parts: &[&Q8Matrix]) -> Option<Self> {
+        let cols = parts.first()?.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return None;
+        }
+        let rows = parts.iter().map(|p| p.rows).sum();
+        let mut qs = weight_vec(rows * cols);
+        let mut scales = weight_vec(rows * cols / QK);
+        for p in parts {
+            qs.extend_from_slice(&p.qs);
+            scales.extend_from_slice(&p.scales);
+        }
+        Some(Self {
+            rows,
+            cols,
+            qs: Values::owned(qs),
+            scales,
+        })
     }
 
     pub fn size_in_bytes(&self) -> usize {
@@ -152,6 +255,8 @@ pub struct ActQ8 {
     pub cols: usize,
     pub qs: Vec<i8>,
     pub scales: Vec<f32>,
+    /// Sum of each block's values (kernels that offset the weights to unsigned correct with it).
+    pub sums: Vec<i32>,
 }
 
 /// Quantizes `rows × cols` activations (row-major) block by block.
@@ -169,12 +274,14 @@ pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut Ac
     a.cols = cols;
     a.qs.resize(rows * cols, 0);
     a.scales.resize(rows * cols / QK, 0.0);
+    a.sums.resize(rows * cols / QK, 0);
     for (i, (src, dst)) in x
         .chunks_exact(QK)
         .zip(a.qs.chunks_exact_mut(QK))
         .enumerate()
     {
         a.scales[i] = quantize_block(src, dst);
+        a.sums[i] = dst.iter().map(|&v| v as i32).sum();
     }
 }
 

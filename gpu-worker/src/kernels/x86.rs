@@ -156,15 +156,12 @@ pub(super) unsafe fn matmul_rows_vnni(
 
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
 mod vnni512 {
+    //! Weights are flipped to unsigned on the fly (`w ^ 0x80 = w + 128`) so `vpdpbusd` multiplies
+    //! them with the signed activations directly; the `128·Σx` this adds is removed by starting
+    //! each block's accumulator at `-128·Σx` (spread as `-16·Σx` over the block's 8 lanes).
+    //! Activation scale and correction vectors are built once per call, not per weight row.
     use super::{ActQ8, Q8Matrix, QK};
     use std::arch::x86_64::*;
-
-    /// `[s0; 8] ++ [s1; 8]`: the scales of the two blocks in one 512-bit vector.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    fn pair(s0: f32, s1: f32) -> __m512 {
-        _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1))
-    }
 
     /// Scalar dot product of one block (odd block counts leave one at the end).
     fn block_dot(w: &Q8Matrix, x: &ActQ8, r: usize, m: usize, b: usize) -> f32 {
@@ -175,11 +172,47 @@ mod vnni512 {
         w.scales[r * bpr + b] * x.scales[m * bpr + b] * dot as f32
     }
 
+    /// Per activation row and block pair: `[s0; 8] ++ [s1; 8]` scales and the correction start.
+    struct Prepared {
+        scales: Vec<__m512>,
+        corr: Vec<__m512i>,
+        pairs: usize,
+    }
+
+    #[target_feature(enable = "avx512f")]
+    fn prepare(x: &ActQ8) -> Prepared {
+        let bpr = x.cols / QK;
+        let pairs = bpr / 2;
+        let mut scales = Vec::with_capacity(x.rows * pairs);
+        let mut corr = Vec::with_capacity(x.rows * pairs);
+        for m in 0..x.rows {
+            for p in 0..pairs {
+                let b = m * bpr + 2 * p;
+                scales.push(_mm512_mask_blend_ps(
+                    0xFF00,
+                    _mm512_set1_ps(x.scales[b]),
+                    _mm512_set1_ps(x.scales[b + 1]),
+                ));
+                corr.push(_mm512_mask_blend_epi32(
+                    0xFF00,
+                    _mm512_set1_epi32(-16 * x.sums[b]),
+                    _mm512_set1_epi32(-16 * x.sums[b + 1]),
+                ));
+            }
+        }
+        Prepared {
+            scales,
+            corr,
+            pairs,
+        }
+    }
+
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[inline]
     unsafe fn tile<const R: usize, const A: usize>(
         w: &Q8Matrix,
         x: &ActQ8,
+        px: &Prepared,
         r: usize,
         m: usize,
         out: &mut [f32],
@@ -187,30 +220,38 @@ mod vnni512 {
         let k = w.cols;
         let bpr = k / QK;
         let mut acc = [[_mm512_setzero_ps(); A]; R];
-        let zero = _mm512_setzero_si512();
-        for b in (0..bpr - bpr % 2).step_by(2) {
-            let mut xv = [zero; A];
-            let mut xs = [_mm512_setzero_ps(); A];
+        let flip = _mm512_set1_epi8(-128);
+        let halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        for p in 0..px.pairs {
+            let b = 2 * p;
+            let mut xv = [_mm512_setzero_si512(); A];
             for a in 0..A {
                 // SAFETY: row m + a < x.rows and blocks b, b + 1 < bpr: 64 bytes in bounds.
                 xv[a] = unsafe {
                     _mm512_loadu_si512(x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m512i)
                 };
-                xs[a] = pair(x.scales[(m + a) * bpr + b], x.scales[(m + a) * bpr + b + 1]);
             }
             for i in 0..R {
-                // SAFETY: row r + i < w.rows, blocks b, b + 1 < bpr.
-                let wv = unsafe {
-                    _mm512_loadu_si512(w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m512i)
+                // SAFETY: row r + i < w.rows, blocks b, b + 1 < bpr (values and the two scales).
+                let (wv, ws2) = unsafe {
+                    (
+                        _mm512_loadu_si512(
+                            w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m512i
+                        ),
+                        _mm_loadl_epi64(w.scales.as_ptr().add((r + i) * bpr + b) as *const __m128i),
+                    )
                 };
-                let neg = _mm512_movepi8_mask(wv);
-                let aw = _mm512_abs_epi8(wv);
-                let ws = pair(w.scales[(r + i) * bpr + b], w.scales[(r + i) * bpr + b + 1]);
+                let wu = _mm512_xor_si512(wv, flip);
+                let ws =
+                    _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castsi128_ps(ws2)));
                 for a in 0..A {
-                    let sx = _mm512_mask_sub_epi8(xv[a], neg, zero, xv[a]);
-                    let d = _mm512_dpbusd_epi32(zero, aw, sx);
-                    acc[i][a] =
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), _mm512_mul_ps(ws, xs[a]), acc[i][a]);
+                    let j = (m + a) * px.pairs + p;
+                    let d = _mm512_dpbusd_epi32(px.corr[j], wu, xv[a]);
+                    acc[i][a] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(d),
+                        _mm512_mul_ps(ws, px.scales[j]),
+                        acc[i][a],
+                    );
                 }
             }
         }
@@ -226,16 +267,22 @@ mod vnni512 {
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn rows<const R: usize>(w: &Q8Matrix, x: &ActQ8, r: usize, out: &mut [f32]) {
+    unsafe fn rows<const R: usize>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        px: &Prepared,
+        r: usize,
+        out: &mut [f32],
+    ) {
         let mut m = 0;
         while m + 4 <= x.rows {
             // SAFETY: bounds as documented on `tile`.
-            unsafe { tile::<R, 4>(w, x, r, m, out) };
+            unsafe { tile::<R, 4>(w, x, px, r, m, out) };
             m += 4;
         }
         while m < x.rows {
             // SAFETY: as above.
-            unsafe { tile::<R, 1>(w, x, r, m, out) };
+            unsafe { tile::<R, 1>(w, x, px, r, m, out) };
             m += 1;
         }
     }
@@ -246,15 +293,21 @@ mod vnni512 {
     pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
         assert!(out.len() >= x.rows * w.rows);
+        assert_eq!(
+            x.sums.len(),
+            x.scales.len(),
+            "activation block sums missing"
+        );
+        let px = prepare(x);
         let mut r = r0;
         while r + 4 <= r1 {
             // SAFETY: r + 3 < r1 <= w.rows.
-            unsafe { rows::<4>(w, x, r, out) };
+            unsafe { rows::<4>(w, x, &px, r, out) };
             r += 4;
         }
         while r < r1 {
             // SAFETY: r < r1 <= w.rows.
-            unsafe { rows::<1>(w, x, r, out) };
+            unsafe { rows::<1>(w, x, &px, r, out) };
             r += 1;
         }
     }

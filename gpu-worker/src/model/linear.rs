@@ -117,3 +117,86 @@ impl Linear {
         }
     }
 }
+
+/// Linear layers that read the same input (Q/K/V, gate/up). When all are 8-bit they are stacked
+/// into one matrix at load, so a step makes one parallel product instead of several.
+#[derive(Debug)]
+pub struct LinearGroup {
+    fused: Option<Linear>,
+    parts: Vec<Linear>,
+    shapes: Vec<(usize, usize)>,
+}
+
+impl LinearGroup {
+    pub fn new(parts: Vec<Linear>) -> Self {
+        let shapes = parts.iter().map(Linear::shape).collect();
+        let q8: Vec<&Q8Matrix> = parts
+            .iter()
+            .filter_map(|p| {
+                if let Linear::Q8(m) = p {
+                    Some(&**m)
+                } else {
+                    None
+                }
+            })
+            .collect();
+        if q8.len() == parts.len() {
+            if let Some(m) = Q8Matrix::concat_rows(&q8) {
+                return Self {
+                    fused: Some(Linear::Q8(Arc::new(m))),
+                    parts: Vec::new(),
+                    shapes,
+                };
+            }
+        }
+        Self {
+            fused: None,
+            parts,
+            shapes,
+        }
+    }
+
+    /// `(output features, input features)` of each member.
+    pub fn shapes(&self) -> &[(usize, usize)] {
+        &self.shapes
+    }
+
+    /// Runs every member on `input`; `outs[i]` receives member `i`'s output (`rows × features`).
+    pub fn forward(
+        &self,
+        input: &Input<'_>,
+        scratch: &mut Vec<f32>,
+        outs: &mut [&mut Vec<f32>],
+    ) -> Result<(), ModelError> {
+        let Some(fused) = &self.fused else {
+            for (p, o) in self.parts.iter().zip(outs.iter_mut()) {
+                p.forward(input, o)?;
+            }
+            return Ok(());
+        };
+        fused.forward(input, scratch)?;
+        let total: usize = self.shapes.iter().map(|s| s.0).sum();
+        let mut at = 0;
+        for (&(width, _), o) in self.shapes.iter().zip(outs.iter_mut()) {
+            o.clear();
+            for row in scratch.chunks_exact(total) {
+                o.extend_from_slice(&row[at..at + width]);
+            }
+            at += width;
+        }
+        Ok(())
+    }
+
+    /// The 8-bit matrices of the group, for packing at load.
+    pub fn q8_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+        self.fused.iter_mut().chain(self.parts.iter_mut())
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.fused
+            .iter()
+            .chain(&self.parts)
+            .map(Linear::size_in_bytes)
+            .sum()
+    }
+}

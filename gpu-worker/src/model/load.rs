@@ -12,8 +12,8 @@ use candle_core::quantized::{GgmlDType, QMatMul};
 use candle_core::{DType, Device, Tensor};
 
 use super::config::{special_tokens, GemmaConfig};
-use super::{Embedding, Layer, Linear, Model, ModelError};
-use crate::kernels::{Q8Matrix, QK};
+use super::{Embedding, Layer, Linear, LinearGroup, Model, ModelError};
+use crate::kernels::{pack_into_arena, Q8Matrix, QK};
 
 fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
     ModelError::Io {
@@ -164,21 +164,39 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
         let n = |s: &str| format!("blk.{i}.{s}");
         layers.push(Layer {
             attn_norm: g.vector(&n("attn_norm.weight"))?,
-            q: g.linear(&n("attn_q.weight"))?,
-            k: g.linear(&n("attn_k.weight"))?,
-            v: g.linear(&n("attn_v.weight"))?,
+            qkv: LinearGroup::new(vec![
+                g.linear(&n("attn_q.weight"))?,
+                g.linear(&n("attn_k.weight"))?,
+                g.linear(&n("attn_v.weight"))?,
+            ]),
             o: g.linear(&n("attn_output.weight"))?,
             q_norm: g.opt_vector(&n("attn_q_norm.weight"))?,
             k_norm: g.opt_vector(&n("attn_k_norm.weight"))?,
             post_attn_norm: g.opt_vector(&n("post_attention_norm.weight"))?,
             ffn_norm: g.vector(&n("ffn_norm.weight"))?,
-            gate: g.linear(&n("ffn_gate.weight"))?,
-            up: g.linear(&n("ffn_up.weight"))?,
+            gate_up: LinearGroup::new(vec![
+                g.linear(&n("ffn_gate.weight"))?,
+                g.linear(&n("ffn_up.weight"))?,
+            ]),
             down: g.linear(&n("ffn_down.weight"))?,
             post_ffn_norm: g.opt_vector(&n("post_ffw_norm.weight"))?,
         });
     }
     let output_norm = g.vector("output_norm.weight")?;
+    // Every layer's 8-bit values in one huge-page-backed arena (the embedding already is one).
+    let mut matrices: Vec<&mut Q8Matrix> = Vec::new();
+    for l in &mut layers {
+        let linears = l
+            .qkv
+            .q8_mut()
+            .chain(l.gate_up.q8_mut())
+            .chain([&mut l.o, &mut l.down]);
+        matrices.extend(linears.filter_map(|lin| match lin {
+            Linear::Q8(m) => Arc::get_mut(m),
+            _ => None,
+        }));
+    }
+    pack_into_arena(&mut matrices);
     let model = Model::assemble(config, embedding, layers, output_norm, output, special);
     check_shapes(&model)?;
     Ok(model)
@@ -251,16 +269,20 @@ pub fn load_safetensors(dir: &Path) -> Result<Model, ModelError> {
         };
         layers.push(Layer {
             attn_norm: norm(&n("input_layernorm.weight"))?,
-            q: dense(&n("self_attn.q_proj.weight"))?,
-            k: dense(&n("self_attn.k_proj.weight"))?,
-            v: dense(&n("self_attn.v_proj.weight"))?,
+            qkv: LinearGroup::new(vec![
+                dense(&n("self_attn.q_proj.weight"))?,
+                dense(&n("self_attn.k_proj.weight"))?,
+                dense(&n("self_attn.v_proj.weight"))?,
+            ]),
             o: dense(&n("self_attn.o_proj.weight"))?,
             q_norm: opt_norm(&n("self_attn.q_norm.weight"))?,
             k_norm: opt_norm(&n("self_attn.k_norm.weight"))?,
             post_attn_norm: post_attn,
             ffn_norm,
-            gate: dense(&n("mlp.gate_proj.weight"))?,
-            up: dense(&n("mlp.up_proj.weight"))?,
+            gate_up: LinearGroup::new(vec![
+                dense(&n("mlp.gate_proj.weight"))?,
+                dense(&n("mlp.up_proj.weight"))?,
+            ]),
             down: dense(&n("mlp.down_proj.weight"))?,
             post_ffn_norm: opt_norm(&n("post_feedforward_layernorm.weight"))?,
         });
@@ -306,24 +328,25 @@ fn check_shapes(m: &Model) -> Result<(), ModelError> {
         c.kv_dim(),
         c.ffn_size,
     );
-    let expect = |what: String, l: &Linear, want: (usize, usize)| {
-        if l.shape() == want {
+    let expect = |what: String, got: (usize, usize), want: (usize, usize)| {
+        if got == want {
             Ok(())
         } else {
             Err(ModelError::Shape(format!(
-                "{what}: expected {want:?}, found {:?}",
-                l.shape()
+                "{what}: expected {want:?}, found {got:?}"
             )))
         }
     };
     for (i, l) in m.layers.iter().enumerate() {
-        expect(format!("layer {i} q"), &l.q, (qd, h))?;
-        expect(format!("layer {i} k"), &l.k, (kd, h))?;
-        expect(format!("layer {i} v"), &l.v, (kd, h))?;
-        expect(format!("layer {i} o"), &l.o, (h, qd))?;
-        expect(format!("layer {i} gate"), &l.gate, (f, h))?;
-        expect(format!("layer {i} up"), &l.up, (f, h))?;
-        expect(format!("layer {i} down"), &l.down, (h, f))?;
+        let qkv = l.qkv.shapes();
+        let gu = l.gate_up.shapes();
+        expect(format!("layer {i} q"), qkv[0], (qd, h))?;
+        expect(format!("layer {i} k"), qkv[1], (kd, h))?;
+        expect(format!("layer {i} v"), qkv[2], (kd, h))?;
+        expect(format!("layer {i} o"), l.o.shape(), (h, qd))?;
+        expect(format!("layer {i} gate"), gu[0], (f, h))?;
+        expect(format!("layer {i} up"), gu[1], (f, h))?;
+        expect(format!("layer {i} down"), l.down.shape(), (h, f))?;
         for (name, v, len) in [
             ("attn_norm", Some(&l.attn_norm), h),
             ("ffn_norm", Some(&l.ffn_norm), h),
@@ -340,7 +363,7 @@ fn check_shapes(m: &Model) -> Result<(), ModelError> {
             }
         }
     }
-    expect("output".into(), &m.output, (c.vocab_size, h))?;
+    expect("output".into(), m.output.shape(), (c.vocab_size, h))?;
     if m.output_norm.len() != h {
         return Err(ModelError::Shape(format!(
             "output_norm: expected {h} values, found {}",

@@ -12,16 +12,16 @@
 //! block table. Linear layers see all of them as one `[tokens, hidden]` matrix; attention is per
 //! sequence. Logits are computed only for chunks that ask for them.
 
+mod attention;
 mod config;
 mod linear;
 mod load;
 pub(crate) mod ops;
 
 pub use config::GemmaConfig;
-pub use linear::{Input, Linear};
+pub use linear::{Input, Linear, LinearGroup};
 pub use load::{load_gguf, load_safetensors};
 
-use rayon::prelude::*;
 use std::sync::Arc;
 
 use crate::kernels::Q8Matrix;
@@ -70,16 +70,15 @@ impl Embedding {
 #[derive(Debug)]
 pub struct Layer {
     pub attn_norm: Vec<f32>,
-    pub q: Linear,
-    pub k: Linear,
-    pub v: Linear,
+    /// Q, K and V projections.
+    pub qkv: LinearGroup,
     pub o: Linear,
     pub q_norm: Option<Vec<f32>>,
     pub k_norm: Option<Vec<f32>>,
     pub post_attn_norm: Option<Vec<f32>>,
     pub ffn_norm: Vec<f32>,
-    pub gate: Linear,
-    pub up: Linear,
+    /// Gate and up projections of the FFN.
+    pub gate_up: LinearGroup,
     pub down: Linear,
     pub post_ffn_norm: Option<Vec<f32>>,
 }
@@ -150,10 +149,10 @@ impl Model {
             .layers
             .iter()
             .map(|l| {
-                [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|x| x.size_in_bytes())
-                    .sum::<usize>()
+                l.qkv.size_in_bytes()
+                    + l.gate_up.size_in_bytes()
+                    + l.o.size_in_bytes()
+                    + l.down.size_in_bytes()
             })
             .sum();
         emb + layers + if tied { 0 } else { self.output.size_in_bytes() }
@@ -203,13 +202,14 @@ impl Model {
             Vec::new(),
         );
         let mut attn = vec![0f32; n_tok * c.num_heads * hd];
+        let mut scratch = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let local = c.is_sliding(li);
             ops::rms_norm_into(&x, &layer.attn_norm, c.rms_eps, &mut hbuf);
             let input = Input::new(&hbuf, n_tok, h);
-            layer.q.forward(&input, &mut q)?;
-            layer.k.forward(&input, &mut k)?;
-            layer.v.forward(&input, &mut v)?;
+            layer
+                .qkv
+                .forward(&input, &mut scratch, &mut [&mut q, &mut k, &mut v])?;
             if let Some(w) = &layer.q_norm {
                 ops::rms_norm_rows(&mut q, w, c.rms_eps);
             }
@@ -240,7 +240,7 @@ impl Model {
                     t += 1;
                 }
             }
-            self.attention(li, local, chunks, &q, kv, &mut attn);
+            attention::attention(c, li, local, chunks, &q, kv, &mut attn);
             let input = Input::new(&attn, n_tok, qd);
             layer.o.forward(&input, &mut o)?;
             if let Some(w) = &layer.post_attn_norm {
@@ -250,8 +250,9 @@ impl Model {
 
             ops::rms_norm_into(&x, &layer.ffn_norm, c.rms_eps, &mut hbuf);
             let input = Input::new(&hbuf, n_tok, h);
-            layer.gate.forward(&input, &mut g)?;
-            layer.up.forward(&input, &mut u)?;
+            layer
+                .gate_up
+                .forward(&input, &mut scratch, &mut [&mut g, &mut u])?;
             ops::gelu_mul(&mut g, &u);
             let input = Input::new(&g, n_tok, c.ffn_size);
             layer.down.forward(&input, &mut d)?;
@@ -282,76 +283,5 @@ impl Model {
             ops::softcap(&mut logits, cap);
         }
         Ok(logits)
-    }
-
-    /// Causal attention of every chunk's queries over its sequence's cache, into `out`
-    /// (`tokens × heads × head_dim`). Parallel over (chunk, head).
-    fn attention(
-        &self,
-        layer: usize,
-        local: bool,
-        chunks: &[SeqChunk<'_>],
-        q: &[f32],
-        kv: &KvStore,
-        out: &mut [f32],
-    ) {
-        let c = &self.config;
-        let (nh, hd) = (c.num_heads, c.head_dim);
-        let group = nh / c.num_kv_heads;
-        let scale = 1.0 / c.query_pre_attn_scalar.sqrt();
-        let window = if local { c.sliding_window } else { None };
-        let mut offsets = Vec::with_capacity(chunks.len());
-        let mut t = 0;
-        for ch in chunks {
-            offsets.push(t);
-            t += ch.tokens.len();
-        }
-        let jobs: Vec<(usize, usize)> = (0..chunks.len())
-            .flat_map(|ci| (0..nh).map(move |hh| (ci, hh)))
-            .collect();
-        let results: Vec<Vec<f32>> = jobs
-            .par_iter()
-            .map(|&(ci, head)| {
-                let ch = &chunks[ci];
-                let kvh = head / group;
-                let mut res = vec![0f32; ch.tokens.len() * hd];
-                let mut scores = Vec::new();
-                for i in 0..ch.tokens.len() {
-                    let p = ch.start_pos + i;
-                    let row = offsets[ci] + i;
-                    let qv = &q[(row * nh + head) * hd..(row * nh + head + 1) * hd];
-                    let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
-                    scores.clear();
-                    let mut max = f32::NEG_INFINITY;
-                    for j in lo..=p {
-                        let (kr, _) = kv.read(layer, ch.blocks, j);
-                        let mut s = ops::dot(qv, &kr[kvh * hd..(kvh + 1) * hd]) * scale;
-                        if let Some(cap) = c.attn_logit_softcap {
-                            s = (s / cap).tanh() * cap;
-                        }
-                        max = max.max(s);
-                        scores.push(s);
-                    }
-                    let mut sum = 0.0;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    let dst = &mut res[i * hd..(i + 1) * hd];
-                    for (j, s) in (lo..=p).zip(&scores) {
-                        let (_, vr) = kv.read(layer, ch.blocks, j);
-                        ops::axpy(dst, s / sum, &vr[kvh * hd..(kvh + 1) * hd]);
-                    }
-                }
-                res
-            })
-            .collect();
-        for (&(ci, head), res) in jobs.iter().zip(results) {
-            for i in 0..chunks[ci].tokens.len() {
-                let row = offsets[ci] + i;
-                out[(row * nh + head) * hd..(row * nh + head + 1) * hd]
-                    .copy_from_slice(&res[i * hd..(i + 1) * hd]);
-            }
-        }
     }
 }
