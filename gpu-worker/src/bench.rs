@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 use hearth_shared::SessionId;
 use serde_json::{json, Value};
 
-use crate::engine::{
-    Engine, EngineConfig, EngineEvent, EngineHandle, EventStream, GenerateRequest,
-};
+use crate::engine::{Engine, EngineConfig, EngineEvent, EventStream, GenerateRequest};
 use crate::model::{load_gguf, Model};
 
 /// Options of a benchmark run.
@@ -79,16 +77,10 @@ fn run(rx: EventStream, start: Instant) -> Run {
     out
 }
 
-/// A request that never stops early: its only stop token is one the model will not produce.
-fn req(
-    h: &EngineHandle,
-    id: u64,
-    prompt: Vec<u32>,
-    n: u32,
-    session: Option<String>,
-) -> GenerateRequest {
+/// A request that generates exactly `n` tokens.
+fn req(id: u64, prompt: Vec<u32>, n: u32, session: Option<String>) -> GenerateRequest {
     let mut r = GenerateRequest::new(id, prompt, n);
-    r.stop_token_ids = vec![h.model_info().vocab_size as u32 - 1];
+    r.ignore_eos = true;
     r.session = session.map(SessionId::new);
     r
 }
@@ -133,13 +125,13 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
 
     // Warm-up: first touches of weights and thread pools.
     run(
-        h.submit(req(&h, next(), tokens(32, 1, vocab), 4, None))?,
+        h.submit(req(next(), tokens(32, 1, vocab), 4, None))?,
         Instant::now(),
     );
 
     let t = Instant::now();
     let r = run(
-        h.submit(req(&h, next(), tokens(o.prefill_tokens, 2, vocab), 1, None))?,
+        h.submit(req(next(), tokens(o.prefill_tokens, 2, vocab), 1, None))?,
         t,
     );
     let prefill_tok_s = o.prefill_tokens as f64 / r.ttft.as_secs_f64();
@@ -150,7 +142,7 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
 
     let t = Instant::now();
     let r = run(
-        h.submit(req(&h, next(), tokens(16, 3, vocab), o.decode_tokens, None))?,
+        h.submit(req(next(), tokens(16, 3, vocab), o.decode_tokens, None))?,
         t,
     );
     let decode_tok_s = (r.tokens.len() - 1) as f64 / (r.total - r.ttft).as_secs_f64();
@@ -162,7 +154,6 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
         let streams: Vec<_> = (0..n)
             .map(|i| {
                 h.submit(req(
-                    &h,
                     next(),
                     tokens(16, 100 + i as u64, vocab),
                     o.batch_tokens,
@@ -215,7 +206,7 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
                 let t = Instant::now();
                 let session = format!("bench-{sessions}-{s}");
                 let r = run(
-                    h.submit(req(&h, next(), hist.clone(), o.reply_tokens, Some(session)))?,
+                    h.submit(req(next(), hist.clone(), o.reply_tokens, Some(session)))?,
                     t,
                 );
                 turn_ttfts.push(r.ttft.as_secs_f64() * 1e3);
@@ -232,7 +223,7 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
         for p in last_turn_prompts.iter().take(4) {
             let t = Instant::now();
             cold.push(
-                run(h.submit(req(&h, next(), p.clone(), 1, None))?, t)
+                run(h.submit(req(next(), p.clone(), 1, None))?, t)
                     .ttft
                     .as_secs_f64()
                     * 1e3,

@@ -15,8 +15,8 @@ const VOCAB: u32 = 512;
 
 fn greedy(id: u64, prompt: Vec<u32>, n: u32) -> GenerateRequest {
     let mut r = GenerateRequest::new(id, prompt, n);
-    // No stop tokens from the random model's vocabulary: generate exactly `n`.
-    r.stop_token_ids = vec![VOCAB - 1];
+    // Generate exactly `n` tokens.
+    r.ignore_eos = true;
     r
 }
 
@@ -26,11 +26,16 @@ fn a_prompt_alone_and_inside_a_batch_of_eight_gives_identical_tokens() {
     let e = engine(model, EngineConfig::default());
     let h = e.handle();
     let prompts: Vec<Vec<u32>> = (0..8).map(|i| prompt(5 + i * 7, i as u32, VOCAB)).collect();
-    let alone: Vec<_> = prompts
+    let solo: Vec<_> = prompts
         .iter()
         .enumerate()
-        .map(|(i, p)| collect(h.submit(greedy(i as u64, p.clone(), 24)).unwrap()).tokens)
+        .map(|(i, p)| collect(h.submit(greedy(i as u64, p.clone(), 24)).unwrap()))
         .collect();
+    let solo_err: Vec<_> = solo
+        .iter()
+        .map(|o| (o.error.clone(), o.finish.clone()))
+        .collect();
+    let alone: Vec<_> = solo.into_iter().map(|o| o.tokens).collect();
     // Submit all eight before reading any: they share the engine's steps.
     let streams: Vec<_> = prompts
         .iter()
@@ -39,7 +44,7 @@ fn a_prompt_alone_and_inside_a_batch_of_eight_gives_identical_tokens() {
         .collect();
     let batched: Vec<_> = streams.into_iter().map(|s| collect(s).tokens).collect();
     for (i, (a, b)) in alone.iter().zip(&batched).enumerate() {
-        assert_eq!(a.len(), 24);
+        assert_eq!(a.len(), 24, "solo {i}: {:?}", solo_err[i]);
         assert_eq!(
             a, b,
             "sequence {i} differs between solo and batched decoding"

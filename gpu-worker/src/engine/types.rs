@@ -51,6 +51,9 @@ pub struct GenerateRequest {
     pub max_new_tokens: u32,
     /// Empty means the model's defaults (EOS and `<end_of_turn>`).
     pub stop_token_ids: Vec<u32>,
+    /// Generate exactly `max_new_tokens` (unless the context fills): no default stop tokens. For
+    /// benchmarks that need fixed output lengths, like vLLM's and llama.cpp's `ignore_eos`.
+    pub ignore_eos: bool,
 }
 
 impl GenerateRequest {
@@ -64,6 +67,7 @@ impl GenerateRequest {
             params: SamplingParams::default(),
             max_new_tokens,
             stop_token_ids: Vec::new(),
+            ignore_eos: false,
         }
     }
 }
@@ -125,7 +129,7 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
             capacity: info.kv_capacity_tokens,
         });
     }
-    let stop_ids = if req.stop_token_ids.is_empty() {
+    let stop_ids = if req.stop_token_ids.is_empty() && !req.ignore_eos {
         info.default_stop_ids.clone()
     } else {
         req.stop_token_ids.clone()

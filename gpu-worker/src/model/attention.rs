@@ -1,13 +1,12 @@
 //! Attention of each sequence's new tokens over its own paged KV cache, as matrix products.
 //!
 //! Per (sequence, KV head) the keys and values the chunk can see are gathered from their blocks
-//! into contiguous matrices; the queries of every head sharing that KV head are stacked, so scores
-//! are one `[heads·tokens, keys]` product and the output one `[heads·tokens, head_dim]` product.
-//! Causality and sliding windows are applied as masks on the score rows.
+//! into contiguous matrices, and the chunk's queries are cut into slices that run in parallel.
+//! Each query row is computed on its own, over exactly the keys its position can see and in
+//! position order, so a token's result never depends on how its sequence was batched, chunked,
+//! cached or recomputed (a general matrix product would change its summation order with shape).
 
 use std::sync::Mutex;
-
-use gemm::Parallelism;
 
 use super::{ops, GemmaConfig, SeqChunk};
 use crate::kernels::SpinPool;
@@ -16,48 +15,6 @@ use crate::kv::KvStore;
 /// Query tokens per slice: each slice multiplies only against the keys its tokens can see, which
 /// skips most of the masked half of a causal prefill.
 const SLICE_TOKENS: usize = 64;
-
-/// `c[m×n] = a[m×k] · b`, with `b` given as `[n×k]` (`b_rows_are_columns`) or `[k×n]`, all
-/// row-major.
-fn matmul(
-    a: &[f32],
-    b: &[f32],
-    c: &mut [f32],
-    (m, k, n): (usize, usize, usize),
-    b_rows_are_columns: bool,
-) {
-    assert!(a.len() >= m * k && b.len() >= k * n && c.len() >= m * n);
-    let (rhs_cs, rhs_rs) = if b_rows_are_columns {
-        (k as isize, 1)
-    } else {
-        (1, n as isize)
-    };
-    // SAFETY: the asserts above keep every index the strides describe inside the three slices,
-    // and `c` does not alias `a` or `b` (distinct borrows).
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            c.as_mut_ptr(),
-            1,
-            n as isize,
-            false,
-            a.as_ptr(),
-            1,
-            k as isize,
-            b.as_ptr(),
-            rhs_cs,
-            rhs_rs,
-            0.0,
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
-        )
-    }
-}
 
 /// The gathered inputs of one (sequence, KV head) pair.
 struct Group {
@@ -170,45 +127,33 @@ fn slice(
     let group = c.num_heads / c.num_kv_heads;
     let scale = 1.0 / c.query_pre_attn_scalar.sqrt();
     let t1 = (t0 + SLICE_TOKENS).min(n);
-    // Keys visible to any token of the slice, relative to the gathered range.
-    let (k0, k1) = (visible_from(first + t0) - gr.lo_min, first + t1 - gr.lo_min);
-    let (m, kl) = ((t1 - t0) * group, k1 - k0);
-    let mut scores = vec![0f32; m * kl];
-    matmul(
-        &gr.queries[t0 * group * hd..],
-        &gr.keys[k0 * hd..],
-        &mut scores,
-        (m, hd, kl),
-        true,
-    );
-    for (ri, srow) in scores.chunks_exact_mut(kl).enumerate() {
+    let m = (t1 - t0) * group;
+    // Most keys any token of the slice can see.
+    let kl = first + t1 - visible_from(first + t0);
+    let mut result = vec![0f32; m * hd];
+    let mut scores = vec![0f32; kl];
+    for (ri, out) in result.chunks_exact_mut(hd).enumerate() {
         let p = first + t0 + ri / group;
-        let (lo, hi) = (visible_from(p) - gr.lo_min - k0, p - gr.lo_min - k0);
+        let (lo, hi) = (visible_from(p) - gr.lo_min, p - gr.lo_min);
+        let qrow = &gr.queries[(t0 * group + ri) * hd..(t0 * group + ri + 1) * hd];
+        let s = &mut scores[..hi + 1 - lo];
         let mut max = f32::NEG_INFINITY;
-        for v in &mut srow[lo..=hi] {
-            *v *= scale;
+        for (v, j) in s.iter_mut().zip(lo..=hi) {
+            *v = ops::dot(qrow, &gr.keys[j * hd..(j + 1) * hd]) * scale;
             if let Some(cap) = c.attn_logit_softcap {
                 *v = (*v / cap).tanh() * cap;
             }
             max = max.max(*v);
         }
         let mut sum = 0.0;
-        for v in &mut srow[lo..=hi] {
+        for v in s.iter_mut() {
             *v = ops::exp(*v - max);
             sum += *v;
         }
         let inv = 1.0 / sum;
-        srow[lo..=hi].iter_mut().for_each(|v| *v *= inv);
-        srow[..lo].fill(0.0);
-        srow[hi + 1..].fill(0.0);
+        for (v, j) in s.iter().zip(lo..=hi) {
+            ops::axpy(out, v * inv, &gr.values[j * hd..(j + 1) * hd]);
+        }
     }
-    let mut result = vec![0f32; m * hd];
-    matmul(
-        &scores,
-        &gr.values[k0 * hd..],
-        &mut result,
-        (m, kl, hd),
-        false,
-    );
     result
 }
