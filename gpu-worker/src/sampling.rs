@@ -70,8 +70,8 @@ impl Sampler {
     /// (for the repetition penalty). Returns the token and its log-probability under the model's
     /// unmodified distribution.
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> (u32, f32) {
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let lse = max + logits.iter().map(|&l| exp(l - max)).sum::<f32>().ln();
+        let max = max_of(logits);
+        let lse = max + sum_exp(logits, max).ln();
         let mut original = Vec::new();
         let penalty = self.params.repetition_penalty;
         if penalty != 1.0 {
@@ -157,14 +157,42 @@ impl Sampler {
     }
 }
 
-fn argmax(xs: &[f32]) -> u32 {
-    let mut best = (f32::NEG_INFINITY, 0u32);
-    for (i, &x) in xs.iter().enumerate() {
-        if x > best.0 {
-            best = (x, i as u32);
+/// Lanes of the vectorized reductions below: independent accumulators that LLVM keeps in SIMD
+/// registers (a single running value would serialize the 262k-wide loops).
+const LANES: usize = 16;
+
+/// Largest value (`-inf` for an empty slice; NaN-free input assumed).
+fn max_of(xs: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
         }
     }
-    best.1
+    rest.iter()
+        .chain(&acc)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+}
+
+/// `Σ e^(x - max)`.
+fn sum_exp(xs: &[f32], max: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for c in chunks {
+        for i in 0..LANES {
+            acc[i] += exp(c[i] - max);
+        }
+    }
+    acc.iter().sum::<f32>() + rest.iter().map(|&v| exp(v - max)).sum::<f32>()
+}
+
+/// Index of the first largest value.
+fn argmax(xs: &[f32]) -> u32 {
+    let max = max_of(xs);
+    xs.iter().position(|&v| v == max).map_or(0, |i| i as u32)
 }
 
 #[cfg(test)]

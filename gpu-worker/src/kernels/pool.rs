@@ -158,6 +158,7 @@ fn helper(sh: &Shared) {
     let mut seen = 0u64;
     loop {
         let idle_since = Instant::now();
+        let mut spins = 0u32;
         let generation = loop {
             let (g, next, tasks) = unpack(sh.state.load(Ordering::Acquire));
             if g != seen && next < tasks {
@@ -166,7 +167,9 @@ fn helper(sh: &Shared) {
             if g != seen {
                 seen = g;
             }
-            if idle_since.elapsed() > SPIN {
+            spins = spins.wrapping_add(1);
+            // Reading the clock costs more than a spin: check it now and then.
+            if spins % 1024 == 0 && idle_since.elapsed() > SPIN {
                 std::thread::park_timeout(Duration::from_millis(100));
             } else {
                 std::hint::spin_loop();
