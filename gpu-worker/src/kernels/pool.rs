@@ -169,7 +169,7 @@ fn helper(sh: &Shared) {
             }
             spins = spins.wrapping_add(1);
             // Reading the clock costs more than a spin: check it now and then.
-            if spins % 1024 == 0 && idle_since.elapsed() > SPIN {
+            if spins.is_multiple_of(1024) && idle_since.elapsed() > SPIN {
                 std::thread::park_timeout(Duration::from_millis(100));
             } else {
                 std::hint::spin_loop();
