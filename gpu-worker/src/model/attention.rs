@@ -131,28 +131,41 @@ fn slice(
     // Most keys any token of the slice can see.
     let kl = first + t1 - visible_from(first + t0);
     let mut result = vec![0f32; m * hd];
-    let mut scores = vec![0f32; kl];
-    for (ri, out) in result.chunks_exact_mut(hd).enumerate() {
-        let p = first + t0 + ri / group;
+    // The heads sharing this KV head see the same keys: score them together so each key and
+    // value row is read from memory once per token, not once per head. Each head's numbers are
+    // still computed exactly as on their own.
+    let mut scores = vec![0f32; group * kl];
+    for (ti, out) in result.chunks_exact_mut(group * hd).enumerate() {
+        let p = first + t0 + ti;
         let (lo, hi) = (visible_from(p) - gr.lo_min, p - gr.lo_min);
-        let qrow = &gr.queries[(t0 * group + ri) * hd..(t0 * group + ri + 1) * hd];
-        let s = &mut scores[..hi + 1 - lo];
-        let mut max = f32::NEG_INFINITY;
-        for (v, j) in s.iter_mut().zip(lo..=hi) {
-            *v = ops::dot(qrow, &gr.keys[j * hd..(j + 1) * hd]) * scale;
-            if let Some(cap) = c.attn_logit_softcap {
-                *v = (*v / cap).tanh() * cap;
+        let len = hi + 1 - lo;
+        let qrows = &gr.queries[(t0 + ti) * group * hd..(t0 + ti + 1) * group * hd];
+        let mut max = vec![f32::NEG_INFINITY; group];
+        for (jj, j) in (lo..=hi).enumerate() {
+            let key = &gr.keys[j * hd..(j + 1) * hd];
+            for (h, q) in qrows.chunks_exact(hd).enumerate() {
+                let mut v = ops::dot(q, key) * scale;
+                if let Some(cap) = c.attn_logit_softcap {
+                    v = (v / cap).tanh() * cap;
+                }
+                scores[h * kl + jj] = v;
+                max[h] = max[h].max(v);
             }
-            max = max.max(*v);
         }
-        let mut sum = 0.0;
-        for v in s.iter_mut() {
-            *v = ops::exp(*v - max);
-            sum += *v;
+        let mut inv = vec![0f32; group];
+        for h in 0..group {
+            let mut sum = 0.0;
+            for v in &mut scores[h * kl..h * kl + len] {
+                *v = ops::exp(*v - max[h]);
+                sum += *v;
+            }
+            inv[h] = 1.0 / sum;
         }
-        let inv = 1.0 / sum;
-        for (v, j) in s.iter().zip(lo..=hi) {
-            ops::axpy(out, v * inv, &gr.values[j * hd..(j + 1) * hd]);
+        for (jj, j) in (lo..=hi).enumerate() {
+            let value = &gr.values[j * hd..(j + 1) * hd];
+            for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+                ops::axpy(o, scores[h * kl + jj] * inv[h], value);
+            }
         }
     }
     result
