@@ -15,7 +15,9 @@ mod q8;
 mod x86;
 
 pub use pool::SpinPool;
-pub use q8::{pack_into_arena, quantize_activations, ActQ8, Q8Matrix, Values, QK};
+pub use q8::{
+    advise_huge_pages, pack_into_arena, quantize_activations, ActQ8, Q8Matrix, Values, QK,
+};
 
 /// Parallel tasks per thread: a few, so uneven progress between threads evens out.
 const TASKS_PER_THREAD: usize = 4;

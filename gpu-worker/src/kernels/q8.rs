@@ -15,16 +15,23 @@ pub const QK: usize = 32;
 /// The hint is given before the memory is first touched, so the pages are huge from the start.
 fn weight_vec<T>(n: usize) -> Vec<T> {
     let v: Vec<T> = Vec::with_capacity(n);
+    advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<T>());
+    v
+}
+
+/// Asks the OS to back the 2 MiB-aligned part of `[start, start + bytes)` with huge pages.
+/// Only a hint: contents are unchanged and failure is harmless. Memory not yet touched stays
+/// unbacked until first written.
+pub fn advise_huge_pages(start: usize, bytes: usize) {
     #[cfg(target_os = "linux")]
     {
-        let bytes = n * std::mem::size_of::<T>();
-        if bytes >= 4 << 20 {
-            let start = v.as_ptr() as usize;
-            let aligned = start.next_multiple_of(2 << 20);
-            let end = (start + bytes) & !((2 << 20) - 1);
+        const HUGE: usize = 2 << 20;
+        if bytes >= 2 * HUGE {
+            let aligned = start.next_multiple_of(HUGE);
+            let end = (start + bytes) & !(HUGE - 1);
             if end > aligned {
-                // SAFETY: the range lies inside the vector's allocation; MADV_HUGEPAGE only changes
-                // how the kernel backs the pages, never their contents. Failure is harmless.
+                // SAFETY: the range lies inside one live allocation; MADV_HUGEPAGE changes only how
+                // the kernel backs the pages, never their contents.
                 unsafe {
                     libc::madvise(
                         aligned as *mut libc::c_void,
@@ -35,7 +42,8 @@ fn weight_vec<T>(n: usize) -> Vec<T> {
             }
         }
     }
-    v
+    #[cfg(not(target_os = "linux"))]
+    let _ = (start, bytes);
 }
 
 /// A matrix's 8-bit values: its own buffer, or a range of an arena shared by many matrices (see
@@ -131,43 +139,63 @@ impl Q8Matrix {
 
     /// From GGUF Q8_0 blocks: `f16 d, i8 qs[32]` (34 bytes).
     pub fn from_q8_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
-        Self::check("Q8_0", rows, cols, data.len(), 34)?;
-        let blocks = rows * cols / QK;
-        let mut qs = weight_vec(rows * cols);
-        let mut scales = weight_vec(blocks);
-        for b in data.chunks_exact(34) {
-            scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
-            qs.extend(b[2..].iter().map(|&v| v as i8));
-        }
-        Ok(Self {
-            rows,
-            cols,
-            qs: Values::owned(qs),
-            scales,
+        Self::from_blocks("Q8_0", rows, cols, data, 34, |b, out| {
+            for (o, &v) in out.iter_mut().zip(&b[2..]) {
+                *o = v as i8;
+            }
+            f16::from_le_bytes([b[0], b[1]]).to_f32()
         })
     }
 
     /// From GGUF Q5_0 blocks: `f16 d, u8 qh[4], u8 qs[16]` (22 bytes); value `j` is the low (`j < 16`)
     /// or high nibble of `qs[j % 16]` with bit `j` of `qh` on top, minus 16.
     pub fn from_q5_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
-        Self::check("Q5_0", rows, cols, data.len(), 22)?;
-        let blocks = rows * cols / QK;
-        let mut qs = weight_vec(rows * cols);
-        let mut scales = weight_vec(blocks);
-        for b in data.chunks_exact(22) {
-            scales.push(f16::from_le_bytes([b[0], b[1]]).to_f32());
+        Self::from_blocks("Q5_0", rows, cols, data, 22, |b, out| {
             let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
             let nib = &b[6..22];
-            for j in 0..QK {
+            for (j, o) in out.iter_mut().enumerate() {
                 let low = if j < 16 {
                     nib[j] & 0x0f
                 } else {
                     nib[j - 16] >> 4
                 };
                 let high = (((qh >> j) & 1) as u8) << 4;
-                qs.push(((low | high) as i8) - 16);
+                *o = ((low | high) as i8) - 16;
             }
-        }
+            f16::from_le_bytes([b[0], b[1]]).to_f32()
+        })
+    }
+
+    /// Converts GGUF blocks of `block_bytes` each with `decode` (values out, scale returned), in
+    /// parallel: the 262k-row embedding is most of a model's load time.
+    fn from_blocks(
+        format: &'static str,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+        block_bytes: usize,
+        decode: impl Fn(&[u8], &mut [i8]) -> f32 + Sync,
+    ) -> Result<Self, LayoutError> {
+        use rayon::prelude::*;
+        Self::check(format, rows, cols, data.len(), block_bytes)?;
+        let blocks = rows * cols / QK;
+        let mut qs = weight_vec(rows * cols);
+        qs.resize(rows * cols, 0i8);
+        let mut scales = weight_vec(blocks);
+        scales.resize(blocks, 0f32);
+        const CHUNK: usize = 4096;
+        qs.par_chunks_mut(CHUNK * QK)
+            .zip(scales.par_chunks_mut(CHUNK))
+            .zip(data.par_chunks(CHUNK * block_bytes))
+            .for_each(|((q, d), src)| {
+                for ((q, d), b) in q
+                    .chunks_exact_mut(QK)
+                    .zip(d.iter_mut())
+                    .zip(src.chunks_exact(block_bytes))
+                {
+                    *d = decode(b, q);
+                }
+            });
         Ok(Self {
             rows,
             cols,

@@ -8,8 +8,10 @@ use std::path::Path;
 use std::sync::Arc;
 
 use candle_core::quantized::gguf_file::Content;
-use candle_core::quantized::{GgmlDType, QMatMul};
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
+use rayon::prelude::*;
+use std::borrow::Cow;
 
 use super::config::{special_tokens, GemmaConfig};
 use super::{Embedding, Layer, Linear, LinearGroup, Model, ModelError};
@@ -94,10 +96,12 @@ impl Gguf<'_> {
         if let Some(m) = self.q8(name)? {
             return Ok(Linear::Q8(Arc::new(m)));
         }
-        let mut file = &self.file;
-        let qt = self.content.tensor(&mut file, name, &Device::Cpu)?;
-        let (rows, cols) = qt.shape().dims2()?;
-        let dtype = qt.dtype();
+        // Positioned reads (not seek + read), so layers can load on several threads at once.
+        let (dtype, rows, cols, data) = self.raw(name)?;
+        let qt = QTensor::new(
+            QStorage::from_data(Cow::Owned(data), &Device::Cpu, dtype)?,
+            (rows, cols),
+        )?;
         let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if !dense && cols % QK == 0 {
             // Other block formats (Q4_K, Q6_K, ...) are re-quantized to 8-bit blocks so every matrix
@@ -159,29 +163,32 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
         tied.ok_or_else(|| ModelError::MissingTensor("output.weight".into()))?
     };
 
-    let mut layers = Vec::with_capacity(config.num_layers);
-    for i in 0..config.num_layers {
-        let n = |s: &str| format!("blk.{i}.{s}");
-        layers.push(Layer {
-            attn_norm: g.vector(&n("attn_norm.weight"))?,
-            qkv: LinearGroup::new(vec![
-                g.linear(&n("attn_q.weight"))?,
-                g.linear(&n("attn_k.weight"))?,
-                g.linear(&n("attn_v.weight"))?,
-            ]),
-            o: g.linear(&n("attn_output.weight"))?,
-            q_norm: g.opt_vector(&n("attn_q_norm.weight"))?,
-            k_norm: g.opt_vector(&n("attn_k_norm.weight"))?,
-            post_attn_norm: g.opt_vector(&n("post_attention_norm.weight"))?,
-            ffn_norm: g.vector(&n("ffn_norm.weight"))?,
-            gate_up: LinearGroup::new(vec![
-                g.linear(&n("ffn_gate.weight"))?,
-                g.linear(&n("ffn_up.weight"))?,
-            ]),
-            down: g.linear(&n("ffn_down.weight"))?,
-            post_ffn_norm: g.opt_vector(&n("post_ffw_norm.weight"))?,
-        });
-    }
+    // Layers convert in parallel: widening Q5_0 and re-quantizing k-quants is most of the load.
+    let mut layers = (0..config.num_layers)
+        .into_par_iter()
+        .map(|i| {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            Ok(Layer {
+                attn_norm: g.vector(&n("attn_norm.weight"))?,
+                qkv: LinearGroup::new(vec![
+                    g.linear(&n("attn_q.weight"))?,
+                    g.linear(&n("attn_k.weight"))?,
+                    g.linear(&n("attn_v.weight"))?,
+                ]),
+                o: g.linear(&n("attn_output.weight"))?,
+                q_norm: g.opt_vector(&n("attn_q_norm.weight"))?,
+                k_norm: g.opt_vector(&n("attn_k_norm.weight"))?,
+                post_attn_norm: g.opt_vector(&n("post_attention_norm.weight"))?,
+                ffn_norm: g.vector(&n("ffn_norm.weight"))?,
+                gate_up: LinearGroup::new(vec![
+                    g.linear(&n("ffn_gate.weight"))?,
+                    g.linear(&n("ffn_up.weight"))?,
+                ]),
+                down: g.linear(&n("ffn_down.weight"))?,
+                post_ffn_norm: g.opt_vector(&n("post_ffw_norm.weight"))?,
+            })
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
     let output_norm = g.vector("output_norm.weight")?;
     // Every layer's 8-bit values in one huge-page-backed arena (the embedding already is one).
     let mut matrices: Vec<&mut Q8Matrix> = Vec::new();
