@@ -11,19 +11,39 @@ use serde_json::{json, Value};
 use crate::engine::{Engine, EngineConfig, EngineEvent, EventStream, GenerateRequest};
 use crate::model::{load_gguf, Model};
 
-/// Options of a benchmark run.
-#[derive(Debug, Clone)]
+/// Options of a benchmark run (also the `hearth-worker bench` flags).
+#[derive(Debug, Clone, clap::Args)]
 pub struct BenchOptions {
-    pub model: PathBuf,
+    /// GGUF model file (default: the fetched Gemma 3 270M in the models directory).
+    #[arg(long, env = "HEARTH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Prompt length of the prefill measurement.
+    #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
+    /// Tokens generated in the single-stream decode measurement.
+    #[arg(long, default_value_t = 128)]
     pub decode_tokens: u32,
+    /// Concurrent sequences for the batched decode runs.
+    #[arg(long, default_value = "1,4,16,64", value_delimiter = ',')]
     pub concurrency: Vec<usize>,
+    /// Tokens generated per sequence in the batched runs.
+    #[arg(long, default_value_t = 64)]
     pub batch_tokens: u32,
+    /// Interleaved session counts for the multi-turn runs.
+    #[arg(long, default_value = "1,32", value_delimiter = ',')]
     pub sessions: Vec<usize>,
-    pub turns: usize,
+    /// Turns per session in the multi-turn runs.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    pub turns: u32,
+    /// New user tokens per turn.
+    #[arg(long, default_value_t = 120)]
     pub turn_tokens: usize,
+    /// Reply tokens per turn.
+    #[arg(long, default_value_t = 32)]
     pub reply_tokens: u32,
-    pub kv_budget_bytes: usize,
+    /// KV budget in MiB.
+    #[arg(long, env = "HEARTH_KV_BUDGET_MB", default_value_t = 4096)]
+    pub kv_budget_mb: usize,
 }
 
 /// Resident set size of this process, in bytes.
@@ -97,22 +117,24 @@ fn progress(msg: &str) {
     eprintln!("bench: {msg}");
 }
 
-pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
+/// Runs every measurement on the model at `model` and returns the JSON report.
+pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Result<Value> {
+    let turns = o.turns as usize;
     let rss_before = rss_bytes();
     let t = Instant::now();
-    let model: Arc<Model> = Arc::new(load_gguf(&o.model)?);
+    let model: Arc<Model> = Arc::new(load_gguf(model_path)?);
     let load_s = t.elapsed().as_secs_f64();
     let rss_loaded = rss_bytes();
     progress(&format!(
         "loaded {} in {load_s:.2}s, rss {} MB",
-        o.model.display(),
+        model_path.display(),
         rss_loaded >> 20
     ));
     let vocab = model.config.vocab_size;
     let engine = Engine::start(
         model.clone(),
         EngineConfig {
-            kv_budget_bytes: o.kv_budget_bytes,
+            kv_budget_bytes: o.kv_budget_mb << 20,
             ..Default::default()
         },
     )?;
@@ -192,15 +214,15 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
     for &sessions in &o.sessions {
         progress(&format!(
             "multi-turn: {sessions} sessions x {} turns, reuse on",
-            o.turns
+            turns
         ));
         let mut history: Vec<Vec<u32>> = vec![Vec::new(); sessions];
         let mut last_turn_prompts = Vec::new();
-        let (mut ttft_by_turn, mut cached_last) = (vec![Vec::new(); o.turns], Vec::new());
+        let (mut ttft_by_turn, mut cached_last) = (vec![Vec::new(); turns], Vec::new());
         for (turn, turn_ttfts) in ttft_by_turn.iter_mut().enumerate() {
             for (s, hist) in history.iter_mut().enumerate() {
                 hist.extend(tokens(o.turn_tokens, (s * 1000 + turn) as u64, vocab));
-                if turn + 1 == o.turns {
+                if turn + 1 == turns {
                     last_turn_prompts.push(hist.clone());
                 }
                 let t = Instant::now();
@@ -210,7 +232,7 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
                     t,
                 );
                 turn_ttfts.push(r.ttft.as_secs_f64() * 1e3);
-                if turn + 1 == o.turns {
+                if turn + 1 == turns {
                     cached_last.push(r.cached as f64 / hist.len() as f64);
                 }
                 hist.extend(&r.tokens);
@@ -229,12 +251,12 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
                     * 1e3,
             );
         }
-        let last = &mut ttft_by_turn[o.turns - 1];
+        let last = &mut ttft_by_turn[turns - 1];
         let prompt_len =
             last_turn_prompts.iter().map(Vec::len).sum::<usize>() / last_turn_prompts.len().max(1);
         multi.push(json!({
             "sessions": sessions,
-            "turns": o.turns,
+            "turns": turns,
             "last_turn_prompt_tokens": prompt_len,
             "last_turn_cached_ratio": cached_last.iter().sum::<f64>() / cached_last.len().max(1) as f64,
             "last_turn_ttft_ms_reuse_on": { "p50": percentile(last, 0.5), "p95": percentile(last, 0.95), "max": percentile(last, 1.0) },
@@ -247,7 +269,7 @@ pub fn run_bench(o: &BenchOptions) -> anyhow::Result<Value> {
     let stats = h.stats();
     drop(engine);
     Ok(json!({
-        "model": o.model.display().to_string(),
+        "model": model_path.display().to_string(),
         "architecture": model.config.architecture,
         "kernel_isa": format!("{:?}", crate::kernels::detect_isa()),
         "compiled_with_avx512": cfg!(target_feature = "avx512f"),
