@@ -6,7 +6,7 @@
 //! (parking after a short idle period, so an idle worker costs nothing) and the caller works
 //! alongside them.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
@@ -35,6 +35,8 @@ struct Shared {
     /// The current job's `&dyn Fn` as its two machine words; read only after a successful claim.
     job: [AtomicUsize; 2],
     done: AtomicUsize,
+    /// Set when a task of the current call panicked.
+    panicked: AtomicBool,
 }
 
 #[derive(Debug)]
@@ -59,6 +61,7 @@ impl SpinPool {
             state: AtomicU64::new(0),
             job: [AtomicUsize::new(0), AtomicUsize::new(0)],
             done: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
         }));
         let mut handles = Vec::new();
         for i in 1..threads.max(1) {
@@ -109,6 +112,7 @@ impl SpinPool {
         let (generation, _, _) = unpack(sh.state.load(Ordering::Acquire));
         let generation = (generation + 1) & 0xFF_FFFF;
         sh.done.store(0, Ordering::Relaxed);
+        sh.panicked.store(false, Ordering::Relaxed);
         sh.job[0].store(words[0], Ordering::Relaxed);
         sh.job[1].store(words[1], Ordering::Relaxed);
         sh.state
@@ -119,6 +123,9 @@ impl SpinPool {
         work(sh, generation);
         while sh.done.load(Ordering::Acquire) < tasks {
             std::hint::spin_loop();
+        }
+        if sh.panicked.load(Ordering::Acquire) {
+            panic!("a parallel kernel task panicked");
         }
     }
 }
@@ -148,7 +155,13 @@ fn work(sh: &Shared, generation: u64) {
             // SAFETY: the claim succeeded, so the call that published `generation` (and these
             // words, before its Release store of `state`) is still waiting: the job is alive.
             let job: Job<'_> = unsafe { std::mem::transmute::<[usize; 2], Job<'_>>(words) };
-            job(next as usize);
+            // A panicking task must still count as done, or the caller would wait forever; the
+            // caller re-raises it (the engine then fails that step's sequences, not the thread).
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(next as usize)))
+                .is_err()
+            {
+                sh.panicked.store(true, Ordering::Release);
+            }
             sh.done.fetch_add(1, Ordering::Release);
         }
     }
@@ -183,6 +196,20 @@ fn helper(sh: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_panicking_task_is_reported_to_the_caller_and_the_pool_keeps_working() {
+        let pool = SpinPool::new(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(8, &|i| assert_ne!(i, 5, "task 5 fails"))
+        }));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.run(8, &|_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 8);
+    }
 
     #[test]
     fn every_task_runs_exactly_once_across_many_calls() {
