@@ -83,9 +83,15 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
     let n = w.rows;
     let ptr = OutPtr(out.as_mut_ptr());
     let pool = SpinPool::global();
-    let max_tasks = pool.threads() * TASKS_PER_THREAD;
-    let min_rows = MIN_TASK_WORK.div_ceil(w.cols * x.rows.max(1));
-    let per_task = n.div_ceil(max_tasks).max(min_rows).next_multiple_of(4);
+    let threads = pool.threads();
+    let work = n * w.cols * x.rows.max(1);
+    // As many tasks as the work justifies, up to a few per thread, and a multiple of the thread
+    // count so no thread is left finishing a last task alone.
+    let mut tasks = (work / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
+    if tasks >= threads {
+        tasks -= tasks % threads;
+    }
+    let per_task = n.div_ceil(tasks).next_multiple_of(4);
     let tasks = n.div_ceil(per_task);
     pool.run(tasks, &|t| {
         let r0 = t * per_task;
