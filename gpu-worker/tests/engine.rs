@@ -371,3 +371,35 @@ fn missing_or_corrupt_model_files_are_clear_errors() {
     let err = load_safetensors(&dir).unwrap_err().to_string();
     assert!(err.contains("config.json"), "{err}");
 }
+
+#[test]
+fn stats_account_session_blocks_exactly() {
+    let e = engine(tiny_model(), EngineConfig::default());
+    let h = e.handle();
+    let total = h.stats().kv_blocks_total;
+    assert!(total > 0);
+    let mut r = greedy(1, prompt(30, 1, VOCAB), 10);
+    r.session = Some(SessionId::from("acct"));
+    let out = collect(h.submit(r).unwrap());
+    assert_eq!(out.tokens.len(), 10);
+    // The cache holds the prompt and every generated token but the last: 39 positions, 3 blocks.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = h.stats();
+        if s.running == 0 && s.cached_sessions == 1 && s.kv_blocks_used == 3 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{s:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(h.drop_session(SessionId::from("acct")))
+        .unwrap();
+    let s = h.stats();
+    assert_eq!(
+        (s.cached_sessions, s.kv_blocks_used, s.kv_blocks_total),
+        (0, 0, total)
+    );
+}

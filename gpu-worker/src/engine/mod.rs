@@ -88,6 +88,8 @@ impl Engine {
         let info = Arc::new(sched.model_info());
         let (tx, rx) = sync_channel(config.command_queue);
         let stats = Arc::new(SharedStats::default());
+        // Counters are valid from the first `stats()` call, not only after the first step.
+        publish(&sched, &stats);
         let thread_stats = stats.clone();
         // Steps run inside a dedicated compute pool: parallel kernels called from one of its own
         // threads run inline with work stealing, instead of every call handing work to another
@@ -202,13 +204,13 @@ fn engine_task(
             }
             publish(&sched, &stats);
             match rx.recv() {
-                Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd),
+                Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd, &stats),
                 Err(_) => break,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd),
+                Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd, &stats),
                 Err(TryRecvError::Empty) => break,
                 Err(TryRecvError::Disconnected) => {
                     shutting_down = true;
@@ -227,12 +229,15 @@ fn engine_task(
     tracing::info!("engine thread stopped");
 }
 
-fn handle_command(sched: &mut Scheduler, cmd: Command) -> bool {
+fn handle_command(sched: &mut Scheduler, cmd: Command, stats: &SharedStats) -> bool {
     match cmd {
         Command::Submit(req, tx) => sched.enqueue(*req, tx),
         Command::Cancel(id) => sched.cancel(id),
         Command::DropSession(s, reply) => {
-            let _ = reply.send(sched.drop_session(&s));
+            let result = sched.drop_session(&s);
+            // The caller may read the counters as soon as it has the answer.
+            publish(sched, stats);
+            let _ = reply.send(result);
         }
         Command::Shutdown => return true,
     }
