@@ -91,17 +91,9 @@ impl Engine {
         // Counters are valid from the first `stats()` call, not only after the first step.
         publish(&sched, &stats);
         let thread_stats = stats.clone();
-        // Steps run inside a dedicated compute pool: parallel kernels called from one of its own
-        // threads run inline with work stealing, instead of every call handing work to another
-        // pool and sleeping until it is done (two context switches per matrix product).
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(config.compute_threads)
-            .thread_name(|i| format!("hearth-compute-{i}"))
-            .build()
-            .map_err(|e| EngineError::Internal(format!("cannot start compute threads: {e}")))?;
         let thread = std::thread::Builder::new()
             .name("hearth-engine".into())
-            .spawn(move || engine_task(sched, rx, thread_stats, pool))
+            .spawn(move || engine_task(sched, rx, thread_stats))
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
             handle: EngineHandle {
@@ -190,12 +182,7 @@ impl EngineHandle {
 }
 
 /// The engine loop: take commands, run a step, publish counters. Blocks only when idle.
-fn engine_task(
-    mut sched: Scheduler,
-    rx: Receiver<Command>,
-    stats: Arc<SharedStats>,
-    pool: rayon::ThreadPool,
-) {
+fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedStats>) {
     let mut shutting_down = false;
     loop {
         if sched.is_idle() {
@@ -219,7 +206,7 @@ fn engine_task(
             }
         }
         // A bug in one step must not take the engine (and every other user) down.
-        if catch_unwind(AssertUnwindSafe(|| pool.install(|| sched.step()))).is_err() {
+        if catch_unwind(AssertUnwindSafe(|| sched.step())).is_err() {
             tracing::error!("engine step panicked; failing the sequences in it");
             sched.fail_running("internal error in engine step");
         }

@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
-use rayon::prelude::*;
+use std::sync::Mutex;
 
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
+use crate::kernels::SpinPool;
 use crate::kv::{BlockAllocator, BlockId, KvStore};
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
@@ -528,11 +529,22 @@ impl Scheduler {
                         .map(|s| (ix, s, row))
                 })
                 .collect();
-            work.into_par_iter()
-                .map(|(ix, s, row)| {
+            // On the kernel pool, whose helpers are already awake: handing this to another pool
+            // would leave a spinning helper competing with it for the cores.
+            let work: Vec<Mutex<(usize, &mut Seq, &mut [f32])>> =
+                work.into_iter().map(Mutex::new).collect();
+            let picks: Vec<Mutex<(usize, u32, f32)>> =
+                work.iter().map(|_| Mutex::new((0, 0, 0.0))).collect();
+            SpinPool::global().run(work.len(), &|i| {
+                if let (Ok(mut w), Ok(mut p)) = (work[i].lock(), picks[i].lock()) {
+                    let (ix, s, row) = &mut *w;
                     let (t, lp) = s.sampler.sample(row, &s.tokens);
-                    (ix, t, lp)
-                })
+                    *p = (*ix, t, lp);
+                }
+            });
+            picks
+                .into_iter()
+                .filter_map(|p| p.into_inner().ok())
                 .collect()
         };
         let mut finished = Vec::new();

@@ -21,8 +21,6 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Capacity of the command channel to the engine thread.
     pub command_queue: usize,
-    /// Threads that run the forward pass (0: one per CPU).
-    pub compute_threads: usize,
 }
 
 impl Default for EngineConfig {
@@ -34,7 +32,6 @@ impl Default for EngineConfig {
             max_waiting: 1024,
             prefill_chunk: 512,
             command_queue: 4096,
-            compute_threads: 0,
         }
     }
 }
