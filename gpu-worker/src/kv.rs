@@ -124,18 +124,6 @@ impl KvStore {
         let d = self.kv_dim;
         (&self.k[layer][o..o + d], &self.v[layer][o..o + d])
     }
-
-    /// Copies the first `tokens` positions of `src`'s table into `dst`'s (same block size).
-    pub fn copy_prefix(&mut self, src: &[BlockId], dst: &[BlockId], tokens: usize) {
-        let bs = self.block_size * self.kv_dim;
-        for layer in 0..self.k.len() {
-            for i in 0..tokens.div_ceil(self.block_size) {
-                let (s, d) = (src[i] as usize * bs, dst[i] as usize * bs);
-                self.k[layer].copy_within(s..s + bs, d);
-                self.v[layer].copy_within(s..s + bs, d);
-            }
-        }
-    }
 }
 
 #[cfg(test)]

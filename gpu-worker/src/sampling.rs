@@ -72,18 +72,18 @@ impl Sampler {
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> (u32, f32) {
         let max = max_of(logits);
         let lse = max + sum_exp(logits, max).ln();
-        let mut original = Vec::new();
+        // Penalized tokens' unmodified logits (each seen token once, however often it appears).
+        let mut original = std::collections::HashMap::new();
         let penalty = self.params.repetition_penalty;
         if penalty != 1.0 {
             for &t in history {
                 let Some(l) = logits.get_mut(t as usize) else {
                     continue;
                 };
-                if original.iter().any(|&(id, _)| id == t) {
-                    continue;
+                if let std::collections::hash_map::Entry::Vacant(e) = original.entry(t) {
+                    e.insert(*l);
+                    *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
                 }
-                original.push((t, *l));
-                *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
             }
         }
         let token = if self.params.is_greedy() {
@@ -92,9 +92,9 @@ impl Sampler {
             self.sample_stochastic(logits)
         };
         let raw = original
-            .iter()
-            .find(|&&(id, _)| id == token)
-            .map_or(logits[token as usize], |&(_, l)| l);
+            .get(&token)
+            .copied()
+            .unwrap_or(logits[token as usize]);
         (token, raw - lse)
     }
 

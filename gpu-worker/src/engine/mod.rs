@@ -1,7 +1,7 @@
 //! The engine: a scheduler that owns the model, the KV memory and every live sequence, running on
 //! its own OS thread, and the cloneable [`EngineHandle`] that async code uses to talk to it.
 //!
-//! Requests are validated on the caller's side into a [`ValidRequest`] (only [`validate`] builds
+//! Requests are validated on the caller's side into a [`ValidRequest`] (only validation builds
 //! one), sent over a bounded command channel, and answered with a stream of [`EngineEvent`]s:
 //! `Started`, then `Token`s, then exactly one `Finished` or `Error`. Dropping the stream cancels the
 //! request at the next engine step.

@@ -235,11 +235,13 @@ impl Scheduler {
         self.clock
     }
 
-    /// Frees the least recently used idle session cache; false if there is none.
-    fn evict_one_idle(&mut self) -> bool {
+    /// Frees the least recently used idle session cache other than `keep`; false if there is
+    /// none.
+    fn evict_one_idle(&mut self, keep: Option<&SessionId>) -> bool {
         let Some(id) = self
             .sessions
             .iter()
+            .filter(|(id, _)| Some(*id) != keep)
             .min_by_key(|(_, c)| c.last_used)
             .map(|(id, _)| id.clone())
         else {
@@ -318,56 +320,28 @@ impl Scheduler {
             let bs = self.config.block_size;
             // Reuse the session's cache: the common prefix of cache and prompt, minus at least one
             // token so there is something to run for logits.
-            let (reuse, cache) = {
-                let s = &self.waiting[i];
-                match s
-                    .session
-                    .as_ref()
-                    .and_then(|id| self.sessions.get(id).map(|c| (id, c)))
-                {
-                    Some((_, c)) => {
-                        let common = c
-                            .tokens
-                            .iter()
-                            .zip(&s.tokens)
-                            .take_while(|(a, b)| a == b)
-                            .count();
-                        (common.min(s.tokens.len() - 1), true)
-                    }
-                    None => (0, false),
-                }
-            };
-            let need_tokens = self.waiting[i].tokens.len() + 1;
+            let s = &self.waiting[i];
+            let cache = s.session.as_ref().and_then(|id| self.sessions.get(id));
+            let reuse = cache.map_or(0, |c| {
+                let common = c
+                    .tokens
+                    .iter()
+                    .zip(&s.tokens)
+                    .take_while(|(a, b)| a == b)
+                    .count();
+                common.min(s.tokens.len() - 1)
+            });
+            let need_tokens = s.tokens.len() + 1;
             let have_blocks = reuse.div_ceil(bs);
             let need = BlockAllocator::blocks_needed(have_blocks, need_tokens, bs);
             // Blocks this request's own cache frees by rewinding count as available.
-            let own_cached = if cache {
-                self.waiting[i]
-                    .session
-                    .as_ref()
-                    .and_then(|id| self.sessions.get(id))
-                    .map_or(0, |c| c.blocks.len() - have_blocks)
-            } else {
-                0
-            };
-            let mut available = self.alloc.free() + own_cached;
-            while available < need {
-                // Never evict the cache we are about to reuse.
-                let own = self.waiting[i]
-                    .session
-                    .as_ref()
-                    .and_then(|id| self.sessions.remove_entry(id));
-                let evicted = self.evict_one_idle();
-                if let Some((id, c)) = own {
-                    self.sessions.insert(id, c);
-                }
-                if !evicted {
-                    break;
-                }
-                available = self.alloc.free() + own_cached;
-            }
-            if available < need {
-                if self.running.is_empty() && self.sessions.is_empty() && !cache {
+            let own_cached = cache.map_or(0, |c| c.blocks.len() - have_blocks);
+            let has_cache = cache.is_some();
+            let keep = s.session.clone();
+            // Never evict the cache we are about to reuse.
+            while self.alloc.free() + own_cached < need && self.evict_one_idle(keep.as_ref()) {}
+            if self.alloc.free() + own_cached < need {
+                if self.running.is_empty() && self.sessions.is_empty() && !has_cache {
                     // Cannot fit even in an empty engine; validation normally prevents this.
                     let s = self.waiting.remove(i);
                     s.send(EngineEvent::Error(EngineError::KvBudgetTooSmall {
@@ -447,7 +421,7 @@ impl Scheduler {
             let id = s.id;
             let mut ok = true;
             while !self.alloc.grow(&mut self.running[i].blocks, want, bs) {
-                if self.evict_one_idle() {
+                if self.evict_one_idle(None) {
                     continue;
                 }
                 let victim = self.preempt_youngest();

@@ -77,12 +77,6 @@ pub struct ValidRequest {
     pub(crate) arrived: Instant,
 }
 
-impl ValidRequest {
-    pub fn request(&self) -> &GenerateRequest {
-        &self.inner
-    }
-}
-
 /// Checks a request against the model; errors name the offending field.
 pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, EngineError> {
     if req.prompt.is_empty() {

@@ -4,7 +4,8 @@
 //! block is read from memory once per row of the batch; for the 262k-row output projection that
 //! makes batched decode no faster per row than single-stream decode. Here each weight block is
 //! loaded once per tile of activation rows. Q5_0 weights are widened to the same signed 8-bit
-//! layout at load (exact: values fit in `i8`), so one kernel serves both formats.
+//! layout at load (exact: values fit in `i8`) and other block formats re-quantized into it, so one
+//! kernel serves every matrix.
 //!
 //! Dispatch picks the widest instruction set the CPU has at run time (AVX-512 VNNI, AVX2, or
 //! portable scalar code); every path is tested against the scalar reference and against candle.
@@ -103,10 +104,10 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
             Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
             #[cfg(target_arch = "x86_64")]
             // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
-            Isa::Avx2 => unsafe { x86::matmul_rows_avx2(w, x, r0, r1, out) },
+            Isa::Avx2 => unsafe { x86::avx2::matmul_rows(w, x, r0, r1, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Isa::Avx512Vnni => unsafe { x86::matmul_rows_vnni(w, x, r0, r1, out) },
+            Isa::Avx512Vnni => unsafe { x86::vnni512::matmul_rows(w, x, r0, r1, out) },
         }
     });
 }

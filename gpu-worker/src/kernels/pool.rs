@@ -7,7 +7,7 @@
 //! alongside them.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::{JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -42,6 +42,8 @@ struct Shared {
 #[derive(Debug)]
 pub struct SpinPool {
     shared: Arc<SharedHandle>,
+    /// Serializes calls from several threads: one job is published at a time.
+    calls: Mutex<()>,
     helpers: Vec<Thread>,
     _threads: Vec<JoinHandle<()>>,
 }
@@ -76,6 +78,7 @@ impl SpinPool {
         Self {
             helpers: handles.iter().map(|h| h.thread().clone()).collect(),
             shared,
+            calls: Mutex::new(()),
             _threads: handles,
         }
     }
@@ -95,7 +98,6 @@ impl SpinPool {
     /// Runs `f(0) .. f(tasks - 1)` across the pool and returns when all are done.
     /// Calls from several threads at once are serialized.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-        static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
         if tasks == 0 {
             return;
         }
@@ -103,7 +105,7 @@ impl SpinPool {
             (0..tasks).for_each(f);
             return;
         }
-        let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.calls.lock().unwrap_or_else(|e| e.into_inner());
         let sh = &self.shared.0;
         // SAFETY: a `&dyn Fn` is two machine words. Helpers turn them back into the reference only
         // after claiming a task of this generation, which is possible only while this call still

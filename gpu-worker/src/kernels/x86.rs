@@ -8,154 +8,113 @@
 
 use super::q8::{ActQ8, Q8Matrix, QK};
 
-macro_rules! kernel_module {
-    ($module:ident, $features:literal, |$aw:ident, $sx:ident| $dot:expr) => {
-        pub(super) mod $module {
-            use super::{ActQ8, Q8Matrix, QK};
-            use std::arch::x86_64::*;
+/// AVX2: `vpmaddubsw` + `vpmaddwd` per 32-value block.
+#[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
+pub(super) mod avx2 {
+    use super::{ActQ8, Q8Matrix, QK};
+    use std::arch::x86_64::*;
 
-            #[target_feature(enable = $features)]
-            #[inline]
-            fn hsum(v: __m256) -> f32 {
-                let lo = _mm256_castps256_ps128(v);
-                let hi = _mm256_extractf128_ps::<1>(v);
-                let s = _mm_add_ps(lo, hi);
-                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-                let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
-                _mm_cvtss_f32(s)
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps::<1>(v);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Sum of the 32 products of one weight block (`|w|`, sign applied to `x`) as 8 lanes.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn dot_block(aw: __m256i, sx: __m256i) -> __m256i {
+        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
+    }
+
+    /// `R` weight rows from `r`, `A` activation rows from `m`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile<const R: usize, const A: usize>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        r: usize,
+        m: usize,
+        out: &mut [f32],
+    ) {
+        let k = w.cols;
+        let bpr = k / QK;
+        let mut acc = [[_mm256_setzero_ps(); A]; R];
+        for b in 0..bpr {
+            let mut xv = [_mm256_setzero_si256(); A];
+            let mut xs = [0f32; A];
+            for a in 0..A {
+                // SAFETY: row m + a < x.rows and block b < bpr, so the 32 bytes are in bounds.
+                xv[a] = unsafe {
+                    _mm256_loadu_si256(x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m256i)
+                };
+                xs[a] = x.scales[(m + a) * bpr + b];
             }
-
-            /// Sum of the 32 products of one weight block (`|w|`, sign applied to `x`) as 8 lanes.
-            #[target_feature(enable = $features)]
-            #[inline]
-            fn dot_block($aw: __m256i, $sx: __m256i) -> __m256i {
-                $dot
-            }
-
-            /// `R` weight rows from `r`, `A` activation rows from `m`.
-            #[target_feature(enable = $features)]
-            #[inline]
-            unsafe fn tile<const R: usize, const A: usize>(
-                w: &Q8Matrix,
-                x: &ActQ8,
-                r: usize,
-                m: usize,
-                out: &mut [f32],
-            ) {
-                let k = w.cols;
-                let bpr = k / QK;
-                let mut acc = [[_mm256_setzero_ps(); A]; R];
-                for b in 0..bpr {
-                    let mut xv = [_mm256_setzero_si256(); A];
-                    let mut xs = [0f32; A];
-                    for a in 0..A {
-                        // SAFETY: row m + a < x.rows and block b < bpr, so the 32 bytes are in bounds.
-                        xv[a] = unsafe {
-                            _mm256_loadu_si256(
-                                x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m256i
-                            )
-                        };
-                        xs[a] = x.scales[(m + a) * bpr + b];
-                    }
-                    for i in 0..R {
-                        // SAFETY: row r + i < w.rows, block b < bpr.
-                        let wv = unsafe {
-                            _mm256_loadu_si256(
-                                w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m256i
-                            )
-                        };
-                        let aw = _mm256_sign_epi8(wv, wv);
-                        let ws = w.scales[(r + i) * bpr + b];
-                        for a in 0..A {
-                            let sx = _mm256_sign_epi8(xv[a], wv);
-                            let p = _mm256_cvtepi32_ps(dot_block(aw, sx));
-                            acc[i][a] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws * xs[a]), acc[i][a]);
-                        }
-                    }
-                }
-                for i in 0..R {
-                    for a in 0..A {
-                        out[(m + a) * w.rows + r + i] = hsum(acc[i][a]);
-                    }
-                }
-            }
-
-            #[target_feature(enable = $features)]
-            unsafe fn rows<const R: usize>(w: &Q8Matrix, x: &ActQ8, r: usize, out: &mut [f32]) {
-                let mut m = 0;
-                while m + 4 <= x.rows {
-                    // SAFETY: bounds as documented on `tile`.
-                    unsafe { tile::<R, 4>(w, x, r, m, out) };
-                    m += 4;
-                }
-                while m < x.rows {
-                    // SAFETY: as above.
-                    unsafe { tile::<R, 1>(w, x, r, m, out) };
-                    m += 1;
-                }
-            }
-
-            /// Output columns `r0..r1` for every activation row.
-            ///
-            /// # Safety
-            /// The CPU must support the features this module is compiled for.
-            #[target_feature(enable = $features)]
-            pub unsafe fn matmul_rows(
-                w: &Q8Matrix,
-                x: &ActQ8,
-                r0: usize,
-                r1: usize,
-                out: &mut [f32],
-            ) {
-                assert!(r1 <= w.rows && w.cols == x.cols && w.cols % QK == 0);
-                assert!(out.len() >= x.rows * w.rows);
-                let mut r = r0;
-                while r + 4 <= r1 {
-                    // SAFETY: r + 3 < r1 <= w.rows.
-                    unsafe { rows::<4>(w, x, r, out) };
-                    r += 4;
-                }
-                while r < r1 {
-                    // SAFETY: r < r1 <= w.rows.
-                    unsafe { rows::<1>(w, x, r, out) };
-                    r += 1;
+            for i in 0..R {
+                // SAFETY: row r + i < w.rows, block b < bpr.
+                let wv = unsafe {
+                    _mm256_loadu_si256(w.qs.as_ptr().add((r + i) * k + b * QK) as *const __m256i)
+                };
+                let aw = _mm256_sign_epi8(wv, wv);
+                let ws = w.scales[(r + i) * bpr + b];
+                for a in 0..A {
+                    let sx = _mm256_sign_epi8(xv[a], wv);
+                    let p = _mm256_cvtepi32_ps(dot_block(aw, sx));
+                    acc[i][a] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws * xs[a]), acc[i][a]);
                 }
             }
         }
-    };
-}
+        for i in 0..R {
+            for a in 0..A {
+                out[(m + a) * w.rows + r + i] = hsum(acc[i][a]);
+            }
+        }
+    }
 
-kernel_module!(avx2, "avx2,fma", |aw, sx| {
-    _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
-});
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-pub(super) unsafe fn matmul_rows_avx2(
-    w: &Q8Matrix,
-    x: &ActQ8,
-    r0: usize,
-    r1: usize,
-    out: &mut [f32],
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe { avx2::matmul_rows(w, x, r0, r1, out) }
-}
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn rows<const R: usize>(w: &Q8Matrix, x: &ActQ8, r: usize, out: &mut [f32]) {
+        let mut m = 0;
+        while m + 4 <= x.rows {
+            // SAFETY: bounds as documented on `tile`.
+            unsafe { tile::<R, 4>(w, x, r, m, out) };
+            m += 4;
+        }
+        while m < x.rows {
+            // SAFETY: as above.
+            unsafe { tile::<R, 1>(w, x, r, m, out) };
+            m += 1;
+        }
+    }
 
-/// # Safety
-/// The CPU must support AVX-512 F/VL/BW/VNNI, AVX2 and FMA.
-pub(super) unsafe fn matmul_rows_vnni(
-    w: &Q8Matrix,
-    x: &ActQ8,
-    r0: usize,
-    r1: usize,
-    out: &mut [f32],
-) {
-    // SAFETY: forwarded from the caller.
-    unsafe { vnni512::matmul_rows(w, x, r0, r1, out) }
+    /// Output columns `r0..r1` for every activation row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+        assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
+        assert!(out.len() >= x.rows * w.rows);
+        let mut r = r0;
+        while r + 4 <= r1 {
+            // SAFETY: r + 3 < r1 <= w.rows.
+            unsafe { rows::<4>(w, x, r, out) };
+            r += 4;
+        }
+        while r < r1 {
+            // SAFETY: r < r1 <= w.rows.
+            unsafe { rows::<1>(w, x, r, out) };
+            r += 1;
+        }
+    }
 }
 
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
-mod vnni512 {
+pub(super) mod vnni512 {
     //! Weights are flipped to unsigned on the fly (`w ^ 0x80 = w + 128`) so `vpdpbusd` multiplies
     //! them with the signed activations directly; the `128·Σx` this adds is removed by starting
     //! each block's accumulator at `-128·Σx` (spread as `-16·Σx` over the block's 8 lanes).

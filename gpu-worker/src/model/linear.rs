@@ -1,6 +1,6 @@
 //! A linear layer over whichever weight format the checkpoint has: our batch-reusing 8-bit kernel
-//! for Q8_0/Q5_0, candle's quantized matmul for k-quants (its x86 path already tiles them), or
-//! dense f32 for safetensors checkpoints.
+//! for every block-quantized GGUF matrix whose width is a multiple of 32 (all of Gemma's), candle's
+//! quantized matmul for any other, or dense f32 for safetensors checkpoints.
 
 use std::cell::OnceCell;
 use std::sync::Arc;
@@ -38,9 +38,9 @@ impl<'a> Input<'a> {
 }
 
 pub enum Linear {
-    /// Q8_0 or Q5_0 weights, widened to signed 8-bit blocks.
+    /// 8-bit blocks: Q8_0 and Q5_0 as stored, other block formats re-quantized at load.
     Q8(Arc<Q8Matrix>),
-    /// Other GGML quantizations, through candle.
+    /// Block-quantized matrices our kernel cannot take (width not a multiple of 32), via candle.
     Candle {
         mm: QMatMul,
         rows: usize,
@@ -112,7 +112,12 @@ impl Linear {
         let (rows, cols) = self.shape();
         match self {
             Self::Q8(m) => m.size_in_bytes(),
-            Self::Candle { .. } => rows * cols / 2,
+            Self::Candle { mm, .. } => match mm {
+                QMatMul::QTensor(t) => t.storage_size_in_bytes(),
+                QMatMul::Tensor(t) | QMatMul::TensorF16(t) => {
+                    t.elem_count() * t.dtype().size_in_bytes()
+                }
+            },
             Self::Dense(_) => rows * cols * 4,
         }
     }
@@ -187,8 +192,8 @@ impl LinearGroup {
         Ok(())
     }
 
-    /// The 8-bit matrices of the group, for packing at load.
-    pub fn q8_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
+    /// The group's layers (one when fused), for packing at load.
+    pub fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
         self.fused.iter_mut().chain(self.parts.iter_mut())
     }
 

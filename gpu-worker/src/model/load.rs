@@ -195,8 +195,8 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
     for l in &mut layers {
         let linears = l
             .qkv
-            .q8_mut()
-            .chain(l.gate_up.q8_mut())
+            .linears_mut()
+            .chain(l.gate_up.linears_mut())
             .chain([&mut l.o, &mut l.down]);
         matrices.extend(linears.filter_map(|lin| match lin {
             Linear::Q8(m) => Arc::get_mut(m),
