@@ -117,6 +117,30 @@ impl KvStore {
         self.v[layer][o..o + d].copy_from_slice(v);
     }
 
+    /// K and V of every position in `range`, in order (all KV heads). Walks the block table
+    /// without a division per position: attention reads every cached position of every layer.
+    pub fn positions<'a>(
+        &'a self,
+        layer: usize,
+        blocks: &'a [BlockId],
+        range: std::ops::RangeInclusive<usize>,
+    ) -> impl Iterator<Item = (&'a [f32], &'a [f32])> + 'a {
+        let (bs, d) = (self.block_size, self.kv_dim);
+        let (k, v) = (&self.k[layer], &self.v[layer]);
+        let (first, last) = (*range.start(), *range.end());
+        let mut block = first / bs;
+        let mut slot = first % bs;
+        (first..=last).map(move |_| {
+            let o = (blocks[block] as usize * bs + slot) * d;
+            slot += 1;
+            if slot == bs {
+                slot = 0;
+                block += 1;
+            }
+            (&k[o..o + d], &v[o..o + d])
+        })
+    }
+
     /// K and V of the token at `pos` (all KV heads).
     #[inline]
     pub fn read(&self, layer: usize, blocks: &[BlockId], pos: usize) -> (&[f32], &[f32]) {
@@ -175,6 +199,8 @@ mod tests {
             assert_eq!(k, &[pos as f32; 3]);
             assert_eq!(v, &[-(pos as f32); 3]);
         }
+        let walked: Vec<f32> = s.positions(1, &blocks, 1..=3).map(|(k, _)| k[0]).collect();
+        assert_eq!(walked, [1.0, 2.0, 3.0]);
         // Layer 0 untouched.
         assert_eq!(s.read(0, &blocks, 2).0, &[0.0; 3]);
     }

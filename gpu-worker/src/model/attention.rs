@@ -96,8 +96,8 @@ fn token(
     scores.clear();
     scores.resize(group * len, 0.0);
     let mut max = vec![f32::NEG_INFINITY; group];
-    for (jj, j) in keys.clone().enumerate() {
-        let key = &kv.read(layer, ch.blocks, j).0[g * hd..(g + 1) * hd];
+    for (jj, (k, _)) in kv.positions(layer, ch.blocks, keys.clone()).enumerate() {
+        let key = &k[g * hd..(g + 1) * hd];
         for (h, q) in qrows.chunks_exact(hd).enumerate() {
             let mut v = ops::dot(q, key) * scale;
             if let Some(cap) = c.attn_logit_softcap {
@@ -116,8 +116,8 @@ fn token(
         }
         inv[h] = 1.0 / sum;
     }
-    for (jj, j) in keys.enumerate() {
-        let value = &kv.read(layer, ch.blocks, j).1[g * hd..(g + 1) * hd];
+    for (jj, (_, v)) in kv.positions(layer, ch.blocks, keys).enumerate() {
+        let value = &v[g * hd..(g + 1) * hd];
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
             ops::axpy(o, scores[h * len + jj] * inv[h], value);
         }
