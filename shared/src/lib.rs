@@ -4,10 +4,12 @@
 //! - [`ids`]: newtypes for request, session and user ids.
 //! - [`sampling`]: per-request sampling parameters and their validation.
 //! - [`finish`]: why a generation ended.
+//! - [`proto`]: the orchestrator ⇄ worker gRPC contract (generated) and its conversions.
 //! - [`tokenizer`]: a thin wrapper over a `tokenizer.json` with Gemma's special tokens.
 
 pub mod finish;
 pub mod ids;
+pub mod proto;
 pub mod sampling;
 pub mod tokenizer;
 

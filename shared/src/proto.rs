@@ -1,0 +1,126 @@
+//! The orchestrator ⇄ worker gRPC contract, generated from `proto/hearth/worker/v1/worker.proto`,
+//! and its conversions to and from the domain types.
+
+#[allow(clippy::all, clippy::unwrap_used, missing_debug_implementations)]
+mod generated {
+    tonic::include_proto!("hearth.worker.v1");
+}
+
+pub use generated::*;
+
+// The domain types under other names: the generated module has its own `FinishReason` and
+// `SamplingParams`, which must stay the ones this module exports.
+use crate::{FinishReason as DomainFinish, SamplingParams as DomainSampling};
+
+impl From<DomainFinish> for generated::FinishReason {
+    fn from(r: DomainFinish) -> Self {
+        match r {
+            DomainFinish::Stop => Self::Stop,
+            DomainFinish::Length => Self::Length,
+            DomainFinish::ContextFull => Self::ContextFull,
+            DomainFinish::Cancelled => Self::Cancelled,
+        }
+    }
+}
+
+/// A proto finish reason that names no domain reason (unset or from a newer peer).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("finish reason {0} is not one this build knows")]
+pub struct UnknownFinishReason(pub i32);
+
+impl TryFrom<generated::FinishReason> for DomainFinish {
+    type Error = UnknownFinishReason;
+
+    fn try_from(r: generated::FinishReason) -> Result<Self, Self::Error> {
+        match r {
+            generated::FinishReason::Stop => Ok(Self::Stop),
+            generated::FinishReason::Length => Ok(Self::Length),
+            generated::FinishReason::ContextFull => Ok(Self::ContextFull),
+            generated::FinishReason::Cancelled => Ok(Self::Cancelled),
+            generated::FinishReason::Unspecified => Err(UnknownFinishReason(r as i32)),
+        }
+    }
+}
+
+impl Finished {
+    /// The domain finish reason; an unknown wire value is an error, not a guess.
+    pub fn finish_reason(&self) -> Result<DomainFinish, UnknownFinishReason> {
+        generated::FinishReason::try_from(self.reason)
+            .map_err(|_| UnknownFinishReason(self.reason))
+            .and_then(DomainFinish::try_from)
+    }
+}
+
+impl From<&DomainSampling> for generated::SamplingParams {
+    fn from(p: &DomainSampling) -> Self {
+        Self {
+            temperature: Some(p.temperature),
+            top_k: Some(p.top_k),
+            top_p: Some(p.top_p),
+            min_p: Some(p.min_p),
+            repetition_penalty: Some(p.repetition_penalty),
+            seed: p.seed,
+        }
+    }
+}
+
+/// Unset fields take the domain defaults. Ranges are checked by [`crate::SamplingParams::validate`].
+impl From<generated::SamplingParams> for DomainSampling {
+    fn from(p: generated::SamplingParams) -> Self {
+        let d = DomainSampling::default();
+        Self {
+            temperature: p.temperature.unwrap_or(d.temperature),
+            top_k: p.top_k.unwrap_or(d.top_k),
+            top_p: p.top_p.unwrap_or(d.top_p),
+            min_p: p.min_p.unwrap_or(d.min_p),
+            repetition_penalty: p.repetition_penalty.unwrap_or(d.repetition_penalty),
+            seed: p.seed,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{FinishReason, SamplingParams};
+
+    #[test]
+    fn finish_reasons_round_trip_and_unknown_values_are_errors() {
+        for r in [
+            FinishReason::Stop,
+            FinishReason::Length,
+            FinishReason::ContextFull,
+            FinishReason::Cancelled,
+        ] {
+            let wire = Finished {
+                reason: generated::FinishReason::from(r) as i32,
+                ..Default::default()
+            };
+            assert_eq!(wire.finish_reason(), Ok(r));
+        }
+        for bad in [0, 99] {
+            let wire = Finished {
+                reason: bad,
+                ..Default::default()
+            };
+            assert_eq!(wire.finish_reason(), Err(UnknownFinishReason(bad)));
+        }
+    }
+
+    #[test]
+    fn sampling_params_round_trip_and_unset_fields_default() {
+        let p = SamplingParams {
+            temperature: 0.7,
+            top_k: 40,
+            top_p: 0.9,
+            min_p: 0.05,
+            repetition_penalty: 1.1,
+            seed: Some(7),
+        };
+        assert_eq!(SamplingParams::from(generated::SamplingParams::from(&p)), p);
+        assert_eq!(
+            SamplingParams::from(generated::SamplingParams::default()),
+            SamplingParams::default()
+        );
+    }
+}
