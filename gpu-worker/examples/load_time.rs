@@ -16,7 +16,7 @@ fn main() {
         let s = t.elapsed().as_secs_f64();
         println!(
             "load {s:.2} s, rss {} MB",
-            hearth_worker::bench::rss_bytes() >> 20
+            hearth_worker::device::rss_bytes() >> 20
         );
         drop(m);
     }

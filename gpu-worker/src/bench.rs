@@ -46,18 +46,6 @@ pub struct BenchOptions {
     pub kv_budget_mb: usize,
 }
 
-/// Resident set size of this process, in bytes.
-pub fn rss_bytes() -> usize {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Deterministic "ordinary" token ids (clear of the special tokens at the start of the vocabulary).
 fn tokens(n: usize, seed: u64, vocab: usize) -> Vec<u32> {
     crate::fixtures::xorshift(seed)
@@ -120,11 +108,11 @@ fn progress(msg: &str) {
 /// Runs every measurement on the model at `model` and returns the JSON report.
 pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Result<Value> {
     let turns = o.turns as usize;
-    let rss_before = rss_bytes();
+    let rss_before = crate::device::rss_bytes();
     let t = Instant::now();
     let model: Arc<Model> = Arc::new(load_gguf(model_path)?);
     let load_s = t.elapsed().as_secs_f64();
-    let rss_loaded = rss_bytes();
+    let rss_loaded = crate::device::rss_bytes();
     progress(&format!(
         "loaded {} in {load_s:.2}s, rss {} MB",
         model_path.display(),

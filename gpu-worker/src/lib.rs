@@ -7,13 +7,19 @@
 //! - [`sampling`]: per-request token sampling with its own seeded RNG.
 //! - [`engine`]: the scheduler on its own thread and the [`engine::EngineHandle`] used to submit,
 //!   stream and cancel requests.
+//! - [`device`]: device selection and memory reporting (the only device-specific module).
+//! - [`server`]: the gRPC service over the engine, its configuration, lifecycle and metrics.
+//! - [`telemetry`]: the worker's Prometheus metrics.
 //! - [`fixtures`]: tiny random-weight Gemma-shaped models for tests and benchmarks.
 //! - [`bench`]: the `hearth-worker bench` benchmark.
 
 pub mod bench;
+pub mod device;
 pub mod engine;
 pub mod fixtures;
 pub mod kernels;
 pub mod kv;
 pub mod model;
 pub mod sampling;
+pub mod server;
+pub mod telemetry;

@@ -1,6 +1,6 @@
-//! `hearth-worker`: the GPU worker binary. The gRPC service arrives with the worker-service
-//! issue; today it offers `bench` (engine benchmark, JSON) and `chat` (a terminal chat over the
-//! engine, one session, Gemma chat template).
+//! `hearth-worker`: the GPU worker binary. `serve` runs the gRPC service the orchestrator talks
+//! to; `bench` measures the engine (JSON); `chat` is a terminal chat over the engine (one session,
+//! Gemma chat template).
 
 mod repl;
 
@@ -8,6 +8,8 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use hearth_worker::bench::{run_bench, BenchOptions};
+use hearth_worker::server::config::{default_models_dir, DEFAULT_MODEL, DEFAULT_TOKENIZER};
+use hearth_worker::server::{ServeConfig, Worker};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -20,16 +22,10 @@ struct Cli {
     command: Command,
 }
 
-fn default_models_dir() -> PathBuf {
-    std::env::var_os("HEARTH_MODELS_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/hearth/models")
-        })
-}
-
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Serve the model over gRPC (the orchestrator's workers run this).
+    Serve(ServeConfig),
     /// Measure the engine on a GGUF model and print JSON.
     Bench(BenchOptions),
     /// Chat in the terminal with the model (one session; each line is a user turn).
@@ -53,13 +49,16 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let models = default_models_dir();
+    let models = std::env::var_os("HEARTH_MODELS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(default_models_dir);
     match cli.command {
+        Command::Serve(config) => serve(config),
         Command::Bench(options) => {
             let model = options
                 .model
                 .clone()
-                .unwrap_or_else(|| models.join(repl::DEFAULT_MODEL));
+                .unwrap_or_else(|| models.join(DEFAULT_MODEL));
             repl::require_file(&model)?;
             let report = run_bench(&model, &options)?;
             #[allow(clippy::print_stdout)]
@@ -74,10 +73,60 @@ fn main() -> anyhow::Result<()> {
             max_new_tokens,
             temperature,
         } => repl::chat(
-            &model.unwrap_or_else(|| models.join(repl::DEFAULT_MODEL)),
-            &tokenizer.unwrap_or_else(|| models.join(repl::DEFAULT_TOKENIZER)),
+            &model.unwrap_or_else(|| models.join(DEFAULT_MODEL)),
+            &tokenizer.unwrap_or_else(|| models.join(DEFAULT_TOKENIZER)),
             max_new_tokens,
             temperature,
         ),
     }
+}
+
+fn serve(config: ServeConfig) -> anyhow::Result<()> {
+    let config = config.validate()?;
+    tracing::info!(?config, "effective configuration");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("hearth-rpc")
+        .build()?;
+    let result = runtime.block_on(async {
+        let metrics = hearth_worker::telemetry::install()?;
+        let worker = Worker::bind(config).await?;
+        // One machine-readable line, so whoever started us (the orchestrator, tests) learns the
+        // ports when port 0 was asked for.
+        let line = serde_json::json!({
+            "listening": {
+                "grpc": worker.grpc_addr()?.to_string(),
+                "metrics": worker.metrics_addr()?.to_string(),
+            }
+        });
+        #[allow(clippy::print_stdout)]
+        {
+            use std::io::Write;
+            println!("{line}");
+            std::io::stdout().flush()?;
+        }
+        worker.run(metrics, shutdown_signal()).await?;
+        Ok(())
+    });
+    // A model load interrupted by shutdown may still be blocked in a read; do not wait for it.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
+}
+
+/// SIGTERM (how orchestration systems stop us) or Ctrl-C.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the worker");
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+    tracing::info!("shutdown signal received");
 }

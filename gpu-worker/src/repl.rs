@@ -11,9 +11,6 @@ use hearth_shared::{SamplingParams, SessionId};
 use hearth_worker::engine::{Engine, EngineConfig, EngineEvent, GenerateRequest};
 use hearth_worker::model::load_gguf;
 
-pub const DEFAULT_MODEL: &str = "gemma-3-270m-q4_k_m.gguf";
-pub const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
-
 /// Fails with the file's name and the command that fetches it.
 pub fn require_file(path: &Path) -> anyhow::Result<()> {
     if path.is_file() {

@@ -171,7 +171,11 @@ fn bad_requests_get_typed_errors_and_the_engine_keeps_serving() {
     ];
     for (req, needle) in cases {
         let err = h.submit(req).expect_err(needle);
-        assert!(err.is_invalid_argument(), "{err:?}");
+        assert_eq!(
+            hearth_worker::server::status::code(&err),
+            tonic::Code::InvalidArgument,
+            "{err:?}"
+        );
         assert!(
             err.to_string().contains(needle),
             "`{err}` should mention `{needle}`"

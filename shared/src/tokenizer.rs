@@ -17,7 +17,9 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     pub bos_id: u32,
     pub eos_id: u32,
+    pub start_of_turn_id: u32,
     pub end_of_turn_id: u32,
+    pub pad_id: Option<u32>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -26,6 +28,7 @@ impl std::fmt::Debug for Tokenizer {
             .field("vocab_size", &self.inner.get_vocab_size(true))
             .field("bos_id", &self.bos_id)
             .field("eos_id", &self.eos_id)
+            .field("start_of_turn_id", &self.start_of_turn_id)
             .field("end_of_turn_id", &self.end_of_turn_id)
             .finish()
     }
@@ -49,7 +52,9 @@ impl Tokenizer {
         Ok(Self {
             bos_id: id("<bos>")?,
             eos_id: id("<eos>")?,
+            start_of_turn_id: id("<start_of_turn>")?,
             end_of_turn_id: id("<end_of_turn>")?,
+            pad_id: inner.token_to_id("<pad>"),
             inner,
         })
     }

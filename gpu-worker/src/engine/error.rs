@@ -31,23 +31,3 @@ pub enum EngineError {
     #[error("internal engine error: {0}")]
     Internal(String),
 }
-
-impl EngineError {
-    /// Whether the request itself is at fault (as opposed to load or the engine).
-    pub fn is_invalid_argument(&self) -> bool {
-        match self {
-            Self::EmptyPrompt
-            | Self::PromptTooLong { .. }
-            | Self::TokenOutOfRange { .. }
-            | Self::StopTokenOutOfRange { .. }
-            | Self::InvalidSampling(_)
-            | Self::InvalidMaxNewTokens
-            | Self::KvBudgetTooSmall { .. }
-            | Self::DuplicateRequest(_) => true,
-            Self::QueueFull { .. }
-            | Self::UnknownSession(_)
-            | Self::ShuttingDown
-            | Self::Internal(_) => false,
-        }
-    }
-}

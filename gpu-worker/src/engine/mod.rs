@@ -11,7 +11,7 @@ mod scheduler;
 mod types;
 
 pub use error::EngineError;
-pub use scheduler::Scheduler;
+pub use scheduler::{Scheduler, StepSummary};
 pub use types::{EngineConfig, EngineEvent, EngineStats, GenerateRequest, Timings, ValidRequest};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -19,11 +19,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 use hearth_shared::{RequestId, SessionId};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::model::Model;
+use crate::telemetry;
 
 /// Events of one request. Unbounded, but bounded in practice: a request produces at most
 /// `max_new_tokens + 2` events, and the engine thread must never block on a slow reader.
@@ -33,6 +35,7 @@ pub(crate) type EventSender = mpsc::UnboundedSender<EngineEvent>;
 pub(crate) enum Command {
     Submit(Box<ValidRequest>, EventSender),
     Cancel(RequestId),
+    CancelAll,
     DropSession(SessionId, oneshot::Sender<Result<(), EngineError>>),
     Shutdown,
 }
@@ -66,10 +69,16 @@ pub struct ModelInfo {
     pub context_length: usize,
     pub vocab_size: usize,
     pub bos_id: Option<u32>,
+    pub eos_id: Option<u32>,
+    pub end_of_turn_id: Option<u32>,
     /// Stop tokens used when a request names none (EOS and `<end_of_turn>`).
     pub default_stop_ids: Vec<u32>,
     pub kv_capacity_tokens: usize,
     pub block_size: usize,
+    /// Bytes of one KV block (all layers, K and V).
+    pub kv_block_bytes: usize,
+    pub max_batch: usize,
+    pub max_waiting: usize,
     /// Commands the engine accepts before `submit` answers `QueueFull`.
     pub command_queue: usize,
 }
@@ -156,6 +165,11 @@ impl EngineHandle {
         let _ = self.tx.try_send(Command::Cancel(id));
     }
 
+    /// Cancels every running and waiting request (a drain past its deadline).
+    pub fn cancel_all(&self) {
+        let _ = self.tx.try_send(Command::CancelAll);
+    }
+
     /// Frees a session's cached KV.
     pub async fn drop_session(&self, session: SessionId) -> Result<(), EngineError> {
         let (tx, rx) = oneshot::channel();
@@ -183,6 +197,7 @@ impl EngineHandle {
 
 /// The engine loop: take commands, run a step, publish counters. Blocks only when idle.
 fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedStats>) {
+    let max_batch = sched.model_info().max_batch;
     let mut shutting_down = false;
     loop {
         if sched.is_idle() {
@@ -206,9 +221,14 @@ fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedSta
             }
         }
         // A bug in one step must not take the engine (and every other user) down.
-        if catch_unwind(AssertUnwindSafe(|| sched.step())).is_err() {
-            tracing::error!("engine step panicked; failing the sequences in it");
-            sched.fail_running("internal error in engine step");
+        let started = Instant::now();
+        match catch_unwind(AssertUnwindSafe(|| sched.step())) {
+            Ok(Some(summary)) => telemetry::record_step(&summary, started.elapsed(), max_batch),
+            Ok(None) => {}
+            Err(_) => {
+                tracing::error!("engine step panicked; failing the sequences in it");
+                sched.fail_running("internal error in engine step");
+            }
         }
         stats.steps.fetch_add(1, Ordering::Relaxed);
         publish(&sched, &stats);
@@ -220,6 +240,7 @@ fn handle_command(sched: &mut Scheduler, cmd: Command, stats: &SharedStats) -> b
     match cmd {
         Command::Submit(req, tx) => sched.enqueue(*req, tx),
         Command::Cancel(id) => sched.cancel(id),
+        Command::CancelAll => sched.cancel_all(),
         Command::DropSession(s, reply) => {
             let result = sched.drop_session(&s);
             // The caller may read the counters as soon as it has the answer.

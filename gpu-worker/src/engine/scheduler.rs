@@ -20,6 +20,31 @@ use crate::kv::{BlockAllocator, BlockId, KvStore};
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
 
+/// What one step's forward pass ran; the engine thread turns it into metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepSummary {
+    /// Sequences that produced one new token from one input token.
+    pub decode_seqs: usize,
+    /// Sequences that ran a chunk of prompt (or recompute after preemption).
+    pub prefill_seqs: usize,
+    pub prefill_tokens: usize,
+}
+
+impl StepSummary {
+    pub fn batch_size(&self) -> usize {
+        self.decode_seqs + self.prefill_seqs
+    }
+
+    /// `decode`, `prefill`, or `mixed` when a step did both.
+    pub fn phase(&self) -> &'static str {
+        match (self.decode_seqs > 0, self.prefill_seqs > 0) {
+            (true, true) => "mixed",
+            (false, true) => "prefill",
+            _ => "decode",
+        }
+    }
+}
+
 /// A session's KV left behind by its last turn.
 #[derive(Debug)]
 struct SessionCache {
@@ -117,9 +142,14 @@ impl Scheduler {
             context_length: c.context_length,
             vocab_size: c.vocab_size,
             bos_id: model.bos_id,
+            eos_id: model.eos_id,
+            end_of_turn_id: model.end_of_turn_id,
             default_stop_ids,
             kv_capacity_tokens: num_blocks * config.block_size,
             block_size: config.block_size,
+            kv_block_bytes: block_bytes,
+            max_batch: config.max_batch,
+            max_waiting: config.max_waiting,
             command_queue: config.command_queue,
         };
         Ok(Self {
@@ -209,6 +239,12 @@ impl Scheduler {
             if s.id == id {
                 s.cancelled = true;
             }
+        }
+    }
+
+    pub(crate) fn cancel_all(&mut self) {
+        for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
+            s.cancelled = true;
         }
     }
 
@@ -392,12 +428,12 @@ impl Scheduler {
         Some(id)
     }
 
-    /// One engine step. Returns false when there was nothing to do.
-    pub fn step(&mut self) -> bool {
+    /// One engine step. Returns what the forward pass ran, or `None` when there was nothing to do.
+    pub fn step(&mut self) -> Option<StepSummary> {
         self.reap_cancelled();
         self.admit();
         if self.running.is_empty() {
-            return false;
+            return None;
         }
         let bs = self.config.block_size;
         // Oldest first: they get blocks first, and the youngest are preempted if memory runs out.
@@ -440,7 +476,7 @@ impl Scheduler {
             }
         }
         if plan.is_empty() {
-            return false;
+            return None;
         }
         let order: Vec<usize> = plan
             .iter()
@@ -465,6 +501,16 @@ impl Scheduler {
             })
             .collect();
         let wants: Vec<bool> = chunks.iter().map(|c| c.want_logits).collect();
+        let mut summary = StepSummary::default();
+        for c in &chunks {
+            // A one-token chunk that yields logits is a decode (or a prompt's very last token).
+            if c.tokens.len() == 1 && c.want_logits {
+                summary.decode_seqs += 1;
+            } else {
+                summary.prefill_seqs += 1;
+                summary.prefill_tokens += c.tokens.len();
+            }
+        }
         let result = self.model.forward(&chunks, &mut self.kv);
         drop(chunks);
         let logits = match result {
@@ -472,7 +518,7 @@ impl Scheduler {
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
                 self.fail_running(&e.to_string());
-                return true;
+                return Some(summary);
             }
         };
         for (&ix, &(_, n)) in order.iter().zip(&plan) {
@@ -553,6 +599,6 @@ impl Scheduler {
                 self.retire(s);
             }
         }
-        true
+        Some(summary)
     }
 }

@@ -1,6 +1,8 @@
 //! Fixture builders shared by the engine tests.
 #![allow(dead_code)]
 
+pub mod worker;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 

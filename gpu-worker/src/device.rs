@@ -1,0 +1,192 @@
+//! Device selection and memory reporting: the one place that knows which device the worker runs
+//! on. Everything device-specific (the `cuda` feature included) stays behind this module.
+//!
+//! The forward pass is CPU code today. A `cuda` build links candle's CUDA backend and can check a
+//! CUDA device, but running the model on it is not built yet, so `cuda:N` is refused with an error
+//! that says so rather than silently running on the CPU.
+
+use std::fmt;
+use std::str::FromStr;
+
+use crate::kernels::{detect_isa, Isa};
+use crate::telemetry::MemoryUse;
+
+/// What `--device` asked for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceSpec {
+    /// The best available device (today: the CPU).
+    Auto,
+    Cpu,
+    Cuda(u32),
+}
+
+impl FromStr for DeviceSpec {
+    type Err = DeviceError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| DeviceError::BadSpec(s.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Auto => f.write_str("auto"),
+            Self::Cpu => f.write_str("cpu"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DeviceError {
+    #[error("device: expected `auto`, `cpu` or `cuda:N`, got `{0}`")]
+    BadSpec(String),
+    #[error("device: cuda:{0} requested, but this hearth-worker was built without CUDA support (rebuild with `--features cuda`)")]
+    NoCudaSupport(u32),
+    #[error("device: cuda:{ordinal} is not usable: {reason}")]
+    CudaUnavailable { ordinal: u32, reason: String },
+    #[error("device: cuda:{0} is present, but the CUDA forward pass is not built yet; run with `--device cpu`")]
+    CudaForwardNotBuilt(u32),
+}
+
+/// The device the model runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Device {
+    /// `cpu` or `cuda`.
+    pub kind: &'static str,
+    pub ordinal: u32,
+    /// For people: CPU model and the kernel instruction set in use.
+    pub name: String,
+}
+
+/// Opens the requested device.
+pub fn select(spec: DeviceSpec) -> Result<Device, DeviceError> {
+    match spec {
+        DeviceSpec::Auto => {
+            if cuda_present() {
+                tracing::warn!("a CUDA device is present, but the forward pass runs on the CPU");
+            }
+            Ok(cpu())
+        }
+        DeviceSpec::Cpu => Ok(cpu()),
+        DeviceSpec::Cuda(n) => open_cuda(n),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_present() -> bool {
+    candle_core::utils::cuda_is_available() && candle_core::Device::new_cuda(0).is_ok()
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_present() -> bool {
+    false
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: u32) -> Result<Device, DeviceError> {
+    candle_core::Device::new_cuda(ordinal as usize).map_err(|e| DeviceError::CudaUnavailable {
+        ordinal,
+        reason: e.to_string(),
+    })?;
+    Err(DeviceError::CudaForwardNotBuilt(ordinal))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: u32) -> Result<Device, DeviceError> {
+    Err(DeviceError::NoCudaSupport(ordinal))
+}
+
+fn cpu() -> Device {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_string());
+    let isa = match detect_isa() {
+        Isa::Scalar => "scalar",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => "avx2",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => "avx512-vnni",
+    };
+    let threads = std::thread::available_parallelism().map_or(1, usize::from);
+    Device {
+        kind: "cpu",
+        ordinal: 0,
+        name: format!("{model} ({isa}, {threads} threads)"),
+    }
+}
+
+impl Device {
+    /// Memory in use and in total. On the CPU: this process's resident set and physical memory.
+    pub fn memory(&self) -> MemoryUse {
+        MemoryUse {
+            used_bytes: rss_bytes() as u64,
+            total_bytes: meminfo_total_bytes(),
+        }
+    }
+}
+
+/// Resident set size of this process, in bytes.
+pub fn rss_bytes() -> usize {
+    proc_kb("/proc/self/status", "VmRSS:").map_or(0, |kb| kb * 1024)
+}
+
+fn meminfo_total_bytes() -> u64 {
+    proc_kb("/proc/meminfo", "MemTotal:").map_or(0, |kb| kb as u64 * 1024)
+}
+
+/// A `Name: N kB` line of a /proc file.
+fn proc_kb(path: &str, key: &str) -> Option<usize> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_specs_parse_and_bad_ones_are_named() {
+        assert_eq!("auto".parse(), Ok(DeviceSpec::Auto));
+        assert_eq!("cpu".parse(), Ok(DeviceSpec::Cpu));
+        assert_eq!("cuda:1".parse(), Ok(DeviceSpec::Cuda(1)));
+        assert_eq!("cuda".parse(), Ok(DeviceSpec::Cuda(0)));
+        for bad in ["gpu", "cuda:x", "cuda:-1", ""] {
+            let err = bad.parse::<DeviceSpec>().expect_err(bad);
+            assert!(err.to_string().contains(&format!("`{bad}`")), "{err}");
+        }
+        assert_eq!(DeviceSpec::Cuda(3).to_string(), "cuda:3");
+    }
+
+    #[test]
+    fn cpu_reports_memory() {
+        let d = select(DeviceSpec::Cpu).expect("cpu");
+        assert_eq!(d.kind, "cpu");
+        let m = d.memory();
+        assert!(m.used_bytes > 0 && m.total_bytes > m.used_bytes, "{m:?}");
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_is_a_clear_error() {
+        let err = select(DeviceSpec::Cuda(0)).expect_err("no cuda");
+        assert!(err.to_string().contains("--features cuda"), "{err}");
+    }
+}

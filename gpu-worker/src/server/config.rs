@@ -1,0 +1,211 @@
+//! The worker service's configuration: flags with `HEARTH_…` environment fallbacks, validated once
+//! at start-up into a [`ValidConfig`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::device::DeviceSpec;
+use crate::engine::EngineConfig;
+
+/// Default model and tokenizer file names inside the models directory (what
+/// `scripts/fetch-model.sh` writes).
+pub const DEFAULT_MODEL: &str = "gemma-3-270m-q4_k_m.gguf";
+pub const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
+
+/// `hearth-worker serve` options. Worker-specific variables are prefixed `HEARTH_WORKER_` so an
+/// orchestrator's own settings, inherited by a worker it starts, never leak into the worker.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServeConfig {
+    /// GGUF model file [default: <models dir>/gemma-3-270m-q4_k_m.gguf].
+    #[arg(long, env = "HEARTH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// Optional tokenizer.json: checked against the model's vocabulary at start-up, and its
+    /// special tokens reported by `Info`.
+    #[arg(long, env = "HEARTH_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where `scripts/fetch-model.sh` puts models [default: ~/.cache/hearth/models].
+    #[arg(long, env = "HEARTH_MODELS_DIR")]
+    pub models_dir: Option<PathBuf>,
+    /// gRPC listen address (port 0 picks a free port; the bound address is printed on stdout).
+    #[arg(long, env = "HEARTH_WORKER_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// HTTP address for `/metrics`, `/healthz` and `/readyz`.
+    #[arg(
+        long,
+        env = "HEARTH_WORKER_METRICS_LISTEN",
+        default_value = "127.0.0.1:9091"
+    )]
+    pub metrics_listen: SocketAddr,
+    /// `auto`, `cpu` or `cuda:N`.
+    #[arg(long, env = "HEARTH_WORKER_DEVICE", default_value = "auto")]
+    pub device: DeviceSpec,
+    /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`).
+    #[arg(long, env = "HEARTH_WORKER_KV_BUDGET", default_value = "2GiB", value_parser = parse_bytes)]
+    pub kv_budget: u64,
+    /// Most sequences decoded in one engine step.
+    #[arg(long, env = "HEARTH_WORKER_MAX_BATCH", default_value_t = 64)]
+    pub max_batch: usize,
+    /// Most requests waiting for admission; beyond it requests get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "HEARTH_WORKER_MAX_WAITING", default_value_t = 1024)]
+    pub max_waiting: usize,
+    /// Prompt tokens prefilled per engine step across all sequences.
+    #[arg(long, env = "HEARTH_WORKER_PREFILL_CHUNK", default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Seconds a SIGTERM waits for in-flight sequences before cancelling them.
+    #[arg(long, env = "HEARTH_WORKER_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
+    pub drain_timeout_secs: u64,
+}
+
+/// A configuration that passed [`ServeConfig::validate`].
+#[derive(Debug, Clone)]
+pub struct ValidConfig {
+    pub model: PathBuf,
+    pub tokenizer: Option<PathBuf>,
+    pub listen: SocketAddr,
+    pub metrics_listen: SocketAddr,
+    pub device: DeviceSpec,
+    pub engine: EngineConfig,
+    pub drain_timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{flag}: {reason}")]
+    Invalid { flag: &'static str, reason: String },
+    #[error(
+        "--model: {path} does not exist (run `make fetch-model`, or pass --model / HEARTH_MODEL)"
+    )]
+    MissingModel { path: String },
+    #[error("--tokenizer: {path} does not exist")]
+    MissingTokenizer { path: String },
+}
+
+fn invalid(flag: &'static str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        flag,
+        reason: reason.into(),
+    }
+}
+
+impl ServeConfig {
+    pub fn validate(self) -> Result<ValidConfig, ConfigError> {
+        let models_dir = self.models_dir.clone().unwrap_or_else(default_models_dir);
+        let model = self
+            .model
+            .clone()
+            .unwrap_or_else(|| models_dir.join(DEFAULT_MODEL));
+        if !model.exists() {
+            return Err(ConfigError::MissingModel {
+                path: model.display().to_string(),
+            });
+        }
+        if let Some(t) = &self.tokenizer {
+            if !t.is_file() {
+                return Err(ConfigError::MissingTokenizer {
+                    path: t.display().to_string(),
+                });
+            }
+        }
+        if !(1..=4096).contains(&self.max_batch) {
+            return Err(invalid("--max-batch", "must be between 1 and 4096"));
+        }
+        if self.max_waiting == 0 {
+            return Err(invalid("--max-waiting", "must be at least 1"));
+        }
+        if self.prefill_chunk == 0 {
+            return Err(invalid("--prefill-chunk", "must be at least 1"));
+        }
+        if self.kv_budget == 0 {
+            return Err(invalid("--kv-budget", "must be more than 0 bytes"));
+        }
+        if self.listen == self.metrics_listen && self.listen.port() != 0 {
+            return Err(invalid(
+                "--metrics-listen",
+                format!("{} is also the gRPC address", self.listen),
+            ));
+        }
+        let engine = EngineConfig {
+            kv_budget_bytes: usize::try_from(self.kv_budget)
+                .map_err(|_| invalid("--kv-budget", "larger than this machine can address"))?,
+            max_batch: self.max_batch,
+            max_waiting: self.max_waiting,
+            prefill_chunk: self.prefill_chunk,
+            // Room for every waiting request plus the cancels and drops that accompany them.
+            command_queue: self.max_waiting * 2 + 64,
+            ..EngineConfig::default()
+        };
+        Ok(ValidConfig {
+            model,
+            tokenizer: self.tokenizer,
+            listen: self.listen,
+            metrics_listen: self.metrics_listen,
+            device: self.device,
+            engine,
+            drain_timeout: Duration::from_secs(self.drain_timeout_secs),
+        })
+    }
+}
+
+/// `$HOME/.cache/hearth/models`, where the fetch script puts models by default.
+pub fn default_models_dir() -> PathBuf {
+    std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default()
+        .join(".cache/hearth/models")
+}
+
+/// Parses `123`, `512MiB`, `2GiB`, `1.5GB`, `64k` (binary units for `Ki`/`Mi`/`Gi`, decimal for
+/// `K`/`M`/`G`; case-insensitive, optional trailing `B`).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let value: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (examples: 1073741824, 512MiB, 2GiB)"))?;
+    let unit = unit.trim().to_ascii_lowercase();
+    let unit = unit.strip_suffix('b').unwrap_or(&unit);
+    let scale: f64 = match unit {
+        "" => 1.0,
+        "k" => 1e3,
+        "m" => 1e6,
+        "g" => 1e9,
+        "t" => 1e12,
+        "ki" => 1024.0,
+        "mi" => 1024.0 * 1024.0,
+        "gi" => 1024.0 * 1024.0 * 1024.0,
+        "ti" => 1024.0 * 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(format!(
+                "`{s}`: unknown unit (use B, KiB, MiB, GiB, KB, MB, GB)"
+            ))
+        }
+    };
+    let bytes = value * scale;
+    if !bytes.is_finite() || bytes >= u64::MAX as f64 {
+        return Err(format!("`{s}` is too large"));
+    }
+    Ok(bytes as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_units_and_bad_ones_are_named() {
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("2GiB"), Ok(2 << 30));
+        assert_eq!(parse_bytes("2gi"), Ok(2 << 30));
+        assert_eq!(parse_bytes("1.5GB"), Ok(1_500_000_000));
+        assert_eq!(parse_bytes("64k"), Ok(64_000));
+        for bad in ["", "lots", "12XB", "1e999GiB", "-5"] {
+            let err = parse_bytes(bad).expect_err(bad);
+            assert!(err.contains(&format!("`{bad}`")), "{err}");
+        }
+    }
+}

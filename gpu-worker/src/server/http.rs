@@ -1,0 +1,61 @@
+//! The worker's plain-HTTP side: `/metrics` for Prometheus, `/healthz` (alive) and `/readyz`
+//! (model loaded and accepting work) for orchestration systems that probe over HTTP.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+
+use super::state::{Phase, WorkerState};
+use crate::telemetry;
+
+#[derive(Clone)]
+struct Http {
+    state: Arc<WorkerState>,
+    metrics: PrometheusHandle,
+}
+
+pub async fn serve(
+    listener: TcpListener,
+    state: Arc<WorkerState>,
+    metrics: PrometheusHandle,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let app = Router::new()
+        .route("/metrics", get(render))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(ready))
+        .with_state(Http { state, metrics });
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown)
+        .await
+}
+
+async fn render(State(h): State<Http>) -> impl IntoResponse {
+    if let Some((engine, _)) = h.state.engine() {
+        telemetry::refresh(
+            &engine.stats(),
+            engine.model_info().kv_block_bytes,
+            h.state.in_flight(),
+            h.state.device.memory(),
+        );
+    }
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        h.metrics.render(),
+    )
+}
+
+async fn ready(State(h): State<Http>) -> impl IntoResponse {
+    match h.state.phase() {
+        Phase::Ready => (StatusCode::OK, "ready"),
+        Phase::Loading => (StatusCode::SERVICE_UNAVAILABLE, "loading"),
+        Phase::Draining => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
+    }
+}

@@ -1,0 +1,249 @@
+//! `hearth-worker serve`: the gRPC service the orchestrator talks to.
+//!
+//! # Layout
+//! - [`config`]: flags and `HEARTH_…` variables, validated into [`ValidConfig`].
+//! - [`state`]: what every RPC shares (serving phase, engine, in-flight count).
+//! - [`service`]: the `Worker` service: `Info`, `Health`, `Generate`, `DropSession`.
+//! - [`stream`]: one multiplexed `Generate` stream.
+//! - [`status`]: engine errors as gRPC codes, in one place.
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//!
+//! # Lifecycle
+//! [`Worker::bind`] binds both listeners (so the caller can print the addresses), then
+//! [`Worker::run`] serves `Health` at once, reports not-ready while the model loads, serves
+//! everything once the engine runs, and on `shutdown` stops accepting (`UNAVAILABLE`), waits for
+//! in-flight sequences up to the drain deadline, cancels what is left, and returns.
+
+pub mod config;
+mod http;
+mod service;
+pub mod state;
+pub mod status;
+mod stream;
+
+pub use config::{ServeConfig, ValidConfig};
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_shared::proto::worker_server::WorkerServer;
+use hearth_shared::tokenizer::Tokenizer;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::device::{self, DeviceError};
+use crate::engine::{Engine, EngineError};
+use crate::model::{load_gguf, load_safetensors, Model, ModelError};
+use state::{Loaded, WorkerState};
+
+/// How long cancelled sequences get to report `Finished` after the drain deadline, and the
+/// servers to close their connections.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("--tokenizer: {0}")]
+    Tokenizer(#[from] hearth_shared::tokenizer::TokenizerError),
+    #[error("--tokenizer does not belong to the model: {0}")]
+    TokenizerMismatch(String),
+    #[error("cannot start the engine: {0}")]
+    Engine(#[from] EngineError),
+    #[error("gRPC server failed: {0}")]
+    Transport(#[from] tonic::transport::Error),
+    #[error("model loading stopped unexpectedly: {0}")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+/// A worker whose listeners are bound but which serves nothing yet.
+#[derive(Debug)]
+pub struct Worker {
+    config: ValidConfig,
+    grpc: TcpListener,
+    http: TcpListener,
+}
+
+impl Worker {
+    pub async fn bind(config: ValidConfig) -> Result<Self, ServeError> {
+        let bind = |addr: SocketAddr| async move {
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| ServeError::Bind { addr, source })
+        };
+        Ok(Self {
+            grpc: bind(config.listen).await?,
+            http: bind(config.metrics_listen).await?,
+            config,
+        })
+    }
+
+    pub fn grpc_addr(&self) -> std::io::Result<SocketAddr> {
+        self.grpc.local_addr()
+    }
+
+    pub fn metrics_addr(&self) -> std::io::Result<SocketAddr> {
+        self.http.local_addr()
+    }
+
+    /// Serves until `shutdown` resolves, then drains; see the module docs.
+    pub async fn run(
+        self,
+        metrics: PrometheusHandle,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ServeError> {
+        let Self { config, grpc, http } = self;
+        let device = device::select(config.device)?;
+        tracing::info!(device = %device.name, "device selected");
+        let state = WorkerState::new(device);
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let stopped = |mut rx: watch::Receiver<bool>| async move {
+            let _ = rx.wait_for(|s| *s).await;
+        };
+        let http_task = tokio::spawn(http::serve(
+            http,
+            state.clone(),
+            metrics,
+            stopped(stop_rx.clone()),
+        ));
+        let grpc_task = tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(WorkerServer::new(service::WorkerService::new(
+                    state.clone(),
+                )))
+                .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stopped(stop_rx)),
+        );
+
+        tokio::pin!(shutdown);
+        let started = Instant::now();
+        let load_config = config.clone();
+        let load = tokio::task::spawn_blocking(move || load(&load_config));
+        let loaded = tokio::select! {
+            loaded = load => loaded??,
+            () = &mut shutdown => {
+                tracing::info!("shutdown requested while loading; exiting");
+                stop_tx.send_replace(true);
+                return Ok(());
+            }
+        };
+        let (model, info) = loaded;
+        let engine = Engine::start(Arc::new(model), config.engine.clone())?;
+        state.set_ready(engine.handle(), info);
+        metrics::gauge!(crate::telemetry::READY).set(1.0);
+        tracing::info!(
+            load_s = started.elapsed().as_secs_f64(),
+            kv_capacity_tokens = engine.handle().model_info().kv_capacity_tokens,
+            "ready"
+        );
+
+        shutdown.await;
+        drain(&state, &engine, config.drain_timeout).await;
+        stop_tx.send_replace(true);
+        join_server("gRPC", grpc_task).await;
+        join_server("metrics", http_task).await;
+        tokio::task::spawn_blocking(move || engine.shutdown()).await?;
+        tracing::info!("stopped");
+        Ok(())
+    }
+}
+
+/// Waits (a bounded time) for a server task to close its connections.
+async fn join_server<E: std::fmt::Display>(name: &str, task: JoinHandle<Result<(), E>>) {
+    match tokio::time::timeout(SHUTDOWN_GRACE, task).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(e))) => tracing::warn!(error = %e, "{name} server ended with an error"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "{name} server task failed"),
+        Err(_) => tracing::warn!("{name} server did not close its connections in time"),
+    }
+}
+
+/// Stops accepting, lets in-flight requests finish until `deadline`, then cancels the rest.
+async fn drain(state: &Arc<WorkerState>, engine: &Engine, deadline: Duration) {
+    let in_flight = state.in_flight();
+    tracing::info!(in_flight, deadline_s = deadline.as_secs_f64(), "draining");
+    state.begin_drain();
+    metrics::gauge!(crate::telemetry::READY).set(0.0);
+    if tokio::time::timeout(deadline, state.all_idle())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            in_flight = state.in_flight(),
+            "drain deadline passed; cancelling what is left"
+        );
+        engine.handle().cancel_all();
+        if tokio::time::timeout(SHUTDOWN_GRACE, state.all_idle())
+            .await
+            .is_err()
+        {
+            tracing::error!(
+                in_flight = state.in_flight(),
+                "requests still open after cancel"
+            );
+        }
+    }
+}
+
+/// Loads the model (and checks the tokenizer against it); runs on a blocking thread.
+fn load(config: &ValidConfig) -> Result<(Model, Loaded), ServeError> {
+    let path = &config.model;
+    let model = if path.is_dir() {
+        load_safetensors(path)?
+    } else {
+        load_gguf(path)?
+    };
+    let mut loaded = Loaded {
+        model_id: model_id(path),
+        ..Loaded::default()
+    };
+    if let Some(t) = &config.tokenizer {
+        let tok = Tokenizer::from_file(t)?;
+        check_tokenizer(&tok, &model)?;
+        loaded.start_of_turn_id = Some(tok.start_of_turn_id);
+        loaded.pad_id = tok.pad_id;
+    }
+    Ok((model, loaded))
+}
+
+fn model_id(path: &Path) -> String {
+    let name = path
+        .file_name()
+        .unwrap_or(path.as_os_str())
+        .to_string_lossy();
+    name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+}
+
+fn check_tokenizer(tok: &Tokenizer, model: &Model) -> Result<(), ServeError> {
+    let vocab = model.config.vocab_size;
+    for (name, tok_id, model_id) in [
+        ("<bos>", tok.bos_id, model.bos_id),
+        ("<eos>", tok.eos_id, model.eos_id),
+        ("<end_of_turn>", tok.end_of_turn_id, model.end_of_turn_id),
+        ("<start_of_turn>", tok.start_of_turn_id, None),
+    ] {
+        if tok_id as usize >= vocab {
+            return Err(ServeError::TokenizerMismatch(format!(
+                "{name} is token {tok_id}, outside the model's vocabulary of {vocab}"
+            )));
+        }
+        if let Some(m) = model_id.filter(|&m| m != tok_id) {
+            return Err(ServeError::TokenizerMismatch(format!(
+                "{name} is token {tok_id} in the tokenizer but {m} in the model"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,137 @@
+//! The `hearth.worker.v1.Worker` gRPC service over the engine handle.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use hearth_shared::proto::{self, worker_server::Worker};
+use hearth_shared::SessionId;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status, Streaming};
+
+use super::state::{Phase, WorkerState};
+use super::{status, stream};
+
+#[derive(Debug, Clone)]
+pub struct WorkerService {
+    state: Arc<WorkerState>,
+}
+
+impl WorkerService {
+    pub fn new(state: Arc<WorkerState>) -> Self {
+        Self { state }
+    }
+}
+
+type EventStream = Pin<Box<dyn Stream<Item = Result<proto::WorkerEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Worker for WorkerService {
+    async fn info(
+        &self,
+        _: Request<proto::InfoRequest>,
+    ) -> Result<Response<proto::InfoResponse>, Status> {
+        let Some((engine, loaded)) = self.state.engine() else {
+            return Err(Status::unavailable("the worker is still loading its model"));
+        };
+        let m = engine.model_info();
+        let d = &self.state.device;
+        let memory = d.memory();
+        let blocks_total = m.kv_capacity_tokens / m.block_size;
+        Ok(Response::new(proto::InfoResponse {
+            model_id: loaded.model_id.clone(),
+            architecture: m.architecture.clone(),
+            context_length: m.context_length as u32,
+            vocab_size: m.vocab_size as u32,
+            special_tokens: Some(proto::SpecialTokens {
+                bos: m.bos_id,
+                eos: m.eos_id,
+                start_of_turn: loaded.start_of_turn_id,
+                end_of_turn: m.end_of_turn_id,
+                pad: loaded.pad_id,
+                default_stop_ids: m.default_stop_ids.clone(),
+            }),
+            device: Some(proto::DeviceInfo {
+                kind: d.kind.into(),
+                ordinal: d.ordinal,
+                name: d.name.clone(),
+                memory_total_bytes: memory.total_bytes,
+                memory_used_bytes: memory.used_bytes,
+            }),
+            kv: Some(proto::KvCapacity {
+                block_size: m.block_size as u32,
+                blocks_total: blocks_total as u64,
+                capacity_tokens: m.kv_capacity_tokens as u64,
+                budget_bytes: (blocks_total * m.kv_block_bytes) as u64,
+            }),
+            max_batch: m.max_batch as u32,
+            max_waiting: m.max_waiting as u32,
+            worker_version: env!("CARGO_PKG_VERSION").into(),
+        }))
+    }
+
+    async fn health(
+        &self,
+        _: Request<proto::HealthRequest>,
+    ) -> Result<Response<proto::HealthResponse>, Status> {
+        let phase = self.state.phase();
+        let state = match phase {
+            Phase::Loading => proto::ServingState::Loading,
+            Phase::Ready => proto::ServingState::Ready,
+            Phase::Draining => proto::ServingState::Draining,
+        };
+        let mut r = proto::HealthResponse {
+            ready: phase == Phase::Ready,
+            state: state as i32,
+            in_flight: self.state.in_flight() as u32,
+            ..Default::default()
+        };
+        if let Some((engine, _)) = self.state.engine() {
+            let s = engine.stats();
+            r.running = s.running as u32;
+            r.waiting = s.waiting as u32;
+            r.kv_blocks_used = s.kv_blocks_used as u64;
+            r.kv_blocks_total = s.kv_blocks_total as u64;
+            r.cached_sessions = s.cached_sessions as u32;
+            r.session_evictions = s.session_evictions as u64;
+            r.preemptions = s.preemptions as u64;
+        }
+        Ok(Response::new(r))
+    }
+
+    type GenerateStream = EventStream;
+
+    async fn generate(
+        &self,
+        request: Request<Streaming<proto::WorkerRequest>>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let engine = self.state.accepting()?.clone();
+        let (tx, rx) = mpsc::channel(stream::OUT_QUEUE);
+        tokio::spawn(stream::connection_task(
+            self.state.clone(),
+            engine,
+            request.into_inner(),
+            tx,
+        ));
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+
+    async fn drop_session(
+        &self,
+        request: Request<proto::DropSessionRequest>,
+    ) -> Result<Response<proto::DropSessionResponse>, Status> {
+        let Some((engine, _)) = self.state.engine() else {
+            return Err(Status::unavailable("the worker is still loading its model"));
+        };
+        let id = request.into_inner().session_id;
+        if id.is_empty() {
+            return Err(Status::invalid_argument("session_id: must not be empty"));
+        }
+        engine
+            .drop_session(SessionId::new(id))
+            .await
+            .map_err(|e| status::status(&e))?;
+        Ok(Response::new(proto::DropSessionResponse {}))
+    }
+}

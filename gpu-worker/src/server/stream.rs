@@ -1,0 +1,280 @@
+//! One `Generate` stream: many requests multiplexed in, request-tagged events out.
+//!
+//! A connection task owns the stream's requests. Each accepted request gets a forwarder task that
+//! relays its engine events, coalescing tokens that are already queued into one `Tokens` event.
+//! Cancellation follows ownership: when the client goes away, the connection task drops every
+//! forwarder (and with it the engine event streams) and cancels the requests in the engine, which
+//! frees their slots at its next step.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use hearth_shared::proto::{self, worker_event::Kind, worker_request};
+use hearth_shared::{RequestId, SamplingParams, SessionId, UserId};
+use tokio::sync::mpsc;
+use tokio::task::JoinSet;
+use tonic::{Code, Status, Streaming};
+
+use super::state::{InFlight, WorkerState};
+use super::status::{self, error_event};
+use crate::engine::{EngineEvent, EngineHandle, EventStream, GenerateRequest};
+
+pub type EventTx = mpsc::Sender<Result<proto::WorkerEvent, Status>>;
+
+/// Events buffered per stream before forwarders wait for the client to read.
+pub const OUT_QUEUE: usize = 512;
+/// Most tokens coalesced into one `Tokens` event.
+const MAX_TOKENS_PER_EVENT: usize = 64;
+/// Longest accepted session or user id, in bytes.
+const MAX_ID_BYTES: usize = 256;
+
+/// Runs one stream until the client is done and every request has finished, or the client goes.
+pub async fn connection_task(
+    state: Arc<WorkerState>,
+    engine: EngineHandle,
+    mut inbound: Streaming<proto::WorkerRequest>,
+    out: EventTx,
+) {
+    let mut conn = Connection {
+        state,
+        engine,
+        out,
+        live: HashMap::new(),
+        forwarders: JoinSet::new(),
+    };
+    let mut drain = conn.state.drain_signal();
+    let mut draining = *drain.borrow();
+    let mut inbound_open = true;
+    loop {
+        if conn.forwarders.is_empty() {
+            if draining {
+                // Tell the client to go elsewhere rather than leaving the stream open.
+                let _ = conn
+                    .out
+                    .send(Err(Status::unavailable("the worker is shutting down")))
+                    .await;
+                return;
+            }
+            if !inbound_open {
+                return;
+            }
+        }
+        tokio::select! {
+            msg = inbound.message(), if inbound_open => match msg {
+                Ok(Some(req)) => {
+                    if conn.handle(req).await.is_err() {
+                        conn.cancel_all();
+                        return;
+                    }
+                }
+                // Half-close: no more requests, but those in flight still stream.
+                Ok(None) => inbound_open = false,
+                Err(e) => {
+                    tracing::debug!(status = %e, "generate stream broken by the client");
+                    conn.cancel_all();
+                    return;
+                }
+            },
+            Some(done) = conn.forwarders.join_next() => {
+                if let Ok(id) = done {
+                    conn.live.remove(&id);
+                }
+            }
+            () = conn.out.closed() => {
+                tracing::debug!(requests = conn.live.len(), "generate stream dropped by the client");
+                conn.cancel_all();
+                return;
+            }
+            changed = drain.changed(), if !draining => {
+                draining = changed.is_err() || *drain.borrow();
+            }
+        }
+    }
+}
+
+struct Connection {
+    state: Arc<WorkerState>,
+    engine: EngineHandle,
+    out: EventTx,
+    /// The client's request id → the engine's.
+    live: HashMap<u64, RequestId>,
+    /// One per live request; each returns its client request id.
+    forwarders: JoinSet<u64>,
+}
+
+/// The client stopped reading; nothing more can be delivered.
+struct Gone;
+
+impl Connection {
+    async fn handle(&mut self, req: proto::WorkerRequest) -> Result<(), Gone> {
+        match req.kind {
+            Some(worker_request::Kind::Batch(batch)) => {
+                for r in batch.requests {
+                    self.submit(r).await?;
+                }
+            }
+            Some(worker_request::Kind::Cancel(c)) => {
+                // A cancel that races the request's end finds nothing: not an error.
+                if let Some(&id) = self.live.get(&c.request_id) {
+                    self.engine.cancel(id);
+                }
+            }
+            None => tracing::debug!("empty WorkerRequest ignored"),
+        }
+        Ok(())
+    }
+
+    async fn submit(&mut self, r: proto::GenerateRequest) -> Result<(), Gone> {
+        let client_id = r.request_id;
+        let refuse = |code: Code, msg: String| Ok(error_event(client_id, code, msg));
+        let event = if self.state.accepting().is_err() {
+            refuse(
+                Code::Unavailable,
+                "the worker is shutting down and accepts no new requests".into(),
+            )
+        } else if self.live.contains_key(&client_id) {
+            refuse(
+                Code::InvalidArgument,
+                format!("request_id: {client_id} is already in flight on this stream"),
+            )
+        } else {
+            match self.to_engine_request(r) {
+                Err(msg) => refuse(Code::InvalidArgument, msg),
+                Ok(req) => {
+                    let engine_id = req.id;
+                    match self.engine.submit(req) {
+                        Err(e) => refuse(status::code(&e), e.to_string()),
+                        Ok(events) => {
+                            self.live.insert(client_id, engine_id);
+                            let guard = self.state.track();
+                            let out = self.out.clone();
+                            self.forwarders
+                                .spawn(forward(client_id, events, out, guard));
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+        };
+        self.out.send(event).await.map_err(|_| Gone)
+    }
+
+    fn to_engine_request(&self, r: proto::GenerateRequest) -> Result<GenerateRequest, String> {
+        for (field, v) in [("session_id", &r.session_id), ("user_id", &r.user_id)] {
+            if v.len() > MAX_ID_BYTES {
+                return Err(format!("{field}: longer than {MAX_ID_BYTES} bytes"));
+            }
+        }
+        Ok(GenerateRequest {
+            id: RequestId(self.state.next_engine_id()),
+            session: (!r.session_id.is_empty()).then(|| SessionId::new(r.session_id)),
+            user: if r.user_id.is_empty() {
+                UserId::new("anonymous")
+            } else {
+                UserId::new(r.user_id)
+            },
+            prompt: r.prompt_token_ids,
+            params: r.sampling.map(SamplingParams::from).unwrap_or_default(),
+            max_new_tokens: r.max_new_tokens,
+            stop_token_ids: r.stop_token_ids,
+            ignore_eos: r.ignore_eos,
+        })
+    }
+
+    fn cancel_all(&mut self) {
+        for &id in self.live.values() {
+            self.engine.cancel(id);
+        }
+        self.forwarders.abort_all();
+    }
+}
+
+/// Relays one request's engine events to the stream until its last event.
+async fn forward(
+    client_id: u64,
+    mut events: EventStream,
+    out: EventTx,
+    _in_flight: InFlight,
+) -> u64 {
+    let mut next: Option<EngineEvent> = None;
+    loop {
+        let event = match next.take() {
+            Some(e) => e,
+            None => match events.recv().await {
+                Some(e) => e,
+                None => {
+                    let msg = "the engine ended the request without a result";
+                    let _ = out
+                        .send(Ok(error_event(client_id, Code::Internal, msg)))
+                        .await;
+                    break;
+                }
+            },
+        };
+        let (kind, last) = match event {
+            EngineEvent::Started {
+                cached_tokens,
+                queue_ms,
+            } => (
+                Kind::Started(proto::Started {
+                    cached_tokens: cached_tokens as u32,
+                    queue_ms,
+                }),
+                false,
+            ),
+            EngineEvent::Token { id, logprob } => {
+                let mut t = proto::Tokens {
+                    ids: vec![id],
+                    logprobs: vec![logprob],
+                };
+                while t.ids.len() < MAX_TOKENS_PER_EVENT {
+                    match events.try_recv() {
+                        Ok(EngineEvent::Token { id, logprob }) => {
+                            t.ids.push(id);
+                            t.logprobs.push(logprob);
+                        }
+                        Ok(other) => {
+                            next = Some(other);
+                            break;
+                        }
+                        Err(_) => break,
+                    }
+                }
+                (Kind::Tokens(t), false)
+            }
+            EngineEvent::Finished {
+                reason,
+                prompt_tokens,
+                cached_tokens,
+                completion_tokens,
+                timings,
+            } => (
+                Kind::Finished(proto::Finished {
+                    reason: proto::FinishReason::from(reason) as i32,
+                    prompt_tokens: prompt_tokens as u32,
+                    cached_tokens: cached_tokens as u32,
+                    completion_tokens: completion_tokens as u32,
+                    timings: Some(proto::Timings {
+                        queue_ms: timings.queue_ms,
+                        time_to_first_token_ms: timings.time_to_first_token_ms,
+                        total_ms: timings.total_ms,
+                    }),
+                }),
+                true,
+            ),
+            EngineEvent::Error(e) => {
+                let ev = error_event(client_id, status::code(&e), e.to_string());
+                let _ = out.send(Ok(ev)).await;
+                break;
+            }
+        };
+        let event = proto::WorkerEvent {
+            request_id: client_id,
+            kind: Some(kind),
+        };
+        if out.send(Ok(event)).await.is_err() || last {
+            break;
+        }
+    }
+    client_id
+}

@@ -1,0 +1,124 @@
+//! The worker's Prometheus metrics: names, descriptions, buckets, and the calls that record them.
+//!
+//! The engine thread records per-step histograms through the `metrics` facade (a few atomic
+//! operations; without an installed recorder they are no-ops, as in unit tests). Gauges that
+//! mirror engine state are set from [`EngineStats`] when `/metrics` is scraped, so a scrape never
+//! sees a value older than the request that asked for it.
+
+use std::time::Duration;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::engine::{EngineStats, StepSummary};
+
+pub const BATCH_SIZE: &str = "hearth_worker_batch_size";
+pub const BATCH_UTILIZATION: &str = "hearth_worker_batch_utilization";
+pub const STEP_DURATION: &str = "hearth_worker_step_duration_seconds";
+pub const PREFILL_TOKENS: &str = "hearth_worker_prefill_tokens_total";
+pub const DECODE_TOKENS: &str = "hearth_worker_decode_tokens_total";
+pub const RUNNING: &str = "hearth_worker_running_sequences";
+pub const WAITING: &str = "hearth_worker_waiting_sequences";
+pub const IN_FLIGHT: &str = "hearth_worker_in_flight_requests";
+pub const KV_BLOCKS_USED: &str = "hearth_worker_kv_blocks_used";
+pub const KV_BLOCKS_TOTAL: &str = "hearth_worker_kv_blocks_total";
+pub const KV_BYTES_USED: &str = "hearth_worker_kv_bytes_used";
+pub const KV_BYTES_TOTAL: &str = "hearth_worker_kv_bytes_total";
+pub const CACHED_SESSIONS: &str = "hearth_worker_cached_sessions";
+pub const SESSION_EVICTIONS: &str = "hearth_worker_session_evictions_total";
+pub const PREEMPTIONS: &str = "hearth_worker_preemptions_total";
+pub const DEVICE_MEMORY_USED: &str = "hearth_worker_device_memory_used_bytes";
+pub const DEVICE_MEMORY_TOTAL: &str = "hearth_worker_device_memory_total_bytes";
+pub const READY: &str = "hearth_worker_ready";
+
+/// Latency buckets, 5 ms to 60 s, shared with the orchestrator's histograms.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
+
+/// Installs the process-wide recorder and describes every metric; `render()` on the handle
+/// produces the `/metrics` text.
+pub fn install() -> Result<PrometheusHandle, BuildError> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)?
+        .set_buckets_for_metric(Matcher::Full(BATCH_SIZE.into()), BATCH_BUCKETS)?
+        .install_recorder()?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    describe_histogram!(BATCH_SIZE, "Sequences in one engine step's forward pass");
+    describe_gauge!(
+        BATCH_UTILIZATION,
+        "Last step's batch size as a fraction of the configured maximum"
+    );
+    describe_histogram!(
+        STEP_DURATION,
+        metrics::Unit::Seconds,
+        "Engine step wall time by phase (decode, prefill, mixed)"
+    );
+    describe_counter!(PREFILL_TOKENS, "Prompt tokens run through the model");
+    describe_counter!(
+        DECODE_TOKENS,
+        "Tokens decoded (one per sequence per decode step)"
+    );
+    describe_gauge!(RUNNING, "Sequences in the running batch");
+    describe_gauge!(WAITING, "Requests waiting for admission");
+    describe_gauge!(IN_FLIGHT, "Requests being streamed, across all connections");
+    describe_gauge!(
+        KV_BLOCKS_USED,
+        "KV blocks held by running sequences and session caches"
+    );
+    describe_gauge!(KV_BLOCKS_TOTAL, "KV blocks in the budget");
+    describe_gauge!(KV_BYTES_USED, metrics::Unit::Bytes, "KV bytes in use");
+    describe_gauge!(KV_BYTES_TOTAL, metrics::Unit::Bytes, "KV budget in bytes");
+    describe_gauge!(CACHED_SESSIONS, "Sessions whose KV is resident");
+    describe_counter!(SESSION_EVICTIONS, "Idle session caches evicted for memory");
+    describe_counter!(PREEMPTIONS, "Running sequences preempted for recompute");
+    describe_gauge!(
+        DEVICE_MEMORY_USED,
+        metrics::Unit::Bytes,
+        "Device memory in use (CPU: resident set of the worker)"
+    );
+    describe_gauge!(
+        DEVICE_MEMORY_TOTAL,
+        metrics::Unit::Bytes,
+        "Device memory (CPU: physical memory)"
+    );
+    describe_gauge!(READY, "1 when the worker accepts generation requests");
+}
+
+/// Called by the engine thread after every step that ran the model.
+pub fn record_step(summary: &StepSummary, elapsed: Duration, max_batch: usize) {
+    let batch = summary.batch_size();
+    histogram!(BATCH_SIZE).record(batch as f64);
+    gauge!(BATCH_UTILIZATION).set(batch as f64 / max_batch.max(1) as f64);
+    histogram!(STEP_DURATION, "phase" => summary.phase()).record(elapsed.as_secs_f64());
+    counter!(PREFILL_TOKENS).increment(summary.prefill_tokens as u64);
+    counter!(DECODE_TOKENS).increment(summary.decode_seqs as u64);
+}
+
+/// Device memory as the worker reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUse {
+    pub used_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// Mirrors engine and device state into gauges; called on every scrape.
+pub fn refresh(stats: &EngineStats, kv_block_bytes: usize, in_flight: usize, memory: MemoryUse) {
+    gauge!(RUNNING).set(stats.running as f64);
+    gauge!(WAITING).set(stats.waiting as f64);
+    gauge!(IN_FLIGHT).set(in_flight as f64);
+    gauge!(KV_BLOCKS_USED).set(stats.kv_blocks_used as f64);
+    gauge!(KV_BLOCKS_TOTAL).set(stats.kv_blocks_total as f64);
+    gauge!(KV_BYTES_USED).set((stats.kv_blocks_used * kv_block_bytes) as f64);
+    gauge!(KV_BYTES_TOTAL).set((stats.kv_blocks_total * kv_block_bytes) as f64);
+    gauge!(CACHED_SESSIONS).set(stats.cached_sessions as f64);
+    counter!(SESSION_EVICTIONS).absolute(stats.session_evictions as u64);
+    counter!(PREEMPTIONS).absolute(stats.preemptions as u64);
+    gauge!(DEVICE_MEMORY_USED).set(memory.used_bytes as f64);
+    gauge!(DEVICE_MEMORY_TOTAL).set(memory.total_bytes as f64);
+}
