@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run test fetch-model build bench fmt lint
+.PHONY: run test fetch-model build bench fmt lint check-cuda
 
 ## Fetch the model if missing, build, and chat with it in the terminal.
 run: fetch-model
@@ -28,3 +28,7 @@ bench: fetch-model
 
 fmt:
 	$(CARGO) fmt --all
+
+## Type-check the worker with candle's CUDA backend (nvcc from PyPI; ~10 min; needs no GPU).
+check-cuda:
+	eval "$$(scripts/cuda-toolchain.sh)" && $(CARGO) check -p hearth-worker --features cuda

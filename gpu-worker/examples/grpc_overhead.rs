@@ -46,11 +46,7 @@ fn engine_run(h: &hearth_worker::engine::EngineHandle, id: u64, n: u32) -> Sampl
     (first - start, last - first, count)
 }
 
-async fn grpc_run(
-    c: &mut WorkerClient<tonic::transport::Channel>,
-    id: u64,
-    n: u32,
-) -> Sample {
+async fn grpc_run(c: &mut WorkerClient<tonic::transport::Channel>, id: u64, n: u32) -> Sample {
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let start = Instant::now();
     tx.send(proto::WorkerRequest {
@@ -66,7 +62,11 @@ async fn grpc_run(
     })
     .await
     .unwrap();
-    let mut events = c.generate(ReceiverStream::new(rx)).await.unwrap().into_inner();
+    let mut events = c
+        .generate(ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
     let (mut first, mut last, mut count) = (None, start, 0);
     while let Some(e) = events.message().await.unwrap() {
         match e.kind.unwrap() {
@@ -105,7 +105,13 @@ async fn main() {
         .unwrap()
         .join("../hearth-worker");
     let mut child = Command::new(&bin)
-        .args(["serve", "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+        ])
         .args(["--kv-budget", "512MiB", "--model"])
         .arg(&model)
         .env("RUST_LOG", "warn")
@@ -123,9 +129,7 @@ async fn main() {
     }
     let _child = Kill(child);
     let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .unwrap();
+    BufReader::new(stdout).read_line(&mut line).unwrap();
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
     let addr = format!("http://{}", v["listening"]["grpc"].as_str().unwrap());
     let mut client = WorkerClient::connect(addr).await.unwrap();

@@ -575,3 +575,51 @@ async fn not_ready_while_loading_and_a_sigterm_then_exits_at_once() {
     signal(&w, libc::SIGTERM);
     assert!(wait_exit(&mut w).await.success());
 }
+
+#[test]
+fn bad_configuration_is_refused_at_start_with_a_message_naming_the_flag() {
+    let model = tiny_model_file();
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_hearth-worker"))
+            .arg("serve")
+            .env("HEARTH_MODEL", &model)
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .expect("run hearth-worker");
+        assert!(!out.status.success(), "{args:?} was accepted");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    for (args, needle) in [
+        (&["--max-batch", "0"][..], "--max-batch"),
+        (&["--max-waiting", "0"], "--max-waiting"),
+        (&["--prefill-chunk", "0"], "--prefill-chunk"),
+        (&["--kv-budget", "lots"], "--kv-budget"),
+        (&["--kv-budget", "0"], "--kv-budget"),
+        (&["--device", "gpu"], "--device"),
+        (&["--device", "cuda:0"], "cuda:0"),
+        (
+            &["--model", "/nonexistent/model.gguf"],
+            "/nonexistent/model.gguf",
+        ),
+        (
+            &["--tokenizer", "/nonexistent/tokenizer.json"],
+            "--tokenizer",
+        ),
+    ] {
+        let (out, err) = run(args);
+        assert!(
+            err.contains(needle),
+            "{args:?}: `{err}` should name `{needle}`"
+        );
+        assert!(out.is_empty(), "{args:?} was refused only after listening");
+    }
+    // A KV budget smaller than one block of this model is refused (once the model's shape is
+    // known), not served with no memory.
+    let (_, err) = run(&["--kv-budget", "1KiB"]);
+    assert!(err.contains("KV budget"), "{err}");
+}

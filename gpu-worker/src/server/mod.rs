@@ -73,12 +73,15 @@ pub enum ServeError {
 #[derive(Debug)]
 pub struct Worker {
     config: ValidConfig,
+    device: device::Device,
     grpc: TcpListener,
     http: TcpListener,
 }
 
 impl Worker {
+    /// Opens the device and binds both listeners; nothing is served yet.
     pub async fn bind(config: ValidConfig) -> Result<Self, ServeError> {
+        let device = device::select(config.device)?;
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await
@@ -88,6 +91,7 @@ impl Worker {
             grpc: bind(config.listen).await?,
             http: bind(config.metrics_listen).await?,
             config,
+            device,
         })
     }
 
@@ -105,8 +109,12 @@ impl Worker {
         metrics: PrometheusHandle,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ServeError> {
-        let Self { config, grpc, http } = self;
-        let device = device::select(config.device)?;
+        let Self {
+            config,
+            device,
+            grpc,
+            http,
+        } = self;
         tracing::info!(device = %device.name, "device selected");
         let state = WorkerState::new(device);
         let (stop_tx, stop_rx) = watch::channel(false);

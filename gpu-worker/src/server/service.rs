@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
+use tracing::Instrument;
 
 use super::state::{Phase, WorkerState};
 use super::{status, stream};
@@ -107,13 +108,23 @@ impl Worker for WorkerService {
         request: Request<Streaming<proto::WorkerRequest>>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let engine = self.state.accepting()?.clone();
+        // The caller's trace context (W3C `traceparent` metadata) follows the stream's logs.
+        let traceparent = request
+            .metadata()
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        let span = tracing::info_span!(
+            "generate_stream",
+            peer = ?request.remote_addr(),
+            traceparent = %traceparent,
+        );
         let (tx, rx) = mpsc::channel(stream::OUT_QUEUE);
-        tokio::spawn(stream::connection_task(
-            self.state.clone(),
-            engine,
-            request.into_inner(),
-            tx,
-        ));
+        tokio::spawn(
+            stream::connection_task(self.state.clone(), engine, request.into_inner(), tx)
+                .instrument(span),
+        );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
