@@ -7,7 +7,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use common::worker::{connect, open, request, spawn_worker, wait_health, wait_ready, GenStream};
+use common::worker::{
+    connect, health, open, request, spawn_worker, wait_health, wait_ready, GenStream,
+};
 use common::{collect, prompt, temp_dir};
 use hearth_shared::proto::{self, FinishReason};
 use hearth_worker::engine::{Engine, EngineConfig, GenerateRequest};
@@ -199,11 +201,7 @@ async fn cancel_frees_the_slot_and_dropping_a_stream_cancels_all_of_it() {
     while out.tokens.len() < 3 {
         out.apply(s.next().await);
     }
-    let h = c
-        .health(proto::HealthRequest {})
-        .await
-        .expect("health")
-        .into_inner();
+    let h = health(&mut c).await;
     assert_eq!((h.running, h.in_flight), (1, 1));
     assert!(h.kv_blocks_used > 0);
     s.cancel(1).await;
@@ -266,11 +264,7 @@ async fn a_second_turn_reuses_the_session_cache_until_the_session_is_dropped() {
     s.send(vec![session(request(1, turn1.clone(), 10))]).await;
     let first = s.collect(&[1]).await.remove(&1).expect("turn 1");
     assert_eq!(first.cached_tokens, Some(0));
-    let h = c
-        .health(proto::HealthRequest {})
-        .await
-        .expect("health")
-        .into_inner();
+    let h = health(&mut c).await;
     assert_eq!(h.cached_sessions, 1);
 
     let mut turn2 = turn1.clone();
@@ -289,11 +283,7 @@ async fn a_second_turn_reuses_the_session_cache_until_the_session_is_dropped() {
     })
     .await
     .expect("drop session");
-    let h = c
-        .health(proto::HealthRequest {})
-        .await
-        .expect("health")
-        .into_inner();
+    let h = health(&mut c).await;
     assert_eq!((h.cached_sessions, h.kv_blocks_used), (0, 0));
     let again = c
         .drop_session(proto::DropSessionRequest {
@@ -445,11 +435,7 @@ async fn beyond_the_waiting_limit_requests_get_resource_exhausted() {
         }
         other => panic!("expected RESOURCE_EXHAUSTED, got {other:?}"),
     }
-    let h = c
-        .health(proto::HealthRequest {})
-        .await
-        .expect("health")
-        .into_inner();
+    let h = health(&mut c).await;
     assert_eq!((h.running, h.waiting), (1, 2));
     s.cancel(1).await;
     let mut rest = HashMap::from([(1, first)]);
@@ -553,11 +539,7 @@ async fn not_ready_while_loading_and_a_sigterm_then_exits_at_once() {
     assert_eq!(unsafe { libc::mkfifo(c_path.as_ptr(), 0o600) }, 0);
     let mut w = spawn_worker(&fifo, &[]);
     let mut c = connect(&w).await;
-    let h = c
-        .health(proto::HealthRequest {})
-        .await
-        .expect("health")
-        .into_inner();
+    let h = health(&mut c).await;
     assert!(!h.ready);
     assert_eq!(h.state, proto::ServingState::Loading as i32);
     let info = c

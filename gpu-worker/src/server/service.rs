@@ -33,9 +33,7 @@ impl Worker for WorkerService {
         &self,
         _: Request<proto::InfoRequest>,
     ) -> Result<Response<proto::InfoResponse>, Status> {
-        let Some((engine, loaded)) = self.state.engine() else {
-            return Err(Status::unavailable("the worker is still loading its model"));
-        };
+        let (engine, loaded) = self.state.loaded()?;
         let m = engine.model_info();
         let d = &self.state.device;
         let memory = d.memory();
@@ -132,9 +130,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<proto::DropSessionRequest>,
     ) -> Result<Response<proto::DropSessionResponse>, Status> {
-        let Some((engine, _)) = self.state.engine() else {
-            return Err(Status::unavailable("the worker is still loading its model"));
-        };
+        let (engine, _) = self.state.loaded()?;
         let id = request.into_inner().session_id;
         if id.is_empty() {
             return Err(Status::invalid_argument("session_id: must not be empty"));

@@ -86,6 +86,13 @@ impl WorkerState {
         self.engine.get()
     }
 
+    /// The engine once the model is loaded (also while draining), else `UNAVAILABLE`.
+    pub fn loaded(&self) -> Result<&(EngineHandle, Loaded), Status> {
+        self.engine
+            .get()
+            .ok_or_else(|| Status::unavailable("the worker is still loading its model"))
+    }
+
     /// The engine, if the worker accepts new work; otherwise the status to refuse it with.
     pub fn accepting(&self) -> Result<&EngineHandle, Status> {
         match (self.phase(), self.engine.get()) {
@@ -93,7 +100,7 @@ impl WorkerState {
             (Phase::Draining, _) => Err(Status::unavailable(
                 "the worker is shutting down and accepts no new requests",
             )),
-            _ => Err(Status::unavailable("the worker is still loading its model")),
+            _ => self.loaded().map(|(engine, _)| engine),
         }
     }
 

@@ -62,14 +62,17 @@ pub async fn connect(w: &WorkerProc) -> WorkerClient<Channel> {
         .expect("connect to worker")
 }
 
+pub async fn health(c: &mut WorkerClient<Channel>) -> proto::HealthResponse {
+    c.health(proto::HealthRequest {})
+        .await
+        .expect("health")
+        .into_inner()
+}
+
 /// Polls `Health` until the model is loaded (bounded, so a broken worker fails the test).
 pub async fn wait_ready(c: &mut WorkerClient<Channel>) -> proto::HealthResponse {
     for _ in 0..300 {
-        let h = c
-            .health(proto::HealthRequest {})
-            .await
-            .expect("health")
-            .into_inner();
+        let h = health(c).await;
         if h.ready {
             return h;
         }
@@ -86,11 +89,7 @@ pub async fn wait_health(
 ) -> proto::HealthResponse {
     let mut last = None;
     for _ in 0..500 {
-        let h = c
-            .health(proto::HealthRequest {})
-            .await
-            .expect("health")
-            .into_inner();
+        let h = health(c).await;
         if pred(&h) {
             return h;
         }
