@@ -89,6 +89,8 @@ fn serve(config: ServeConfig) -> anyhow::Result<()> {
         .thread_name("hearth-rpc")
         .build()?;
     let result = runtime.block_on(async {
+        // Listen for SIGTERM before announcing the addresses: a supervisor may send it at once.
+        let shutdown = shutdown_signal()?;
         let metrics = hearth_worker::telemetry::install()?;
         let worker = Worker::bind(config).await?;
         // One machine-readable line, so whoever started us (the orchestrator, tests) learns the
@@ -105,7 +107,7 @@ fn serve(config: ServeConfig) -> anyhow::Result<()> {
             println!("{line}");
             std::io::stdout().flush()?;
         }
-        worker.run(metrics, shutdown_signal()).await?;
+        worker.run(metrics, shutdown).await?;
         Ok(())
     });
     // A model load interrupted by shutdown may still be blocked in a read; do not wait for it.
@@ -113,20 +115,17 @@ fn serve(config: ServeConfig) -> anyhow::Result<()> {
     result
 }
 
-/// SIGTERM (how orchestration systems stop us) or Ctrl-C.
-async fn shutdown_signal() {
+/// SIGTERM (how orchestration systems stop us) or Ctrl-C. The handlers are installed now; the
+/// returned future resolves at the first signal.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    match signal(SignalKind::terminate()) {
-        Ok(mut term) => {
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot listen for SIGTERM; only Ctrl-C stops the worker");
-            let _ = tokio::signal::ctrl_c().await;
-        }
-    }
-    tracing::info!("shutdown signal received");
+        tracing::info!("shutdown signal received");
+    })
 }

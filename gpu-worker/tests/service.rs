@@ -264,8 +264,7 @@ async fn a_second_turn_reuses_the_session_cache_until_the_session_is_dropped() {
     s.send(vec![session(request(1, turn1.clone(), 10))]).await;
     let first = s.collect(&[1]).await.remove(&1).expect("turn 1");
     assert_eq!(first.cached_tokens, Some(0));
-    let h = health(&mut c).await;
-    assert_eq!(h.cached_sessions, 1);
+    wait_health(&mut c, "the session cached", |h| h.cached_sessions == 1).await;
 
     let mut turn2 = turn1.clone();
     turn2.extend(&first.tokens);
@@ -303,9 +302,13 @@ async fn malformed_requests_get_invalid_argument_and_do_not_disturb_others() {
     let mut c = connect(&w).await;
     wait_ready(&mut c).await;
     let good = prompt(16, 3, VOCAB);
-    let want = expected(&model, &[(good.clone(), 40)]);
+    let want = expected(&model, &[(good.clone(), 200)]);
     let mut s = open(&mut c).await;
-    s.send(vec![request(1, good, 40)]).await;
+    s.send(vec![request(1, good.clone(), 200)]).await;
+    // The same good request on another connection, running while this stream gets bad input.
+    let mut c2 = connect(&w).await;
+    let mut other = open(&mut c2).await;
+    other.send(vec![request(1, good, 200)]).await;
 
     let with = |id: u64, f: &dyn Fn(&mut proto::GenerateRequest)| {
         let mut r = request(id, prompt(8, id as u32, VOCAB), 4);
@@ -396,6 +399,8 @@ async fn malformed_requests_get_invalid_argument_and_do_not_disturb_others() {
         let msg = &refused.error.as_ref().expect("error").message;
         assert!(msg.contains(field), "`{msg}` should name `{field}`");
     }
+    let elsewhere = other.collect(&[1]).await.remove(&1).expect("other stream");
+    assert_eq!(elsewhere.tokens, want[0]);
     let good = outcomes[&1]
         .iter()
         .find(|o| o.finished.is_some())
@@ -435,8 +440,10 @@ async fn beyond_the_waiting_limit_requests_get_resource_exhausted() {
         }
         other => panic!("expected RESOURCE_EXHAUSTED, got {other:?}"),
     }
-    let h = health(&mut c).await;
-    assert_eq!((h.running, h.waiting), (1, 2));
+    wait_health(&mut c, "one running and two waiting", |h| {
+        (h.running, h.waiting) == (1, 2)
+    })
+    .await;
     s.cancel(1).await;
     let mut rest = HashMap::from([(1, first)]);
     s.collect_into(&mut rest, &[1, 2, 3]).await;
@@ -451,7 +458,7 @@ async fn sigterm_refuses_new_work_finishes_in_flight_and_exits_zero() {
     let mut w = spawn_worker(&model, &[]);
     let mut c = connect(&w).await;
     wait_ready(&mut c).await;
-    let prompts: Vec<(Vec<u32>, u32)> = (0..3).map(|i| (prompt(10, i, VOCAB), 300)).collect();
+    let prompts: Vec<(Vec<u32>, u32)> = (0..3).map(|i| (prompt(10, i, VOCAB), 900)).collect();
     let want = expected(&model, &prompts);
     let mut s = open(&mut c).await;
     s.send(
@@ -480,6 +487,8 @@ async fn sigterm_refuses_new_work_finishes_in_flight_and_exits_zero() {
         .err()
         .map(|e| e.code());
     assert_eq!(fresh, Some(Code::Unavailable));
+    // Still serving the drain: the refusal came from the worker, not from a dead socket.
+    assert!(!health(&mut c).await.ready);
     let mut refused = None;
     let mut done = 0;
     while done < 3 || refused.is_none() {
@@ -494,7 +503,8 @@ async fn sigterm_refuses_new_work_finishes_in_flight_and_exits_zero() {
     }
     match refused.and_then(|e| e.kind) {
         Some(proto::worker_event::Kind::Error(e)) => {
-            assert_eq!(Code::from(e.code), Code::Unavailable)
+            assert_eq!(Code::from(e.code), Code::Unavailable);
+            assert!(e.message.contains("shutting down"), "{e:?}");
         }
         other => panic!("expected UNAVAILABLE, got {other:?}"),
     }
@@ -505,8 +515,13 @@ async fn sigterm_refuses_new_work_finishes_in_flight_and_exits_zero() {
         );
     }
     // The stream then ends with UNAVAILABLE so the client reconnects elsewhere.
-    let end = s.events.message().await;
-    assert_eq!(end.err().map(|e| e.code()), Some(Code::Unavailable));
+    let end = s
+        .events
+        .message()
+        .await
+        .expect_err("the stream ends with a status");
+    assert_eq!(end.code(), Code::Unavailable);
+    assert!(end.message().contains("shutting down"), "{end:?}");
     let status = wait_exit(&mut w).await;
     assert!(status.success(), "exit status {status}");
 }
@@ -604,4 +619,19 @@ fn bad_configuration_is_refused_at_start_with_a_message_naming_the_flag() {
     // known), not served with no memory.
     let (_, err) = run(&["--kv-budget", "1KiB"]);
     assert!(err.contains("KV budget"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_id_can_be_reused_as_soon_as_its_last_event_arrives() {
+    let model = tiny_model_file();
+    let w = spawn_worker(&model, &[]);
+    let mut c = connect(&w).await;
+    wait_ready(&mut c).await;
+    let mut s = open(&mut c).await;
+    for round in 0..30u32 {
+        s.send(vec![request(5, prompt(4, round, VOCAB), 1)]).await;
+        let out = s.collect(&[5]).await.remove(&5).expect("outcome");
+        assert!(out.error.is_none(), "round {round}: {out:?}");
+        assert_eq!(out.tokens.len(), 1);
+    }
 }

@@ -34,10 +34,17 @@ pub(crate) type EventSender = mpsc::UnboundedSender<EngineEvent>;
 
 pub(crate) enum Command {
     Submit(Box<ValidRequest>, EventSender),
-    Cancel(RequestId),
-    CancelAll,
     DropSession(SessionId, oneshot::Sender<Result<(), EngineError>>),
+    /// Nothing but a nudge: a cancel is waiting in the cancel queue. Dropped when the queue is
+    /// full, which is harmless, since a busy engine reads the cancel queue every step anyway.
+    Wake,
     Shutdown,
+}
+
+/// Cancels travel apart from the bounded command queue: a full queue must never lose one.
+pub(crate) enum Cancel {
+    One(RequestId),
+    All,
 }
 
 /// Live counters, updated by the engine thread after every step.
@@ -57,6 +64,7 @@ pub(crate) struct SharedStats {
 #[derive(Clone, Debug)]
 pub struct EngineHandle {
     tx: SyncSender<Command>,
+    cancels: std::sync::mpsc::Sender<Cancel>,
     stats: Arc<SharedStats>,
     info: Arc<ModelInfo>,
     closed: Arc<AtomicBool>,
@@ -96,17 +104,19 @@ impl Engine {
         let sched = Scheduler::new(model.clone(), config.clone())?;
         let info = Arc::new(sched.model_info());
         let (tx, rx) = sync_channel(config.command_queue);
+        let (cancels, cancel_rx) = std::sync::mpsc::channel();
         let stats = Arc::new(SharedStats::default());
         // Counters are valid from the first `stats()` call, not only after the first step.
         publish(&sched, &stats);
         let thread_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name("hearth-engine".into())
-            .spawn(move || engine_task(sched, rx, thread_stats))
+            .spawn(move || engine_task(sched, rx, cancel_rx, thread_stats))
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
             handle: EngineHandle {
                 tx,
+                cancels,
                 stats,
                 info,
                 closed: Arc::new(AtomicBool::new(false)),
@@ -162,12 +172,20 @@ impl EngineHandle {
 
     /// Cancels a request; its stream ends with `Finished { reason: Cancelled }` at the next step.
     pub fn cancel(&self, id: RequestId) {
-        let _ = self.tx.try_send(Command::Cancel(id));
+        // Fails only when the engine is gone, and then nothing is left to cancel.
+        let _ = self.cancels.send(Cancel::One(id));
+        self.wake();
+    }
+
+    /// Makes an idle engine thread look at its cancel queue.
+    fn wake(&self) {
+        let _ = self.tx.try_send(Command::Wake);
     }
 
     /// Cancels every running and waiting request (a drain past its deadline).
     pub fn cancel_all(&self) {
-        let _ = self.tx.try_send(Command::CancelAll);
+        let _ = self.cancels.send(Cancel::All);
+        self.wake();
     }
 
     /// Frees a session's cached KV.
@@ -175,7 +193,12 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         self.tx
             .try_send(Command::DropSession(session, tx))
-            .map_err(|_| EngineError::ShuttingDown)?;
+            .map_err(|e| match e {
+                TrySendError::Full(_) => EngineError::QueueFull {
+                    limit: self.info.command_queue,
+                },
+                TrySendError::Disconnected(_) => EngineError::ShuttingDown,
+            })?;
         rx.await.map_err(|_| EngineError::ShuttingDown)?
     }
 
@@ -196,7 +219,12 @@ impl EngineHandle {
 }
 
 /// The engine loop: take commands, run a step, publish counters. Blocks only when idle.
-fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedStats>) {
+fn engine_task(
+    mut sched: Scheduler,
+    rx: Receiver<Command>,
+    cancels: Receiver<Cancel>,
+    stats: Arc<SharedStats>,
+) {
     let max_batch = sched.model_info().max_batch;
     let mut shutting_down = false;
     loop {
@@ -220,6 +248,12 @@ fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedSta
                 }
             }
         }
+        while let Ok(c) = cancels.try_recv() {
+            match c {
+                Cancel::One(id) => sched.cancel(id),
+                Cancel::All => sched.cancel_all(),
+            }
+        }
         // A bug in one step must not take the engine (and every other user) down.
         let started = Instant::now();
         match catch_unwind(AssertUnwindSafe(|| sched.step())) {
@@ -239,8 +273,7 @@ fn engine_task(mut sched: Scheduler, rx: Receiver<Command>, stats: Arc<SharedSta
 fn handle_command(sched: &mut Scheduler, cmd: Command, stats: &SharedStats) -> bool {
     match cmd {
         Command::Submit(req, tx) => sched.enqueue(*req, tx),
-        Command::Cancel(id) => sched.cancel(id),
-        Command::CancelAll => sched.cancel_all(),
+        Command::Wake => {}
         Command::DropSession(s, reply) => {
             let result = sched.drop_session(&s);
             // The caller may read the counters as soon as it has the answer.

@@ -6,7 +6,7 @@
 //! samples a token for every sequence that reached the end of its input. Finished sequences leave
 //! at once; their KV stays behind as the session's cache for the next turn.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +19,9 @@ use crate::kernels::SpinPool;
 use crate::kv::{BlockAllocator, BlockId, KvStore};
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
+
+/// Most remembered cancels of requests not yet seen.
+const EARLY_CANCELS_MAX: usize = 4096;
 
 /// What one step's forward pass ran; the engine thread turns it into metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -115,6 +118,11 @@ pub struct Scheduler {
     clock: u64,
     evictions: usize,
     preemptions: usize,
+    /// Highest request id enqueued so far; see `early_cancels`.
+    max_id_seen: u64,
+    /// Cancels that overtook their request (they travel on another channel). Only ids above
+    /// `max_id_seen` are kept, as those requests may still arrive; the set is bounded.
+    early_cancels: HashSet<RequestId>,
 }
 
 impl Scheduler {
@@ -164,6 +172,8 @@ impl Scheduler {
             clock: 0,
             evictions: 0,
             preemptions: 0,
+            max_id_seen: 0,
+            early_cancels: HashSet::new(),
         })
     }
 
@@ -195,6 +205,7 @@ impl Scheduler {
             stop_ids,
             arrived,
         } = req;
+        self.max_id_seen = self.max_id_seen.max(inner.id.0);
         let in_flight = self
             .running
             .iter()
@@ -204,7 +215,9 @@ impl Scheduler {
             let _ = events.send(EngineEvent::Error(EngineError::DuplicateRequest(inner.id)));
             return;
         }
-        if self.waiting.len() >= self.config.max_waiting {
+        // Requests the next step will admit into free batch slots are not really waiting.
+        let free_slots = self.config.max_batch.saturating_sub(self.running.len());
+        if self.waiting.len() >= self.config.max_waiting + free_slots {
             let _ = events.send(EngineEvent::Error(EngineError::QueueFull {
                 limit: self.config.max_waiting,
             }));
@@ -230,15 +243,23 @@ impl Scheduler {
             admitted: None,
             first_token: None,
             preempted: false,
-            cancelled: false,
+            cancelled: self.early_cancels.remove(&inner.id),
         });
     }
 
     pub(crate) fn cancel(&mut self, id: RequestId) {
+        let mut found = false;
         for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
             if s.id == id {
                 s.cancelled = true;
+                found = true;
             }
+        }
+        if !found && id.0 > self.max_id_seen {
+            if self.early_cancels.len() >= EARLY_CANCELS_MAX {
+                self.early_cancels.clear();
+            }
+            self.early_cancels.insert(id);
         }
     }
 

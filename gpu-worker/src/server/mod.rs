@@ -35,7 +35,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use tokio_stream::wrappers::TcpListenerStream;
+use tonic::transport::server::TcpIncoming;
 
 use crate::device::{self, DeviceError};
 use crate::engine::{Engine, EngineError};
@@ -45,6 +45,9 @@ use state::{Loaded, WorkerState};
 /// How long cancelled sequences get to report `Finished` after the drain deadline, and the
 /// servers to close their connections.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
+/// Largest `WorkerRequest` accepted: a batch of long prompts (tonic's default is 4 MiB).
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -127,12 +130,17 @@ impl Worker {
             metrics,
             stopped(stop_rx.clone()),
         ));
+        let service = WorkerServer::new(service::WorkerService::new(state.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let incoming = TcpIncoming::from(grpc).with_nodelay(Some(true));
         let grpc_task = tokio::spawn(
             tonic::transport::Server::builder()
-                .add_service(WorkerServer::new(service::WorkerService::new(
-                    state.clone(),
-                )))
-                .serve_with_incoming_shutdown(TcpListenerStream::new(grpc), stopped(stop_rx)),
+                // Notice orchestrators that vanished without closing their connection, so their
+                // requests are cancelled instead of generating for nobody.
+                .http2_keepalive_interval(Some(Duration::from_secs(10)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+                .add_service(service)
+                .serve_with_incoming_shutdown(incoming, stopped(stop_rx)),
         );
 
         tokio::pin!(shutdown);

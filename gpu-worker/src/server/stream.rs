@@ -41,6 +41,7 @@ pub async fn connection_task(
         out,
         live: HashMap::new(),
         forwarders: JoinSet::new(),
+        tasks: HashMap::new(),
     };
     let mut drain = conn.state.drain_signal();
     let mut draining = *drain.borrow();
@@ -70,14 +71,18 @@ pub async fn connection_task(
                 // Half-close: no more requests, but those in flight still stream.
                 Ok(None) => inbound_open = false,
                 Err(e) => {
-                    tracing::debug!(status = %e, "generate stream broken by the client");
+                    // A broken connection, or a message this server cannot take (too large,
+                    // undecodable): end the stream with the reason, if anyone still listens.
+                    tracing::debug!(status = %e, "generate stream broken");
                     conn.cancel_all();
+                    let _ = conn.out.send(Err(e)).await;
                     return;
                 }
             },
-            Some(done) = conn.forwarders.join_next() => {
-                if let Ok(id) = done {
-                    conn.live.remove(&id);
+            Some(done) = conn.forwarders.join_next_with_id() => {
+                if conn.finish(done).await.is_err() {
+                    conn.cancel_all();
+                    return;
                 }
             }
             () = conn.out.closed() => {
@@ -98,8 +103,11 @@ struct Connection {
     out: EventTx,
     /// The client's request id → the engine's.
     live: HashMap<u64, RequestId>,
-    /// One per live request; each returns its client request id.
-    forwarders: JoinSet<u64>,
+    /// One per live request; each returns the request's last event, which the connection sends
+    /// only after forgetting the id, so a client may reuse an id as soon as it sees that event.
+    forwarders: JoinSet<proto::WorkerEvent>,
+    /// Forwarder task → client request id, to forget the id even if a forwarder panics.
+    tasks: HashMap<tokio::task::Id, u64>,
 }
 
 /// The client stopped reading; nothing more can be delivered.
@@ -124,9 +132,34 @@ impl Connection {
         Ok(())
     }
 
+    /// A forwarder ended: forget its id, then deliver its last event.
+    async fn finish(
+        &mut self,
+        done: Result<(tokio::task::Id, proto::WorkerEvent), tokio::task::JoinError>,
+    ) -> Result<(), Gone> {
+        let (task, last) = match done {
+            Ok((task, last)) => (task, Some(last)),
+            Err(e) => (e.id(), None),
+        };
+        let Some(client_id) = self.tasks.remove(&task) else {
+            return Ok(());
+        };
+        self.live.remove(&client_id);
+        let last = last.unwrap_or_else(|| {
+            error_event(
+                client_id,
+                Code::Internal,
+                "the request's event relay failed",
+            )
+        });
+        self.out.send(Ok(last)).await.map_err(|_| Gone)
+    }
+
     async fn submit(&mut self, r: proto::GenerateRequest) -> Result<(), Gone> {
         let client_id = r.request_id;
         let refuse = |code: Code, msg: String| Ok(error_event(client_id, code, msg));
+        // Counted before the phase check, so a drain that starts meanwhile waits for it.
+        let guard = self.state.track();
         let event = if self.state.accepting().is_err() {
             refuse(
                 Code::Unavailable,
@@ -146,10 +179,11 @@ impl Connection {
                         Err(e) => refuse(status::code(&e), e.to_string()),
                         Ok(events) => {
                             self.live.insert(client_id, engine_id);
-                            let guard = self.state.track();
                             let out = self.out.clone();
-                            self.forwarders
+                            let task = self
+                                .forwarders
                                 .spawn(forward(client_id, events, out, guard));
+                            self.tasks.insert(task.id(), client_id);
                             return Ok(());
                         }
                     }
@@ -189,13 +223,13 @@ impl Connection {
     }
 }
 
-/// Relays one request's engine events to the stream until its last event.
+/// Relays one request's engine events to the stream and returns its last event, unsent.
 async fn forward(
     client_id: u64,
     mut events: EventStream,
     out: EventTx,
     _in_flight: InFlight,
-) -> u64 {
+) -> proto::WorkerEvent {
     let mut next: Option<EngineEvent> = None;
     loop {
         let event = match next.take() {
@@ -204,24 +238,18 @@ async fn forward(
                 Some(e) => e,
                 None => {
                     let msg = "the engine ended the request without a result";
-                    let _ = out
-                        .send(Ok(error_event(client_id, Code::Internal, msg)))
-                        .await;
-                    break;
+                    return error_event(client_id, Code::Internal, msg);
                 }
             },
         };
-        let (kind, last) = match event {
+        let kind = match event {
             EngineEvent::Started {
                 cached_tokens,
                 queue_ms,
-            } => (
-                Kind::Started(proto::Started {
-                    cached_tokens: cached_tokens as u32,
-                    queue_ms,
-                }),
-                false,
-            ),
+            } => Kind::Started(proto::Started {
+                cached_tokens: cached_tokens as u32,
+                queue_ms,
+            }),
             EngineEvent::Token { id, logprob } => {
                 let mut t = proto::Tokens {
                     ids: vec![id],
@@ -240,7 +268,7 @@ async fn forward(
                         Err(_) => break,
                     }
                 }
-                (Kind::Tokens(t), false)
+                Kind::Tokens(t)
             }
             EngineEvent::Finished {
                 reason,
@@ -248,33 +276,33 @@ async fn forward(
                 cached_tokens,
                 completion_tokens,
                 timings,
-            } => (
-                Kind::Finished(proto::Finished {
-                    reason: proto::FinishReason::from(reason) as i32,
-                    prompt_tokens: prompt_tokens as u32,
-                    cached_tokens: cached_tokens as u32,
-                    completion_tokens: completion_tokens as u32,
-                    timings: Some(proto::Timings {
-                        queue_ms: timings.queue_ms,
-                        time_to_first_token_ms: timings.time_to_first_token_ms,
-                        total_ms: timings.total_ms,
-                    }),
-                }),
-                true,
-            ),
+            } => {
+                return proto::WorkerEvent {
+                    request_id: client_id,
+                    kind: Some(Kind::Finished(proto::Finished {
+                        reason: proto::FinishReason::from(reason) as i32,
+                        prompt_tokens: prompt_tokens as u32,
+                        cached_tokens: cached_tokens as u32,
+                        completion_tokens: completion_tokens as u32,
+                        timings: Some(proto::Timings {
+                            queue_ms: timings.queue_ms,
+                            time_to_first_token_ms: timings.time_to_first_token_ms,
+                            total_ms: timings.total_ms,
+                        }),
+                    })),
+                }
+            }
             EngineEvent::Error(e) => {
-                let ev = error_event(client_id, status::code(&e), e.to_string());
-                let _ = out.send(Ok(ev)).await;
-                break;
+                return error_event(client_id, status::code(&e), e.to_string());
             }
         };
         let event = proto::WorkerEvent {
             request_id: client_id,
             kind: Some(kind),
         };
-        if out.send(Ok(event)).await.is_err() || last {
-            break;
+        if out.send(Ok(event)).await.is_err() {
+            // The client is gone; the connection task is cancelling everything.
+            return error_event(client_id, Code::Cancelled, "the client went away");
         }
     }
-    client_id
 }

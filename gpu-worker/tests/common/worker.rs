@@ -15,6 +15,8 @@ use tonic::Streaming;
 /// A running worker; killed when dropped.
 pub struct WorkerProc {
     pub child: Child,
+    /// Held open so the worker never writes into a closed pipe.
+    _stdout: BufReader<std::process::ChildStdout>,
     pub grpc: String,
     pub metrics: String,
 }
@@ -42,10 +44,8 @@ pub fn spawn_worker(model: &Path, extra: &[&str]) -> WorkerProc {
         .spawn()
         .expect("start hearth-worker");
     let mut line = String::new();
-    let stdout = child.stdout.take().expect("stdout");
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("read address line");
+    let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+    stdout.read_line(&mut line).expect("read address line");
     let v: serde_json::Value = serde_json::from_str(&line)
         .unwrap_or_else(|e| panic!("worker printed `{line}` instead of its addresses: {e}"));
     let addr = |k: &str| v["listening"][k].as_str().expect("address").to_string();
@@ -53,6 +53,7 @@ pub fn spawn_worker(model: &Path, extra: &[&str]) -> WorkerProc {
         grpc: format!("http://{}", addr("grpc")),
         metrics: format!("http://{}", addr("metrics")),
         child,
+        _stdout: stdout,
     }
 }
 
