@@ -1,12 +1,14 @@
 //! Types shared by the Hearth orchestrator and GPU worker.
 //!
 //! # Layout
+//! - [`chat`]: the Gemma chat template, incremental detokenization and stop strings.
 //! - [`ids`]: newtypes for request, session and user ids.
 //! - [`sampling`]: per-request sampling parameters and their validation.
 //! - [`finish`]: why a generation ended.
 //! - [`proto`]: the orchestrator ⇄ worker gRPC contract (generated) and its conversions.
 //! - [`tokenizer`]: a thin wrapper over a `tokenizer.json` with Gemma's special tokens.
 
+pub mod chat;
 pub mod finish;
 pub mod ids;
 pub mod proto;

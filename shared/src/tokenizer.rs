@@ -43,7 +43,11 @@ impl Tokenizer {
         if !path.is_file() {
             return Err(load_err("file not found".into()));
         }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| load_err(e.to_string()))?;
+        let mut inner =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| load_err(e.to_string()))?;
+        // Text is text: a message containing `<end_of_turn>` must not become the control token.
+        // The chat template inserts control tokens by id.
+        inner.set_encode_special_tokens(true);
         let id = |tok: &'static str| {
             inner
                 .token_to_id(tok)
@@ -59,7 +63,8 @@ impl Tokenizer {
         })
     }
 
-    /// Token ids for `text`, without adding BOS (the chat template adds it once).
+    /// Token ids for `text`, without adding BOS (the chat template adds it once). Special-token
+    /// names in `text` are tokenized as plain text.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .inner
@@ -71,6 +76,13 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner
             .decode(ids, true)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// Like [`Self::decode`], but control tokens (`<bos>`, `<start_of_turn>`, …) are shown.
+    pub fn decode_with_special(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
             .map_err(|e| TokenizerError::Encode(e.to_string()))
     }
 
