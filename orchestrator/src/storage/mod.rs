@@ -1,0 +1,82 @@
+//! Users, API keys, sessions and messages, behind one [`Store`] trait.
+//!
+//! PostgreSQL is the system of record in production; SQLite is the embedded default, so a first
+//! run needs nothing installed. Both run the same SQL through sqlx's `Any` driver ([`sql`]);
+//! each has its own migrations (`migrations/postgres`, `migrations/sqlite`), applied at start-up.
+//!
+//! Every query that touches a session or message takes the caller's user id: another user's
+//! session is indistinguishable from a missing one ([`StoreError::NotFound`]).
+
+mod sql;
+mod types;
+
+pub use sql::SqlStore;
+pub use types::*;
+
+use async_trait::async_trait;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    /// Missing, soft-deleted, or not the caller's.
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    #[error("{0} already exists")]
+    Conflict(&'static str),
+    /// The database cannot be reached (down, pool exhausted, connection lost).
+    #[error("the database is unavailable: {0}")]
+    Unavailable(String),
+    #[error("storage: {0}")]
+    Invalid(String),
+    #[error("storage error: {0}")]
+    Internal(String),
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+#[async_trait]
+pub trait Store: Send + Sync + std::fmt::Debug {
+    /// Which database this is (`postgres` or `sqlite`), for logs.
+    fn backend(&self) -> &'static str;
+    /// Cheap round trip, for readiness.
+    async fn ping(&self) -> StoreResult<()>;
+
+    async fn create_user(&self, name: &str) -> StoreResult<User>;
+    async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>>;
+
+    async fn insert_api_key(&self, key: NewApiKey) -> StoreResult<ApiKey>;
+    /// Keys whose prefix matches, with their users; the caller compares hashes in constant time
+    /// and checks revocation and expiry.
+    async fn api_keys_by_prefix(&self, prefix: &str) -> StoreResult<Vec<(ApiKey, User)>>;
+    async fn revoke_api_key(&self, key_id: &str, at_ms: i64) -> StoreResult<()>;
+
+    async fn create_session(&self, user_id: &str, new: NewSession) -> StoreResult<Session>;
+    /// The caller's live sessions, most recently updated first.
+    async fn list_sessions(&self, user_id: &str, query: &SessionQuery)
+        -> StoreResult<Vec<Session>>;
+    async fn get_session(&self, user_id: &str, session_id: &str) -> StoreResult<Session>;
+    async fn update_session(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        patch: SessionPatch,
+    ) -> StoreResult<Session>;
+    /// Soft delete: the session and its messages disappear from every query.
+    async fn delete_session(&self, user_id: &str, session_id: &str) -> StoreResult<()>;
+
+    /// The session's messages in order.
+    async fn list_messages(&self, user_id: &str, session_id: &str) -> StoreResult<Vec<Message>>;
+    /// In one transaction: the user's message, an empty assistant message with status
+    /// `streaming`, and the session's `updated_at`. Nothing is written if any part fails.
+    async fn begin_turn(&self, user_id: &str, session_id: &str, content: &str)
+        -> StoreResult<Turn>;
+    /// An assistant placeholder for a regenerated reply (after `truncate_from`).
+    async fn begin_reply(&self, user_id: &str, session_id: &str) -> StoreResult<Message>;
+    /// Removes the session's messages from `seq` on (regenerate drops the last reply).
+    async fn truncate_from(&self, user_id: &str, session_id: &str, seq: i64) -> StoreResult<u64>;
+    /// The reply so far, while it streams.
+    async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()>;
+    /// The reply's final state.
+    async fn finish_message(&self, message_id: &str, done: &Completion) -> StoreResult<()>;
+    /// At start-up: replies left `streaming` by a crash become `error`, keeping their text.
+    async fn fail_interrupted(&self) -> StoreResult<u64>;
+}

@@ -1,0 +1,621 @@
+//! The [`Store`] on PostgreSQL or SQLite, through sqlx's `Any` driver: one set of queries for
+//! both. Placeholders are `$1, $2, …` in order of first use, which both databases read the same
+//! way; values are the types both share (text, 64-bit integers, nulls).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+
+use super::types::*;
+use super::{Store, StoreError, StoreResult};
+
+/// Longest a query waits for a pooled connection before the database counts as unavailable.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+
+#[derive(Debug, Clone)]
+pub struct SqlStore {
+    pool: AnyPool,
+    backend: &'static str,
+}
+
+fn db_err(e: sqlx::Error) -> StoreError {
+    match &e {
+        sqlx::Error::RowNotFound => StoreError::NotFound("row"),
+        sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::WorkerCrashed => StoreError::Unavailable(e.to_string()),
+        // PostgreSQL classes 08 (connection exception) and 57 (operator intervention: shutdown,
+        // restart) mean the server, not the query, is the problem.
+        sqlx::Error::Database(d)
+            if d.code()
+                .is_some_and(|c| c.starts_with("08") || c.starts_with("57")) =>
+        {
+            StoreError::Unavailable(e.to_string())
+        }
+        _ => StoreError::Internal(e.to_string()),
+    }
+}
+
+/// Maps a unique-constraint violation to `Conflict(what)`, anything else as usual.
+fn conflict(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
+    move |e| match &e {
+        sqlx::Error::Database(d) if d.is_unique_violation() => StoreError::Conflict(what),
+        _ => db_err(e),
+    }
+}
+
+fn new_id() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}
+
+impl SqlStore {
+    /// Connects (`postgres://…` or `sqlite:…`; a SQLite file is created if missing) and applies
+    /// the migrations for that database.
+    pub async fn connect(url: &str) -> StoreResult<Self> {
+        sqlx::any::install_default_drivers();
+        let backend = if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            "postgres"
+        } else if url.starts_with("sqlite:") {
+            "sqlite"
+        } else {
+            return Err(StoreError::Invalid(format!(
+                "database URL must start with postgres:// or sqlite: (got `{}`)",
+                url.split(':').next().unwrap_or_default()
+            )));
+        };
+        let pool = AnyPoolOptions::new()
+            .max_connections(if backend == "sqlite" { 4 } else { 16 })
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect(url)
+            .await
+            .map_err(db_err)?;
+        let migrated = if backend == "sqlite" {
+            // Readers do not wait for the writer; persistent for the database file.
+            sqlx::query("PRAGMA journal_mode = WAL")
+                .execute(&pool)
+                .await
+                .map_err(db_err)?;
+            sqlx::migrate!("../migrations/sqlite").run(&pool).await
+        } else {
+            sqlx::migrate!("../migrations/postgres").run(&pool).await
+        };
+        migrated.map_err(|e| StoreError::Internal(format!("migrations failed: {e}")))?;
+        Ok(Self { pool, backend })
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    /// The session, if it is the caller's and not deleted.
+    async fn owned<'e, E>(exec: E, user_id: &str, session_id: &str) -> StoreResult<()>
+    where
+        E: sqlx::Executor<'e, Database = sqlx::Any>,
+    {
+        sqlx::query("SELECT id FROM sessions WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL")
+            .bind(session_id)
+            .bind(user_id)
+            .fetch_optional(exec)
+            .await
+            .map_err(db_err)?
+            .map(|_| ())
+            .ok_or(StoreError::NotFound("session"))
+    }
+}
+
+const SESSION_COLUMNS: &str = "id, title, system_prompt, params, created_at, updated_at";
+const MESSAGE_COLUMNS: &str = "id, seq, role, content, status, finish_reason, prompt_tokens, \
+     cached_tokens, completion_tokens, ttft_ms, duration_ms, worker, created_at, updated_at";
+
+fn session_from(r: &AnyRow) -> StoreResult<Session> {
+    let params: Option<String> = r.try_get("params").map_err(db_err)?;
+    Ok(Session {
+        id: r.try_get("id").map_err(db_err)?,
+        title: r.try_get("title").map_err(db_err)?,
+        system_prompt: r.try_get("system_prompt").map_err(db_err)?,
+        params: params
+            .map(|p| serde_json::from_str(&p))
+            .transpose()
+            .map_err(|e| StoreError::Internal(format!("stored session params: {e}")))?,
+        created_at: r.try_get("created_at").map_err(db_err)?,
+        updated_at: r.try_get("updated_at").map_err(db_err)?,
+    })
+}
+
+fn message_from(r: &AnyRow) -> StoreResult<Message> {
+    let role: String = r.try_get("role").map_err(db_err)?;
+    let status: String = r.try_get("status").map_err(db_err)?;
+    let bad = |what: &str, v: &str| StoreError::Internal(format!("stored message {what} `{v}`"));
+    Ok(Message {
+        id: r.try_get("id").map_err(db_err)?,
+        seq: r.try_get("seq").map_err(db_err)?,
+        role: Role::parse(&role).ok_or_else(|| bad("role", &role))?,
+        content: r.try_get("content").map_err(db_err)?,
+        status: MessageStatus::parse(&status).ok_or_else(|| bad("status", &status))?,
+        finish_reason: r.try_get("finish_reason").map_err(db_err)?,
+        prompt_tokens: r.try_get("prompt_tokens").map_err(db_err)?,
+        cached_tokens: r.try_get("cached_tokens").map_err(db_err)?,
+        completion_tokens: r.try_get("completion_tokens").map_err(db_err)?,
+        ttft_ms: r.try_get("ttft_ms").map_err(db_err)?,
+        duration_ms: r.try_get("duration_ms").map_err(db_err)?,
+        worker: r.try_get("worker").map_err(db_err)?,
+        created_at: r.try_get("created_at").map_err(db_err)?,
+        updated_at: r.try_get("updated_at").map_err(db_err)?,
+    })
+}
+
+fn api_key_from(r: &AnyRow) -> StoreResult<(ApiKey, User)> {
+    let key = ApiKey {
+        id: r.try_get("id").map_err(db_err)?,
+        user_id: r.try_get("user_id").map_err(db_err)?,
+        prefix: r.try_get("prefix").map_err(db_err)?,
+        key_hash: r.try_get("key_hash").map_err(db_err)?,
+        requests_per_minute: r.try_get("requests_per_minute").map_err(db_err)?,
+        tokens_per_day: r.try_get("tokens_per_day").map_err(db_err)?,
+        created_at: r.try_get("created_at").map_err(db_err)?,
+        expires_at: r.try_get("expires_at").map_err(db_err)?,
+        revoked_at: r.try_get("revoked_at").map_err(db_err)?,
+    };
+    let user = User {
+        id: key.user_id.clone(),
+        name: r.try_get("user_name").map_err(db_err)?,
+        created_at: r.try_get("user_created_at").map_err(db_err)?,
+    };
+    Ok((key, user))
+}
+
+fn json_text(v: &Option<serde_json::Value>) -> Option<String> {
+    v.as_ref().map(serde_json::Value::to_string)
+}
+
+/// `%text%` for LIKE, with LIKE's own wildcards escaped (`ESCAPE '\'`).
+fn like_pattern(q: &str) -> String {
+    let mut p = String::with_capacity(q.len() + 2);
+    p.push('%');
+    for c in q.to_lowercase().chars() {
+        if matches!(c, '%' | '_' | '\\') {
+            p.push('\\');
+        }
+        p.push(c);
+    }
+    p.push('%');
+    p
+}
+
+/// Inserts a message inside a transaction, at the session's next sequence number.
+async fn insert_message(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    session_id: &str,
+    role: Role,
+    content: &str,
+    status: MessageStatus,
+    now: i64,
+) -> StoreResult<Message> {
+    let seq: i64 =
+        sqlx::query_scalar("SELECT COALESCE(MAX(seq), 0) FROM messages WHERE session_id = $1")
+            .bind(session_id)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(db_err)?;
+    let id = new_id();
+    sqlx::query(
+        "INSERT INTO messages (id, session_id, seq, role, content, status, created_at, updated_at) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+    )
+    .bind(&id)
+    .bind(session_id)
+    .bind(seq + 1)
+    .bind(role.as_str())
+    .bind(content)
+    .bind(status.as_str())
+    .bind(now)
+    .execute(&mut **tx)
+    .await
+    .map_err(conflict("a concurrent turn in this session"))?;
+    Ok(Message {
+        id,
+        seq: seq + 1,
+        role,
+        content: content.to_string(),
+        status,
+        finish_reason: None,
+        prompt_tokens: None,
+        cached_tokens: None,
+        completion_tokens: None,
+        ttft_ms: None,
+        duration_ms: None,
+        worker: None,
+        created_at: now,
+        updated_at: now,
+    })
+}
+
+async fn touch_session(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    session_id: &str,
+    now: i64,
+) -> StoreResult<()> {
+    sqlx::query("UPDATE sessions SET updated_at = $1 WHERE id = $2")
+        .bind(now)
+        .bind(session_id)
+        .execute(&mut **tx)
+        .await
+        .map_err(db_err)?;
+    Ok(())
+}
+
+#[async_trait]
+impl Store for SqlStore {
+    fn backend(&self) -> &'static str {
+        self.backend
+    }
+
+    async fn ping(&self) -> StoreResult<()> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(db_err)?;
+        Ok(())
+    }
+
+    async fn create_user(&self, name: &str) -> StoreResult<User> {
+        let user = User {
+            id: new_id(),
+            name: name.to_string(),
+            created_at: now_ms(),
+        };
+        sqlx::query("INSERT INTO users (id, name, created_at) VALUES ($1, $2, $3)")
+            .bind(&user.id)
+            .bind(&user.name)
+            .bind(user.created_at)
+            .execute(&self.pool)
+            .await
+            .map_err(conflict("user"))?;
+        Ok(user)
+    }
+
+    async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
+        let row = sqlx::query("SELECT id, name, created_at FROM users WHERE name = $1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?;
+        row.map(|r| {
+            Ok(User {
+                id: r.try_get("id").map_err(db_err)?,
+                name: r.try_get("name").map_err(db_err)?,
+                created_at: r.try_get("created_at").map_err(db_err)?,
+            })
+        })
+        .transpose()
+    }
+
+    async fn insert_api_key(&self, k: NewApiKey) -> StoreResult<ApiKey> {
+        let key = ApiKey {
+            id: new_id(),
+            user_id: k.user_id,
+            prefix: k.prefix,
+            key_hash: k.key_hash,
+            requests_per_minute: k.requests_per_minute,
+            tokens_per_day: k.tokens_per_day,
+            created_at: now_ms(),
+            expires_at: k.expires_at,
+            revoked_at: None,
+        };
+        sqlx::query(
+            "INSERT INTO api_keys (id, user_id, prefix, key_hash, requests_per_minute, \
+             tokens_per_day, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&key.id)
+        .bind(&key.user_id)
+        .bind(&key.prefix)
+        .bind(&key.key_hash)
+        .bind(key.requests_per_minute)
+        .bind(key.tokens_per_day)
+        .bind(key.created_at)
+        .bind(key.expires_at)
+        .execute(&self.pool)
+        .await
+        .map_err(conflict("api key"))?;
+        Ok(key)
+    }
+
+    async fn api_keys_by_prefix(&self, prefix: &str) -> StoreResult<Vec<(ApiKey, User)>> {
+        let rows = sqlx::query(
+            "SELECT k.id, k.user_id, k.prefix, k.key_hash, k.requests_per_minute, \
+             k.tokens_per_day, k.created_at, k.expires_at, k.revoked_at, \
+             u.name AS user_name, u.created_at AS user_created_at \
+             FROM api_keys k JOIN users u ON u.id = k.user_id WHERE k.prefix = $1",
+        )
+        .bind(prefix)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
+        rows.iter().map(api_key_from).collect()
+    }
+
+    async fn revoke_api_key(&self, key_id: &str, at_ms: i64) -> StoreResult<()> {
+        let done =
+            sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2")
+                .bind(at_ms)
+                .bind(key_id)
+                .execute(&self.pool)
+                .await
+                .map_err(db_err)?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound("api key"));
+        }
+        Ok(())
+    }
+
+    async fn create_session(&self, user_id: &str, new: NewSession) -> StoreResult<Session> {
+        let now = now_ms();
+        let s = Session {
+            id: new_id(),
+            title: new.title,
+            system_prompt: new.system_prompt,
+            params: new.params,
+            created_at: now,
+            updated_at: now,
+        };
+        sqlx::query(
+            "INSERT INTO sessions (id, user_id, title, system_prompt, params, created_at, \
+             updated_at) VALUES ($1, $2, $3, $4, $5, $6, $6)",
+        )
+        .bind(&s.id)
+        .bind(user_id)
+        .bind(&s.title)
+        .bind(&s.system_prompt)
+        .bind(json_text(&s.params))
+        .bind(now)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(s)
+    }
+
+    async fn list_sessions(
+        &self,
+        user_id: &str,
+        query: &SessionQuery,
+    ) -> StoreResult<Vec<Session>> {
+        let mut sql = format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions WHERE user_id = $1 AND deleted_at IS NULL"
+        );
+        let mut n = 1;
+        let mut next = || {
+            n += 1;
+            n
+        };
+        let pattern = query
+            .q
+            .as_deref()
+            .filter(|q| !q.is_empty())
+            .map(like_pattern);
+        if pattern.is_some() {
+            sql += &format!(" AND LOWER(title) LIKE ${} ESCAPE '\\'", next());
+        }
+        if query.before.is_some() {
+            let (a, b) = (next(), next());
+            sql += &format!(" AND (updated_at < ${a} OR (updated_at = ${a} AND id < ${b}))");
+        }
+        sql += &format!(" ORDER BY updated_at DESC, id DESC LIMIT ${}", next());
+        let mut q = sqlx::query(&sql).bind(user_id);
+        if let Some(p) = &pattern {
+            q = q.bind(p.clone());
+        }
+        if let Some((at, id)) = &query.before {
+            q = q.bind(*at).bind(id.clone());
+        }
+        let rows = q
+            .bind(i64::from(query.limit.clamp(1, 200)))
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err)?;
+        rows.iter().map(session_from).collect()
+    }
+
+    async fn get_session(&self, user_id: &str, session_id: &str) -> StoreResult<Session> {
+        let sql = format!(
+            "SELECT {SESSION_COLUMNS} FROM sessions \
+             WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL"
+        );
+        let row = sqlx::query(&sql)
+            .bind(session_id)
+            .bind(user_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(db_err)?
+            .ok_or(StoreError::NotFound("session"))?;
+        session_from(&row)
+    }
+
+    async fn update_session(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        patch: SessionPatch,
+    ) -> StoreResult<Session> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let now = now_ms();
+        if let Some(title) = &patch.title {
+            sqlx::query("UPDATE sessions SET title = $1 WHERE id = $2")
+                .bind(title)
+                .bind(session_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?;
+        }
+        if let Some(system) = &patch.system_prompt {
+            sqlx::query("UPDATE sessions SET system_prompt = $1 WHERE id = $2")
+                .bind(system.clone())
+                .bind(session_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?;
+        }
+        if let Some(params) = &patch.params {
+            sqlx::query("UPDATE sessions SET params = $1 WHERE id = $2")
+                .bind(json_text(params))
+                .bind(session_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?;
+        }
+        touch_session(&mut tx, session_id, now).await?;
+        tx.commit().await.map_err(db_err)?;
+        self.get_session(user_id, session_id).await
+    }
+
+    async fn delete_session(&self, user_id: &str, session_id: &str) -> StoreResult<()> {
+        let done = sqlx::query(
+            "UPDATE sessions SET deleted_at = $1 \
+             WHERE id = $2 AND user_id = $3 AND deleted_at IS NULL",
+        )
+        .bind(now_ms())
+        .bind(session_id)
+        .bind(user_id)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound("session"));
+        }
+        Ok(())
+    }
+
+    async fn list_messages(&self, user_id: &str, session_id: &str) -> StoreResult<Vec<Message>> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let sql =
+            format!("SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 ORDER BY seq");
+        let rows = sqlx::query(&sql)
+            .bind(session_id)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        rows.iter().map(message_from).collect()
+    }
+
+    async fn begin_turn(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        content: &str,
+    ) -> StoreResult<Turn> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let now = now_ms();
+        let user = insert_message(
+            &mut tx,
+            session_id,
+            Role::User,
+            content,
+            MessageStatus::Complete,
+            now,
+        )
+        .await?;
+        let assistant = insert_message(
+            &mut tx,
+            session_id,
+            Role::Assistant,
+            "",
+            MessageStatus::Streaming,
+            now,
+        )
+        .await?;
+        touch_session(&mut tx, session_id, now).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(Turn { user, assistant })
+    }
+
+    async fn begin_reply(&self, user_id: &str, session_id: &str) -> StoreResult<Message> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let now = now_ms();
+        let m = insert_message(
+            &mut tx,
+            session_id,
+            Role::Assistant,
+            "",
+            MessageStatus::Streaming,
+            now,
+        )
+        .await?;
+        touch_session(&mut tx, session_id, now).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(m)
+    }
+
+    async fn truncate_from(&self, user_id: &str, session_id: &str, seq: i64) -> StoreResult<u64> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let done = sqlx::query("DELETE FROM messages WHERE session_id = $1 AND seq >= $2")
+            .bind(session_id)
+            .bind(seq)
+            .execute(&mut *tx)
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()> {
+        sqlx::query(
+            "UPDATE messages SET content = $1, updated_at = $2 \
+             WHERE id = $3 AND status = 'streaming'",
+        )
+        .bind(content)
+        .bind(now_ms())
+        .bind(message_id)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(())
+    }
+
+    async fn finish_message(&self, message_id: &str, d: &Completion) -> StoreResult<()> {
+        let done = sqlx::query(
+            "UPDATE messages SET content = $1, status = $2, finish_reason = $3, \
+             prompt_tokens = $4, cached_tokens = $5, completion_tokens = $6, ttft_ms = $7, \
+             duration_ms = $8, worker = $9, updated_at = $10 WHERE id = $11",
+        )
+        .bind(&d.content)
+        .bind(d.status.as_str())
+        .bind(&d.finish_reason)
+        .bind(d.prompt_tokens)
+        .bind(d.cached_tokens)
+        .bind(d.completion_tokens)
+        .bind(d.ttft_ms)
+        .bind(d.duration_ms)
+        .bind(&d.worker)
+        .bind(now_ms())
+        .bind(message_id)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound("message"));
+        }
+        Ok(())
+    }
+
+    async fn fail_interrupted(&self) -> StoreResult<u64> {
+        let done = sqlx::query(
+            "UPDATE messages SET status = 'error', \
+             finish_reason = COALESCE(finish_reason, 'interrupted'), updated_at = $1 \
+             WHERE status = 'streaming'",
+        )
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(done.rows_affected())
+    }
+}

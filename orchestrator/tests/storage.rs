@@ -1,0 +1,458 @@
+//! One storage suite, run against SQLite (a temporary file) and PostgreSQL (a fresh database on
+//! `TEST_DATABASE_URL`, default the local server). A missing PostgreSQL fails the test.
+
+use hearth_orchestrator::storage::{
+    Completion, MessageStatus, NewApiKey, NewSession, Role, SessionPatch, SessionQuery, SqlStore,
+    Store, StoreError,
+};
+use sqlx::Connection;
+
+fn admin_url() -> String {
+    std::env::var("TEST_DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A database of its own for one test run, dropped afterwards.
+struct PgDatabase {
+    name: String,
+}
+
+impl PgDatabase {
+    async fn create(tag: &str) -> (Self, String) {
+        let admin = admin_url();
+        let name = format!(
+            "hearth_test_{tag}_{}_{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        );
+        let mut c = sqlx::PgConnection::connect(&admin)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL at {admin} is required for this test: {e}"));
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&mut c)
+            .await
+            .expect("create test database");
+        let base = admin
+            .rsplit_once('/')
+            .map_or(admin.as_str(), |(b, _)| b)
+            .to_string();
+        (Self { name: name.clone() }, format!("{base}/{name}"))
+    }
+
+    async fn drop_db(self) {
+        let mut c = sqlx::PgConnection::connect(&admin_url())
+            .await
+            .expect("connect");
+        sqlx::query(&format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            self.name
+        ))
+        .execute(&mut c)
+        .await
+        .expect("drop test database");
+    }
+}
+
+fn sqlite_url(tag: &str) -> (std::path::PathBuf, String) {
+    let dir = std::env::temp_dir().join(format!(
+        "hearth-storage-{tag}-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("hearth.db").display());
+    (dir, url)
+}
+
+/// Runs `suite` on both databases.
+macro_rules! both {
+    ($name:ident, $suite:ident) => {
+        mod $name {
+            use super::*;
+
+            #[tokio::test]
+            async fn sqlite() {
+                let (dir, url) = sqlite_url(stringify!($name));
+                let store = SqlStore::connect(&url).await.expect("sqlite");
+                assert_eq!(store.backend(), "sqlite");
+                $suite(&store).await;
+                store.close().await;
+                let _ = std::fs::remove_dir_all(dir);
+            }
+
+            #[tokio::test]
+            async fn postgres() {
+                let (db, url) = PgDatabase::create(stringify!($name)).await;
+                let store = SqlStore::connect(&url).await.expect("postgres");
+                assert_eq!(store.backend(), "postgres");
+                $suite(&store).await;
+                store.close().await;
+                db.drop_db().await;
+            }
+        }
+    };
+}
+
+both!(users_and_keys, users_and_keys_suite);
+both!(sessions, sessions_suite);
+both!(turns, turns_suite);
+both!(isolation, isolation_suite);
+
+async fn users_and_keys_suite(s: &SqlStore) {
+    let alice = s.create_user("alice").await.expect("alice");
+    assert_eq!(
+        s.create_user("alice").await,
+        Err(StoreError::Conflict("user"))
+    );
+    assert_eq!(
+        s.user_by_name("alice").await.expect("lookup"),
+        Some(alice.clone())
+    );
+    assert_eq!(s.user_by_name("nobody").await.expect("lookup"), None);
+
+    let key = s
+        .insert_api_key(NewApiKey {
+            user_id: alice.id.clone(),
+            prefix: "hk_abcd1234".into(),
+            key_hash: "f".repeat(64),
+            requests_per_minute: Some(60),
+            tokens_per_day: None,
+            expires_at: Some(4_000_000_000_000),
+        })
+        .await
+        .expect("key");
+    let found = s
+        .api_keys_by_prefix("hk_abcd1234")
+        .await
+        .expect("by prefix");
+    assert_eq!(found, vec![(key.clone(), alice.clone())]);
+    assert!(s
+        .api_keys_by_prefix("hk_other")
+        .await
+        .expect("none")
+        .is_empty());
+    // The same hash twice is refused (a key is stored once).
+    let dup = s
+        .insert_api_key(NewApiKey {
+            user_id: alice.id.clone(),
+            prefix: "hk_abcd1234".into(),
+            key_hash: "f".repeat(64),
+            requests_per_minute: None,
+            tokens_per_day: None,
+            expires_at: None,
+        })
+        .await;
+    assert_eq!(dup, Err(StoreError::Conflict("api key")));
+    s.revoke_api_key(&key.id, 123).await.expect("revoke");
+    s.revoke_api_key(&key.id, 456)
+        .await
+        .expect("revoke again keeps the first time");
+    let found = s
+        .api_keys_by_prefix("hk_abcd1234")
+        .await
+        .expect("by prefix");
+    assert_eq!(found[0].0.revoked_at, Some(123));
+    assert_eq!(
+        s.revoke_api_key("nope", 1).await,
+        Err(StoreError::NotFound("api key"))
+    );
+}
+
+async fn sessions_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let sess = s
+            .create_session(
+                &u,
+                NewSession {
+                    title: format!("Chat {i} about {}", if i % 2 == 0 { "Rust" } else { "tea" }),
+                    system_prompt: (i == 0).then(|| "Be brief.".to_string()),
+                    params: (i == 1).then(|| serde_json::json!({"temperature": 0.7})),
+                },
+            )
+            .await
+            .expect("create");
+        ids.push(sess.id);
+        // Distinct update times, so the order is certain.
+        tokio::time::sleep(std::time::Duration::from_millis(3)).await;
+    }
+    let all = s
+        .list_sessions(
+            &u,
+            &SessionQuery {
+                limit: 50,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("list");
+    let listed: Vec<_> = all.iter().map(|x| x.id.clone()).collect();
+    let mut newest_first = ids.clone();
+    newest_first.reverse();
+    assert_eq!(listed, newest_first);
+    assert_eq!(all[3].params, Some(serde_json::json!({"temperature": 0.7})));
+    assert_eq!(all[4].system_prompt.as_deref(), Some("Be brief."));
+
+    // Pages of two, by cursor.
+    let mut paged = Vec::new();
+    let mut before = None;
+    loop {
+        let page = s
+            .list_sessions(
+                &u,
+                &SessionQuery {
+                    q: None,
+                    limit: 2,
+                    before: before.clone(),
+                },
+            )
+            .await
+            .expect("page");
+        if page.is_empty() {
+            break;
+        }
+        let last = page.last().expect("last");
+        before = Some((last.updated_at, last.id.clone()));
+        paged.extend(page.into_iter().map(|x| x.id));
+    }
+    assert_eq!(paged, newest_first);
+
+    // Search is case-insensitive and LIKE wildcards in the query are plain characters.
+    let rust = s
+        .list_sessions(
+            &u,
+            &SessionQuery {
+                q: Some("RUST".into()),
+                limit: 50,
+                before: None,
+            },
+        )
+        .await
+        .expect("search");
+    assert_eq!(rust.len(), 3);
+    for q in ["%", "_", "\\"] {
+        let none = s
+            .list_sessions(
+                &u,
+                &SessionQuery {
+                    q: Some(q.into()),
+                    limit: 50,
+                    before: None,
+                },
+            )
+            .await
+            .expect("search wildcard");
+        assert!(none.is_empty(), "`{q}` matched {none:?}");
+    }
+
+    // Rename, clear the system prompt, then the session is the most recent.
+    let patched = s
+        .update_session(
+            &u,
+            &ids[0],
+            SessionPatch {
+                title: Some("Renamed".into()),
+                system_prompt: Some(None),
+                params: None,
+            },
+        )
+        .await
+        .expect("patch");
+    assert_eq!(patched.title, "Renamed");
+    assert_eq!(patched.system_prompt, None);
+    let top = s
+        .list_sessions(
+            &u,
+            &SessionQuery {
+                limit: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(top[0].id, ids[0]);
+
+    // Soft delete: gone from every query, and deleting again is NotFound.
+    s.delete_session(&u, &ids[1]).await.expect("delete");
+    assert_eq!(
+        s.get_session(&u, &ids[1]).await,
+        Err(StoreError::NotFound("session"))
+    );
+    assert_eq!(
+        s.delete_session(&u, &ids[1]).await,
+        Err(StoreError::NotFound("session"))
+    );
+    assert_eq!(
+        s.list_messages(&u, &ids[1]).await,
+        Err(StoreError::NotFound("session"))
+    );
+    let left = s
+        .list_sessions(
+            &u,
+            &SessionQuery {
+                limit: 50,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("list");
+    assert_eq!(left.len(), 4);
+}
+
+async fn turns_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let sess = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("session");
+    let t1 = s.begin_turn(&u, &sess.id, "Hello?").await.expect("turn 1");
+    assert_eq!((t1.user.seq, t1.assistant.seq), (1, 2));
+    assert_eq!(t1.assistant.status, MessageStatus::Streaming);
+    s.save_progress(&t1.assistant.id, "Hi")
+        .await
+        .expect("progress");
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs[1].content, "Hi");
+    let done = Completion {
+        content: "Hi there.".into(),
+        status: MessageStatus::Complete,
+        finish_reason: Some("stop".into()),
+        prompt_tokens: Some(12),
+        cached_tokens: Some(0),
+        completion_tokens: Some(4),
+        ttft_ms: Some(80),
+        duration_ms: Some(300),
+        worker: Some("127.0.0.1:50051".into()),
+    };
+    s.finish_message(&t1.assistant.id, &done)
+        .await
+        .expect("finish");
+    // Progress after the end changes nothing.
+    s.save_progress(&t1.assistant.id, "late")
+        .await
+        .expect("late progress");
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs.len(), 2);
+    assert_eq!(
+        (msgs[0].role, msgs[0].content.as_str()),
+        (Role::User, "Hello?")
+    );
+    let a = &msgs[1];
+    assert_eq!(
+        (a.role, a.status, a.content.as_str()),
+        (Role::Assistant, MessageStatus::Complete, "Hi there.")
+    );
+    assert_eq!(
+        (
+            a.prompt_tokens,
+            a.cached_tokens,
+            a.completion_tokens,
+            a.ttft_ms,
+            a.duration_ms
+        ),
+        (Some(12), Some(0), Some(4), Some(80), Some(300))
+    );
+    assert_eq!(a.worker.as_deref(), Some("127.0.0.1:50051"));
+
+    // A second turn left streaming by a crash is marked error at the next start-up, text kept.
+    let t2 = s
+        .begin_turn(&u, &sess.id, "And then?")
+        .await
+        .expect("turn 2");
+    assert_eq!(t2.user.seq, 3);
+    s.save_progress(&t2.assistant.id, "Partial ans")
+        .await
+        .expect("progress");
+    assert_eq!(s.fail_interrupted().await.expect("recover"), 1);
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs[3].status, MessageStatus::Error);
+    assert_eq!(msgs[3].content, "Partial ans");
+    assert_eq!(msgs[3].finish_reason.as_deref(), Some("interrupted"));
+    assert_eq!(s.fail_interrupted().await.expect("nothing left"), 0);
+
+    // Regenerate: drop the last reply, start a new one at the same place.
+    assert_eq!(s.truncate_from(&u, &sess.id, 4).await.expect("truncate"), 1);
+    let again = s.begin_reply(&u, &sess.id).await.expect("reply");
+    assert_eq!(again.seq, 4);
+
+    // Unicode and a long message survive the round trip.
+    let text = "Zürich 東京 🙂 ".repeat(2000);
+    let t3 = s.begin_turn(&u, &sess.id, &text).await.expect("turn 3");
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(
+        msgs.iter().find(|m| m.id == t3.user.id).map(|m| &m.content),
+        Some(&text)
+    );
+    assert_eq!(
+        s.finish_message("missing", &done).await,
+        Err(StoreError::NotFound("message"))
+    );
+}
+
+async fn isolation_suite(s: &SqlStore) {
+    let a = s.create_user("a").await.expect("a").id;
+    let b = s.create_user("b").await.expect("b").id;
+    let sess = s
+        .create_session(
+            &a,
+            NewSession {
+                title: "secret".into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("session");
+    s.begin_turn(&a, &sess.id, "mine").await.expect("turn");
+    let nf: Result<(), StoreError> = Err(StoreError::NotFound("session"));
+    assert_eq!(s.get_session(&b, &sess.id).await.map(|_| ()), nf);
+    assert_eq!(s.list_messages(&b, &sess.id).await.map(|_| ()), nf);
+    assert_eq!(s.begin_turn(&b, &sess.id, "x").await.map(|_| ()), nf);
+    assert_eq!(s.begin_reply(&b, &sess.id).await.map(|_| ()), nf);
+    assert_eq!(s.truncate_from(&b, &sess.id, 1).await.map(|_| ()), nf);
+    assert_eq!(
+        s.update_session(
+            &b,
+            &sess.id,
+            SessionPatch {
+                title: Some("x".into()),
+                ..Default::default()
+            }
+        )
+        .await
+        .map(|_| ()),
+        nf
+    );
+    assert_eq!(s.delete_session(&b, &sess.id).await, nf);
+    assert!(s
+        .list_sessions(
+            &b,
+            &SessionQuery {
+                q: Some("secret".into()),
+                limit: 50,
+                before: None
+            }
+        )
+        .await
+        .expect("b's list")
+        .is_empty());
+    // Nothing of b's attempts changed a's data.
+    let msgs = s.list_messages(&a, &sess.id).await.expect("a's messages");
+    assert_eq!(msgs.len(), 2);
+    assert_eq!(
+        s.get_session(&a, &sess.id).await.expect("a's").title,
+        "secret"
+    );
+}
+
+#[tokio::test]
+async fn a_bad_database_url_is_a_clear_error() {
+    let e = SqlStore::connect("mysql://localhost/x")
+        .await
+        .expect_err("unsupported");
+    assert!(e.to_string().contains("postgres:// or sqlite:"), "{e}");
+    let e = SqlStore::connect("postgres://postgres@127.0.0.1:1/none")
+        .await
+        .expect_err("nothing listens on port 1");
+    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+}
