@@ -1,9 +1,154 @@
-//! `hearth`, the orchestrator. Not built yet: the HTTP API, storage and routing arrive with the
-//! orchestrator issue. Until then this binary says so and exits with an error.
+//! `hearth`, the orchestrator binary. Today it administers API keys (`hearth keys …`); the HTTP
+//! server (the default command) is not built yet and says so.
 
-fn main() -> std::process::ExitCode {
-    eprintln!(
-        "hearth: the orchestrator is not built yet; the engine is usable via `hearth-worker bench`"
-    );
-    std::process::ExitCode::FAILURE
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use hearth_orchestrator::auth::{issue_key, KeyOptions};
+use hearth_orchestrator::storage::{now_ms, SqlStore, Store};
+
+#[derive(Parser, Debug)]
+#[command(name = "hearth", version, about = "Hearth orchestrator")]
+struct Cli {
+    #[command(flatten)]
+    db: DbArgs,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Args, Debug)]
+struct DbArgs {
+    /// `postgres://…` or `sqlite:…` [default: SQLite at <data dir>/hearth.db].
+    #[arg(long, env = "HEARTH_DATABASE_URL", global = true)]
+    database_url: Option<String>,
+    /// Where the embedded SQLite database lives.
+    #[arg(long, env = "HEARTH_DATA_DIR", default_value = "data", global = true)]
+    data_dir: PathBuf,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Create and revoke API keys.
+    Keys {
+        #[command(subcommand)]
+        action: KeysCommand,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum KeysCommand {
+    /// Create a key for a user (created if new) and print it; it is shown only this once.
+    Create {
+        #[arg(long)]
+        user: String,
+        /// Days until the key expires [default: never].
+        #[arg(long)]
+        expires_in_days: Option<u32>,
+        /// Requests per minute allowed with this key [default: the server's limit].
+        #[arg(long)]
+        requests_per_minute: Option<u32>,
+        /// Generated tokens per day allowed with this key [default: the server's limit].
+        #[arg(long)]
+        tokens_per_day: Option<u32>,
+    },
+    /// Revoke the key that starts with PREFIX (the `hk_…` shown at creation).
+    Revoke {
+        #[arg(long)]
+        prefix: String,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("hearth: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("hearth: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let Some(Command::Keys { action }) = cli.command else {
+        anyhow::bail!(
+            "the HTTP server is not built yet; `hearth keys create --user NAME` manages API keys"
+        );
+    };
+    let store = open_store(&cli.db).await?;
+    match action {
+        KeysCommand::Create {
+            user,
+            expires_in_days,
+            requests_per_minute,
+            tokens_per_day,
+        } => {
+            if user.trim().is_empty() || user.len() > 128 {
+                anyhow::bail!("--user: must be 1 to 128 characters");
+            }
+            let options = KeyOptions {
+                requests_per_minute: requests_per_minute.map(i64::from),
+                tokens_per_day: tokens_per_day.map(i64::from),
+                expires_at: expires_in_days.map(|d| now_ms() + i64::from(d) * 86_400_000),
+            };
+            let issued = issue_key(&store, &user, options).await?;
+            eprintln!(
+                "created API key {}… for user {user}; it is shown only now:",
+                issued.record.prefix
+            );
+            #[allow(clippy::print_stdout)]
+            {
+                println!("{}", issued.key);
+            }
+        }
+        KeysCommand::Revoke { prefix } => {
+            let keys = store.api_keys_by_prefix(&prefix).await?;
+            match keys.as_slice() {
+                [] => anyhow::bail!("--prefix: no API key starts with `{prefix}`"),
+                [(key, user)] => {
+                    store.revoke_api_key(&key.id, now_ms()).await?;
+                    eprintln!("revoked API key {}… of user {}", key.prefix, user.name);
+                }
+                _ => anyhow::bail!(
+                    "--prefix: {} keys start with `{prefix}`; none revoked",
+                    keys.len()
+                ),
+            }
+        }
+    }
+    store.close().await;
+    Ok(())
+}
+
+async fn open_store(db: &DbArgs) -> anyhow::Result<SqlStore> {
+    let url = match &db.database_url {
+        Some(u) => u.clone(),
+        None => {
+            std::fs::create_dir_all(&db.data_dir).map_err(|e| {
+                anyhow::anyhow!("--data-dir: cannot create {}: {e}", db.data_dir.display())
+            })?;
+            format!(
+                "sqlite://{}?mode=rwc",
+                db.data_dir.join("hearth.db").display()
+            )
+        }
+    };
+    Ok(SqlStore::connect(&url).await?)
 }
