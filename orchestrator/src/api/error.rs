@@ -1,0 +1,128 @@
+//! The API's one error type, mapped to an HTTP status in one place. Bodies are
+//! `{"error": {"message", "type", "code"}}` (OpenAI's shape); internal details are logged, never
+//! returned.
+
+use axum::extract::rejection::{JsonRejection, QueryRejection};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::storage::StoreError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// Well-formed JSON with a value out of range or of the wrong kind.
+    #[error("{0}")]
+    Validation(String),
+    /// Not JSON, or not the JSON the route takes.
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    #[error("missing or invalid API key")]
+    Unauthorized,
+    /// Missing, or another user's (the two are indistinguishable on purpose).
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("request body too large")]
+    PayloadTooLarge,
+    #[error("the service is unavailable: {0}")]
+    Unavailable(String),
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Conflict(_) => StatusCode::CONFLICT,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// Stable, machine-readable.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            Self::Validation(_) => "invalid_request_error",
+            Self::BadRequest(_) => "invalid_request_error",
+            Self::UnsupportedMediaType(_) => "invalid_request_error",
+            Self::Unauthorized => "authentication_error",
+            Self::NotFound(_) => "not_found_error",
+            Self::Conflict(_) => "conflict_error",
+            Self::PayloadTooLarge => "request_too_large",
+            Self::Unavailable(_) => "service_unavailable",
+            Self::Internal(_) => "internal_error",
+        }
+    }
+
+    fn code(&self) -> &'static str {
+        match self {
+            Self::Validation(_) => "invalid_value",
+            Self::BadRequest(_) => "invalid_json",
+            Self::UnsupportedMediaType(_) => "unsupported_media_type",
+            Self::Unauthorized => "invalid_api_key",
+            Self::NotFound(_) => "not_found",
+            Self::Conflict(_) => "conflict",
+            Self::PayloadTooLarge => "body_too_large",
+            Self::Unavailable(_) => "unavailable",
+            Self::Internal(_) => "internal",
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if let Self::Internal(detail) = &self {
+            tracing::error!(%detail, "internal error");
+        }
+        let body = json!({
+            "error": {"message": self.to_string(), "type": self.error_type(), "code": self.code()}
+        });
+        (status, axum::Json(body)).into_response()
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::NotFound(what) => Self::NotFound(what),
+            StoreError::Conflict(what) => Self::Conflict(format!("{what} already exists")),
+            StoreError::Unavailable(why) => {
+                tracing::warn!(%why, "database unavailable");
+                Self::Unavailable("the database cannot be reached".into())
+            }
+            StoreError::Invalid(why) => Self::BadRequest(why),
+            StoreError::Internal(why) => Self::Internal(why),
+        }
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        match r {
+            JsonRejection::JsonDataError(e) => Self::Validation(e.body_text()),
+            JsonRejection::JsonSyntaxError(e) => Self::BadRequest(e.body_text()),
+            JsonRejection::MissingJsonContentType(e) => Self::UnsupportedMediaType(e.body_text()),
+            JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Self::PayloadTooLarge
+            }
+            other => Self::BadRequest(other.body_text()),
+        }
+    }
+}
+
+impl From<QueryRejection> for ApiError {
+    fn from(r: QueryRejection) -> Self {
+        Self::Validation(r.body_text())
+    }
+}

@@ -1,0 +1,225 @@
+//! `/v1/sessions…`: the caller's chat sessions and their messages. Every query is scoped to the
+//! caller; another user's session is a 404, exactly like a missing one.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::{Json, Router};
+use hearth_shared::SamplingParams;
+use serde::{Deserialize, Deserializer};
+use serde_json::{json, Value};
+
+use super::{created, ApiError, AppState, Caller, ValidJson, ValidQuery};
+use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
+
+const MAX_TITLE_CHARS: usize = 200;
+const MAX_SYSTEM_PROMPT_BYTES: usize = 64 << 10;
+const DEFAULT_PAGE: u32 = 20;
+const MAX_PAGE: u32 = 100;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sessions", get(list).post(create))
+        .route("/v1/sessions/{id}", get(fetch).patch(update).delete(remove))
+        .route("/v1/sessions/{id}/messages", get(messages))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateBody {
+    #[serde(default)]
+    title: Option<String>,
+    #[serde(default)]
+    system_prompt: Option<String>,
+    #[serde(default)]
+    params: Option<SamplingParams>,
+}
+
+/// Distinguishes an absent field (`None`) from an explicit `null` (`Some(None)`).
+fn present<'de, D, T>(d: D) -> Result<Option<Option<T>>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    Option::<T>::deserialize(d).map(Some)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchBody {
+    #[serde(default)]
+    title: Option<String>,
+    #[serde(default, deserialize_with = "present")]
+    system_prompt: Option<Option<String>>,
+    #[serde(default, deserialize_with = "present")]
+    params: Option<Option<SamplingParams>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListParams {
+    limit: Option<u32>,
+    q: Option<String>,
+    /// The previous page's `next_cursor`.
+    before: Option<String>,
+}
+
+fn check_title(t: &str) -> Result<String, ApiError> {
+    let t = t.trim();
+    if t.chars().count() > MAX_TITLE_CHARS {
+        return Err(ApiError::Validation(format!(
+            "title: longer than {MAX_TITLE_CHARS} characters"
+        )));
+    }
+    Ok(t.to_string())
+}
+
+fn check_system(s: &str) -> Result<(), ApiError> {
+    if s.len() > MAX_SYSTEM_PROMPT_BYTES {
+        return Err(ApiError::Validation(format!(
+            "system_prompt: longer than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
+
+fn check_params(p: SamplingParams) -> Result<Value, ApiError> {
+    p.validate()
+        .map_err(|e| ApiError::Validation(format!("params.{}: {}", e.field, e.reason)))?;
+    serde_json::to_value(p).map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+/// Session ids are 32 lowercase hex characters; anything else cannot name a session.
+fn check_id(id: &str) -> Result<(), ApiError> {
+    if id.len() == 32
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    {
+        Ok(())
+    } else {
+        Err(ApiError::NotFound("session"))
+    }
+}
+
+async fn create(
+    State(s): State<AppState>,
+    Caller(user): Caller,
+    ValidJson(body): ValidJson<CreateBody>,
+) -> Result<(StatusCode, Json<Session>), ApiError> {
+    let title = check_title(body.title.as_deref().unwrap_or(""))?;
+    if let Some(sys) = &body.system_prompt {
+        check_system(sys)?;
+    }
+    let params = body.params.map(check_params).transpose()?;
+    let session = s
+        .store
+        .create_session(
+            &user.id,
+            NewSession {
+                title: if title.is_empty() {
+                    "New chat".into()
+                } else {
+                    title
+                },
+                system_prompt: body.system_prompt,
+                params,
+            },
+        )
+        .await?;
+    Ok(created(session))
+}
+
+async fn list(
+    State(s): State<AppState>,
+    Caller(user): Caller,
+    ValidQuery(p): ValidQuery<ListParams>,
+) -> Result<Json<Value>, ApiError> {
+    let limit = p.limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ApiError::Validation(format!(
+            "limit: must be between 1 and {MAX_PAGE}"
+        )));
+    }
+    let before = p
+        .before
+        .as_deref()
+        .map(|c| {
+            c.split_once('_')
+                .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, id.to_string())))
+                .filter(|(_, id)| check_id(id).is_ok())
+                .ok_or_else(|| ApiError::Validation("before: not a cursor from this API".into()))
+        })
+        .transpose()?;
+    if p.q.as_ref().is_some_and(|q| q.len() > 200) {
+        return Err(ApiError::Validation("q: longer than 200 bytes".into()));
+    }
+    let page = s
+        .store
+        .list_sessions(
+            &user.id,
+            &SessionQuery {
+                q: p.q,
+                limit,
+                before,
+            },
+        )
+        .await?;
+    let next = (page.len() == limit as usize)
+        .then(|| page.last().map(|l| format!("{}_{}", l.updated_at, l.id)))
+        .flatten();
+    Ok(Json(json!({"data": page, "next_cursor": next})))
+}
+
+async fn fetch(
+    State(s): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Session>, ApiError> {
+    check_id(&id)?;
+    Ok(Json(s.store.get_session(&user.id, &id).await?))
+}
+
+async fn update(
+    State(s): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+    ValidJson(body): ValidJson<PatchBody>,
+) -> Result<Json<Session>, ApiError> {
+    check_id(&id)?;
+    let title = body.title.as_deref().map(check_title).transpose()?;
+    if let Some(Some(sys)) = &body.system_prompt {
+        check_system(sys)?;
+    }
+    let params = match body.params {
+        Some(Some(p)) => Some(Some(check_params(p)?)),
+        Some(None) => Some(None),
+        None => None,
+    };
+    let patch = SessionPatch {
+        title,
+        system_prompt: body.system_prompt,
+        params,
+    };
+    Ok(Json(s.store.update_session(&user.id, &id, patch).await?))
+}
+
+async fn remove(
+    State(s): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    check_id(&id)?;
+    s.store.delete_session(&user.id, &id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn messages(
+    State(s): State<AppState>,
+    Caller(user): Caller,
+    Path(id): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    check_id(&id)?;
+    let data: Vec<Message> = s.store.list_messages(&user.id, &id).await?;
+    Ok(Json(json!({"data": data})))
+}
