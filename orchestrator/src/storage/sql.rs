@@ -91,6 +91,25 @@ impl SqlStore {
         self.pool.close().await;
     }
 
+    /// Appends messages to the caller's session and bumps its `updated_at`, in one transaction.
+    async fn append(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        messages: &[(Role, &str, MessageStatus)],
+    ) -> StoreResult<Vec<Message>> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let now = now_ms();
+        let mut written = Vec::with_capacity(messages.len());
+        for &(role, content, status) in messages {
+            written.push(insert_message(&mut tx, session_id, role, content, status, now).await?);
+        }
+        touch_session(&mut tx, session_id, now).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(written)
+    }
+
     /// The session, if it is the caller's and not deleted.
     async fn owned<'e, E>(exec: E, user_id: &str, session_id: &str) -> StoreResult<()>
     where
@@ -509,48 +528,35 @@ impl Store for SqlStore {
         session_id: &str,
         content: &str,
     ) -> StoreResult<Turn> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
-        Self::owned(&mut *tx, user_id, session_id).await?;
-        let now = now_ms();
-        let user = insert_message(
-            &mut tx,
-            session_id,
-            Role::User,
-            content,
-            MessageStatus::Complete,
-            now,
-        )
-        .await?;
-        let assistant = insert_message(
-            &mut tx,
-            session_id,
-            Role::Assistant,
-            "",
-            MessageStatus::Streaming,
-            now,
-        )
-        .await?;
-        touch_session(&mut tx, session_id, now).await?;
-        tx.commit().await.map_err(db_err)?;
-        Ok(Turn { user, assistant })
+        let mut written = self
+            .append(
+                user_id,
+                session_id,
+                &[
+                    (Role::User, content, MessageStatus::Complete),
+                    (Role::Assistant, "", MessageStatus::Streaming),
+                ],
+            )
+            .await?;
+        let assistant = written.pop();
+        let user = written.pop();
+        match (user, assistant) {
+            (Some(user), Some(assistant)) => Ok(Turn { user, assistant }),
+            _ => Err(StoreError::Internal(
+                "a turn wrote fewer than two messages".into(),
+            )),
+        }
     }
 
     async fn begin_reply(&self, user_id: &str, session_id: &str) -> StoreResult<Message> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
-        Self::owned(&mut *tx, user_id, session_id).await?;
-        let now = now_ms();
-        let m = insert_message(
-            &mut tx,
+        self.append(
+            user_id,
             session_id,
-            Role::Assistant,
-            "",
-            MessageStatus::Streaming,
-            now,
+            &[(Role::Assistant, "", MessageStatus::Streaming)],
         )
-        .await?;
-        touch_session(&mut tx, session_id, now).await?;
-        tx.commit().await.map_err(db_err)?;
-        Ok(m)
+        .await?
+        .pop()
+        .ok_or_else(|| StoreError::Internal("a reply wrote no message".into()))
     }
 
     async fn truncate_from(&self, user_id: &str, session_id: &str, seq: i64) -> StoreResult<u64> {
