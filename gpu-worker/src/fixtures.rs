@@ -51,7 +51,73 @@ impl Default for TinySpec {
 pub const PAD: u32 = 0;
 pub const EOS: u32 = 1;
 pub const BOS: u32 = 2;
+pub const START_OF_TURN: u32 = 105;
 pub const END_OF_TURN: u32 = 106;
+
+/// Ordinary characters of the tiny tokenizer, one token each, in id order after the specials.
+const TINY_CHARS: &str =
+    "▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?;:'\"-()[]{}<>/@#$%^&*+=_~`|\\";
+
+/// Writes a `tokenizer.json` for the tiny models: the same vocabulary size (512), Gemma's special
+/// tokens at Gemma's ids (`<pad>` 0, `<eos>` 1, `<bos>` 2, `<start_of_turn>` 105,
+/// `<end_of_turn>` 106), one token per ASCII character with `▁` for a space, and byte-fallback
+/// tokens (`<0x00>`…`<0xFF>`) for everything else, like Gemma's. Every id decodes, so whatever a
+/// random-weight model generates can be shown.
+pub fn write_tiny_tokenizer(path: &Path, vocab: usize) -> std::io::Result<()> {
+    use serde_json::{json, Map, Value};
+    let specials = [
+        (PAD, "<pad>"),
+        (EOS, "<eos>"),
+        (BOS, "<bos>"),
+        (START_OF_TURN, "<start_of_turn>"),
+        (END_OF_TURN, "<end_of_turn>"),
+    ];
+    let mut names: Vec<Option<String>> = vec![None; vocab];
+    for (id, name) in specials {
+        names[id as usize] = Some(name.to_string());
+    }
+    let ordinary = TINY_CHARS
+        .chars()
+        .map(String::from)
+        .chain((0..=255u32).map(|b| format!("<0x{b:02X}>")))
+        .chain((0..).map(|i| format!("<unused{i}>")));
+    let free: Vec<usize> = (0..vocab).filter(|&i| names[i].is_none()).collect();
+    for (slot, name) in free.into_iter().zip(ordinary) {
+        names[slot] = Some(name);
+    }
+    let mut model_vocab = Map::new();
+    for (id, name) in names.iter().enumerate() {
+        if let Some(n) = name {
+            model_vocab.insert(n.clone(), Value::from(id));
+        }
+    }
+    let added: Vec<Value> = specials
+        .iter()
+        .map(|(id, name)| {
+            json!({"id": id, "content": name, "single_word": false, "lstrip": false,
+                   "rstrip": false, "normalized": false, "special": true})
+        })
+        .collect();
+    let tokenizer = json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+        "pre_tokenizer": null,
+        "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"},
+            {"type": "Fuse"}
+        ]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": true, "ignore_merges": false,
+                  "vocab": model_vocab, "merges": []}
+    });
+    std::fs::write(path, tokenizer.to_string())
+}
 
 /// A deterministic xorshift stream: the one source of pseudo-random fixtures and bench inputs.
 pub fn xorshift(seed: u64) -> impl Iterator<Item = u64> {
