@@ -26,6 +26,8 @@ CREATE TABLE sessions (
     id             TEXT PRIMARY KEY,
     user_id        TEXT NOT NULL REFERENCES users (id) ON DELETE CASCADE,
     title          TEXT NOT NULL,
+    -- The title lowercased by the application (full Unicode), for case-insensitive search.
+    title_lower    TEXT NOT NULL,
     system_prompt  TEXT,
     -- Default sampling parameters for the session's turns, JSON.
     params         TEXT,

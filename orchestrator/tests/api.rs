@@ -235,6 +235,22 @@ async fn bad_input_gets_a_4xx_json_error_and_changes_nothing() {
         ("GET", "/v1/sessions/not-an-id", None, 404),
         ("GET", "/v1/sessions/..%2F..%2Fetc", None, 404),
         ("DELETE", "/v1/sessions/'%20OR%201=1", None, 404),
+        ("GET", "/v1/sessions/%ff%fe", None, 404),
+        (
+            "POST",
+            "/v1/sessions",
+            Some(br#"{"title": "a\u0000b"}"#),
+            422,
+        ),
+        (
+            "POST",
+            "/v1/sessions",
+            Some(br#"{"system_prompt": "\u0000"}"#),
+            422,
+        ),
+        ("GET", "/v1/sessions?q=%00", None, 422),
+        ("GET", "/v1/nothing-here", None, 404),
+        ("PUT", "/v1/sessions", Some(b"{}"), 405),
     ];
     for (m, p, b, want) in cases {
         let (st, body) = call(&s, m, p, Some(&k), b).await;

@@ -2,7 +2,7 @@
 
 use std::process::Command;
 
-use hearth_orchestrator::auth::{authenticate, AuthError};
+use hearth_orchestrator::auth::{authenticate, issue_key, AuthError, KeyOptions};
 use hearth_orchestrator::storage::SqlStore;
 
 fn hearth(data_dir: &std::path::Path, args: &[&str]) -> (bool, String, String) {
@@ -97,6 +97,21 @@ async fn created_keys_authenticate_until_revoked_and_wrong_keys_never_do() {
     // The server itself is not built yet and says so, rather than pretending.
     let (ok, _, err) = hearth(&dir, &[]);
     assert!(!ok && err.contains("not built yet"), "{err}");
+    // An expired key is refused like an unknown one.
+    let expired = issue_key(
+        &store,
+        "alice",
+        KeyOptions {
+            expires_at: Some(1),
+            ..KeyOptions::default()
+        },
+    )
+    .await
+    .expect("expired key");
+    assert_eq!(
+        authenticate(&store, &expired.key).await,
+        Err(AuthError::InvalidKey)
+    );
     store.close().await;
     let _ = std::fs::remove_dir_all(dir);
 }

@@ -97,6 +97,8 @@ both!(users_and_keys, users_and_keys_suite);
 both!(sessions, sessions_suite);
 both!(turns, turns_suite);
 both!(isolation, isolation_suite);
+both!(concurrency, concurrency_suite);
+both!(search_and_values, search_and_values_suite);
 
 async fn users_and_keys_suite(s: &SqlStore) {
     let alice = s.create_user("alice").await.expect("alice");
@@ -371,10 +373,18 @@ async fn turns_suite(s: &SqlStore) {
     assert_eq!(msgs[3].finish_reason.as_deref(), Some("interrupted"));
     assert_eq!(s.fail_interrupted().await.expect("nothing left"), 0);
 
-    // Regenerate: drop the last reply, start a new one at the same place.
-    assert_eq!(s.truncate_from(&u, &sess.id, 4).await.expect("truncate"), 1);
-    let again = s.begin_reply(&u, &sess.id).await.expect("reply");
+    // Regenerate: the last reply is replaced by a new placeholder at the same place.
+    let again = s
+        .begin_regenerate(&u, &sess.id, 4)
+        .await
+        .expect("regenerate");
     assert_eq!(again.seq, 4);
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs.len(), 4);
+    assert_eq!(
+        (msgs[3].id.as_str(), msgs[3].content.as_str()),
+        (again.id.as_str(), "")
+    );
 
     // Unicode and a long message survive the round trip.
     let text = "Zürich 東京 🙂 ".repeat(2000);
@@ -408,8 +418,7 @@ async fn isolation_suite(s: &SqlStore) {
     assert_eq!(s.get_session(&b, &sess.id).await.map(|_| ()), nf);
     assert_eq!(s.list_messages(&b, &sess.id).await.map(|_| ()), nf);
     assert_eq!(s.begin_turn(&b, &sess.id, "x").await.map(|_| ()), nf);
-    assert_eq!(s.begin_reply(&b, &sess.id).await.map(|_| ()), nf);
-    assert_eq!(s.truncate_from(&b, &sess.id, 1).await.map(|_| ()), nf);
+    assert_eq!(s.begin_regenerate(&b, &sess.id, 1).await.map(|_| ()), nf);
     assert_eq!(
         s.update_session(
             &b,
@@ -455,4 +464,119 @@ async fn a_bad_database_url_is_a_clear_error() {
         .await
         .expect_err("nothing listens on port 1");
     assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+}
+
+async fn concurrency_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let one = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("session")
+        .id;
+    let others: Vec<String> = {
+        let mut v = Vec::new();
+        for _ in 0..4 {
+            v.push(
+                s.create_session(&u, NewSession::default())
+                    .await
+                    .expect("session")
+                    .id,
+            );
+        }
+        v
+    };
+    // Eight turns on one session and eight spread over others, all at once, while a reply
+    // streams progress: every turn is written, with distinct sequence numbers.
+    let streaming = s
+        .begin_turn(&u, &others[0], "streaming")
+        .await
+        .expect("turn");
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let (s, u) = (s.clone(), u.clone());
+        let session = if i % 2 == 0 {
+            one.clone()
+        } else {
+            others[i % 4].clone()
+        };
+        tasks.push(tokio::spawn(async move {
+            s.begin_turn(&u, &session, &format!("turn {i}")).await
+        }));
+    }
+    for k in 0..20 {
+        s.save_progress(&streaming.assistant.id, &"x".repeat(k))
+            .await
+            .expect("progress");
+    }
+    for t in tasks {
+        t.await
+            .expect("task")
+            .expect("every concurrent turn is written");
+    }
+    let msgs = s.list_messages(&u, &one).await.expect("messages");
+    assert_eq!(msgs.len(), 16);
+    let seqs: Vec<i64> = msgs.iter().map(|m| m.seq).collect();
+    assert_eq!(seqs, (1..=16).collect::<Vec<_>>());
+}
+
+async fn search_and_values_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    for title in ["Épée lessons", "100% juice", "snake_case"] {
+        s.create_session(
+            &u,
+            NewSession {
+                title: title.into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("session");
+    }
+    assert_eq!(find(s, &u, "ÉPÉE").await, vec!["Épée lessons"]);
+    assert_eq!(find(s, &u, "épée").await, vec!["Épée lessons"]);
+    assert_eq!(find(s, &u, "%").await, vec!["100% juice"]);
+    assert_eq!(find(s, &u, "_").await, vec!["snake_case"]);
+    assert!(find(s, &u, "a_e").await.is_empty(), "`_` is not a wildcard");
+
+    // An expired key is still found (the authenticator refuses it), with its expiry.
+    let key = s
+        .insert_api_key(NewApiKey {
+            user_id: u.clone(),
+            prefix: "hk_expired".into(),
+            key_hash: "e".repeat(64),
+            requests_per_minute: None,
+            tokens_per_day: None,
+            expires_at: Some(1),
+        })
+        .await
+        .expect("key");
+    assert_eq!(
+        s.api_keys_by_prefix("hk_expired").await.expect("found")[0].0,
+        key
+    );
+
+    // Text PostgreSQL cannot store is a clear `Invalid`, not an internal error; SQLite keeps it.
+    let nul = s
+        .create_session(
+            &u,
+            NewSession {
+                title: "a\0b".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+    match s.backend() {
+        "postgres" => assert!(matches!(nul, Err(StoreError::Invalid(_))), "{nul:?}"),
+        _ => assert!(nul.is_ok(), "{nul:?}"),
+    }
+}
+
+async fn find(s: &SqlStore, user: &str, q: &str) -> Vec<String> {
+    let query = SessionQuery {
+        q: Some(q.into()),
+        limit: 50,
+        before: None,
+    };
+    let found = s.list_sessions(user, &query).await.expect("search");
+    found.into_iter().map(|x| x.title).collect()
 }

@@ -24,6 +24,8 @@ pub enum ApiError {
     /// Missing, or another user's (the two are indistinguishable on purpose).
     #[error("{0} not found")]
     NotFound(&'static str),
+    #[error("method not allowed on this route")]
+    MethodNotAllowed,
     #[error("{0}")]
     Conflict(String),
     #[error("request body too large")]
@@ -42,6 +44,7 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -57,6 +60,7 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized => "authentication_error",
             Self::NotFound(_) => "not_found_error",
+            Self::MethodNotAllowed => "invalid_request_error",
             Self::Conflict(_) => "conflict_error",
             Self::PayloadTooLarge => "request_too_large",
             Self::Unavailable(_) => "service_unavailable",
@@ -71,6 +75,7 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::Unauthorized => "invalid_api_key",
             Self::NotFound(_) => "not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge => "body_too_large",
             Self::Unavailable(_) => "unavailable",

@@ -43,6 +43,8 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .merge(sessions::routes())
+        .fallback(|| async { ApiError::NotFound("route") })
+        .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(state)
 }
@@ -111,6 +113,27 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let axum::extract::Query(v) =
             axum::extract::Query::<T>::from_request_parts(parts, state).await?;
+        Ok(Self(v))
+    }
+}
+
+/// `Path<T>` with [`ApiError`] rejections: a path segment that is not even valid text names
+/// nothing, so it is a 404 like any other unknown id.
+#[derive(Debug)]
+pub struct ValidPath<T>(pub T);
+
+impl<S, T> FromRequestParts<S> for ValidPath<T>
+where
+    axum::extract::Path<T>:
+        FromRequestParts<S, Rejection = axum::extract::rejection::PathRejection>,
+    S: Send + Sync,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
+        let axum::extract::Path(v) = axum::extract::Path::<T>::from_request_parts(parts, state)
+            .await
+            .map_err(|_| ApiError::NotFound("resource"))?;
         Ok(Self(v))
     }
 }

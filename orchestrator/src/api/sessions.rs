@@ -1,7 +1,7 @@
 //! `/v1/sessions…`: the caller's chat sessions and their messages. Every query is scoped to the
 //! caller; another user's session is a 404, exactly like a missing one.
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use axum::{Json, Router};
@@ -9,7 +9,7 @@ use hearth_shared::SamplingParams;
 use serde::{Deserialize, Deserializer};
 use serde_json::{json, Value};
 
-use super::{created, ApiError, AppState, Caller, ValidJson, ValidQuery};
+use super::{created, ApiError, AppState, Caller, ValidJson, ValidPath, ValidQuery};
 use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
 
 const MAX_TITLE_CHARS: usize = 200;
@@ -64,7 +64,18 @@ struct ListParams {
     before: Option<String>,
 }
 
+/// Text no database column can hold (PostgreSQL refuses NUL characters).
+fn check_text(field: &str, t: &str) -> Result<(), ApiError> {
+    if t.contains('\0') {
+        return Err(ApiError::Validation(format!(
+            "{field}: must not contain NUL characters"
+        )));
+    }
+    Ok(())
+}
+
 fn check_title(t: &str) -> Result<String, ApiError> {
+    check_text("title", t)?;
     let t = t.trim();
     if t.chars().count() > MAX_TITLE_CHARS {
         return Err(ApiError::Validation(format!(
@@ -75,6 +86,7 @@ fn check_title(t: &str) -> Result<String, ApiError> {
 }
 
 fn check_system(s: &str) -> Result<(), ApiError> {
+    check_text("system_prompt", s)?;
     if s.len() > MAX_SYSTEM_PROMPT_BYTES {
         return Err(ApiError::Validation(format!(
             "system_prompt: longer than {MAX_SYSTEM_PROMPT_BYTES} bytes"
@@ -151,8 +163,11 @@ async fn list(
                 .ok_or_else(|| ApiError::Validation("before: not a cursor from this API".into()))
         })
         .transpose()?;
-    if p.q.as_ref().is_some_and(|q| q.len() > 200) {
-        return Err(ApiError::Validation("q: longer than 200 bytes".into()));
+    if let Some(q) = &p.q {
+        check_text("q", q)?;
+        if q.len() > 200 {
+            return Err(ApiError::Validation("q: longer than 200 bytes".into()));
+        }
     }
     let page = s
         .store
@@ -174,7 +189,7 @@ async fn list(
 async fn fetch(
     State(s): State<AppState>,
     Caller(user): Caller,
-    Path(id): Path<String>,
+    ValidPath(id): ValidPath<String>,
 ) -> Result<Json<Session>, ApiError> {
     check_id(&id)?;
     Ok(Json(s.store.get_session(&user.id, &id).await?))
@@ -183,7 +198,7 @@ async fn fetch(
 async fn update(
     State(s): State<AppState>,
     Caller(user): Caller,
-    Path(id): Path<String>,
+    ValidPath(id): ValidPath<String>,
     ValidJson(body): ValidJson<PatchBody>,
 ) -> Result<Json<Session>, ApiError> {
     check_id(&id)?;
@@ -207,7 +222,7 @@ async fn update(
 async fn remove(
     State(s): State<AppState>,
     Caller(user): Caller,
-    Path(id): Path<String>,
+    ValidPath(id): ValidPath<String>,
 ) -> Result<StatusCode, ApiError> {
     check_id(&id)?;
     s.store.delete_session(&user.id, &id).await?;
@@ -217,7 +232,7 @@ async fn remove(
 async fn messages(
     State(s): State<AppState>,
     Caller(user): Caller,
-    Path(id): Path<String>,
+    ValidPath(id): ValidPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     check_id(&id)?;
     let data: Vec<Message> = s.store.list_messages(&user.id, &id).await?;

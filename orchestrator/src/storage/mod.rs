@@ -69,10 +69,14 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// `streaming`, and the session's `updated_at`. Nothing is written if any part fails.
     async fn begin_turn(&self, user_id: &str, session_id: &str, content: &str)
         -> StoreResult<Turn>;
-    /// An assistant placeholder for a regenerated reply (after `truncate_from`).
-    async fn begin_reply(&self, user_id: &str, session_id: &str) -> StoreResult<Message>;
-    /// Removes the session's messages from `seq` on (regenerate drops the last reply).
-    async fn truncate_from(&self, user_id: &str, session_id: &str, seq: i64) -> StoreResult<u64>;
+    /// Regenerate, in one transaction: drops the session's messages from `from_seq` on (the
+    /// reply being replaced) and writes a new `streaming` assistant placeholder.
+    async fn begin_regenerate(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        from_seq: i64,
+    ) -> StoreResult<Message>;
     /// The reply so far, while it streams.
     async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()>;
     /// The reply's final state.

@@ -28,15 +28,37 @@ fn db_err(e: sqlx::Error) -> StoreError {
         | sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
         | sqlx::Error::WorkerCrashed => StoreError::Unavailable(e.to_string()),
-        // PostgreSQL classes 08 (connection exception) and 57 (operator intervention: shutdown,
-        // restart) mean the server, not the query, is the problem.
-        sqlx::Error::Database(d)
-            if d.code()
-                .is_some_and(|c| c.starts_with("08") || c.starts_with("57")) =>
-        {
-            StoreError::Unavailable(e.to_string())
-        }
+        sqlx::Error::Database(d) => match d.code().as_deref().map(classify) {
+            Some(Class::Unavailable) => StoreError::Unavailable(e.to_string()),
+            Some(Class::BadValue) => StoreError::Invalid(d.message().to_string()),
+            _ => StoreError::Internal(e.to_string()),
+        },
         _ => StoreError::Internal(e.to_string()),
+    }
+}
+
+enum Class {
+    Unavailable,
+    BadValue,
+    Other,
+}
+
+/// PostgreSQL reports five-character SQLSTATEs (class in the first two); SQLite reports decimal
+/// result codes of at most four digits (primary code in the low byte).
+fn classify(code: &str) -> Class {
+    if code.len() == 5 {
+        return match code.get(..2) {
+            // Connection exception, insufficient resources, operator intervention (shutdown).
+            Some("08" | "53" | "57") => Class::Unavailable,
+            // Data exception: a value PostgreSQL cannot store (a NUL character in text, …).
+            Some("22") => Class::BadValue,
+            _ => Class::Other,
+        };
+    }
+    match code.parse::<u32>() {
+        // BUSY, LOCKED, IOERR, FULL, CANTOPEN.
+        Ok(c) if matches!(c & 0xff, 5 | 6 | 10 | 13 | 14) => Class::Unavailable,
+        _ => Class::Other,
     }
 }
 
@@ -91,23 +113,58 @@ impl SqlStore {
         self.pool.close().await;
     }
 
-    /// Appends messages to the caller's session and bumps its `updated_at`, in one transaction.
+    /// In one transaction: claims the caller's session, drops its messages from `truncate_from`
+    /// on (regenerate), and appends `messages`.
     async fn append(
         &self,
         user_id: &str,
         session_id: &str,
+        truncate_from: Option<i64>,
         messages: &[(Role, &str, MessageStatus)],
     ) -> StoreResult<Vec<Message>> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
-        Self::owned(&mut *tx, user_id, session_id).await?;
         let now = now_ms();
+        Self::claim(&mut tx, user_id, session_id, now).await?;
+        if let Some(seq) = truncate_from {
+            sqlx::query("DELETE FROM messages WHERE session_id = $1 AND seq >= $2")
+                .bind(session_id)
+                .bind(seq)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?;
+        }
         let mut written = Vec::with_capacity(messages.len());
         for &(role, content, status) in messages {
             written.push(insert_message(&mut tx, session_id, role, content, status, now).await?);
         }
-        touch_session(&mut tx, session_id, now).await?;
         tx.commit().await.map_err(db_err)?;
         Ok(written)
+    }
+
+    /// Inside a write transaction: bumps the caller's live session's `updated_at`, which also
+    /// takes the write lock up front (SQLite) or locks the session row (PostgreSQL), so
+    /// concurrent turns queue instead of failing and a concurrent delete cannot slip between
+    /// the check and the write.
+    async fn claim(
+        tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+        user_id: &str,
+        session_id: &str,
+        now: i64,
+    ) -> StoreResult<()> {
+        let done = sqlx::query(
+            "UPDATE sessions SET updated_at = $1 \
+             WHERE id = $2 AND user_id = $3 AND deleted_at IS NULL",
+        )
+        .bind(now)
+        .bind(session_id)
+        .bind(user_id)
+        .execute(&mut **tx)
+        .await
+        .map_err(db_err)?;
+        if done.rows_affected() == 0 {
+            return Err(StoreError::NotFound("session"));
+        }
+        Ok(())
     }
 
     /// The session, if it is the caller's and not deleted.
@@ -253,20 +310,6 @@ async fn insert_message(
     })
 }
 
-async fn touch_session(
-    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    session_id: &str,
-    now: i64,
-) -> StoreResult<()> {
-    sqlx::query("UPDATE sessions SET updated_at = $1 WHERE id = $2")
-        .bind(now)
-        .bind(session_id)
-        .execute(&mut **tx)
-        .await
-        .map_err(db_err)?;
-    Ok(())
-}
-
 #[async_trait]
 impl Store for SqlStore {
     fn backend(&self) -> &'static str {
@@ -382,12 +425,13 @@ impl Store for SqlStore {
             updated_at: now,
         };
         sqlx::query(
-            "INSERT INTO sessions (id, user_id, title, system_prompt, params, created_at, \
-             updated_at) VALUES ($1, $2, $3, $4, $5, $6, $6)",
+            "INSERT INTO sessions (id, user_id, title, title_lower, system_prompt, params, \
+             created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
         )
         .bind(&s.id)
         .bind(user_id)
         .bind(&s.title)
+        .bind(s.title.to_lowercase())
         .bind(&s.system_prompt)
         .bind(json_text(&s.params))
         .bind(now)
@@ -416,7 +460,7 @@ impl Store for SqlStore {
             .filter(|q| !q.is_empty())
             .map(like_pattern);
         if pattern.is_some() {
-            sql += &format!(" AND LOWER(title) LIKE ${} ESCAPE '\\'", next());
+            sql += &format!(" AND title_lower LIKE ${} ESCAPE '\\'", next());
         }
         if query.before.is_some() {
             let (a, b) = (next(), next());
@@ -460,11 +504,11 @@ impl Store for SqlStore {
         patch: SessionPatch,
     ) -> StoreResult<Session> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
-        Self::owned(&mut *tx, user_id, session_id).await?;
-        let now = now_ms();
+        Self::claim(&mut tx, user_id, session_id, now_ms()).await?;
         if let Some(title) = &patch.title {
-            sqlx::query("UPDATE sessions SET title = $1 WHERE id = $2")
+            sqlx::query("UPDATE sessions SET title = $1, title_lower = $2 WHERE id = $3")
                 .bind(title)
+                .bind(title.to_lowercase())
                 .bind(session_id)
                 .execute(&mut *tx)
                 .await
@@ -486,9 +530,15 @@ impl Store for SqlStore {
                 .await
                 .map_err(db_err)?;
         }
-        touch_session(&mut tx, session_id, now).await?;
+        // Read back inside the transaction: what the caller sees is what was committed.
+        let sql = format!("SELECT {SESSION_COLUMNS} FROM sessions WHERE id = $1");
+        let row = sqlx::query(&sql)
+            .bind(session_id)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db_err)?;
         tx.commit().await.map_err(db_err)?;
-        self.get_session(user_id, session_id).await
+        session_from(&row)
     }
 
     async fn delete_session(&self, user_id: &str, session_id: &str) -> StoreResult<()> {
@@ -532,6 +582,7 @@ impl Store for SqlStore {
             .append(
                 user_id,
                 session_id,
+                None,
                 &[
                     (Role::User, content, MessageStatus::Complete),
                     (Role::Assistant, "", MessageStatus::Streaming),
@@ -548,28 +599,21 @@ impl Store for SqlStore {
         }
     }
 
-    async fn begin_reply(&self, user_id: &str, session_id: &str) -> StoreResult<Message> {
+    async fn begin_regenerate(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        from_seq: i64,
+    ) -> StoreResult<Message> {
         self.append(
             user_id,
             session_id,
+            Some(from_seq),
             &[(Role::Assistant, "", MessageStatus::Streaming)],
         )
         .await?
         .pop()
         .ok_or_else(|| StoreError::Internal("a reply wrote no message".into()))
-    }
-
-    async fn truncate_from(&self, user_id: &str, session_id: &str, seq: i64) -> StoreResult<u64> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
-        Self::owned(&mut *tx, user_id, session_id).await?;
-        let done = sqlx::query("DELETE FROM messages WHERE session_id = $1 AND seq >= $2")
-            .bind(session_id)
-            .bind(seq)
-            .execute(&mut *tx)
-            .await
-            .map_err(db_err)?;
-        tx.commit().await.map_err(db_err)?;
-        Ok(done.rows_affected())
     }
 
     async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()> {
