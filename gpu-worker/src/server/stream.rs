@@ -105,7 +105,9 @@ struct Connection {
     live: HashMap<u64, RequestId>,
     /// One per live request; each returns the request's last event, which the connection sends
     /// only after forgetting the id, so a client may reuse an id as soon as it sees that event.
-    forwarders: JoinSet<proto::WorkerEvent>,
+    /// The forwarder also hands back the request's in-flight count, released once the last
+    /// event is sent, so a drain never finishes ahead of a request's final event.
+    forwarders: JoinSet<(proto::WorkerEvent, InFlight)>,
     /// Forwarder task → client request id, to forget the id even if a forwarder panics.
     tasks: HashMap<tokio::task::Id, u64>,
 }
@@ -135,11 +137,11 @@ impl Connection {
     /// A forwarder ended: forget its id, then deliver its last event.
     async fn finish(
         &mut self,
-        done: Result<(tokio::task::Id, proto::WorkerEvent), tokio::task::JoinError>,
+        done: Result<(tokio::task::Id, (proto::WorkerEvent, InFlight)), tokio::task::JoinError>,
     ) -> Result<(), Gone> {
-        let (task, last) = match done {
-            Ok((task, last)) => (task, Some(last)),
-            Err(e) => (e.id(), None),
+        let (task, last, _in_flight) = match done {
+            Ok((task, (last, guard))) => (task, Some(last), Some(guard)),
+            Err(e) => (e.id(), None, None),
         };
         let Some(client_id) = self.tasks.remove(&task) else {
             return Ok(());
@@ -228,8 +230,12 @@ async fn forward(
     client_id: u64,
     mut events: EventStream,
     out: EventTx,
-    _in_flight: InFlight,
-) -> proto::WorkerEvent {
+    in_flight: InFlight,
+) -> (proto::WorkerEvent, InFlight) {
+    (relay(client_id, &mut events, &out).await, in_flight)
+}
+
+async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto::WorkerEvent {
     let mut next: Option<EngineEvent> = None;
     loop {
         let event = match next.take() {
