@@ -5,9 +5,11 @@
 //! - [`auth`]: API keys: issuing, hashing, constant-time checking.
 //! - [`storage`]: users, API keys, sessions and messages behind one [`storage::Store`] trait,
 //!   on PostgreSQL (production) or SQLite (the embedded default).
+//! - [`workers`]: the long-lived, batched gRPC stream to a GPU worker.
 //!
-//! Generation through the HTTP API, routing to workers and streaming are not built yet.
+//! Generation through the HTTP API, the worker pool (routing, failover) and SSE are not built yet.
 
 pub mod api;
 pub mod auth;
 pub mod storage;
+pub mod workers;

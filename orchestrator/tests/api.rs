@@ -96,6 +96,8 @@ async fn sessions_are_created_listed_renamed_and_deleted() {
     assert_eq!(created["title"], "Tea");
     assert_eq!(created["params"]["temperature"], 0.5);
     for t in ["Coffee", "Rust"] {
+        // Distinct creation times, so the newest-first order is certain.
+        tokio::time::sleep(std::time::Duration::from_millis(3)).await;
         let b = json!({ "title": t }).to_string();
         assert_eq!(
             call(&s, "POST", "/v1/sessions", Some(&k), Some(b.as_bytes()))

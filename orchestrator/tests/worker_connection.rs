@@ -1,0 +1,206 @@
+//! One batched `Generate` stream to a real `hearth-worker` process (tiny generated model).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError};
+use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
+use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
+
+struct Worker {
+    child: Child,
+    addr: String,
+    _stdout: BufReader<std::process::ChildStdout>,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The worker binary sits next to this test's directory (`target/<profile>/`); `cargo test
+/// --workspace` builds it.
+fn spawn_worker() -> Worker {
+    let exe = std::env::current_exe().expect("test path");
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("hearth-worker"))
+        .expect("target dir");
+    assert!(
+        bin.is_file(),
+        "{} is missing: run `cargo build -p hearth-worker` (or `make test`)",
+        bin.display()
+    );
+    let dir = std::env::temp_dir().join(format!(
+        "hearth-wc-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let model = dir.join("tiny.gguf");
+    write_tiny_gguf(&model, &TinySpec::default()).expect("model");
+    let mut child = Command::new(bin)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "127.0.0.1:0",
+            "--kv-budget",
+            "64MiB",
+            "--model",
+        ])
+        .arg(&model)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start worker");
+    let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    stdout.read_line(&mut line).expect("address line");
+    let v: serde_json::Value = serde_json::from_str(&line).expect("json");
+    let addr = v["listening"]["grpc"].as_str().expect("grpc").to_string();
+    Worker {
+        child,
+        addr,
+        _stdout: stdout,
+    }
+}
+
+async fn health(addr: &str) -> proto::HealthResponse {
+    let mut c = WorkerClient::connect(format!("http://{addr}"))
+        .await
+        .expect("connect");
+    for _ in 0..500 {
+        let h = c
+            .health(proto::HealthRequest {})
+            .await
+            .expect("health")
+            .into_inner();
+        if h.ready {
+            return h;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("worker not ready");
+}
+
+fn request(seed: u32, n: u32) -> proto::GenerateRequest {
+    proto::GenerateRequest {
+        prompt_token_ids: (0..8).map(|i| 200 + (i * 37 + seed * 11) % 300).collect(),
+        max_new_tokens: n,
+        ignore_eos: true,
+        user_id: "u".into(),
+        ..Default::default()
+    }
+}
+
+/// (tokens, finish reason or error code)
+async fn drain(g: &mut hearth_orchestrator::workers::Generation) -> (usize, Result<i32, i32>) {
+    let mut tokens = 0;
+    while let Some(e) = g.next().await {
+        match e.kind.expect("kind") {
+            Kind::Tokens(t) => tokens += t.ids.len(),
+            Kind::Finished(f) => return (tokens, Ok(f.reason)),
+            Kind::Error(err) => return (tokens, Err(err.code)),
+            Kind::Started(_) => {}
+        }
+    }
+    panic!("no last event");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_requests_share_one_batched_stream_and_each_gets_its_own_result() {
+    let w = spawn_worker();
+    health(&w.addr).await;
+    let conn = WorkerConnection::connect(
+        &w.addr,
+        BatchConfig {
+            max_batch: 8,
+            max_delay: Duration::from_millis(5),
+        },
+    )
+    .await
+    .expect("connect");
+    let mut gens: Vec<_> = (0..20)
+        .map(|i| (5 + i, conn.generate(request(i, 5 + i)).expect("generate")))
+        .collect();
+    let ids: std::collections::HashSet<u64> = gens.iter().map(|(_, g)| g.request_id).collect();
+    assert_eq!(ids.len(), 20, "request ids are unique");
+    for (n, g) in &mut gens {
+        assert_eq!(
+            drain(g).await,
+            (*n as usize, Ok(proto::FinishReason::Length as i32))
+        );
+    }
+
+    // A dropped generation is cancelled on the worker.
+    let mut long = conn.generate(request(99, 900)).expect("generate");
+    while let Some(e) = long.next().await {
+        if matches!(e.kind, Some(Kind::Tokens(_))) {
+            break;
+        }
+    }
+    drop(long);
+    let mut c = WorkerClient::connect(format!("http://{}", w.addr))
+        .await
+        .expect("connect");
+    let mut idle = false;
+    for _ in 0..500 {
+        let h = c
+            .health(proto::HealthRequest {})
+            .await
+            .expect("health")
+            .into_inner();
+        if h.running == 0 && h.in_flight == 0 {
+            idle = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(idle, "the dropped request kept running");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_worker_fails_every_open_request_with_unavailable() {
+    let mut w = spawn_worker();
+    health(&w.addr).await;
+    let conn = WorkerConnection::connect(&w.addr, BatchConfig::default())
+        .await
+        .expect("connect");
+    let mut gens: Vec<_> = (0..4)
+        .map(|i| conn.generate(request(i, 900)).expect("generate"))
+        .collect();
+    // Wait until all are streaming, then kill the worker outright.
+    for g in &mut gens {
+        while let Some(e) = g.next().await {
+            if matches!(e.kind, Some(Kind::Tokens(_))) {
+                break;
+            }
+        }
+    }
+    w.child.kill().expect("kill -9");
+    for g in &mut gens {
+        let (_, end) = drain(g).await;
+        assert_eq!(end, Err(tonic::Code::Unavailable as i32));
+    }
+    for _ in 0..100 {
+        if !conn.is_open() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!conn.is_open());
+    assert!(matches!(
+        conn.generate(request(1, 1)),
+        Err(WorkerError::Closed(_))
+    ));
+    let err = WorkerConnection::connect(&w.addr, BatchConfig::default())
+        .await
+        .expect_err("gone");
+    assert!(err.to_string().contains(&w.addr), "{err}");
+}
