@@ -6,14 +6,13 @@
 //! grpc_overhead [-- MODEL [REPS [TOKENS]]]`
 #![allow(clippy::print_stdout, clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
 use hearth_worker::engine::{Engine, EngineConfig, EngineEvent, GenerateRequest};
+use hearth_worker::fixtures::WorkerProcess;
 use tokio_stream::wrappers::ReceiverStream;
 
 const PROMPT: usize = 16;
@@ -104,34 +103,9 @@ async fn main() {
         .parent()
         .unwrap()
         .join("../hearth-worker");
-    let mut child = Command::new(&bin)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-        ])
-        .args(["--kv-budget", "512MiB", "--model"])
-        .arg(&model)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .spawn()
+    let worker = WorkerProcess::spawn(&bin, &model, &["--kv-budget", "512MiB"])
         .unwrap_or_else(|e| panic!("start {}: {e}", bin.display()));
-    let stdout = child.stdout.take().unwrap();
-    // Stops the worker however this program ends.
-    struct Kill(std::process::Child);
-    impl Drop for Kill {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let _child = Kill(child);
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
-    let addr = format!("http://{}", v["listening"]["grpc"].as_str().unwrap());
+    let addr = format!("http://{}", worker.grpc);
     let mut client = WorkerClient::connect(addr).await.unwrap();
     while !client
         .health(proto::HealthRequest {})

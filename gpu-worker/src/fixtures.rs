@@ -385,3 +385,66 @@ pub fn write_tiny_safetensors(dir: &Path, spec: &TinySpec) -> candle_core::Resul
     )?;
     Ok(())
 }
+
+/// A `hearth-worker serve` child process on loopback ports the OS chose, for tests and benchmarks
+/// that need the real binary. Killed when dropped.
+#[derive(Debug)]
+pub struct WorkerProcess {
+    pub child: std::process::Child,
+    /// `host:port` of the gRPC service.
+    pub grpc: String,
+    /// `host:port` of `/metrics`, `/healthz` and `/readyz`.
+    pub metrics: String,
+    /// Held open so the worker never writes into a closed pipe.
+    _stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl WorkerProcess {
+    /// Starts `bin serve --model model` plus `extra` flags and reads the address line it prints.
+    pub fn spawn(bin: &Path, model: &Path, extra: &[&str]) -> std::io::Result<Self> {
+        use std::io::BufRead;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(bin)
+            .arg("serve")
+            .arg("--model")
+            .arg(model)
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()?;
+        let mut stdout = std::io::BufReader::new(
+            child
+                .stdout
+                .take()
+                .ok_or_else(|| std::io::Error::other("no stdout pipe"))?,
+        );
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let v: serde_json::Value = serde_json::from_str(&line).map_err(|e| {
+            std::io::Error::other(format!(
+                "worker printed `{line}` instead of its addresses: {e}"
+            ))
+        })?;
+        let addr = |k: &str| {
+            v["listening"][k]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| std::io::Error::other(format!("no {k} address in `{line}`")))
+        };
+        Ok(Self {
+            grpc: addr("grpc")?,
+            metrics: addr("metrics")?,
+            child,
+            _stdout: stdout,
+        })
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

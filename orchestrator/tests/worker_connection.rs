@@ -1,24 +1,14 @@
 //! One batched `Generate` stream to a real `hearth-worker` process (tiny generated model).
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError};
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
-use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
+use hearth_worker::fixtures::{write_tiny_gguf, TinySpec, WorkerProcess};
 
 struct Worker {
-    child: Child,
+    process: WorkerProcess,
     addr: String,
-    _stdout: BufReader<std::process::ChildStdout>,
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// The worker binary sits next to this test's directory (`target/<profile>/`); `cargo test
@@ -43,31 +33,11 @@ fn spawn_worker() -> Worker {
     std::fs::create_dir_all(&dir).expect("dir");
     let model = dir.join("tiny.gguf");
     write_tiny_gguf(&model, &TinySpec::default()).expect("model");
-    let mut child = Command::new(bin)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "127.0.0.1:0",
-            "--kv-budget",
-            "64MiB",
-            "--model",
-        ])
-        .arg(&model)
-        .env("RUST_LOG", "error")
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("start worker");
-    let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    stdout.read_line(&mut line).expect("address line");
-    let v: serde_json::Value = serde_json::from_str(&line).expect("json");
-    let addr = v["listening"]["grpc"].as_str().expect("grpc").to_string();
+    let process =
+        WorkerProcess::spawn(&bin, &model, &["--kv-budget", "64MiB"]).expect("start worker");
     Worker {
-        child,
-        addr,
-        _stdout: stdout,
+        addr: process.grpc.clone(),
+        process,
     }
 }
 
@@ -97,6 +67,16 @@ fn request(seed: u32, n: u32) -> proto::GenerateRequest {
         user_id: "u".into(),
         ..Default::default()
     }
+}
+
+/// Reads events until the first tokens arrive.
+async fn until_tokens(g: &mut hearth_orchestrator::workers::Generation) {
+    while let Some(e) = g.next().await {
+        if matches!(e.kind, Some(Kind::Tokens(_))) {
+            return;
+        }
+    }
+    panic!("ended before any token");
 }
 
 /// (tokens, finish reason or error code)
@@ -140,11 +120,7 @@ async fn many_requests_share_one_batched_stream_and_each_gets_its_own_result() {
 
     // A dropped generation is cancelled on the worker.
     let mut long = conn.generate(request(99, 900)).expect("generate");
-    while let Some(e) = long.next().await {
-        if matches!(e.kind, Some(Kind::Tokens(_))) {
-            break;
-        }
-    }
+    until_tokens(&mut long).await;
     drop(long);
     let mut c = WorkerClient::connect(format!("http://{}", w.addr))
         .await
@@ -177,13 +153,9 @@ async fn a_dead_worker_fails_every_open_request_with_unavailable() {
         .collect();
     // Wait until all are streaming, then kill the worker outright.
     for g in &mut gens {
-        while let Some(e) = g.next().await {
-            if matches!(e.kind, Some(Kind::Tokens(_))) {
-                break;
-            }
-        }
+        until_tokens(g).await;
     }
-    w.child.kill().expect("kill -9");
+    w.process.child.kill().expect("kill -9");
     for g in &mut gens {
         let (_, end) = drain(g).await;
         assert_eq!(end, Err(tonic::Code::Unavailable as i32));

@@ -1,9 +1,7 @@
 //! A real `hearth-worker serve` process on loopback ports, and a gRPC client for it.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
@@ -12,53 +10,18 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
-/// A running worker; killed when dropped.
-pub struct WorkerProc {
-    pub child: Child,
-    /// Held open so the worker never writes into a closed pipe.
-    _stdout: BufReader<std::process::ChildStdout>,
-    pub grpc: String,
-    pub metrics: String,
-}
+pub use hearth_worker::fixtures::WorkerProcess as WorkerProc;
 
-impl Drop for WorkerProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts the worker binary on `model` with ports chosen by the OS and waits for its address line.
+/// Starts the worker binary on `model` (64 MiB of KV unless `extra` says otherwise).
 pub fn spawn_worker(model: &Path, extra: &[&str]) -> WorkerProc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_hearth-worker"))
-        .arg("serve")
-        .arg("--model")
-        .arg(model)
-        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
-        .args(["--kv-budget", "64MiB"])
-        .args(extra)
-        .env("RUST_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("start hearth-worker");
-    let mut line = String::new();
-    let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
-    stdout.read_line(&mut line).expect("read address line");
-    let v: serde_json::Value = serde_json::from_str(&line)
-        .unwrap_or_else(|e| panic!("worker printed `{line}` instead of its addresses: {e}"));
-    let addr = |k: &str| v["listening"][k].as_str().expect("address").to_string();
-    WorkerProc {
-        grpc: format!("http://{}", addr("grpc")),
-        metrics: format!("http://{}", addr("metrics")),
-        child,
-        _stdout: stdout,
-    }
+    let mut args = vec!["--kv-budget", "64MiB"];
+    args.extend_from_slice(extra);
+    WorkerProc::spawn(Path::new(env!("CARGO_BIN_EXE_hearth-worker")), model, &args)
+        .expect("start hearth-worker")
 }
 
 pub async fn connect(w: &WorkerProc) -> WorkerClient<Channel> {
-    WorkerClient::connect(w.grpc.clone())
+    WorkerClient::connect(format!("http://{}", w.grpc))
         .await
         .expect("connect to worker")
 }

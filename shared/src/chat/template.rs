@@ -166,7 +166,7 @@ pub fn render(tok: &Tokenizer, messages: &[Message], budget: usize) -> Result<Pr
             tokens.extend_from_slice(&turn[user_head..]);
         } else {
             tokens.push(tok.start_of_turn_id);
-            tokens.extend_from_slice(&encoded_user_head(tok)?);
+            tokens.extend(tok.encode("user\n")?);
             tokens.extend_from_slice(&system_tokens);
             tokens.push(tok.end_of_turn_id);
             tokens.extend_from_slice(turn);
@@ -181,10 +181,6 @@ pub fn render(tok: &Tokenizer, messages: &[Message], budget: usize) -> Result<Pr
         tokens,
         dropped_messages,
     })
-}
-
-fn encoded_user_head(tok: &Tokenizer) -> Result<Vec<u32>, TokenizerError> {
-    tok.encode("user\n")
 }
 
 /// `<start_of_turn>user\n{text}<end_of_turn>\n<start_of_turn>model\n{reply}<end_of_turn>\n`, or,
