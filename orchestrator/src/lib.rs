@@ -5,11 +5,18 @@
 //! - [`auth`]: API keys: issuing, hashing, constant-time checking.
 //! - [`storage`]: users, API keys, sessions and messages behind one [`storage::Store`] trait,
 //!   on PostgreSQL (production) or SQLite (the embedded default).
-//! - [`workers`]: the long-lived, batched gRPC stream to a GPU worker.
-//!
-//! Generation through the HTTP API, the worker pool (routing, failover) and SSE are not built yet.
+//! - [`workers`]: the worker pool (health, affinity, admission) and the long-lived, batched
+//!   gRPC stream to each worker.
+//! - [`generate`]: one generation end to end (failover, detokenization, stop strings, storing).
+//! - [`limits`]: per-key rate limits, in process or in Redis.
+//! - [`server`]: configuration and start-up, including the quick start's local worker.
+//! - [`telemetry`]: Prometheus metrics.
 
 pub mod api;
 pub mod auth;
+pub mod generate;
+pub mod limits;
+pub mod server;
 pub mod storage;
+pub mod telemetry;
 pub mod workers;

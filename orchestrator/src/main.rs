@@ -1,18 +1,25 @@
-//! `hearth`, the orchestrator binary. Today it administers API keys (`hearth keys …`); the HTTP
-//! server (the default command) is not built yet and says so.
+//! `hearth`, the orchestrator binary: the HTTP server (the default command) and API key
+//! administration (`hearth keys …`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
+use hearth_orchestrator::server::{serve, ServeArgs};
 use hearth_orchestrator::storage::{now_ms, SqlStore, Store};
 
 #[derive(Parser, Debug)]
-#[command(name = "hearth", version, about = "Hearth orchestrator")]
+#[command(
+    name = "hearth",
+    version,
+    about = "Hearth orchestrator: serves the chat API (the default command) and manages API keys"
+)]
 struct Cli {
     #[command(flatten)]
     db: DbArgs,
+    #[command(flatten)]
+    serve: ServeArgs,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -88,9 +95,10 @@ fn main() -> ExitCode {
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let Some(Command::Keys { action }) = cli.command else {
-        anyhow::bail!(
-            "the HTTP server is not built yet; `hearth keys create --user NAME` manages API keys"
-        );
+        let store = std::sync::Arc::new(open_store(&cli.db).await?);
+        let result = serve(cli.serve, store.clone()).await;
+        store.close().await;
+        return result;
     };
     let store = open_store(&cli.db).await?;
     match action {

@@ -2,9 +2,12 @@
 
 use std::sync::Arc;
 
-use hearth_orchestrator::api::{router, AppState, AuthMode};
+use hearth_orchestrator::api::{router, ApiOptions, AppState, AuthMode};
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
+use hearth_orchestrator::generate::{Generator, Streams};
+use hearth_orchestrator::limits::Limiter;
 use hearth_orchestrator::storage::SqlStore;
+use hearth_orchestrator::workers::{Affinity, PoolConfig, WorkerPool};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -22,9 +25,28 @@ async fn start() -> Server {
     std::fs::create_dir_all(&dir).expect("dir");
     let url = format!("sqlite://{}?mode=rwc", dir.join("hearth.db").display());
     let store = Arc::new(SqlStore::connect(&url).await.expect("store"));
+    let tokenizer = dir.join("tokenizer.json");
+    hearth_worker::fixtures::write_tiny_tokenizer(&tokenizer, 512).expect("tokenizer");
+    // No workers: these tests cover the session routes only.
+    let generator = Arc::new(Generator {
+        pool: WorkerPool::start(
+            &[],
+            Affinity::Local(Default::default()),
+            PoolConfig::default(),
+        ),
+        tokenizer: Arc::new(
+            hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
+        ),
+        store: store.clone(),
+        limiter: Arc::new(Limiter::local()),
+        streams: Arc::new(Streams::default()),
+    });
     let app = router(AppState {
         store: store.clone(),
         auth: AuthMode::Keys,
+        generator,
+        options: ApiOptions::default(),
+        metrics: None,
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -161,7 +183,9 @@ async fn sessions_are_created_listed_renamed_and_deleted() {
             .0,
         404
     );
-    assert_eq!(call(&s, "GET", "/readyz", None, None).await.0, 200);
+    // The database is up but no worker is: not ready.
+    let (st, ready) = call(&s, "GET", "/readyz", None, None).await;
+    assert_eq!((st, ready["ready"].clone()), (503, json!(false)));
 }
 
 #[tokio::test]

@@ -2,56 +2,13 @@
 //! `TEST_DATABASE_URL`, default the local server). A missing PostgreSQL fails the test.
 
 use hearth_orchestrator::storage::{
-    Completion, MessageStatus, NewApiKey, NewSession, Role, SessionPatch, SessionQuery, SqlStore,
-    Store, StoreError,
+    now_ms, Completion, MessageStatus, NewApiKey, NewSession, Role, SessionPatch, SessionQuery,
+    SqlStore, Store, StoreError,
 };
-use sqlx::Connection;
 
-fn admin_url() -> String {
-    std::env::var("TEST_DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
+mod common;
 
-/// A database of its own for one test run, dropped afterwards.
-struct PgDatabase {
-    name: String,
-}
-
-impl PgDatabase {
-    async fn create(tag: &str) -> (Self, String) {
-        let admin = admin_url();
-        let name = format!(
-            "hearth_test_{tag}_{}_{}",
-            std::process::id(),
-            uuid::Uuid::new_v4().simple()
-        );
-        let mut c = sqlx::PgConnection::connect(&admin)
-            .await
-            .unwrap_or_else(|e| panic!("PostgreSQL at {admin} is required for this test: {e}"));
-        sqlx::query(&format!("CREATE DATABASE {name}"))
-            .execute(&mut c)
-            .await
-            .expect("create test database");
-        let base = admin
-            .rsplit_once('/')
-            .map_or(admin.as_str(), |(b, _)| b)
-            .to_string();
-        (Self { name: name.clone() }, format!("{base}/{name}"))
-    }
-
-    async fn drop_db(self) {
-        let mut c = sqlx::PgConnection::connect(&admin_url())
-            .await
-            .expect("connect");
-        sqlx::query(&format!(
-            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-            self.name
-        ))
-        .execute(&mut c)
-        .await
-        .expect("drop test database");
-    }
-}
+use common::pg::PgDatabase;
 
 fn sqlite_url(tag: &str) -> (std::path::PathBuf, String) {
     let dir = std::env::temp_dir().join(format!(
@@ -366,12 +323,23 @@ async fn turns_suite(s: &SqlStore) {
     s.save_progress(&t2.assistant.id, "Partial ans")
         .await
         .expect("progress");
-    assert_eq!(s.fail_interrupted().await.expect("recover"), 1);
+    // A reply written to after the cut-off belongs to a live orchestrator: left alone.
+    let before_progress = now_ms() - 60_000;
+    assert_eq!(
+        s.fail_interrupted(before_progress).await.expect("recent"),
+        0
+    );
+    assert_eq!(s.fail_interrupted(now_ms() + 1).await.expect("recover"), 1);
     let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
     assert_eq!(msgs[3].status, MessageStatus::Error);
     assert_eq!(msgs[3].content, "Partial ans");
     assert_eq!(msgs[3].finish_reason.as_deref(), Some("interrupted"));
-    assert_eq!(s.fail_interrupted().await.expect("nothing left"), 0);
+    assert_eq!(
+        s.fail_interrupted(now_ms() + 1)
+            .await
+            .expect("nothing left"),
+        0
+    );
 
     // Regenerate: the last reply is replaced by a new placeholder at the same place.
     let again = s

@@ -30,6 +30,8 @@ pub enum ApiError {
     Conflict(String),
     #[error("request body too large")]
     PayloadTooLarge,
+    #[error("{0}")]
+    RateLimited(crate::limits::Limited),
     #[error("the service is unavailable: {0}")]
     Unavailable(String),
     #[error("internal error")]
@@ -47,6 +49,7 @@ impl ApiError {
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -63,6 +66,7 @@ impl ApiError {
             Self::MethodNotAllowed => "invalid_request_error",
             Self::Conflict(_) => "conflict_error",
             Self::PayloadTooLarge => "request_too_large",
+            Self::RateLimited(_) => "rate_limit_error",
             Self::Unavailable(_) => "service_unavailable",
             Self::Internal(_) => "internal_error",
         }
@@ -78,6 +82,7 @@ impl ApiError {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge => "body_too_large",
+            Self::RateLimited(_) => "rate_limit_exceeded",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",
         }
@@ -93,7 +98,14 @@ impl IntoResponse for ApiError {
         let body = json!({
             "error": {"message": self.to_string(), "type": self.error_type(), "code": self.code()}
         });
-        (status, axum::Json(body)).into_response()
+        let mut response = (status, axum::Json(body)).into_response();
+        if let Self::RateLimited(l) = &self {
+            response.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(l.retry_after_secs),
+            );
+        }
+        response
     }
 }
 
@@ -129,5 +141,23 @@ impl From<JsonRejection> for ApiError {
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
         Self::Validation(r.body_text())
+    }
+}
+
+impl From<crate::limits::Limited> for ApiError {
+    fn from(l: crate::limits::Limited) -> Self {
+        Self::RateLimited(l)
+    }
+}
+
+impl From<crate::workers::PoolError> for ApiError {
+    fn from(e: crate::workers::PoolError) -> Self {
+        Self::Unavailable(e.to_string())
+    }
+}
+
+impl From<crate::generate::Busy> for ApiError {
+    fn from(e: crate::generate::Busy) -> Self {
+        Self::Conflict(e.to_string())
     }
 }

@@ -1,10 +1,13 @@
 //! The HTTP API. [`router`] is separate from any socket so tests can drive it directly.
 //!
-//! Built so far: authentication, the session routes (create, list/search, get, rename, delete,
-//! list messages), `/healthz` and `/readyz`. Generation (posting a message, stop, regenerate,
-//! the OpenAI-compatible routes) needs the worker pool and is not built yet.
+//! - [`sessions`]: the caller's sessions and stored messages;
+//! - [`chat`]: generation on the native API (post, regenerate, stop, resume; SSE or JSON);
+//! - [`openai`]: `/v1/chat/completions` and `/v1/models`;
+//! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`.
 
+mod chat;
 mod error;
+mod openai;
 mod sessions;
 
 pub use error::ApiError;
@@ -14,10 +17,14 @@ use std::sync::Arc;
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request, State};
 use axum::http::request::Parts;
 use axum::http::{header, StatusCode};
-use axum::routing::get;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
 
 use crate::auth::{authenticate, AuthError};
+use crate::generate::Generator;
+use crate::limits::Quota;
 use crate::storage::{Store, User};
 
 /// Largest request body accepted (a chat message with a long paste fits; a file does not).
@@ -27,6 +34,44 @@ pub const MAX_BODY_BYTES: usize = 1 << 20;
 pub struct AppState {
     pub store: Arc<dyn Store>,
     pub auth: AuthMode,
+    pub generator: Arc<Generator>,
+    pub options: ApiOptions,
+    pub metrics: Option<PrometheusHandle>,
+}
+
+/// Server-wide settings of the API.
+#[derive(Clone, Debug)]
+pub struct ApiOptions {
+    /// Reply length when a request names none.
+    pub default_max_tokens: u32,
+    /// Limits for keys that have none of their own (and for the local user without auth).
+    pub requests_per_minute: Option<i64>,
+    pub tokens_per_day: Option<i64>,
+    /// On the native API, stop a reply when its client disconnects (default: finish and store).
+    pub cancel_on_disconnect: bool,
+}
+
+impl Default for ApiOptions {
+    fn default() -> Self {
+        Self {
+            default_max_tokens: 1024,
+            requests_per_minute: None,
+            tokens_per_day: None,
+            cancel_on_disconnect: false,
+        }
+    }
+}
+
+impl AppState {
+    /// The served model's name, as `/v1/models` and completions report it.
+    pub fn model_name(&self) -> String {
+        self.generator
+            .pool
+            .info()
+            .map(|i| i.model_id)
+            .filter(|m| !m.is_empty())
+            .unwrap_or_else(|| "hearth".to_string())
+    }
 }
 
 /// Whether requests must carry an API key.
@@ -42,28 +87,57 @@ pub fn router(state: AppState) -> Router {
     Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
+        .route("/metrics", get(render_metrics))
         .merge(sessions::routes())
+        .route("/v1/chat/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
         .fallback(|| async { ApiError::NotFound("route") })
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(crate::telemetry::count_requests))
         .with_state(state)
 }
 
-async fn ready(State(s): State<AppState>) -> Result<&'static str, ApiError> {
+async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
     s.store.ping().await?;
-    Ok("ready")
+    let ready = s.generator.pool.ready_count();
+    let body = serde_json::json!({"ready": ready > 0, "workers": s.generator.pool.describe()});
+    if ready == 0 {
+        return Ok((StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response());
+    }
+    Ok(axum::Json(body).into_response())
 }
 
-/// The authenticated user of a request.
+async fn render_metrics(State(s): State<AppState>) -> Response {
+    let text = s
+        .metrics
+        .as_ref()
+        .map(PrometheusHandle::render)
+        .unwrap_or_default();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The authenticated user of a request and the limits that apply to it.
 #[derive(Debug, Clone)]
-pub struct Caller(pub User);
+pub struct Caller {
+    pub user: User,
+    pub quota: Quota,
+}
 
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
+        let o = &state.options;
         match &state.auth {
-            AuthMode::Disabled(user) => Ok(Caller(user.clone())),
+            AuthMode::Disabled(user) => Ok(Caller {
+                user: user.clone(),
+                quota: Quota {
+                    bucket: user.id.clone(),
+                    requests_per_minute: o.requests_per_minute,
+                    tokens_per_day: o.tokens_per_day,
+                },
+            }),
             AuthMode::Keys => {
                 let token = parts
                     .headers
@@ -72,7 +146,17 @@ impl FromRequestParts<AppState> for Caller {
                     .and_then(|v| v.strip_prefix("Bearer "))
                     .ok_or(ApiError::Unauthorized)?;
                 match authenticate(state.store.as_ref(), token.trim()).await {
-                    Ok(c) => Ok(Caller(c.user)),
+                    Ok(c) => Ok(Caller {
+                        quota: Quota {
+                            bucket: c.key.id.clone(),
+                            requests_per_minute: c
+                                .key
+                                .requests_per_minute
+                                .or(o.requests_per_minute),
+                            tokens_per_day: c.key.tokens_per_day.or(o.tokens_per_day),
+                        },
+                        user: c.user,
+                    }),
                     Err(AuthError::InvalidKey) => Err(ApiError::Unauthorized),
                     Err(AuthError::Store(e)) => Err(e.into()),
                 }

@@ -3,7 +3,7 @@
 
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use hearth_shared::SamplingParams;
 use serde::{Deserialize, Deserializer};
@@ -21,7 +21,16 @@ pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/sessions", get(list).post(create))
         .route("/v1/sessions/{id}", get(fetch).patch(update).delete(remove))
-        .route("/v1/sessions/{id}/messages", get(messages))
+        .route(
+            "/v1/sessions/{id}/messages",
+            get(messages).post(super::chat::post_message),
+        )
+        .route(
+            "/v1/sessions/{id}/regenerate",
+            post(super::chat::regenerate),
+        )
+        .route("/v1/sessions/{id}/stop", post(super::chat::stop))
+        .route("/v1/sessions/{id}/stream", get(super::chat::resume))
 }
 
 #[derive(Debug, Deserialize)]
@@ -102,7 +111,7 @@ fn check_params(p: SamplingParams) -> Result<Value, ApiError> {
 }
 
 /// Session ids are 32 lowercase hex characters; anything else cannot name a session.
-fn check_id(id: &str) -> Result<(), ApiError> {
+pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
     if id.len() == 32
         && id
             .bytes()
@@ -116,7 +125,7 @@ fn check_id(id: &str) -> Result<(), ApiError> {
 
 async fn create(
     State(s): State<AppState>,
-    Caller(user): Caller,
+    Caller { user, .. }: Caller,
     ValidJson(body): ValidJson<CreateBody>,
 ) -> Result<(StatusCode, Json<Session>), ApiError> {
     let title = check_title(body.title.as_deref().unwrap_or(""))?;
@@ -144,7 +153,7 @@ async fn create(
 
 async fn list(
     State(s): State<AppState>,
-    Caller(user): Caller,
+    Caller { user, .. }: Caller,
     ValidQuery(p): ValidQuery<ListParams>,
 ) -> Result<Json<Value>, ApiError> {
     let limit = p.limit.unwrap_or(DEFAULT_PAGE);
@@ -188,7 +197,7 @@ async fn list(
 
 async fn fetch(
     State(s): State<AppState>,
-    Caller(user): Caller,
+    Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
 ) -> Result<Json<Session>, ApiError> {
     check_id(&id)?;
@@ -197,7 +206,7 @@ async fn fetch(
 
 async fn update(
     State(s): State<AppState>,
-    Caller(user): Caller,
+    Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
     ValidJson(body): ValidJson<PatchBody>,
 ) -> Result<Json<Session>, ApiError> {
@@ -221,7 +230,7 @@ async fn update(
 
 async fn remove(
     State(s): State<AppState>,
-    Caller(user): Caller,
+    Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
 ) -> Result<StatusCode, ApiError> {
     check_id(&id)?;
@@ -231,7 +240,7 @@ async fn remove(
 
 async fn messages(
     State(s): State<AppState>,
-    Caller(user): Caller,
+    Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     check_id(&id)?;

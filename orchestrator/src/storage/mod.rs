@@ -81,6 +81,8 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()>;
     /// The reply's final state.
     async fn finish_message(&self, message_id: &str, done: &Completion) -> StoreResult<()>;
-    /// At start-up: replies left `streaming` by a crash become `error`, keeping their text.
-    async fn fail_interrupted(&self) -> StoreResult<u64>;
+    /// Replies left `streaming` by an orchestrator that died become `error`, keeping their
+    /// text. Only those not written since `stale_before_ms`: live replies are saved every few
+    /// seconds, so another replica's work in progress is left alone.
+    async fn fail_interrupted(&self, stale_before_ms: i64) -> StoreResult<u64>;
 }

@@ -656,13 +656,14 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn fail_interrupted(&self) -> StoreResult<u64> {
+    async fn fail_interrupted(&self, stale_before_ms: i64) -> StoreResult<u64> {
         let done = sqlx::query(
             "UPDATE messages SET status = 'error', \
              finish_reason = COALESCE(finish_reason, 'interrupted'), updated_at = $1 \
-             WHERE status = 'streaming'",
+             WHERE status = 'streaming' AND updated_at < $2",
         )
         .bind(now_ms())
+        .bind(stale_before_ms)
         .execute(&self.pool)
         .await
         .map_err(db_err)?;

@@ -1,0 +1,452 @@
+//! Generation on the native API: post a message, regenerate the last reply, stop, and resume a
+//! stream. Replies stream as Server-Sent Events (`message_start`, `token`, `message_end`,
+//! `error`), each with an id `<message id>:<n>` that `GET /v1/sessions/{id}/stream` accepts
+//! as `Last-Event-ID`; with `"stream": false` the answer is the finished message as JSON.
+//!
+//! The user message and an assistant placeholder are stored before generation starts; the
+//! reply is saved as it streams and finalized when it ends, whether or not anyone is still
+//! listening (unless the server runs with `--cancel-on-disconnect`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use hearth_shared::chat::{render, ChatError, Message as ChatMessage, Role as ChatRole};
+use hearth_shared::SamplingParams;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+
+use super::{ApiError, AppState, Caller, ValidJson, ValidPath};
+use crate::generate::{Job, Live, Outcome, RunEvent, TurnIds};
+use crate::storage::{Message, MessageStatus, Role, Session};
+
+/// Largest message a user may post.
+pub const MAX_CONTENT_BYTES: usize = 256 << 10;
+const MAX_STOPS: usize = 16;
+const MAX_STOP_BYTES: usize = 256;
+
+/// Options shared by every generation request.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TurnBody {
+    /// The new user message (not for regenerate).
+    #[serde(default)]
+    pub content: Option<String>,
+    #[serde(default)]
+    pub params: Option<SamplingParams>,
+    /// `false`: answer with the finished message as JSON.
+    #[serde(default)]
+    pub stream: Option<bool>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    #[serde(default)]
+    pub stop: Option<Vec<String>>,
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+/// Validated generation options.
+#[derive(Debug, Clone)]
+pub struct GenOptions {
+    pub params: SamplingParams,
+    pub max_tokens: Option<u32>,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+}
+
+pub fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ApiError> {
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::Validation(format!(
+            "{field}: at most {MAX_STOPS} stop strings"
+        )));
+    }
+    for s in &stop {
+        if s.is_empty() || s.len() > MAX_STOP_BYTES {
+            return Err(ApiError::Validation(format!(
+                "{field}: each stop string must be 1 to {MAX_STOP_BYTES} bytes"
+            )));
+        }
+    }
+    Ok(stop)
+}
+
+pub fn check_params(p: SamplingParams, field: &str) -> Result<SamplingParams, ApiError> {
+    p.validate()
+        .map_err(|e| ApiError::Validation(format!("{field}.{}: {}", e.field, e.reason)))?;
+    Ok(p)
+}
+
+pub fn check_content(field: &str, c: &str) -> Result<(), ApiError> {
+    if c.trim().is_empty() {
+        return Err(ApiError::Validation(format!("{field}: must not be empty")));
+    }
+    if c.len() > MAX_CONTENT_BYTES {
+        return Err(ApiError::Validation(format!(
+            "{field}: longer than {MAX_CONTENT_BYTES} bytes"
+        )));
+    }
+    if c.contains('\0') {
+        return Err(ApiError::Validation(format!(
+            "{field}: must not contain NUL characters"
+        )));
+    }
+    Ok(())
+}
+
+impl TurnBody {
+    fn options(&self, session: &Session) -> Result<GenOptions, ApiError> {
+        let params = match (&self.params, &session.params) {
+            (Some(p), _) => check_params(p.clone(), "params")?,
+            (None, Some(stored)) => serde_json::from_value(stored.clone()).unwrap_or_default(),
+            (None, None) => SamplingParams::default(),
+        };
+        Ok(GenOptions {
+            params,
+            max_tokens: self.max_tokens,
+            stop: check_stops(self.stop.clone().unwrap_or_default(), "stop")?,
+            ignore_eos: self.ignore_eos,
+        })
+    }
+}
+
+/// Prompt tokens for `convo` and the number of tokens to generate: the oldest whole turns are
+/// dropped until the prompt leaves room for the reply.
+pub fn plan(
+    s: &AppState,
+    convo: &[ChatMessage],
+    max_tokens: Option<u32>,
+) -> Result<(Vec<u32>, u32), ApiError> {
+    let ctx = s
+        .generator
+        .pool
+        .context_length()
+        .ok_or_else(|| ApiError::Unavailable("no worker is ready".into()))?;
+    // The server's default shrinks to fit a small model; an explicit value must fit as asked.
+    let want = max_tokens.unwrap_or_else(|| s.options.default_max_tokens.min(ctx as u32 / 2));
+    if want == 0 || want as usize >= ctx {
+        return Err(ApiError::Validation(format!(
+            "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
+            ctx - 1
+        )));
+    }
+    let reserve = (want as usize).min(ctx / 2);
+    let prompt = render(&s.generator.tokenizer, convo, ctx - reserve).map_err(|e| match e {
+        ChatError::Tokenizer(e) => ApiError::Internal(e.to_string()),
+        other => ApiError::Validation(other.to_string()),
+    })?;
+    let room = (ctx - prompt.tokens.len()) as u32;
+    Ok((prompt.tokens, want.min(room)))
+}
+
+/// The stored conversation as the template sees it: the system prompt, then every message
+/// with text (a reply that was cut off counts with what it said).
+fn conversation(session: &Session, history: &[Message]) -> Vec<ChatMessage> {
+    let mut out = Vec::with_capacity(history.len() + 2);
+    if let Some(sys) = session.system_prompt.as_deref().filter(|s| !s.is_empty()) {
+        out.push(ChatMessage::new(ChatRole::System, sys));
+    }
+    for m in history {
+        if m.content.is_empty() {
+            continue;
+        }
+        let role = match m.role {
+            Role::User => ChatRole::User,
+            Role::Assistant => ChatRole::Assistant,
+        };
+        out.push(ChatMessage::new(role, m.content.clone()));
+    }
+    out
+}
+
+fn check_id(id: &str) -> Result<(), ApiError> {
+    super::sessions::check_id(id)
+}
+
+pub async fn post_message(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidPath(id): ValidPath<String>,
+    ValidJson(body): ValidJson<TurnBody>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    check_id(&id)?;
+    let content = body
+        .content
+        .as_deref()
+        .ok_or_else(|| ApiError::Validation("content: required".into()))?;
+    check_content("content", content)?;
+    let user = &caller.user;
+    let session = s.store.get_session(&user.id, &id).await?;
+    let opts = body.options(&session)?;
+    s.generator.limiter.admit(&caller.quota).await?;
+    let reservation = s.generator.streams.reserve(&id)?;
+    let history = s.store.list_messages(&user.id, &id).await?;
+    let mut convo = conversation(&session, &history);
+    convo.push(ChatMessage::new(ChatRole::User, content));
+    let (prompt, max_new) = plan(&s, &convo, opts.max_tokens)?;
+    let lease = s.generator.pool.admit(Some(&id), &[]).await?;
+    let turn = s.store.begin_turn(&user.id, &id, content).await?;
+    let live = Live::new(TurnIds {
+        session_id: id.clone(),
+        user_message_id: Some(turn.user.id.clone()),
+        message_id: turn.assistant.id.clone(),
+    });
+    reservation.fill(&live);
+    start(
+        &s, &caller, &id, prompt, max_new, opts, lease, &live, arrived,
+    );
+    respond(&s, live, body.stream.unwrap_or(true), 0).await
+}
+
+pub async fn regenerate(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidPath(id): ValidPath<String>,
+    ValidJson(body): ValidJson<TurnBody>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    check_id(&id)?;
+    if body.content.is_some() {
+        return Err(ApiError::Validation(
+            "content: not accepted here; regenerate answers the last user message again".into(),
+        ));
+    }
+    let user = &caller.user;
+    let session = s.store.get_session(&user.id, &id).await?;
+    let opts = body.options(&session)?;
+    s.generator.limiter.admit(&caller.quota).await?;
+    let reservation = s.generator.streams.reserve(&id)?;
+    let history = s.store.list_messages(&user.id, &id).await?;
+    // The reply to replace is the last message; what came before must end with a user message.
+    let from = match history.last() {
+        Some(m) if m.role == Role::Assistant => m.seq,
+        _ => {
+            return Err(ApiError::Conflict(
+                "the session has no reply to regenerate".into(),
+            ))
+        }
+    };
+    let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
+    let convo = conversation(&session, &earlier);
+    let (prompt, max_new) = plan(&s, &convo, opts.max_tokens)?;
+    let lease = s.generator.pool.admit(Some(&id), &[]).await?;
+    let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
+    let live = Live::new(TurnIds {
+        session_id: id.clone(),
+        user_message_id: earlier.last().map(|m| m.id.clone()),
+        message_id: reply.id.clone(),
+    });
+    reservation.fill(&live);
+    start(
+        &s, &caller, &id, prompt, max_new, opts, lease, &live, arrived,
+    );
+    respond(&s, live, body.stream.unwrap_or(true), 0).await
+}
+
+#[allow(clippy::too_many_arguments)]
+fn start(
+    s: &AppState,
+    caller: &Caller,
+    session_id: &str,
+    prompt: Vec<u32>,
+    max_new_tokens: u32,
+    opts: GenOptions,
+    lease: crate::workers::Lease,
+    live: &Arc<Live>,
+    arrived: Instant,
+) {
+    let job = Job {
+        user_id: caller.user.id.clone(),
+        cache_session: Some(session_id.to_string()),
+        prompt,
+        params: opts.params,
+        max_new_tokens,
+        stop: opts.stop,
+        ignore_eos: opts.ignore_eos,
+        arrived,
+        message_id: Some(live.ids.message_id.clone()),
+        quota: Some(caller.quota.clone()),
+        lease: Some(lease),
+    };
+    let g = s.generator.clone();
+    let live = live.clone();
+    tokio::spawn(async move {
+        g.clone().run(job, live.clone()).await;
+        g.streams.expire_later(live);
+    });
+}
+
+/// Cancels the generation when the client goes away, if the server is configured so.
+struct DisconnectGuard {
+    live: Arc<Live>,
+    cancel: bool,
+}
+
+impl Drop for DisconnectGuard {
+    fn drop(&mut self) {
+        if self.cancel && !self.live.is_finished() {
+            self.live.stop();
+        }
+    }
+}
+
+async fn respond(
+    s: &AppState,
+    live: Arc<Live>,
+    stream: bool,
+    from: usize,
+) -> Result<Response, ApiError> {
+    if !stream {
+        let guard = DisconnectGuard {
+            live: live.clone(),
+            cancel: s.options.cancel_on_disconnect,
+        };
+        let outcome = live
+            .outcome()
+            .await
+            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+        drop(guard);
+        return Ok(Json(message_json(&live.ids, &outcome)).into_response());
+    }
+    Ok(sse(native_events(
+        live,
+        from,
+        s.options.cancel_on_disconnect,
+    )))
+}
+
+/// Wraps an event stream as an SSE response with keep-alives and no proxy buffering.
+pub fn sse<S>(events: S) -> Response
+where
+    S: tokio_stream::Stream<Item = Result<Event, Infallible>> + Send + 'static,
+{
+    let mut r = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response();
+    let h = r.headers_mut();
+    h.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+fn native_events(
+    live: Arc<Live>,
+    from: usize,
+    cancel_on_disconnect: bool,
+) -> impl tokio_stream::Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    let guard = DisconnectGuard {
+        live: live.clone(),
+        cancel: cancel_on_disconnect,
+    };
+    let ids = live.ids.clone();
+    live.subscribe(from).map(move |(n, e)| {
+        let _keep = &guard;
+        let event = Event::default().id(format!("{}:{}", ids.message_id, n + 1));
+        Ok(match e {
+            RunEvent::Begin => event.event("message_start").data(
+                json!({
+                    "session_id": ids.session_id,
+                    "message_id": ids.message_id,
+                    "user_message_id": ids.user_message_id,
+                })
+                .to_string(),
+            ),
+            RunEvent::Text(t) => event.event("token").data(json!({ "text": t }).to_string()),
+            RunEvent::End(o) => match &o.error {
+                Some((kind, message)) => event.event("error").data(
+                    json!({
+                        "error_type": kind,
+                        "message": message,
+                        "message_id": ids.message_id,
+                        "content": o.content,
+                    })
+                    .to_string(),
+                ),
+                None => event
+                    .event("message_end")
+                    .data(end_json(&ids, &o).to_string()),
+            },
+        })
+    })
+}
+
+fn end_json(ids: &TurnIds, o: &Outcome) -> serde_json::Value {
+    json!({
+        "message_id": ids.message_id,
+        "status": o.status,
+        "finish_reason": o.finish_reason,
+        "usage": {
+            "prompt_tokens": o.prompt_tokens,
+            "cached_tokens": o.cached_tokens,
+            "completion_tokens": o.completion_tokens,
+        },
+        "timings": {"ttft_ms": o.ttft_ms, "duration_ms": o.duration_ms},
+        "worker": o.worker,
+    })
+}
+
+fn message_json(ids: &TurnIds, o: &Outcome) -> serde_json::Value {
+    let mut v = end_json(ids, o);
+    v["session_id"] = json!(ids.session_id);
+    v["user_message_id"] = json!(ids.user_message_id);
+    v["content"] = json!(o.content);
+    if let Some((kind, message)) = &o.error {
+        v["error"] = json!({"error_type": kind, "message": message});
+    }
+    v
+}
+
+/// `GET /v1/sessions/{id}/stream`: the session's running (or just finished) reply, from the
+/// event after `Last-Event-ID` (or from its start).
+pub async fn resume(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidPath(id): ValidPath<String>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    check_id(&id)?;
+    s.store.get_session(&caller.user.id, &id).await?;
+    let live = s
+        .generator
+        .streams
+        .get(&id)
+        .ok_or(ApiError::NotFound("stream"))?;
+    let from = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.rsplit_once(':'))
+        .filter(|(msg, _)| *msg == live.ids.message_id)
+        .and_then(|(_, n)| n.parse::<usize>().ok())
+        .unwrap_or(0);
+    Ok(sse(native_events(live, from, false)))
+}
+
+/// `POST /v1/sessions/{id}/stop`: cancels the running reply (on the worker within one engine
+/// step) and answers once it is stored as `stopped`, with what it had.
+pub async fn stop(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidPath(id): ValidPath<String>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    check_id(&id)?;
+    s.store.get_session(&caller.user.id, &id).await?;
+    let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) else {
+        return Ok(Json(json!({"stopped": false})));
+    };
+    live.stop();
+    let outcome = tokio::time::timeout(Duration::from_secs(10), live.outcome())
+        .await
+        .ok()
+        .flatten();
+    Ok(Json(json!({
+        "stopped": outcome.as_ref().is_some_and(|o| o.status == MessageStatus::Stopped),
+        "message": outcome.map(|o| message_json(&live.ids, &o)),
+    })))
+}

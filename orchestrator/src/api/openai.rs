@@ -1,0 +1,363 @@
+//! The OpenAI-compatible API: `POST /v1/chat/completions` (streaming and not) and
+//! `GET /v1/models`. Stateless: nothing is stored, and a client that goes away cancels its
+//! generation. Fields Hearth cannot honour (several choices, tools, logprobs, penalties other
+//! than zero) are refused with a 422 that names them rather than silently ignored; fields that
+//! do not change the output (`user`, `metadata`, …) are accepted.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
+use hearth_shared::SamplingParams;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use tokio::time::Instant;
+use tokio_stream::StreamExt;
+
+use super::chat::{check_content, check_params, check_stops, plan, sse};
+use super::{ApiError, AppState, Caller, ValidJson};
+use crate::generate::{Job, Live, Outcome, RunEvent, TurnIds};
+use crate::storage::MessageStatus;
+
+#[derive(Debug, Deserialize)]
+pub struct ChatRequest {
+    #[serde(default)]
+    model: Option<String>,
+    messages: Vec<InMessage>,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamOptions>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
+    #[serde(default)]
+    max_completion_tokens: Option<u32>,
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    stop: Option<StopField>,
+    /// Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`.
+    #[serde(default)]
+    ignore_eos: bool,
+    #[serde(default)]
+    n: Option<u32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    logprobs: Option<bool>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    response_format: Option<Value>,
+}
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Deserialize)]
+struct InMessage {
+    role: String,
+    #[serde(default)]
+    content: Option<Content>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Debug, Deserialize)]
+struct Part {
+    #[serde(rename = "type")]
+    kind: String,
+    #[serde(default)]
+    text: Option<String>,
+}
+
+fn refuse(field: &str, why: &str) -> ApiError {
+    ApiError::Validation(format!("{field}: {why}"))
+}
+
+impl ChatRequest {
+    fn check_supported(&self) -> Result<(), ApiError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(refuse("n", "only 1 choice is supported"));
+        }
+        for (field, v) in [
+            ("frequency_penalty", self.frequency_penalty),
+            ("presence_penalty", self.presence_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(refuse(
+                    field,
+                    "not supported; use repetition_penalty instead",
+                ));
+            }
+        }
+        if self.logprobs == Some(true) {
+            return Err(refuse("logprobs", "not supported"));
+        }
+        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
+            return Err(refuse("tools", "tool calling is not supported"));
+        }
+        if let Some(f) = &self.response_format {
+            if f.get("type").and_then(Value::as_str).unwrap_or("text") != "text" {
+                return Err(refuse("response_format", "only {\"type\": \"text\"}"));
+            }
+        }
+        Ok(())
+    }
+
+    fn params(&self) -> Result<SamplingParams, ApiError> {
+        let d = SamplingParams::default();
+        let p = SamplingParams {
+            // OpenAI's default temperature is 1.
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            seed: self.seed,
+        };
+        check_params(p, "request").map_err(|e| match e {
+            ApiError::Validation(m) => ApiError::Validation(m.replace("request.", "")),
+            other => other,
+        })
+    }
+
+    fn conversation(&self) -> Result<Vec<ChatMessage>, ApiError> {
+        if self.messages.is_empty() {
+            return Err(refuse("messages", "must not be empty"));
+        }
+        let mut out: Vec<ChatMessage> = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let field = format!("messages[{i}]");
+            let text = match &m.content {
+                None => String::new(),
+                Some(Content::Text(t)) => t.clone(),
+                Some(Content::Parts(parts)) => {
+                    let mut t = String::new();
+                    for (j, p) in parts.iter().enumerate() {
+                        match (p.kind.as_str(), &p.text) {
+                            ("text", Some(s)) => t.push_str(s),
+                            _ => {
+                                return Err(refuse(
+                                    &format!("{field}.content[{j}]"),
+                                    "only text parts are supported",
+                                ))
+                            }
+                        }
+                    }
+                    t
+                }
+            };
+            if text.len() > super::chat::MAX_CONTENT_BYTES || text.contains('\0') {
+                check_content(&format!("{field}.content"), &text)?;
+            }
+            let role = match m.role.as_str() {
+                "system" | "developer" => ChatRole::System,
+                "user" => ChatRole::User,
+                "assistant" => ChatRole::Assistant,
+                other => {
+                    return Err(refuse(
+                        &format!("{field}.role"),
+                        &format!("`{other}` is not supported (system, developer, user, assistant)"),
+                    ))
+                }
+            };
+            // Leading system messages become one system prompt.
+            match out.last_mut() {
+                Some(prev) if role == ChatRole::System && prev.role == ChatRole::System => {
+                    prev.content.push_str("\n\n");
+                    prev.content.push_str(&text);
+                }
+                _ => out.push(ChatMessage::new(role, text)),
+            }
+        }
+        Ok(out)
+    }
+}
+
+pub async fn completions(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidJson(req): ValidJson<ChatRequest>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    req.check_supported()?;
+    let params = req.params()?;
+    let convo = req.conversation()?;
+    let stop = match req.stop.as_ref() {
+        None => Vec::new(),
+        Some(StopField::One(s)) => vec![s.clone()],
+        Some(StopField::Many(v)) => v.clone(),
+    };
+    let stop = check_stops(stop, "stop")?;
+    s.generator.limiter.admit(&caller.quota).await?;
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+    let (prompt, max_new) = plan(&s, &convo, max_tokens)?;
+    let lease = s.generator.pool.admit(None, &[]).await?;
+    let model = s.model_name();
+    let _ = req.model;
+    let live = Live::new(TurnIds::default());
+    let job = Job {
+        user_id: caller.user.id.clone(),
+        cache_session: None,
+        prompt,
+        params,
+        max_new_tokens: max_new,
+        stop,
+        ignore_eos: req.ignore_eos,
+        arrived,
+        message_id: None,
+        quota: Some(caller.quota.clone()),
+        lease: Some(lease),
+    };
+    tokio::spawn(s.generator.clone().run(job, live.clone()));
+    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
+    let created = crate::storage::now_ms() / 1000;
+    // Dropping this (the client went away) stops the generation.
+    let guard = StopOnDrop(live.clone());
+    if !req.stream {
+        let outcome = live
+            .outcome()
+            .await
+            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+        drop(guard);
+        if let Some((kind, message)) = &outcome.error {
+            return Err(generation_error(kind, message));
+        }
+        return Ok(Json(json!({
+            "id": id,
+            "object": "chat.completion",
+            "created": created,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": outcome.content},
+                "logprobs": null,
+                "finish_reason": finish_reason(&outcome),
+            }],
+            "usage": usage(&outcome),
+        }))
+        .into_response());
+    }
+    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let chunk = move |delta: Value, finish: Value| {
+        json!({
+            "id": id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+        })
+    };
+    let events = async_stream::stream! {
+        let _guard = guard;
+        let mut events = std::pin::pin!(live.subscribe(0));
+        while let Some((_, e)) = events.next().await {
+            match e {
+                RunEvent::Begin => {
+                    yield data(chunk(json!({"role": "assistant", "content": ""}), Value::Null));
+                }
+                RunEvent::Text(t) => yield data(chunk(json!({"content": t}), Value::Null)),
+                RunEvent::End(o) => {
+                    if let Some((kind, message)) = &o.error {
+                        yield data(json!({"error": {"message": message, "type": kind, "code": Value::Null}}));
+                    } else {
+                        yield data(chunk(json!({}), json!(finish_reason(&o))));
+                        if include_usage {
+                            let mut u = chunk(json!({}), Value::Null);
+                            u["choices"] = json!([]);
+                            u["usage"] = usage(&o);
+                            yield data(u);
+                        }
+                    }
+                    yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
+                    break;
+                }
+            }
+        }
+    };
+    Ok(sse(events))
+}
+
+fn data(v: Value) -> Result<Event, Infallible> {
+    Ok(Event::default().data(v.to_string()))
+}
+
+struct StopOnDrop(Arc<Live>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if !self.0.is_finished() {
+            self.0.stop();
+        }
+    }
+}
+
+fn finish_reason(o: &Outcome) -> &'static str {
+    match (o.status, o.finish_reason.as_str()) {
+        (_, "length" | "context_full") => "length",
+        (MessageStatus::Stopped, _) => "stop",
+        _ => "stop",
+    }
+}
+
+fn usage(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
+    })
+}
+
+fn generation_error(kind: &str, message: &str) -> ApiError {
+    match kind {
+        "invalid_request_error" => ApiError::Validation(message.to_string()),
+        _ => ApiError::Unavailable(message.to_string()),
+    }
+}
+
+pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<Value> {
+    let info = s.generator.pool.info();
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model_name(),
+            "object": "model",
+            "created": 0,
+            "owned_by": "hearth",
+            "max_model_len": info.map(|i| i.context_length),
+        }],
+    }))
+}

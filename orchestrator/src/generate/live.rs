@@ -1,0 +1,235 @@
+//! A generation in progress as its listeners see it: an append-only log of events that any
+//! number of subscribers read from any position (so a client that reconnects with
+//! `Last-Event-ID` gets exactly what it missed), plus a stop signal.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+use tokio::sync::watch;
+
+/// How a reply ended.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Outcome {
+    pub content: String,
+    /// `complete`, `stopped` or `error` (as stored).
+    pub status: crate::storage::MessageStatus,
+    pub finish_reason: String,
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+    pub ttft_ms: Option<u64>,
+    pub duration_ms: u64,
+    pub worker: Option<String>,
+    /// Set when the reply ended in an error: (error type, message).
+    pub error: Option<(String, String)>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum RunEvent {
+    /// The first event: the reply exists (and, on the native API, is stored).
+    Begin,
+    Text(String),
+    /// The last event.
+    End(Box<Outcome>),
+}
+
+/// Ids that name a stored turn; empty for stateless (OpenAI) requests.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct TurnIds {
+    pub session_id: String,
+    pub user_message_id: Option<String>,
+    pub message_id: String,
+}
+
+#[derive(Debug)]
+pub struct Live {
+    pub ids: TurnIds,
+    events: Mutex<Vec<RunEvent>>,
+    len: watch::Sender<usize>,
+    stop: watch::Sender<bool>,
+}
+
+impl Live {
+    pub fn new(ids: TurnIds) -> Arc<Self> {
+        Arc::new(Self {
+            ids,
+            events: Mutex::new(Vec::new()),
+            len: watch::Sender::new(0),
+            stop: watch::Sender::new(false),
+        })
+    }
+
+    fn events(&self) -> std::sync::MutexGuard<'_, Vec<RunEvent>> {
+        self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn push(&self, e: RunEvent) {
+        let n = {
+            let mut ev = self.events();
+            ev.push(e);
+            ev.len()
+        };
+        self.len.send_replace(n);
+    }
+
+    pub fn is_finished(&self) -> bool {
+        matches!(self.events().last(), Some(RunEvent::End(_)))
+    }
+
+    /// Asks the generation to stop; it ends with what it has (`stopped`).
+    pub fn stop(&self) {
+        self.stop.send_replace(true);
+    }
+
+    pub fn stop_requested(&self) -> bool {
+        *self.stop.borrow()
+    }
+
+    /// Resolves once [`Live::stop`] has been called.
+    pub async fn stopped(&self) {
+        let mut rx = self.stop.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+
+    /// The events from index `from` on (0-based), each with its index, ending after `End`.
+    pub fn subscribe(
+        self: &Arc<Self>,
+        from: usize,
+    ) -> impl tokio_stream::Stream<Item = (usize, RunEvent)> + Send + 'static {
+        let live = self.clone();
+        let mut rx = live.len.subscribe();
+        async_stream::stream! {
+            let mut next = from;
+            loop {
+                let batch: Vec<RunEvent> = {
+                    let ev = live.events();
+                    ev.get(next..).map(<[RunEvent]>::to_vec).unwrap_or_default()
+                };
+                for e in batch {
+                    let end = matches!(e, RunEvent::End(_));
+                    yield (next, e);
+                    next += 1;
+                    if end {
+                        return;
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The last event, once the generation has ended.
+    pub async fn outcome(self: &Arc<Self>) -> Option<Outcome> {
+        let mut rx = self.len.subscribe();
+        loop {
+            if let Some(RunEvent::End(o)) = self.events().last() {
+                return Some((**o).clone());
+            }
+            rx.changed().await.ok()?;
+        }
+    }
+}
+
+/// The current or most recent generation of each session, kept a while after it ends so a
+/// client can resume (or re-read) it. A session has at most one running generation; a
+/// [`Reservation`] holds its place while the turn is being prepared.
+#[derive(Debug, Default)]
+pub struct Streams {
+    /// `None`: reserved by a turn that has not started yet.
+    by_session: Mutex<HashMap<String, Option<Arc<Live>>>>,
+}
+
+/// How long a finished stream stays resumable.
+pub const KEEP_FINISHED: Duration = Duration::from_secs(120);
+
+/// A session's place, held while a turn is prepared; dropped unfilled, it frees the place.
+#[derive(Debug)]
+pub struct Reservation {
+    streams: Arc<Streams>,
+    session_id: String,
+    filled: bool,
+}
+
+impl Reservation {
+    pub fn fill(mut self, live: &Arc<Live>) {
+        self.streams
+            .map()
+            .insert(self.session_id.clone(), Some(live.clone()));
+        self.filled = true;
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        if !self.filled {
+            let mut m = self.streams.map();
+            if matches!(m.get(&self.session_id), Some(None)) {
+                m.remove(&self.session_id);
+            }
+        }
+    }
+}
+
+/// The session already has a reply in progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a reply is still being generated in this session; stop it or wait for it to finish")]
+pub struct Busy;
+
+impl Streams {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<Arc<Live>>>> {
+        self.by_session.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Holds the session's place unless a turn is already running or being prepared there.
+    pub fn reserve(self: &Arc<Self>, session_id: &str) -> Result<Reservation, Busy> {
+        let mut m = self.map();
+        match m.get(session_id) {
+            Some(None) => return Err(Busy),
+            Some(Some(l)) if !l.is_finished() => return Err(Busy),
+            _ => {}
+        }
+        m.insert(session_id.to_string(), None);
+        Ok(Reservation {
+            streams: self.clone(),
+            session_id: session_id.to_string(),
+            filled: false,
+        })
+    }
+
+    pub fn get(&self, session_id: &str) -> Option<Arc<Live>> {
+        self.map().get(session_id).cloned().flatten()
+    }
+
+    /// Sessions with a reply in progress.
+    pub fn running(&self) -> usize {
+        self.map()
+            .values()
+            .filter(|l| l.as_ref().is_none_or(|l| !l.is_finished()))
+            .count()
+    }
+
+    /// Stops every running reply (shutdown).
+    pub fn stop_all(&self) {
+        for l in self.map().values().flatten() {
+            l.stop();
+        }
+    }
+
+    /// Forgets a finished stream after [`KEEP_FINISHED`] unless a newer one replaced it.
+    pub fn expire_later(self: &Arc<Self>, live: Arc<Live>) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(KEEP_FINISHED).await;
+            let mut m = me.map();
+            let same =
+                matches!(m.get(&live.ids.session_id), Some(Some(l)) if Arc::ptr_eq(l, &live));
+            if same {
+                m.remove(&live.ids.session_id);
+            }
+        });
+    }
+}

@@ -1,0 +1,331 @@
+//! One generation from prompt tokens to a finished reply: worker choice, failover, incremental
+//! detokenization, stop strings, progress saved as it streams, and the final record.
+//!
+//! A generation runs as its own task and reports to a [`Live`] log, so the HTTP side can
+//! stream it, let a client reconnect to it, or simply wait for its end. On the native API it
+//! outlives the client's connection; the OpenAI routes stop it when their client goes away.
+//!
+//! Failover: if the worker fails before the first token, the request goes to another worker as
+//! if nothing happened. After tokens have streamed, the next worker prefills prompt + tokens so
+//! far and continues, so the client sees a pause, not an error. Only when no worker is left does
+//! the reply end in an `error`, with what was generated kept.
+
+mod live;
+
+pub use live::{Busy, Live, Outcome, Reservation, RunEvent, Streams, TurnIds};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_shared::chat::{Detokenizer, StopMatcher};
+use hearth_shared::proto::{self, worker_event::Kind};
+use hearth_shared::tokenizer::Tokenizer;
+use hearth_shared::{FinishReason, SamplingParams};
+use tokio::time::Instant;
+
+use crate::limits::{Limiter, Quota};
+use crate::storage::{Completion, MessageStatus, Store, StoreError};
+use crate::telemetry;
+use crate::workers::{Lease, PoolError, WorkerPool};
+
+/// What every generation needs.
+#[derive(Debug)]
+pub struct Generator {
+    pub pool: Arc<WorkerPool>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub store: Arc<dyn Store>,
+    pub limiter: Arc<Limiter>,
+    pub streams: Arc<Streams>,
+}
+
+#[derive(Debug)]
+pub struct Job {
+    pub user_id: String,
+    /// The session whose KV cache the worker keeps (none for stateless requests).
+    pub cache_session: Option<String>,
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    pub max_new_tokens: u32,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// When the HTTP request arrived (TTFT is measured from here).
+    pub arrived: Instant,
+    /// The stored assistant message to keep up to date.
+    pub message_id: Option<String>,
+    /// Whose daily token budget pays for the reply.
+    pub quota: Option<Quota>,
+    /// The worker already chosen at admission.
+    pub lease: Option<Lease>,
+}
+
+/// How often a streaming reply's text is saved, and the longest a streaming message goes
+/// without a write (so a reply whose orchestrator died can be told from a slow one).
+const SAVE_EVERY: Duration = Duration::from_secs(1);
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// Whether a worker error means "try another worker" rather than "this request is wrong".
+fn worker_failed(code: i32) -> bool {
+    use tonic::Code;
+    !matches!(
+        Code::from_i32(code),
+        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange | Code::Cancelled
+    )
+}
+
+struct Progress {
+    text: String,
+    generated: Vec<u32>,
+    cached_tokens: Option<u64>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    worker: Option<String>,
+}
+
+enum Ending {
+    Finished(FinishReason),
+    Failed(String, String),
+}
+
+impl Generator {
+    /// Runs `job` to its end, reporting to `live`; stores the outcome when the job names a
+    /// message. Spawn it: it does not depend on anyone listening.
+    pub async fn run(self: Arc<Self>, mut job: Job, live: Arc<Live>) -> Outcome {
+        metrics::gauge!(telemetry::ACTIVE_STREAMS).increment(1.0);
+        metrics::gauge!(telemetry::ACTIVE_SESSIONS).set(self.streams.running() as f64);
+        live.push(RunEvent::Begin);
+        let mut p = Progress {
+            text: String::new(),
+            generated: Vec::new(),
+            cached_tokens: None,
+            first_token: None,
+            last_token: None,
+            worker: None,
+        };
+        let ending = self.attempts(&mut job, &live, &mut p).await;
+        let (status, finish_reason, error) = match ending {
+            Ending::Finished(FinishReason::Cancelled) => {
+                (MessageStatus::Stopped, "cancelled".to_string(), None)
+            }
+            Ending::Finished(r) => (MessageStatus::Complete, r.as_str().to_string(), None),
+            Ending::Failed(kind, msg) => (MessageStatus::Error, "error".into(), Some((kind, msg))),
+        };
+        let outcome = Outcome {
+            content: p.text,
+            status,
+            finish_reason,
+            prompt_tokens: job.prompt.len() as u64,
+            cached_tokens: p.cached_tokens.unwrap_or(0),
+            completion_tokens: p.generated.len() as u64,
+            ttft_ms: p
+                .first_token
+                .map(|t| t.duration_since(job.arrived).as_millis() as u64),
+            duration_ms: job.arrived.elapsed().as_millis() as u64,
+            worker: p.worker,
+            error,
+        };
+        if let Some(id) = &job.message_id {
+            self.finish(id, &outcome).await;
+        }
+        if let Some(q) = &job.quota {
+            self.limiter
+                .charge_tokens(q, outcome.completion_tokens)
+                .await;
+        }
+        telemetry::observe(
+            telemetry::REQUEST_DURATION,
+            job.arrived.elapsed().as_secs_f64(),
+        );
+        metrics::counter!(telemetry::PROMPT_TOKENS).increment(outcome.prompt_tokens);
+        metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(outcome.cached_tokens);
+        metrics::counter!(telemetry::GENERATED_TOKENS).increment(outcome.completion_tokens);
+        live.push(RunEvent::End(Box::new(outcome.clone())));
+        metrics::gauge!(telemetry::ACTIVE_STREAMS).decrement(1.0);
+        metrics::gauge!(telemetry::ACTIVE_SESSIONS).set(self.streams.running() as f64);
+        outcome
+    }
+
+    /// Tries workers until the reply ends or none is left.
+    async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress) -> Ending {
+        let mut detok = Detokenizer::new();
+        let mut stops = StopMatcher::new(job.stop.clone());
+        let mut failed: Vec<String> = Vec::new();
+        let mut saved_len = 0usize;
+        let mut saved_at = Instant::now();
+        let mut tick = tokio::time::interval(SAVE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if live.stop_requested() {
+                return Ending::Finished(FinishReason::Cancelled);
+            }
+            let lease = match job.lease.take() {
+                Some(l) => l,
+                None => {
+                    let admitted = tokio::select! {
+                        a = self.pool.admit(job.cache_session.as_deref(), &failed) => a,
+                        () = live.stopped() => return Ending::Finished(FinishReason::Cancelled),
+                    };
+                    match admitted {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let kind = match e {
+                                PoolError::NoWorker | PoolError::Full => "service_unavailable",
+                            };
+                            let why = if failed.is_empty() {
+                                e.to_string()
+                            } else {
+                                format!("the worker failed and {e}")
+                            };
+                            return Ending::Failed(kind.into(), why);
+                        }
+                    }
+                }
+            };
+            let remaining = job.max_new_tokens.saturating_sub(p.generated.len() as u32);
+            if remaining == 0 {
+                return Ending::Finished(FinishReason::Length);
+            }
+            let mut prompt = job.prompt.clone();
+            prompt.extend_from_slice(&p.generated);
+            let req = proto::GenerateRequest {
+                request_id: 0,
+                session_id: job.cache_session.clone().unwrap_or_default(),
+                user_id: job.user_id.clone(),
+                prompt_token_ids: prompt,
+                sampling: Some((&job.params).into()),
+                max_new_tokens: remaining,
+                stop_token_ids: Vec::new(),
+                ignore_eos: job.ignore_eos,
+            };
+            let addr = lease.addr().to_string();
+            let mut gen = match lease.generate(req) {
+                Ok(g) => g,
+                Err(e) => {
+                    tracing::warn!(worker = %addr, error = %e, "worker refused the request");
+                    failed.push(addr);
+                    continue;
+                }
+            };
+            p.worker = Some(addr.clone());
+            let resumed = !p.generated.is_empty();
+            loop {
+                let event = tokio::select! {
+                    e = gen.next() => e,
+                    () = live.stopped() => return Ending::Finished(FinishReason::Cancelled),
+                    _ = tick.tick() => {
+                        if let Some(id) = &job.message_id {
+                            let due = p.text.len() != saved_len || saved_at.elapsed() >= HEARTBEAT_EVERY;
+                            if due {
+                                if let Err(e) = self.store.save_progress(id, &p.text).await {
+                                    tracing::warn!(error = %e, "could not save reply progress");
+                                }
+                                saved_len = p.text.len();
+                                saved_at = Instant::now();
+                            }
+                        }
+                        continue;
+                    }
+                };
+                let kind = event.and_then(|e| e.kind);
+                match kind {
+                    Some(Kind::Started(s)) => {
+                        if p.cached_tokens.is_none() && !resumed {
+                            p.cached_tokens = Some(u64::from(s.cached_tokens));
+                        }
+                    }
+                    Some(Kind::Tokens(t)) => {
+                        let now = Instant::now();
+                        if let Some(prev) = p.last_token {
+                            telemetry::observe(
+                                telemetry::INTER_TOKEN,
+                                now.duration_since(prev).as_secs_f64(),
+                            );
+                        }
+                        p.last_token = Some(now);
+                        for id in t.ids {
+                            p.generated.push(id);
+                            let piece = detok.push(&self.tokenizer, id).unwrap_or_default();
+                            if piece.is_empty() {
+                                continue;
+                            }
+                            let fed = stops.push(&piece);
+                            self.emit(job, live, p, fed.text);
+                            if fed.stopped {
+                                return Ending::Finished(FinishReason::Stop);
+                            }
+                        }
+                    }
+                    Some(Kind::Finished(f)) => {
+                        let reason = proto::FinishReason::try_from(f.reason)
+                            .ok()
+                            .and_then(|r| FinishReason::try_from(r).ok())
+                            .unwrap_or(FinishReason::Stop);
+                        let tail = detok.finish(&self.tokenizer).unwrap_or_default();
+                        let mut rest = stops.push(&tail).text;
+                        rest.push_str(&stops.flush());
+                        self.emit(job, live, p, rest);
+                        return Ending::Finished(reason);
+                    }
+                    Some(Kind::Error(e)) if worker_failed(e.code) => {
+                        tracing::warn!(worker = %addr, error = %e.message, generated = p.generated.len(), "worker failed mid-request; moving on");
+                        metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
+                        failed.push(addr.clone());
+                        break;
+                    }
+                    Some(Kind::Error(e)) => {
+                        return Ending::Failed("invalid_request_error".into(), e.message);
+                    }
+                    None => {
+                        failed.push(addr.clone());
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    fn emit(&self, job: &Job, live: &Live, p: &mut Progress, text: String) {
+        if text.is_empty() {
+            return;
+        }
+        if p.first_token.is_none() {
+            let now = Instant::now();
+            p.first_token = Some(now);
+            telemetry::observe(
+                telemetry::TTFT,
+                now.duration_since(job.arrived).as_secs_f64(),
+            );
+        }
+        p.text.push_str(&text);
+        live.push(RunEvent::Text(text));
+    }
+
+    /// Stores the final state, retrying through a short database outage.
+    async fn finish(&self, message_id: &str, o: &Outcome) {
+        let done = Completion {
+            content: o.content.clone(),
+            status: o.status,
+            finish_reason: Some(o.finish_reason.clone()),
+            prompt_tokens: Some(o.prompt_tokens as i64),
+            cached_tokens: Some(o.cached_tokens as i64),
+            completion_tokens: Some(o.completion_tokens as i64),
+            ttft_ms: o.ttft_ms.map(|t| t as i64),
+            duration_ms: Some(o.duration_ms as i64),
+            worker: o.worker.clone(),
+        };
+        let mut wait = Duration::from_millis(250);
+        for attempt in 1..=8 {
+            match self.store.finish_message(message_id, &done).await {
+                Ok(()) => return,
+                Err(StoreError::Unavailable(e)) if attempt < 8 => {
+                    tracing::warn!(error = %e, attempt, "database unavailable; retrying the reply's final write");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(5));
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, message_id, "the reply's final state was not stored; it will be marked interrupted");
+                    return;
+                }
+            }
+        }
+    }
+}

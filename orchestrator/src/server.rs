@@ -1,0 +1,374 @@
+//! `hearth` (serve): configuration, start-up and shutdown.
+//!
+//! With no `--worker`, the quick start: a local `hearth-worker` child on a loopback port (model
+//! from the models directory), SQLite under the data directory, no Redis, no auth.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, ValueEnum};
+use tokio::io::AsyncBufReadExt;
+
+use crate::api::{router, ApiOptions, AppState, AuthMode};
+use crate::generate::{Generator, Streams};
+use crate::limits::{connect_redis, Limiter};
+use crate::storage::{now_ms, Store};
+use crate::workers::{Affinity, BatchConfig, PoolConfig, WorkerPool};
+
+/// The local user every request acts as when auth is off.
+pub const LOCAL_USER: &str = "local";
+const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AuthArg {
+    /// No keys: every request is the local user. Loopback addresses only.
+    None,
+    /// `Authorization: Bearer hk_…` on every request (`hearth keys create`).
+    Keys,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// HTTP address to listen on.
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// A worker's gRPC address (repeat for several). None: start a local worker.
+    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Whether requests need an API key.
+    #[arg(long, env = "HEARTH_AUTH", value_enum, default_value = "none")]
+    pub auth: AuthArg,
+    /// Gemma tokenizer.json [default: <models dir>/gemma-3-tokenizer.json].
+    #[arg(long, env = "HEARTH_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where `scripts/fetch-model.sh` puts models [default: ~/.cache/hearth/models].
+    #[arg(long, env = "HEARTH_MODELS_DIR")]
+    pub models_dir: Option<PathBuf>,
+    /// GGUF model for the local worker [default: the worker's default in the models dir].
+    #[arg(long, env = "HEARTH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The `hearth-worker` binary for the local worker [default: next to `hearth`].
+    #[arg(long, env = "HEARTH_WORKER_BIN")]
+    pub worker_bin: Option<PathBuf>,
+    /// Extra argument for the local worker (repeat), e.g. `--worker-arg=--kv-budget=1GiB`.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    pub worker_args: Vec<String>,
+    /// Redis for what replicas share (rate limits, session affinity). None: in process.
+    #[arg(long, env = "HEARTH_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Send queued requests to a worker when this many are waiting…
+    #[arg(long, env = "HEARTH_BATCH_SIZE", default_value_t = 32)]
+    pub batch_size: usize,
+    /// …or this many milliseconds after the first.
+    #[arg(long, env = "HEARTH_BATCH_DELAY_MS", default_value_t = 2)]
+    pub batch_delay_ms: u64,
+    /// Requests one worker may have in flight from here [default 0: its max batch + queue].
+    #[arg(long, env = "HEARTH_WORKER_CAPACITY", default_value_t = 0)]
+    pub worker_capacity: usize,
+    /// Requests that may wait when every worker is full; more get 503.
+    #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+    /// How long a queued request waits before it gets 503.
+    #[arg(long, env = "HEARTH_QUEUE_TIMEOUT_SECS", default_value_t = 10)]
+    pub queue_timeout_secs: u64,
+    /// How often workers' health is checked.
+    #[arg(long, env = "HEARTH_HEALTH_INTERVAL_MS", default_value_t = 500)]
+    pub health_interval_ms: u64,
+    /// Reply length when a request does not say.
+    #[arg(long, env = "HEARTH_DEFAULT_MAX_TOKENS", default_value_t = 1024)]
+    pub default_max_tokens: u32,
+    /// Requests per minute for keys without their own limit [default: unlimited].
+    #[arg(long, env = "HEARTH_REQUESTS_PER_MINUTE")]
+    pub requests_per_minute: Option<u32>,
+    /// Generated tokens per day for keys without their own limit [default: unlimited].
+    #[arg(long, env = "HEARTH_TOKENS_PER_DAY")]
+    pub tokens_per_day: Option<u32>,
+    /// Stop a native-API reply when its client disconnects (default: finish and store it).
+    #[arg(long, env = "HEARTH_CANCEL_ON_DISCONNECT")]
+    pub cancel_on_disconnect: bool,
+    /// A `streaming` reply not written for this long belongs to an orchestrator that died and
+    /// is marked `error` (checked at start-up and periodically). Live replies are written at
+    /// least every 5 s, so with replicas sharing a database keep this well above that.
+    #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]
+    pub orphan_after_secs: u64,
+    /// On SIGTERM, how long running replies may take to finish before they are stopped.
+    #[arg(long, env = "HEARTH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 30)]
+    pub shutdown_timeout_secs: u64,
+}
+
+fn models_dir(args: &ServeArgs) -> PathBuf {
+    args.models_dir.clone().unwrap_or_else(|| {
+        std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default()
+            .join(".cache/hearth/models")
+    })
+}
+
+/// A worker this process started (the quick start); killed when dropped.
+#[derive(Debug)]
+struct LocalWorker {
+    child: tokio::process::Child,
+    addr: String,
+    _stdout: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
+}
+
+async fn start_local_worker(args: &ServeArgs) -> anyhow::Result<LocalWorker> {
+    let bin = match &args.worker_bin {
+        Some(b) => b.clone(),
+        None => {
+            let exe = std::env::current_exe().context("cannot find this executable's path")?;
+            let sibling = exe.with_file_name("hearth-worker");
+            if sibling.is_file() {
+                sibling
+            } else {
+                PathBuf::from("hearth-worker")
+            }
+        }
+    };
+    let mut cmd = tokio::process::Command::new(&bin);
+    cmd.arg("serve")
+        .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+        .arg("--models-dir")
+        .arg(models_dir(args));
+    if let Some(m) = &args.model {
+        cmd.arg("--model").arg(m);
+    }
+    if let Some(t) = &args.tokenizer {
+        cmd.arg("--tokenizer").arg(t);
+    }
+    cmd.args(&args.worker_args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().with_context(|| {
+        format!(
+            "cannot start the local worker `{}` (build it with `cargo build --release -p hearth-worker`, or pass --worker ADDR)",
+            bin.display()
+        )
+    })?;
+    let stdout = child
+        .stdout
+        .take()
+        .context("the local worker has no stdout pipe")?;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let line = lines.next_line().await?.unwrap_or_default();
+    let addr = serde_json::from_str::<serde_json::Value>(&line)
+        .ok()
+        .and_then(|v| v["listening"]["grpc"].as_str().map(str::to_string));
+    let Some(addr) = addr else {
+        let status = child.wait().await.ok();
+        bail!(
+            "the local worker did not start ({}); its error is above",
+            status.map_or_else(|| "no exit status".into(), |s| s.to_string())
+        );
+    };
+    Ok(LocalWorker {
+        child,
+        addr,
+        _stdout: lines,
+    })
+}
+
+/// Runs the server until SIGINT/SIGTERM.
+pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()> {
+    let auth = match args.auth {
+        AuthArg::Keys => AuthMode::Keys,
+        AuthArg::None => {
+            if !args.listen.ip().is_loopback() {
+                bail!(
+                    "--listen {}: refusing to serve without auth on a non-loopback address; \
+                     use --auth keys (and `hearth keys create --user NAME`) or a 127.0.0.1 address",
+                    args.listen
+                );
+            }
+            let user = match store.user_by_name(LOCAL_USER).await? {
+                Some(u) => u,
+                None => store.create_user(LOCAL_USER).await?,
+            };
+            AuthMode::Disabled(user)
+        }
+    };
+    let tokenizer_path = args
+        .tokenizer
+        .clone()
+        .unwrap_or_else(|| models_dir(&args).join(DEFAULT_TOKENIZER));
+    let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer_path)
+        .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
+
+    let (limiter, affinity) = match &args.redis_url {
+        Some(url) => {
+            let conn = connect_redis(url)
+                .await
+                .with_context(|| format!("--redis-url {url}: cannot connect"))?;
+            (Limiter::Redis(conn.clone()), Affinity::Redis(conn))
+        }
+        None => (Limiter::local(), Affinity::Local(Default::default())),
+    };
+
+    // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
+    // Only stale ones: another replica's live replies are saved at least every few seconds.
+    let orphan_after = Duration::from_secs(args.orphan_after_secs);
+    sweep_orphans(&store, orphan_after).await;
+    let sweeper = tokio::spawn({
+        let store = store.clone();
+        async move {
+            loop {
+                tokio::time::sleep((orphan_after / 2).max(Duration::from_secs(1))).await;
+                sweep_orphans(&store, orphan_after).await;
+            }
+        }
+    });
+
+    let mut local = None;
+    let mut workers = args.workers.clone();
+    if workers.is_empty() {
+        eprintln!("hearth: starting a local worker (loading the model)…");
+        let w = start_local_worker(&args).await?;
+        workers.push(w.addr.clone());
+        local = Some(w);
+    }
+    let pool = WorkerPool::start(
+        &workers,
+        affinity,
+        PoolConfig {
+            batch: BatchConfig {
+                max_batch: args.batch_size.max(1),
+                max_delay: Duration::from_millis(args.batch_delay_ms),
+            },
+            health_interval: Duration::from_millis(args.health_interval_ms.max(10)),
+            per_worker_capacity: args.worker_capacity,
+            max_queue: args.max_queue,
+            queue_timeout: Duration::from_secs(args.queue_timeout_secs),
+        },
+    );
+    if let Some(w) = &mut local {
+        // The quick start answers its first request only once the model is loaded.
+        loop {
+            if pool.ready_count() > 0 {
+                break;
+            }
+            if let Ok(Some(status)) = w.child.try_wait() {
+                bail!("the local worker exited ({status}); its error is above");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    let streams = Arc::new(Streams::default());
+    let generator = Arc::new(Generator {
+        pool,
+        tokenizer: Arc::new(tokenizer),
+        store: store.clone(),
+        limiter: Arc::new(limiter),
+        streams: streams.clone(),
+    });
+    let state = AppState {
+        store: store.clone(),
+        auth,
+        generator,
+        options: ApiOptions {
+            default_max_tokens: args.default_max_tokens,
+            requests_per_minute: args.requests_per_minute.map(i64::from),
+            tokens_per_day: args.tokens_per_day.map(i64::from),
+            cancel_on_disconnect: args.cancel_on_disconnect,
+        },
+        metrics: crate::telemetry::handle(),
+    };
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
+    let addr = listener.local_addr()?;
+    announce(addr, &state);
+
+    let shutdown_timeout = Duration::from_secs(args.shutdown_timeout_secs);
+    let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = signalled_tx.send(true);
+    });
+    let mut on_signal = signalled.clone();
+    // After the grace period, running replies are stopped (and stored as `stopped`).
+    let stopper = tokio::spawn({
+        let streams = streams.clone();
+        async move {
+            let _ = signalled.wait_for(|s| *s).await;
+            tokio::time::sleep(shutdown_timeout).await;
+            streams.stop_all();
+        }
+    });
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            let _ = on_signal.wait_for(|s| *s).await;
+            eprintln!("hearth: shutting down; letting running replies finish");
+        })
+        .await?;
+    // Replies whose clients already left are still running as tasks: let them end and store.
+    let deadline = tokio::time::Instant::now() + shutdown_timeout + Duration::from_secs(5);
+    while streams.running() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stopper.abort();
+    sweeper.abort();
+    drop(local);
+    Ok(())
+}
+
+async fn sweep_orphans(store: &Arc<dyn Store>, orphan_after: Duration) {
+    let stale_before = now_ms() - orphan_after.as_millis() as i64;
+    match store.fail_interrupted(stale_before).await {
+        Ok(0) => {}
+        Ok(n) => tracing::warn!(
+            messages = n,
+            "replies interrupted by an orchestrator restart are marked as errors"
+        ),
+        Err(e) => tracing::warn!(error = %e, "could not check for interrupted replies"),
+    }
+}
+
+/// One JSON line on stdout for programs (`{"listening":{"http":…}}`), and a human banner.
+fn announce(addr: SocketAddr, state: &AppState) {
+    let line = serde_json::json!({"listening": {"http": addr.to_string()}});
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{line}");
+    }
+    if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return;
+    }
+    let key = match state.auth {
+        AuthMode::Keys => " -H 'Authorization: Bearer $HEARTH_API_KEY'",
+        AuthMode::Disabled(_) => "",
+    };
+    eprintln!(
+        "\nhearth: serving {model} at http://{addr}\n\n  \
+         curl -N http://{addr}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n    \
+         -d '{{\"model\": \"{model}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}}]}}'\n",
+        model = state.model_name(),
+    );
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

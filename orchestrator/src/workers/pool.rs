@@ -1,0 +1,441 @@
+//! The worker pool: the `--worker` addresses, their health, and which one serves a request.
+//!
+//! Each worker has a poller that calls `Health` every `health_interval`, fetches `Info` once,
+//! and (re)opens the batched `Generate` connection. A worker is *ready* when its last health
+//! check said so and its connection is open; a connection that breaks makes it unready at once.
+//!
+//! Routing: a session goes to the worker that holds its KV cache (affinity) unless that worker
+//! is overloaded (as many requests in flight from here as its batch holds); otherwise to the
+//! ready worker with the fewest requests in flight. Each worker takes at most `capacity`
+//! requests at a time from this orchestrator; when every worker is full, requests wait in a
+//! bounded queue (`max_queue`, `queue_timeout`) and are then refused, never piled up.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hearth_shared::proto::{self, worker_client::WorkerClient};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::connection::{BatchConfig, Generation, WorkerConnection, WorkerError};
+use crate::telemetry;
+
+#[derive(Debug, Clone)]
+pub struct PoolConfig {
+    pub batch: BatchConfig,
+    pub health_interval: Duration,
+    /// Requests one worker may have in flight from this orchestrator; 0: the worker's own
+    /// `max_batch + max_waiting`.
+    pub per_worker_capacity: usize,
+    /// Requests that may wait for room when every worker is full.
+    pub max_queue: usize,
+    /// How long one of them waits before it is refused.
+    pub queue_timeout: Duration,
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        Self {
+            batch: BatchConfig::default(),
+            health_interval: Duration::from_millis(500),
+            per_worker_capacity: 0,
+            max_queue: 256,
+            queue_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    #[error("no worker is available to serve this request")]
+    NoWorker,
+    #[error("every worker is busy; try again shortly")]
+    Full,
+}
+
+#[derive(Debug, Default)]
+struct SlotState {
+    ready: bool,
+    info: Option<proto::InfoResponse>,
+    conn: Option<Arc<WorkerConnection>>,
+    last_error: Option<String>,
+}
+
+#[derive(Debug)]
+pub struct WorkerSlot {
+    pub addr: String,
+    state: Mutex<SlotState>,
+    in_flight: AtomicUsize,
+}
+
+impl WorkerSlot {
+    fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn conn(&self) -> Option<Arc<WorkerConnection>> {
+        let s = self.state();
+        s.conn.clone().filter(|c| s.ready && c.is_open())
+    }
+
+    fn capacity(&self, configured: usize) -> usize {
+        if configured > 0 {
+            return configured;
+        }
+        self.state()
+            .info
+            .as_ref()
+            .map_or(1, |i| (i.max_batch + i.max_waiting).max(1) as usize)
+    }
+
+    fn batch(&self) -> usize {
+        self.state()
+            .info
+            .as_ref()
+            .map_or(1, |i| i.max_batch.max(1) as usize)
+    }
+}
+
+/// Where sessions' caches live: shared through Redis, or in this process.
+#[derive(Debug)]
+pub enum Affinity {
+    Local(Mutex<HashMap<String, String>>),
+    Redis(crate::limits::Redis),
+}
+
+const AFFINITY_TTL_SECS: u64 = 86_400;
+
+impl Affinity {
+    async fn get(&self, session: &str) -> Option<String> {
+        match self {
+            Self::Local(m) => m
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(session)
+                .cloned(),
+            Self::Redis(c) => {
+                let mut c = c.0.clone();
+                redis::cmd("GET")
+                    .arg(format!("hearth:affinity:{session}"))
+                    .query_async::<Option<String>>(&mut c)
+                    .await
+                    .unwrap_or_else(|e| {
+                        tracing::warn!(error = %e, "redis unavailable: session affinity unknown");
+                        None
+                    })
+            }
+        }
+    }
+
+    async fn set(&self, session: &str, addr: &str) {
+        match self {
+            Self::Local(m) => {
+                let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
+                if m.len() > 100_000 {
+                    m.clear();
+                }
+                m.insert(session.to_string(), addr.to_string());
+            }
+            Self::Redis(c) => {
+                let mut c = c.0.clone();
+                let r: redis::RedisResult<()> = redis::cmd("SET")
+                    .arg(format!("hearth:affinity:{session}"))
+                    .arg(addr)
+                    .arg("EX")
+                    .arg(AFFINITY_TTL_SECS)
+                    .query_async(&mut c)
+                    .await;
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "redis unavailable: session affinity not saved");
+                }
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct WorkerPool {
+    slots: Vec<Arc<WorkerSlot>>,
+    affinity: Affinity,
+    config: PoolConfig,
+    /// Woken when a worker gets room or becomes ready.
+    room: Notify,
+    queued: AtomicUsize,
+}
+
+/// A worker chosen for one request; it counts as in flight there until dropped.
+#[derive(Debug)]
+pub struct Lease {
+    pub slot: Arc<WorkerSlot>,
+    conn: Arc<WorkerConnection>,
+    pool: Arc<WorkerPool>,
+}
+
+impl Lease {
+    pub fn addr(&self) -> &str {
+        &self.slot.addr
+    }
+
+    pub fn generate(&self, req: proto::GenerateRequest) -> Result<Generation, WorkerError> {
+        self.conn.generate(req)
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.slot.in_flight.fetch_sub(1, Ordering::SeqCst);
+        self.pool.room.notify_waiters();
+    }
+}
+
+enum Pick {
+    Got(Lease),
+    /// Ready workers exist but all are full.
+    Full,
+    NoneReady,
+}
+
+impl WorkerPool {
+    /// Starts polling every address; workers join as they become ready.
+    pub fn start(addrs: &[String], affinity: Affinity, config: PoolConfig) -> Arc<Self> {
+        let pool = Arc::new(Self {
+            slots: addrs
+                .iter()
+                .map(|a| {
+                    Arc::new(WorkerSlot {
+                        addr: a.clone(),
+                        state: Mutex::new(SlotState::default()),
+                        in_flight: AtomicUsize::new(0),
+                    })
+                })
+                .collect(),
+            affinity,
+            config,
+            room: Notify::new(),
+            queued: AtomicUsize::new(0),
+        });
+        for slot in &pool.slots {
+            tokio::spawn(poll(Arc::downgrade(&pool), slot.clone()));
+        }
+        pool
+    }
+
+    pub fn ready_count(&self) -> usize {
+        self.slots.iter().filter(|s| s.conn().is_some()).count()
+    }
+
+    /// The first ready worker's `Info` (model, context length, special tokens).
+    pub fn info(&self) -> Option<proto::InfoResponse> {
+        self.slots
+            .iter()
+            .filter(|s| s.conn().is_some())
+            .find_map(|s| s.state().info.clone())
+    }
+
+    /// The smallest context length among ready workers, so a prompt fits wherever it goes.
+    pub fn context_length(&self) -> Option<usize> {
+        self.slots
+            .iter()
+            .filter(|s| s.conn().is_some())
+            .filter_map(|s| s.state().info.as_ref().map(|i| i.context_length as usize))
+            .min()
+    }
+
+    /// One line per worker, for `/readyz` and logs.
+    pub fn describe(&self) -> Vec<serde_json::Value> {
+        self.slots
+            .iter()
+            .map(|s| {
+                let st = s.state();
+                serde_json::json!({
+                    "addr": s.addr,
+                    "ready": st.ready && st.conn.as_ref().is_some_and(|c| c.is_open()),
+                    "in_flight": s.in_flight.load(Ordering::SeqCst),
+                    "error": st.last_error,
+                })
+            })
+            .collect()
+    }
+
+    /// Waits until every worker is ready or `timeout` passes; true if all are.
+    pub async fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.ready_count() == self.slots.len() {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    /// Chooses a worker for a request of `session` (if any), skipping `exclude`. Waits in the
+    /// bounded queue when every worker is full.
+    pub async fn admit(
+        self: &Arc<Self>,
+        session: Option<&str>,
+        exclude: &[String],
+    ) -> Result<Lease, PoolError> {
+        let preferred = match session {
+            Some(s) => self.affinity.get(s).await,
+            None => None,
+        };
+        let started = Instant::now();
+        let lease = match self.pick(preferred.as_deref(), exclude) {
+            Pick::Got(l) => l,
+            Pick::NoneReady => return Err(PoolError::NoWorker),
+            Pick::Full => self.wait_for_room(preferred.as_deref(), exclude).await?,
+        };
+        telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
+        if let Some(s) = session {
+            if preferred.as_deref() != Some(lease.addr()) {
+                self.affinity.set(s, lease.addr()).await;
+            }
+        }
+        Ok(lease)
+    }
+
+    async fn wait_for_room(
+        self: &Arc<Self>,
+        preferred: Option<&str>,
+        exclude: &[String],
+    ) -> Result<Lease, PoolError> {
+        if self.queued.fetch_add(1, Ordering::SeqCst) >= self.config.max_queue {
+            self.queued.fetch_sub(1, Ordering::SeqCst);
+            return Err(PoolError::Full);
+        }
+        metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
+        let deadline = Instant::now() + self.config.queue_timeout;
+        let result = loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.pick(preferred, exclude) {
+                Pick::Got(l) => break Ok(l),
+                Pick::NoneReady => break Err(PoolError::NoWorker),
+                Pick::Full => {}
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                break Err(PoolError::Full);
+            }
+        };
+        self.queued.fetch_sub(1, Ordering::SeqCst);
+        metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
+        result
+    }
+
+    fn pick(self: &Arc<Self>, preferred: Option<&str>, exclude: &[String]) -> Pick {
+        let cap = self.config.per_worker_capacity;
+        let candidates: Vec<(&Arc<WorkerSlot>, Arc<WorkerConnection>)> = self
+            .slots
+            .iter()
+            .filter(|s| !exclude.contains(&s.addr))
+            .filter_map(|s| s.conn().map(|c| (s, c)))
+            .collect();
+        if candidates.is_empty() {
+            return Pick::NoneReady;
+        }
+        let load = |s: &WorkerSlot| s.in_flight.load(Ordering::SeqCst);
+        // The session's worker, unless it is overloaded.
+        let sticky = preferred.and_then(|p| {
+            candidates
+                .iter()
+                .find(|(s, _)| s.addr == p && load(s) < s.batch().min(s.capacity(cap)))
+        });
+        let chosen = sticky.or_else(|| {
+            candidates
+                .iter()
+                .filter(|(s, _)| load(s) < s.capacity(cap))
+                .min_by_key(|(s, _)| load(s))
+        });
+        let Some((slot, conn)) = chosen else {
+            return Pick::Full;
+        };
+        // Claim a place; a race with another request can overshoot by one, never more than
+        // the callers racing.
+        slot.in_flight.fetch_add(1, Ordering::SeqCst);
+        Pick::Got(Lease {
+            slot: (*slot).clone(),
+            conn: conn.clone(),
+            pool: self.clone(),
+        })
+    }
+}
+
+/// Keeps one worker's health, info and connection current while the pool exists.
+async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
+    let endpoint = match tonic::transport::Endpoint::from_shared(format!("http://{}", slot.addr)) {
+        Ok(e) => e
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(2)),
+        Err(e) => {
+            slot.state().last_error = Some(format!("not a worker address: {e}"));
+            return;
+        }
+    };
+    let mut client = WorkerClient::new(endpoint.connect_lazy());
+    loop {
+        let Some(p) = pool.upgrade() else { return };
+        let interval = p.config.health_interval;
+        let was_ready = slot.conn().is_some();
+        let outcome = check(&mut client, &slot, p.config.batch).await;
+        {
+            let mut st = slot.state();
+            match outcome {
+                Ok(ready) => {
+                    st.ready = ready;
+                    st.last_error = (!ready).then(|| "the worker is not ready".to_string());
+                }
+                Err(e) => {
+                    if st.ready {
+                        tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
+                    }
+                    st.ready = false;
+                    st.conn = None;
+                    st.last_error = Some(e);
+                }
+            }
+        }
+        let ready_now = slot.conn().is_some();
+        if ready_now != was_ready {
+            if ready_now {
+                tracing::info!(worker = %slot.addr, "worker ready");
+            }
+            metrics::gauge!(telemetry::WORKERS_READY).set(p.ready_count() as f64);
+            p.room.notify_waiters();
+        }
+        drop(p);
+        tokio::time::sleep(interval).await;
+    }
+}
+
+/// One health round: `Health`, `Info` the first time, and an open connection. Ok(ready).
+async fn check(
+    client: &mut WorkerClient<tonic::transport::Channel>,
+    slot: &WorkerSlot,
+    batch: BatchConfig,
+) -> Result<bool, String> {
+    let health = client
+        .health(proto::HealthRequest {})
+        .await
+        .map_err(|s| format!("health check failed: {}", s.message()))?
+        .into_inner();
+    if slot.state().info.is_none() {
+        let info = client
+            .info(proto::InfoRequest {})
+            .await
+            .map_err(|s| format!("info failed: {}", s.message()))?
+            .into_inner();
+        slot.state().info = Some(info);
+    }
+    let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
+    if !open && health.ready {
+        let conn = WorkerConnection::connect(&slot.addr, batch)
+            .await
+            .map_err(|e| e.to_string())?;
+        slot.state().conn = Some(Arc::new(conn));
+    }
+    Ok(health.ready)
+}

@@ -1,0 +1,287 @@
+//! A small HTTP/1.1 client over a real socket: whole responses (chunked or not) and
+//! Server-Sent Event streams read event by event.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::TcpStream;
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        header(&self.headers, name)
+    }
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v.as_str())
+}
+
+/// A request on a fresh connection.
+#[derive(Debug, Clone)]
+pub struct Req<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub key: Option<&'a str>,
+    pub headers: Vec<(&'a str, String)>,
+    pub body: Option<Vec<u8>>,
+}
+
+impl<'a> Req<'a> {
+    pub fn new(method: &'a str, path: &'a str) -> Self {
+        Self {
+            method,
+            path,
+            key: None,
+            headers: Vec::new(),
+            body: None,
+        }
+    }
+
+    pub fn key(mut self, key: Option<&'a str>) -> Self {
+        self.key = key;
+        self
+    }
+
+    pub fn json(mut self, v: &Value) -> Self {
+        self.body = Some(v.to_string().into_bytes());
+        self
+    }
+
+    pub fn raw(mut self, b: Vec<u8>) -> Self {
+        self.body = Some(b);
+        self
+    }
+
+    pub fn header(mut self, k: &'a str, v: impl Into<String>) -> Self {
+        self.headers.push((k, v.into()));
+        self
+    }
+
+    async fn open(&self, addr: SocketAddr) -> (BufReader<TcpStream>, u16, Vec<(String, String)>) {
+        let mut c = TcpStream::connect(addr).await.expect("connect");
+        let mut head = format!(
+            "{} {} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n",
+            self.method, self.path
+        );
+        if let Some(k) = self.key {
+            head += &format!("Authorization: Bearer {k}\r\n");
+        }
+        for (k, v) in &self.headers {
+            head += &format!("{k}: {v}\r\n");
+        }
+        if let Some(b) = &self.body {
+            head += &format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            );
+        }
+        head += "\r\n";
+        c.write_all(head.as_bytes()).await.expect("write");
+        if let Some(b) = &self.body {
+            c.write_all(b).await.expect("write body");
+        }
+        let mut r = BufReader::new(c);
+        let mut line = String::new();
+        r.read_line(&mut line).await.expect("status line");
+        let status = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("no status in `{line}`"));
+        let mut headers = Vec::new();
+        loop {
+            line.clear();
+            r.read_line(&mut line).await.expect("header");
+            let l = line.trim_end();
+            if l.is_empty() {
+                break;
+            }
+            if let Some((k, v)) = l.split_once(':') {
+                headers.push((k.trim().to_string(), v.trim().to_string()));
+            }
+        }
+        (r, status, headers)
+    }
+
+    /// The whole response.
+    pub async fn send(&self, addr: SocketAddr) -> Reply {
+        let fut = async {
+            let (mut r, status, headers) = self.open(addr).await;
+            let chunked =
+                header(&headers, "transfer-encoding").is_some_and(|v| v.contains("chunked"));
+            let mut body = Vec::new();
+            if chunked {
+                while let Some(c) = read_chunk(&mut r).await {
+                    body.extend(c);
+                }
+            } else {
+                r.read_to_end(&mut body).await.expect("body");
+            }
+            Reply {
+                status,
+                headers,
+                body,
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), fut)
+            .await
+            .unwrap_or_else(|_| panic!("{} {} took over 60 s", self.method, self.path))
+    }
+
+    /// The response as an event stream.
+    pub async fn events(&self, addr: SocketAddr) -> Sse {
+        let (r, status, headers) = self.open(addr).await;
+        let chunked = header(&headers, "transfer-encoding").is_some_and(|v| v.contains("chunked"));
+        Sse {
+            r,
+            chunked,
+            status,
+            headers,
+            buf: Vec::new(),
+            done: false,
+        }
+    }
+}
+
+async fn read_chunk(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
+    let mut line = String::new();
+    if r.read_line(&mut line).await.ok()? == 0 {
+        return None;
+    }
+    let size = usize::from_str_radix(line.trim(), 16).ok()?;
+    if size == 0 {
+        return None;
+    }
+    let mut data = vec![0u8; size + 2];
+    r.read_exact(&mut data).await.ok()?;
+    data.truncate(size);
+    Some(data)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    pub id: Option<String>,
+    pub event: String,
+    pub data: String,
+}
+
+impl Event {
+    pub fn json(&self) -> Value {
+        serde_json::from_str(&self.data).unwrap_or(Value::Null)
+    }
+}
+
+#[derive(Debug)]
+pub struct Sse {
+    r: BufReader<TcpStream>,
+    chunked: bool,
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    buf: Vec<u8>,
+    done: bool,
+}
+
+impl Sse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        header(&self.headers, name)
+    }
+
+    /// The next event (keep-alive comments skipped); `None` when the stream ends. Panics if
+    /// nothing arrives for 60 s.
+    pub async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(at) = find(&self.buf, b"\n\n") {
+                let raw: Vec<u8> = self.buf.drain(..at + 2).collect();
+                let text = String::from_utf8(raw).expect("events are UTF-8");
+                if let Some(e) = parse(&text) {
+                    return Some(e);
+                }
+                continue;
+            }
+            if self.done {
+                return None;
+            }
+            let more = tokio::time::timeout(Duration::from_secs(60), self.read())
+                .await
+                .expect("no event for 60 s");
+            match more {
+                Some(b) => self.buf.extend(b),
+                None => self.done = true,
+            }
+        }
+    }
+
+    async fn read(&mut self) -> Option<Vec<u8>> {
+        if self.chunked {
+            return read_chunk(&mut self.r).await;
+        }
+        let mut b = vec![0u8; 4096];
+        let n = self.r.read(&mut b).await.ok()?;
+        (n > 0).then(|| {
+            b.truncate(n);
+            b
+        })
+    }
+
+    /// Every remaining event.
+    pub async fn rest(&mut self) -> Vec<Event> {
+        let mut out = Vec::new();
+        while let Some(e) = self.next().await {
+            out.push(e);
+        }
+        out
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+fn parse(text: &str) -> Option<Event> {
+    let mut e = Event {
+        id: None,
+        event: "message".into(),
+        data: String::new(),
+    };
+    let mut any = false;
+    for line in text.lines() {
+        if line.starts_with(':') || line.is_empty() {
+            continue;
+        }
+        let (k, v) = line.split_once(':').unwrap_or((line, ""));
+        let v = v.strip_prefix(' ').unwrap_or(v);
+        any = true;
+        match k {
+            "id" => e.id = Some(v.to_string()),
+            "event" => e.event = v.to_string(),
+            "data" => {
+                if !e.data.is_empty() {
+                    e.data.push('\n');
+                }
+                e.data.push_str(v);
+            }
+            _ => {}
+        }
+    }
+    any.then_some(e)
+}

@@ -1,0 +1,260 @@
+//! The whole stack on loopback ports: real `hearth-worker` processes with a tiny generated model,
+//! the real `hearth` binary, and a real database.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use hearth_orchestrator::auth::{issue_key, KeyOptions};
+use hearth_orchestrator::storage::SqlStore;
+use hearth_worker::fixtures::{write_tiny_gguf, write_tiny_tokenizer, TinySpec, WorkerProcess};
+
+use super::http::Req;
+use super::pg::PgDatabase;
+
+/// A temporary directory with a tiny model and its tokenizer.
+#[derive(Debug)]
+pub struct Assets {
+    pub dir: PathBuf,
+    pub model: PathBuf,
+    pub tokenizer: PathBuf,
+}
+
+/// A model big enough that a long reply takes seconds, so a test can act while it streams.
+pub fn slow_spec() -> TinySpec {
+    TinySpec {
+        layers: 8,
+        hidden: 512,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 64,
+        ffn: 2048,
+        ..TinySpec::default()
+    }
+}
+
+pub fn assets(tag: &str) -> Assets {
+    assets_with(tag, &TinySpec::default())
+}
+
+pub fn assets_with(tag: &str, spec: &TinySpec) -> Assets {
+    let dir = std::env::temp_dir().join(format!(
+        "hearth-{tag}-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let model = dir.join("tiny.gguf");
+    write_tiny_gguf(&model, spec).expect("tiny model");
+    let tokenizer = dir.join("tiny-tokenizer.json");
+    write_tiny_tokenizer(&tokenizer, TinySpec::default().vocab).expect("tiny tokenizer");
+    Assets {
+        dir,
+        model,
+        tokenizer,
+    }
+}
+
+/// `target/<profile>/hearth-worker`, next to this test's directory; `cargo test --workspace`
+/// builds it.
+pub fn worker_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|d| d.join("hearth-worker"))
+        .expect("target dir");
+    assert!(
+        bin.is_file(),
+        "{} is missing: run `cargo build -p hearth-worker` (or `make test`)",
+        bin.display()
+    );
+    bin
+}
+
+pub fn spawn_worker(a: &Assets) -> WorkerProcess {
+    WorkerProcess::spawn(&worker_bin(), &a.model, &["--kv-budget", "64MiB"]).expect("start worker")
+}
+
+/// A `hearth` process; killed when dropped.
+#[derive(Debug)]
+pub struct Hearth {
+    pub child: Child,
+    pub addr: SocketAddr,
+    _stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Hearth {
+    /// Starts `hearth` with `args` (plus a loopback port the OS chose) and reads its address.
+    pub fn spawn(args: &[String]) -> Self {
+        use std::io::BufRead;
+        let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
+            .args(["--listen", "127.0.0.1:0"])
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("start hearth");
+        let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("address line");
+        let v: serde_json::Value = serde_json::from_str(&line)
+            .unwrap_or_else(|e| panic!("hearth printed `{line}` instead of its address: {e}"));
+        let addr = v["listening"]["http"]
+            .as_str()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or_else(|| panic!("no address in `{line}`"));
+        Self {
+            child,
+            addr,
+            _stdout: stdout,
+        }
+    }
+
+    /// Waits until `/readyz` says a worker is ready.
+    pub async fn wait_ready(&self) {
+        for _ in 0..600 {
+            if Req::new("GET", "/readyz").send(self.addr).await.status == 200 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("hearth at {} never became ready", self.addr);
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Hearth {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Which database a stack uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Db {
+    Postgres,
+    Sqlite,
+}
+
+/// Workers, one orchestrator with keys on, a database, and a store on it for the test's own
+/// checks and keys.
+#[derive(Debug)]
+pub struct Stack {
+    pub assets: Assets,
+    pub workers: Vec<WorkerProcess>,
+    pub hearth: Hearth,
+    pub store: SqlStore,
+    pub db_url: String,
+    pg: Option<PgDatabase>,
+}
+
+impl Stack {
+    pub async fn start(tag: &str, db: Db, workers: usize, extra: &[&str]) -> Self {
+        Self::start_with(tag, &TinySpec::default(), db, workers, extra).await
+    }
+
+    pub async fn start_with(
+        tag: &str,
+        spec: &TinySpec,
+        db: Db,
+        workers: usize,
+        extra: &[&str],
+    ) -> Self {
+        let assets = assets_with(tag, spec);
+        let (pg, db_url) = match db {
+            Db::Postgres => {
+                let (pg, url) = PgDatabase::create(tag).await;
+                (Some(pg), url)
+            }
+            Db::Sqlite => (
+                None,
+                format!(
+                    "sqlite://{}?mode=rwc",
+                    assets.dir.join("hearth.db").display()
+                ),
+            ),
+        };
+        let workers: Vec<WorkerProcess> = (0..workers).map(|_| spawn_worker(&assets)).collect();
+        let hearth = Hearth::spawn(&Self::args(&assets, &db_url, &workers, extra));
+        hearth.wait_ready().await;
+        let store = SqlStore::connect(&db_url).await.expect("store");
+        Self {
+            assets,
+            workers,
+            hearth,
+            store,
+            db_url,
+            pg,
+        }
+    }
+
+    pub fn args(
+        assets: &Assets,
+        db_url: &str,
+        workers: &[WorkerProcess],
+        extra: &[&str],
+    ) -> Vec<String> {
+        let mut args: Vec<String> = vec![
+            "--database-url".into(),
+            db_url.into(),
+            "--tokenizer".into(),
+            path(&assets.tokenizer),
+            "--auth".into(),
+            "keys".into(),
+            "--health-interval-ms".into(),
+            "100".into(),
+        ];
+        for w in workers {
+            args.push("--worker".into());
+            args.push(w.grpc.clone());
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.hearth.addr
+    }
+
+    pub async fn key(&self, user: &str) -> String {
+        self.key_with(user, KeyOptions::default()).await
+    }
+
+    pub async fn key_with(&self, user: &str, options: KeyOptions) -> String {
+        issue_key(&self.store, user, options)
+            .await
+            .expect("key")
+            .key
+    }
+
+    /// Drops the test database.
+    pub async fn finish(mut self) {
+        self.hearth.kill();
+        self.store.close().await;
+        if let Some(pg) = self.pg.take() {
+            pg.drop_db().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.assets.dir);
+    }
+}
+
+pub fn path(p: &Path) -> String {
+    p.display().to_string()
+}
+
+/// `hearth_worker_in_flight_requests` from a worker's `/metrics`.
+pub async fn worker_in_flight(w: &WorkerProcess) -> f64 {
+    let addr: SocketAddr = w.metrics.parse().expect("metrics addr");
+    let text = Req::new("GET", "/metrics").send(addr).await.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix("hearth_worker_in_flight_requests "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
