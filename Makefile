@@ -2,10 +2,16 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run test fetch-model build bench fmt lint check-cuda
+.PHONY: run chat test fetch-model build bench fmt lint check-cuda
 
-## Fetch the model if missing, build, and chat with it in the terminal.
+## Fetch the model if missing, build, and serve the chat API on http://127.0.0.1:8080 (a local
+## worker, SQLite under ./data, no auth). Prints the URL and a curl example.
 run: fetch-model
+	$(CARGO) build --release -p hearth-worker -p hearth-orchestrator
+	./target/release/hearth
+
+## Chat with the model in the terminal, without the server.
+chat: fetch-model
 	$(CARGO) build --release -p hearth-worker
 	./target/release/hearth-worker chat
 

@@ -31,10 +31,7 @@ pub const DEVICE_MEMORY_USED: &str = "hearth_worker_device_memory_used_bytes";
 pub const DEVICE_MEMORY_TOTAL: &str = "hearth_worker_device_memory_total_bytes";
 pub const READY: &str = "hearth_worker_ready";
 
-/// Latency buckets, 5 ms to 60 s, shared with the orchestrator's histograms.
-pub const LATENCY_BUCKETS: &[f64] = &[
-    0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-];
+pub use hearth_shared::telemetry::LATENCY_BUCKETS;
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 
 /// Installs the process-wide recorder and describes every metric; `render()` on the handle

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use hearth_orchestrator::auth::{issue_key, KeyOptions};
+use hearth_orchestrator::auth::{hash_key, issue_key, KeyOptions, PREFIX_LEN};
 use hearth_orchestrator::server::{serve, ServeArgs};
 use hearth_orchestrator::storage::{now_ms, SqlStore, Store};
 
@@ -59,7 +59,7 @@ enum KeysCommand {
         #[arg(long)]
         tokens_per_day: Option<u32>,
     },
-    /// Revoke the key that starts with PREFIX (the `hk_…` shown at creation).
+    /// Revoke the key that starts with PREFIX (the `hk_…` shown at creation), or the whole key.
     Revoke {
         #[arg(long)]
         prefix: String,
@@ -127,7 +127,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
         KeysCommand::Revoke { prefix } => {
-            let keys = store.api_keys_by_prefix(&prefix).await?;
+            let keys = if prefix.len() > PREFIX_LEN {
+                // A whole key: only the one whose hash matches.
+                let lookup: String = prefix.chars().take(PREFIX_LEN).collect();
+                let hash = hash_key(&prefix);
+                let mut keys = store.api_keys_by_prefix(&lookup).await?;
+                keys.retain(|(k, _)| k.key_hash == hash);
+                keys
+            } else {
+                store.api_keys_by_prefix(&prefix).await?
+            };
             match keys.as_slice() {
                 [] => anyhow::bail!("--prefix: no API key starts with `{prefix}`"),
                 [(key, user)] => {

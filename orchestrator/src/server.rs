@@ -144,6 +144,17 @@ async fn start_local_worker(args: &ServeArgs) -> anyhow::Result<LocalWorker> {
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true);
+    // If this process dies without cleaning up (kill -9), the worker goes with it.
+    #[cfg(target_os = "linux")]
+    // SAFETY: the closure only makes one async-signal-safe system call.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     let mut child = cmd.spawn().with_context(|| {
         format!(
             "cannot start the local worker `{}` (build it with `cargo build --release -p hearth-worker`, or pass --worker ADDR)",

@@ -6,6 +6,7 @@ use std::sync::OnceLock;
 use axum::extract::{MatchedPath, Request};
 use axum::middleware::Next;
 use axum::response::Response;
+use hearth_shared::telemetry::LATENCY_BUCKETS;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
@@ -22,11 +23,6 @@ pub const CACHED_PROMPT_TOKENS: &str = "hearth_cached_prompt_tokens_total";
 pub const GENERATED_TOKENS: &str = "hearth_generated_tokens_total";
 pub const WORKER_FAILOVERS: &str = "hearth_worker_failovers_total";
 pub const WORKERS_READY: &str = "hearth_workers_ready";
-
-/// Latency buckets, 5 ms to 60 s (the worker uses the same).
-const LATENCY_BUCKETS: &[f64] = &[
-    0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-];
 
 /// The process-wide recorder, installed on first use (several servers in one test process
 /// share it).

@@ -94,9 +94,19 @@ async fn created_keys_authenticate_until_revoked_and_wrong_keys_never_do() {
     assert!(!ok && err.contains("--prefix"), "{err}");
     let (ok, _, err) = hearth(&dir, &["keys", "create", "--user", ""]);
     assert!(!ok && err.contains("--user"), "{err}");
-    // The server itself is not built yet and says so, rather than pretending.
-    let (ok, _, err) = hearth(&dir, &[]);
-    assert!(!ok && err.contains("not built yet"), "{err}");
+    // Without auth the server refuses any address but loopback.
+    let (ok, _, err) = hearth(&dir, &["--listen", "0.0.0.0:0"]);
+    assert!(!ok && err.contains("non-loopback"), "{err}");
+    // A whole key names exactly one key, even where prefixes collide.
+    let third = issue_key(&store, "carol", KeyOptions::default())
+        .await
+        .expect("key");
+    let (ok, _, err) = hearth(&dir, &["keys", "revoke", "--prefix", &third.key]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        authenticate(&store, &third.key).await,
+        Err(AuthError::InvalidKey)
+    );
     // An expired key is refused like an unknown one.
     let expired = issue_key(
         &store,

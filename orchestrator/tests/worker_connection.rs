@@ -4,37 +4,17 @@ use std::time::Duration;
 
 use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError};
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
-use hearth_worker::fixtures::{write_tiny_gguf, TinySpec, WorkerProcess};
+use hearth_worker::fixtures::WorkerProcess;
+
+mod common;
 
 struct Worker {
     process: WorkerProcess,
     addr: String,
 }
 
-/// The worker binary sits next to this test's directory (`target/<profile>/`); `cargo test
-/// --workspace` builds it.
 fn spawn_worker() -> Worker {
-    let exe = std::env::current_exe().expect("test path");
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join("hearth-worker"))
-        .expect("target dir");
-    assert!(
-        bin.is_file(),
-        "{} is missing: run `cargo build -p hearth-worker` (or `make test`)",
-        bin.display()
-    );
-    let dir = std::env::temp_dir().join(format!(
-        "hearth-wc-{}-{}",
-        std::process::id(),
-        uuid::Uuid::new_v4().simple()
-    ));
-    std::fs::create_dir_all(&dir).expect("dir");
-    let model = dir.join("tiny.gguf");
-    write_tiny_gguf(&model, &TinySpec::default()).expect("model");
-    let process =
-        WorkerProcess::spawn(&bin, &model, &["--kv-budget", "64MiB"]).expect("start worker");
+    let process = common::stack::spawn_worker(&common::stack::assets("wc"));
     Worker {
         addr: process.grpc.clone(),
         process,

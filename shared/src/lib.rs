@@ -13,6 +13,7 @@ pub mod finish;
 pub mod ids;
 pub mod proto;
 pub mod sampling;
+pub mod telemetry;
 pub mod tokenizer;
 
 pub use finish::FinishReason;

@@ -24,7 +24,7 @@ use tokio::time::Instant;
 use tokio_stream::StreamExt;
 
 use super::{ApiError, AppState, Caller, ValidJson, ValidPath};
-use crate::generate::{Job, Live, Outcome, RunEvent, TurnIds};
+use crate::generate::{Job, Live, Outcome, Reservation, RunEvent, TurnIds};
 use crate::storage::{Message, MessageStatus, Role, Session};
 
 /// Largest message a user may post.
@@ -190,19 +190,22 @@ pub async fn post_message(
     let history = s.store.list_messages(&user.id, &id).await?;
     let mut convo = conversation(&session, &history);
     convo.push(ChatMessage::new(ChatRole::User, content));
-    let (prompt, max_new) = plan(&s, &convo, opts.max_tokens)?;
-    let lease = s.generator.pool.admit(Some(&id), &[]).await?;
-    let turn = s.store.begin_turn(&user.id, &id, content).await?;
-    let live = Live::new(TurnIds {
-        session_id: id.clone(),
-        user_message_id: Some(turn.user.id.clone()),
-        message_id: turn.assistant.id.clone(),
-    });
-    reservation.fill(&live);
-    start(
-        &s, &caller, &id, prompt, max_new, opts, lease, &live, arrived,
-    );
-    respond(&s, live, body.stream.unwrap_or(true), 0).await
+    let stream = body.stream.unwrap_or(true);
+    launch(
+        &s,
+        &caller,
+        &id,
+        reservation,
+        &convo,
+        opts,
+        stream,
+        arrived,
+        || async {
+            let turn = s.store.begin_turn(&user.id, &id, content).await?;
+            Ok((Some(turn.user.id), turn.assistant.id))
+        },
+    )
+    .await
 }
 
 pub async fn regenerate(
@@ -235,19 +238,57 @@ pub async fn regenerate(
     };
     let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
     let convo = conversation(&session, &earlier);
-    let (prompt, max_new) = plan(&s, &convo, opts.max_tokens)?;
-    let lease = s.generator.pool.admit(Some(&id), &[]).await?;
-    let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
+    let stream = body.stream.unwrap_or(true);
+    let asked = earlier.last().map(|m| m.id.clone());
+    launch(
+        &s,
+        &caller,
+        &id,
+        reservation,
+        &convo,
+        opts,
+        stream,
+        arrived,
+        || async {
+            let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
+            Ok((asked, reply.id))
+        },
+    )
+    .await
+}
+
+/// The part of a turn after the request is checked: fit the prompt, take a worker, store the
+/// turn with `store_turn` (which returns the user and assistant message ids), start generating,
+/// and answer. Nothing is stored unless a worker was available.
+#[allow(clippy::too_many_arguments)]
+async fn launch<F, Fut>(
+    s: &AppState,
+    caller: &Caller,
+    session_id: &str,
+    reservation: Reservation,
+    convo: &[ChatMessage],
+    opts: GenOptions,
+    stream: bool,
+    arrived: Instant,
+    store_turn: F,
+) -> Result<Response, ApiError>
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = Result<(Option<String>, String), ApiError>>,
+{
+    let (prompt, max_new) = plan(s, convo, opts.max_tokens)?;
+    let lease = s.generator.pool.admit(Some(session_id), &[]).await?;
+    let (user_message_id, message_id) = store_turn().await?;
     let live = Live::new(TurnIds {
-        session_id: id.clone(),
-        user_message_id: earlier.last().map(|m| m.id.clone()),
-        message_id: reply.id.clone(),
+        session_id: session_id.to_string(),
+        user_message_id,
+        message_id,
     });
     reservation.fill(&live);
     start(
-        &s, &caller, &id, prompt, max_new, opts, lease, &live, arrived,
+        s, caller, session_id, prompt, max_new, opts, lease, &live, arrived,
     );
-    respond(&s, live, body.stream.unwrap_or(true), 0).await
+    respond(s, live, stream, 0).await
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -258,3 +258,16 @@ pub async fn worker_in_flight(w: &WorkerProcess) -> f64 {
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0.0)
 }
+
+/// Waits up to 2 s for a worker to have nothing in flight; returns what it has left.
+pub async fn wait_idle(w: &WorkerProcess) -> f64 {
+    let mut left = worker_in_flight(w).await;
+    for _ in 0..100 {
+        if left == 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        left = worker_in_flight(w).await;
+    }
+    left
+}

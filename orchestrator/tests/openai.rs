@@ -1,0 +1,211 @@
+//! The OpenAI-compatible API through the whole stack: raw HTTP, the unmodified `openai` Python
+//! client, and cancellation when the client goes away.
+
+mod common;
+
+use common::http::Req;
+use common::stack::{slow_spec, wait_idle, worker_in_flight, Db, Stack};
+use serde_json::{json, Value};
+
+fn chat(content: &str, extra: Value) -> Value {
+    let mut body = json!({
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": content}
+        ],
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    body
+}
+
+#[tokio::test]
+async fn completions_stream_and_not_with_usage() {
+    let s = Stack::start("openai", Db::Postgres, 1, &[]).await;
+    let k = s.key("alice").await;
+
+    let r = Req::new("GET", "/v1/models")
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let model = r.json()["data"][0]["id"]
+        .as_str()
+        .expect("model id")
+        .to_string();
+
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&chat("Hi", json!({"max_tokens": 5, "ignore_eos": true})))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["model"], json!(model));
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert!(v["choices"][0]["message"]["content"].is_string());
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 5);
+    let prompt = v["usage"]["prompt_tokens"].as_u64().expect("prompt");
+    assert_eq!(v["usage"]["total_tokens"], prompt + 5);
+    assert!(v["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
+
+    let mut sse = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&chat(
+            "Hi",
+            json!({"max_tokens": 6, "ignore_eos": true, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+        ))
+        .events(s.addr())
+        .await;
+    assert_eq!(sse.status, 200);
+    let events = sse.rest().await;
+    assert_eq!(events.last().map(|e| e.data.as_str()), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| e.json())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let id = chunks[0]["id"].clone();
+    assert!(chunks
+        .iter()
+        .all(|c| c["id"] == id && c["object"] == "chat.completion.chunk"));
+    let finish = &chunks[chunks.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
+    let usage = &chunks[chunks.len() - 1];
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 6);
+
+    // What Hearth cannot honour is refused by name, not ignored.
+    for (extra, field) in [
+        (json!({"n": 2}), "n"),
+        (json!({"tools": [{"type": "function"}]}), "tools"),
+        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
+        (json!({"temperature": -2}), "temperature"),
+        (json!({"max_tokens": 0}), "max_tokens"),
+    ] {
+        let r = Req::new("POST", "/v1/chat/completions")
+            .key(Some(&k))
+            .json(&chat("Hi", extra.clone()))
+            .send(s.addr())
+            .await;
+        assert_eq!(r.status, 422, "{extra}: {}", r.text());
+        let msg = r.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(msg.contains(field), "{extra}: {msg}");
+    }
+    for body in [
+        json!({"model": "m", "messages": []}),
+        json!({"model": "m"}),
+        json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}),
+        json!({"model": "m", "messages": [{"role": "assistant", "content": "x"}]}),
+    ] {
+        let r = Req::new("POST", "/v1/chat/completions")
+            .key(Some(&k))
+            .json(&body)
+            .send(s.addr())
+            .await;
+        assert_eq!(r.status, 422, "{body}: {}", r.text());
+    }
+    let r = Req::new("POST", "/v1/chat/completions")
+        .json(&chat("Hi", json!({})))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 401);
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn a_client_that_goes_away_cancels_its_generation() {
+    let s = Stack::start_with("oaicancel", &slow_spec(), Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let mut sse = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&chat(
+            "Talk",
+            json!({"max_tokens": 900, "ignore_eos": true, "stream": true}),
+        ))
+        .events(s.addr())
+        .await;
+    for _ in 0..3 {
+        sse.next().await.expect("chunk");
+    }
+    assert_eq!(worker_in_flight(&s.workers[0]).await, 1.0);
+    drop(sse);
+    // 900 tokens take seconds on this model; the cancel reaches the worker long before.
+    assert_eq!(
+        wait_idle(&s.workers[0]).await,
+        0.0,
+        "the generation kept running"
+    );
+    s.finish().await;
+}
+
+const CLIENT: &str = r#"
+import json, os, sys
+from openai import OpenAI
+
+client = OpenAI(base_url=os.environ["BASE_URL"], api_key=os.environ["API_KEY"])
+model = client.models.list().data[0].id
+r = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Hello"}],
+    max_tokens=7,
+    extra_body={"ignore_eos": True},
+)
+assert r.choices[0].message.role == "assistant", r
+assert r.usage.completion_tokens == 7, r.usage
+text = ""
+usage = None
+stream = client.chat.completions.create(
+    model=model,
+    messages=[{"role": "user", "content": "Hello"}],
+    max_completion_tokens=9,
+    stream=True,
+    stream_options={"include_usage": True},
+    extra_body={"ignore_eos": True},
+)
+for chunk in stream:
+    if chunk.usage is not None:
+        usage = chunk.usage
+    for c in chunk.choices:
+        text += c.delta.content or ""
+assert usage is not None and usage.completion_tokens == 9, usage
+print(json.dumps({"model": model, "text": r.choices[0].message.content, "streamed": text}))
+"#;
+
+#[tokio::test]
+async fn the_unmodified_openai_python_client_works() {
+    let probe = std::process::Command::new("python3")
+        .args(["-c", "import openai"])
+        .output();
+    assert!(
+        probe.is_ok_and(|o| o.status.success()),
+        "this test needs the `openai` Python package: `python3 -m pip install openai`"
+    );
+    let s = Stack::start("oaipy", Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let out = tokio::process::Command::new("python3")
+        .args(["-c", CLIENT])
+        .env("BASE_URL", format!("http://{}/v1", s.addr()))
+        .env("API_KEY", &k)
+        .env("NO_PROXY", "*")
+        .output()
+        .await
+        .expect("run python");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_str(stdout.trim()).expect("client output");
+    assert!(v["text"].is_string() && v["streamed"].is_string(), "{v}");
+    s.finish().await;
+}

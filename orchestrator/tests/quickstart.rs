@@ -1,0 +1,58 @@
+//! The quick start: `hearth` with no `--worker` starts its own worker, keeps its data in SQLite
+//! under the data directory, and serves without keys on loopback.
+
+mod common;
+
+use common::http::Req;
+use common::stack::{assets, path, worker_bin, Hearth};
+use serde_json::json;
+
+#[tokio::test]
+async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
+    let a = assets("quick");
+    let data = a.dir.join("data");
+    let hearth = Hearth::spawn(&[
+        "--worker-bin".into(),
+        path(&worker_bin()),
+        "--model".into(),
+        path(&a.model),
+        "--tokenizer".into(),
+        path(&a.tokenizer),
+        "--data-dir".into(),
+        path(&data),
+        "--worker-arg=--kv-budget=64MiB".into(),
+    ]);
+    // It prints its address only once the local worker is ready.
+    let ready = Req::new("GET", "/readyz").send(hearth.addr).await;
+    assert_eq!(ready.status, 200, "{}", ready.text());
+    assert!(
+        data.join("hearth.db").is_file(),
+        "SQLite under the data dir"
+    );
+
+    // No key needed: the README's curl, streamed.
+    let mut sse = Req::new("POST", "/v1/chat/completions")
+        .json(&json!({"model": "any", "stream": true, "max_tokens": 8,
+                      "messages": [{"role": "user", "content": "Why is the sky blue?"}]}))
+        .events(hearth.addr)
+        .await;
+    assert_eq!(sse.status, 200);
+    let events = sse.rest().await;
+    assert_eq!(events.last().map(|e| e.data.as_str()), Some("[DONE]"));
+
+    // Sessions work too, as the local user.
+    let r = Req::new("POST", "/v1/sessions")
+        .json(&json!({"title": "first"}))
+        .send(hearth.addr)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let sid = r.json()["id"].as_str().expect("id").to_string();
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .json(&json!({"content": "Hello", "stream": false, "max_tokens": 4}))
+        .send(hearth.addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["status"], "complete");
+    drop(hearth);
+    let _ = std::fs::remove_dir_all(&a.dir);
+}
