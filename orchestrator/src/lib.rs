@@ -9,11 +9,13 @@
 //!   gRPC stream to each worker.
 //! - [`generate`]: one generation end to end (failover, detokenization, stop strings, storing).
 //! - [`limits`]: per-key rate limits, in process or in Redis.
+//! - [`bus`]: stop signals between replicas (Redis pub/sub).
 //! - [`server`]: configuration and start-up, including the quick start's local worker.
 //! - [`telemetry`]: Prometheus metrics.
 
 pub mod api;
 pub mod auth;
+pub mod bus;
 pub mod generate;
 pub mod limits;
 pub mod server;

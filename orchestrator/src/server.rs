@@ -13,6 +13,7 @@ use clap::{Args, ValueEnum};
 use tokio::io::AsyncBufReadExt;
 
 use crate::api::{router, ApiOptions, AppState, AuthMode};
+use crate::bus::StopBus;
 use crate::generate::{Generator, Streams};
 use crate::limits::{connect_redis, Limiter};
 use crate::storage::{now_ms, Store};
@@ -210,14 +211,26 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
     let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer_path)
         .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
 
-    let (limiter, affinity) = match &args.redis_url {
+    let streams = Arc::new(Streams::default());
+    let (limiter, affinity, stop_bus, listener_task) = match &args.redis_url {
         Some(url) => {
             let conn = connect_redis(url)
                 .await
                 .with_context(|| format!("--redis-url {url}: cannot connect"))?;
-            (Limiter::Redis(conn.clone()), Affinity::Redis(conn))
+            let task = StopBus::listen(url.clone(), streams.clone());
+            (
+                Limiter::Redis(conn.clone()),
+                Affinity::Redis(conn.clone()),
+                Some(StopBus::new(conn)),
+                Some(task),
+            )
         }
-        None => (Limiter::local(), Affinity::Local(Default::default())),
+        None => (
+            Limiter::local(),
+            Affinity::Local(Default::default()),
+            None,
+            None,
+        ),
     };
 
     // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
@@ -269,13 +282,13 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
         }
     }
 
-    let streams = Arc::new(Streams::default());
     let generator = Arc::new(Generator {
         pool,
         tokenizer: Arc::new(tokenizer),
         store: store.clone(),
         limiter: Arc::new(limiter),
         streams: streams.clone(),
+        stop_bus,
     });
     let state = AppState {
         store: store.clone(),
@@ -324,6 +337,9 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
     }
     stopper.abort();
     sweeper.abort();
+    if let Some(t) = listener_task {
+        t.abort();
+    }
     drop(local);
     Ok(())
 }

@@ -40,6 +40,7 @@ async fn start() -> Server {
         store: store.clone(),
         limiter: Arc::new(Limiter::local()),
         streams: Arc::new(Streams::default()),
+        stop_bus: None,
     });
     let app = router(AppState {
         store: store.clone(),

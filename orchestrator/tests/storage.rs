@@ -6,9 +6,7 @@ use hearth_orchestrator::storage::{
     SqlStore, Store, StoreError,
 };
 
-mod common;
-
-use common::pg::PgDatabase;
+use hearth_e2e::pg::PgDatabase;
 
 fn sqlite_url(tag: &str) -> (std::path::PathBuf, String) {
     let dir = std::env::temp_dir().join(format!(

@@ -6,15 +6,13 @@ use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError};
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
 use hearth_worker::fixtures::WorkerProcess;
 
-mod common;
-
 struct Worker {
     process: WorkerProcess,
     addr: String,
 }
 
 fn spawn_worker() -> Worker {
-    let process = common::stack::spawn_worker(&common::stack::assets("wc"));
+    let process = hearth_e2e::stack::spawn_worker(&hearth_e2e::stack::assets("wc"));
     Worker {
         addr: process.grpc.clone(),
         process,

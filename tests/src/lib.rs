@@ -1,2 +1,10 @@
-//! Whole-stack tests and the `hearth-bench` load generator live here once the orchestrator exists.
-//! The engine's own tests are in `gpu-worker/tests`.
+//! Whole-stack tests and the `hearth-bench` load generator.
+//!
+//! The library holds what the tests share: [`stack`] starts real `hearth-worker` and `hearth`
+//! processes on loopback ports over a real database, [`http`] is a small HTTP/1.1 and SSE client
+//! over real sockets, and [`pg`] gives each test a PostgreSQL database of its own. The tests are
+//! in `tests/tests/`; the engine's own tests are in `gpu-worker/tests`.
+
+pub mod http;
+pub mod pg;
+pub mod stack;

@@ -470,7 +470,8 @@ pub async fn resume(
 }
 
 /// `POST /v1/sessions/{id}/stop`: cancels the running reply (on the worker within one engine
-/// step) and answers once it is stored as `stopped`, with what it had.
+/// step) and answers once it is stored as `stopped`, with the stored message. A reply running
+/// on another replica is stopped through Redis.
 pub async fn stop(
     State(s): State<AppState>,
     caller: Caller,
@@ -478,16 +479,33 @@ pub async fn stop(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     check_id(&id)?;
     s.store.get_session(&caller.user.id, &id).await?;
-    let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) else {
-        return Ok(Json(json!({"stopped": false})));
+    let streaming = |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;
+    let reply_id = if let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) {
+        live.stop();
+        live.ids.message_id.clone()
+    } else {
+        let last = s.store.list_messages(&caller.user.id, &id).await?.pop();
+        let (Some(bus), Some(reply)) = (&s.generator.stop_bus, last.filter(streaming)) else {
+            return Ok(Json(json!({"stopped": false})));
+        };
+        if !bus.publish(&id).await {
+            return Err(ApiError::Unavailable(
+                "the reply runs on another replica and Redis cannot be reached to stop it".into(),
+            ));
+        }
+        reply.id
     };
-    live.stop();
-    let outcome = tokio::time::timeout(Duration::from_secs(10), live.outcome())
-        .await
-        .ok()
-        .flatten();
-    Ok(Json(json!({
-        "stopped": outcome.as_ref().is_some_and(|o| o.status == MessageStatus::Stopped),
-        "message": outcome.map(|o| message_json(&live.ids, &o)),
-    })))
+    // The replica running it stores the stopped reply; wait for that.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let now = s.store.list_messages(&caller.user.id, &id).await?;
+        if let Some(m) = now.iter().find(|m| m.id == reply_id && !streaming(m)) {
+            return Ok(Json(json!({
+                "stopped": m.status == MessageStatus::Stopped,
+                "message": m,
+            })));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(Json(json!({"stopped": false})))
 }

@@ -36,6 +36,8 @@ pub struct Generator {
     pub store: Arc<dyn Store>,
     pub limiter: Arc<Limiter>,
     pub streams: Arc<Streams>,
+    /// Relays stops to the replica running a reply (with Redis).
+    pub stop_bus: Option<crate::bus::StopBus>,
 }
 
 #[derive(Debug)]

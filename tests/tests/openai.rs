@@ -1,10 +1,8 @@
 //! The OpenAI-compatible API through the whole stack: raw HTTP, the unmodified `openai` Python
 //! client, and cancellation when the client goes away.
 
-mod common;
-
-use common::http::Req;
-use common::stack::{slow_spec, wait_idle, worker_in_flight, Db, Stack};
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{slow_spec, wait_idle, worker_in_flight, Db, Stack};
 use serde_json::{json, Value};
 
 fn chat(content: &str, extra: Value) -> Value {

@@ -56,21 +56,29 @@ pub fn assets_with(tag: &str, spec: &TinySpec) -> Assets {
     }
 }
 
-/// `target/<profile>/hearth-worker`, next to this test's directory; `cargo test --workspace`
-/// builds it.
-pub fn worker_bin() -> PathBuf {
+/// `target/<profile>/<name>`, next to the running test's directory; `cargo test --workspace`
+/// builds every binary there.
+fn sibling_bin(name: &str, package: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test path");
     let bin = exe
         .parent()
         .and_then(|d| d.parent())
-        .map(|d| d.join("hearth-worker"))
+        .map(|d| d.join(name))
         .expect("target dir");
     assert!(
         bin.is_file(),
-        "{} is missing: run `cargo build -p hearth-worker` (or `make test`)",
+        "{} is missing: run `cargo build -p {package}` (or `make test`)",
         bin.display()
     );
     bin
+}
+
+pub fn worker_bin() -> PathBuf {
+    sibling_bin("hearth-worker", "hearth-worker")
+}
+
+pub fn hearth_bin() -> PathBuf {
+    sibling_bin("hearth", "hearth-orchestrator")
 }
 
 pub fn spawn_worker(a: &Assets) -> WorkerProcess {
@@ -89,7 +97,7 @@ impl Hearth {
     /// Starts `hearth` with `args` (plus a loopback port the OS chose) and reads its address.
     pub fn spawn(args: &[String]) -> Self {
         use std::io::BufRead;
-        let mut child = Command::new(env!("CARGO_BIN_EXE_hearth"))
+        let mut child = Command::new(hearth_bin())
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "warn")

@@ -1,10 +1,8 @@
 //! Chat turns through the whole stack over real sockets: the `hearth` binary, real
 //! `hearth-worker` processes with a tiny generated model, and a real PostgreSQL database.
 
-mod common;
-
-use common::http::{Event, Req, Sse};
-use common::stack::{slow_spec, wait_idle, worker_in_flight, Db, Hearth, Stack};
+use hearth_e2e::http::{Event, Req, Sse};
+use hearth_e2e::stack::{slow_spec, wait_idle, worker_in_flight, Db, Hearth, Stack};
 use hearth_orchestrator::auth::KeyOptions;
 use serde_json::{json, Value};
 

@@ -1,10 +1,8 @@
 //! The quick start: `hearth` with no `--worker` starts its own worker, keeps its data in SQLite
 //! under the data directory, and serves without keys on loopback.
 
-mod common;
-
-use common::http::Req;
-use common::stack::{assets, path, worker_bin, Hearth};
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{assets, path, worker_bin, Hearth};
 use serde_json::json;
 
 #[tokio::test]

@@ -1,0 +1,91 @@
+//! Two orchestrator replicas sharing PostgreSQL and Redis, with no load balancer in front: either
+//! serves any session, a stop reaches the replica running the reply, and rate limits hold
+//! across both.
+
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{slow_spec, Db, Hearth, Stack};
+use hearth_orchestrator::auth::KeyOptions;
+use serde_json::json;
+
+fn redis_url() -> String {
+    std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+#[tokio::test]
+async fn two_replicas_share_sessions_stops_and_limits() {
+    let redis = redis_url();
+    let extra = ["--redis-url", redis.as_str()];
+    let s = Stack::start_with("replicas", &slow_spec(), Db::Postgres, 1, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+
+    // Created on A, served on B, visible on A.
+    let r = Req::new("POST", "/v1/sessions")
+        .key(Some(&k))
+        .json(&json!({}))
+        .send(a)
+        .await;
+    let sid = r.json()["id"].as_str().expect("id").to_string();
+    let turn = json!({"content": "Hi", "max_tokens": 4, "stream": false});
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&turn)
+        .send(b_addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .send(a)
+        .await
+        .json();
+    assert_eq!(msgs["data"].as_array().map(Vec::len), Some(2));
+
+    // A long reply runs on A; a stop sent to B stops it.
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "Go on", "max_tokens": 900, "ignore_eos": true}))
+        .events(a)
+        .await;
+    let mut tokens = 0;
+    while tokens < 3 {
+        let e = sse.next().await.expect("event");
+        tokens += usize::from(e.event == "token");
+    }
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/stop"))
+        .key(Some(&k))
+        .send(b_addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["stopped"], true, "{}", r.text());
+    assert_eq!(r.json()["message"]["status"], "stopped");
+    let end = sse.rest().await.pop().expect("last event");
+    assert_eq!(end.event, "message_end");
+    assert_eq!(end.json()["status"], "stopped");
+
+    // Two requests a minute for this key, whichever replica gets them.
+    let limited = s
+        .key_with(
+            "bob",
+            KeyOptions {
+                requests_per_minute: Some(2),
+                ..KeyOptions::default()
+            },
+        )
+        .await;
+    let body =
+        json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+    let mut statuses = Vec::new();
+    for addr in [a, b_addr, a, b_addr] {
+        let r = Req::new("POST", "/v1/chat/completions")
+            .key(Some(&limited))
+            .json(&body)
+            .send(addr)
+            .await;
+        statuses.push(r.status);
+    }
+    assert_eq!(statuses, vec![200, 200, 429, 429]);
+    drop(b);
+    s.finish().await;
+}
