@@ -81,8 +81,24 @@ pub fn hearth_bin() -> PathBuf {
     sibling_bin("hearth", "hearth-orchestrator")
 }
 
+/// The flags test workers run with: a KV budget that suits the tiny model.
+const WORKER_FLAGS: [&str; 2] = ["--kv-budget", "64MiB"];
+
 pub fn spawn_worker(a: &Assets) -> WorkerProcess {
-    WorkerProcess::spawn(&worker_bin(), &a.model, &["--kv-budget", "64MiB"]).expect("start worker")
+    WorkerProcess::spawn(&worker_bin(), &a.model, &WORKER_FLAGS).expect("start worker")
+}
+
+/// Resident memory of a process, in bytes (Linux).
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
 }
 
 /// A `hearth` process; killed when dropped.
@@ -175,6 +191,19 @@ impl Stack {
         workers: usize,
         extra: &[&str],
     ) -> Self {
+        Self::start_full(tag, spec, db, workers, &WORKER_FLAGS, extra).await
+    }
+
+    /// Workers started with `worker_flags` (e.g. a scripted worker for load tests) and `hearth`
+    /// with `extra` flags.
+    pub async fn start_full(
+        tag: &str,
+        spec: &TinySpec,
+        db: Db,
+        workers: usize,
+        worker_flags: &[&str],
+        extra: &[&str],
+    ) -> Self {
         let assets = assets_with(tag, spec);
         let (pg, db_url) = match db {
             Db::Postgres => {
@@ -189,7 +218,12 @@ impl Stack {
                 ),
             ),
         };
-        let workers: Vec<WorkerProcess> = (0..workers).map(|_| spawn_worker(&assets)).collect();
+        let workers: Vec<WorkerProcess> = (0..workers)
+            .map(|_| {
+                WorkerProcess::spawn(&worker_bin(), &assets.model, worker_flags)
+                    .expect("start worker")
+            })
+            .collect();
         let hearth = Hearth::spawn(&Self::args(&assets, &db_url, &workers, extra));
         hearth.wait_ready().await;
         let store = SqlStore::connect(&db_url).await.expect("store");

@@ -8,6 +8,7 @@
 
 mod error;
 mod scheduler;
+mod scripted;
 mod types;
 
 pub use error::EngineError;
@@ -19,7 +20,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hearth_shared::{RequestId, SessionId};
 use tokio::sync::{mpsc, oneshot};
@@ -112,6 +113,44 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("hearth-engine".into())
             .spawn(move || engine_task(sched, rx, cancel_rx, thread_stats))
+            .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
+        Ok(Self {
+            handle: EngineHandle {
+                tx,
+                cancels,
+                stats,
+                info,
+                closed: Arc::new(AtomicBool::new(false)),
+            },
+            thread: Some(thread),
+        })
+    }
+
+    /// Starts a scripted engine (load tests only): no model, one token per request every
+    /// `interval`, echoing the request's prompt; see [`scripted`].
+    pub fn scripted(interval: Duration, config: &EngineConfig) -> Result<Self, EngineError> {
+        let info = Arc::new(ModelInfo {
+            architecture: "scripted".into(),
+            context_length: 1 << 20,
+            vocab_size: u32::MAX as usize,
+            bos_id: None,
+            eos_id: None,
+            end_of_turn_id: None,
+            default_stop_ids: Vec::new(),
+            kv_capacity_tokens: 1 << 30,
+            block_size: config.block_size,
+            kv_block_bytes: 0,
+            max_batch: config.max_batch,
+            max_waiting: config.max_waiting,
+            command_queue: config.command_queue,
+        });
+        let (tx, rx) = sync_channel(config.command_queue);
+        let (cancels, cancel_rx) = std::sync::mpsc::channel();
+        let stats = Arc::new(SharedStats::default());
+        let thread_stats = stats.clone();
+        let thread = std::thread::Builder::new()
+            .name("hearth-scripted".into())
+            .spawn(move || scripted::scripted_task(interval, rx, cancel_rx, thread_stats))
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
             handle: EngineHandle {

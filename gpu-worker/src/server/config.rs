@@ -55,6 +55,10 @@ pub struct ServeConfig {
     /// Seconds a SIGTERM waits for in-flight sequences before cancelling them.
     #[arg(long, env = "HEARTH_WORKER_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
     pub drain_timeout_secs: u64,
+    /// Load tests only: load no model and give every request one token per this many
+    /// milliseconds (echoing its prompt tokens), to measure what the layers above add.
+    #[arg(long, env = "HEARTH_WORKER_SCRIPTED_TOKEN_MS")]
+    pub scripted_token_ms: Option<u64>,
 }
 
 /// A configuration that passed [`ServeConfig::validate`].
@@ -67,6 +71,8 @@ pub struct ValidConfig {
     pub device: DeviceSpec,
     pub engine: EngineConfig,
     pub drain_timeout: Duration,
+    /// Scripted mode (load tests): the token interval; no model is loaded.
+    pub scripted: Option<Duration>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -95,7 +101,10 @@ impl ServeConfig {
             .model
             .clone()
             .unwrap_or_else(|| models_dir.join(DEFAULT_MODEL));
-        if !model.exists() {
+        if let Some(0) = self.scripted_token_ms {
+            return Err(invalid("--scripted-token-ms", "must be at least 1"));
+        }
+        if !model.exists() && self.scripted_token_ms.is_none() {
             return Err(ConfigError::MissingModel {
                 path: model.display().to_string(),
             });
@@ -143,6 +152,7 @@ impl ServeConfig {
             device: self.device,
             engine,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
+            scripted: self.scripted_token_ms.map(Duration::from_millis),
         })
     }
 }

@@ -145,18 +145,31 @@ impl Worker {
 
         tokio::pin!(shutdown);
         let started = Instant::now();
-        let load_config = config.clone();
-        let load = tokio::task::spawn_blocking(move || load(&load_config));
-        let loaded = tokio::select! {
-            loaded = load => loaded??,
-            () = &mut shutdown => {
-                tracing::info!("shutdown requested while loading; exiting");
-                stop_tx.send_replace(true);
-                return Ok(());
-            }
+        let engine = if let Some(interval) = config.scripted {
+            tracing::warn!(
+                ?interval,
+                "scripted mode: no model, tokens on a timer (load tests only)"
+            );
+            let info = Loaded {
+                model_id: "scripted".into(),
+                ..Loaded::default()
+            };
+            (Engine::scripted(interval, &config.engine)?, info)
+        } else {
+            let load_config = config.clone();
+            let load = tokio::task::spawn_blocking(move || load(&load_config));
+            let loaded = tokio::select! {
+                loaded = load => loaded??,
+                () = &mut shutdown => {
+                    tracing::info!("shutdown requested while loading; exiting");
+                    stop_tx.send_replace(true);
+                    return Ok(());
+                }
+            };
+            let (model, info) = loaded;
+            (Engine::start(Arc::new(model), config.engine.clone())?, info)
         };
-        let (model, info) = loaded;
-        let engine = Engine::start(Arc::new(model), config.engine.clone())?;
+        let (engine, info) = engine;
         state.set_ready(engine.handle(), info);
         metrics::gauge!(crate::telemetry::READY).set(1.0);
         tracing::info!(

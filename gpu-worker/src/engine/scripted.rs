@@ -1,0 +1,123 @@
+//! A scripted engine for load tests of the layers above the worker: no model, every request gets
+//! one token per tick of a timer, echoing its own prompt tokens (so any tokenizer can decode
+//! them), until `max_new_tokens`. It speaks the same commands and events as the real engine, so
+//! the gRPC service, the orchestrator and their clients are exercised exactly as in production
+//! while the worker's cost per token is fixed and tiny.
+
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_shared::{FinishReason, RequestId};
+
+use super::{Cancel, Command, EngineEvent, EventSender, SharedStats, Timings, ValidRequest};
+
+struct Active {
+    id: RequestId,
+    prompt: Vec<u32>,
+    max_new: usize,
+    sent: usize,
+    arrived: Instant,
+    first: Option<Instant>,
+    tx: EventSender,
+}
+
+impl Active {
+    fn finish(&self, reason: FinishReason) {
+        let now = Instant::now();
+        let ms = |t: Instant| t.duration_since(self.arrived).as_secs_f64() * 1000.0;
+        let _ = self.tx.send(EngineEvent::Finished {
+            reason,
+            prompt_tokens: self.prompt.len(),
+            cached_tokens: 0,
+            completion_tokens: self.sent,
+            timings: Timings {
+                queue_ms: 0.0,
+                time_to_first_token_ms: self.first.map_or(0.0, ms),
+                total_ms: ms(now),
+            },
+        });
+    }
+}
+
+pub(super) fn scripted_task(
+    interval: Duration,
+    rx: Receiver<Command>,
+    cancels: Receiver<Cancel>,
+    stats: Arc<SharedStats>,
+) {
+    let mut active: Vec<Active> = Vec::new();
+    let mut shutting_down = false;
+    let mut next_tick = Instant::now() + interval;
+    loop {
+        let wait = next_tick.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(wait) {
+            Ok(Command::Submit(req, tx)) => admit(&mut active, *req, tx),
+            Ok(Command::DropSession(_, reply)) => {
+                let _ = reply.send(Ok(()));
+            }
+            Ok(Command::Wake) => {}
+            Ok(Command::Shutdown) | Err(RecvTimeoutError::Disconnected) => shutting_down = true,
+            Err(RecvTimeoutError::Timeout) => {}
+        }
+        while let Ok(c) = cancels.try_recv() {
+            active.retain(|a| {
+                let hit = match c {
+                    Cancel::One(id) => a.id == id,
+                    Cancel::All => true,
+                };
+                if hit {
+                    a.finish(FinishReason::Cancelled);
+                }
+                !hit
+            });
+        }
+        if Instant::now() >= next_tick {
+            next_tick += interval;
+            tick(&mut active);
+            stats.steps.fetch_add(1, Ordering::Relaxed);
+        }
+        stats.running.store(active.len(), Ordering::Relaxed);
+        if shutting_down && active.is_empty() {
+            break;
+        }
+    }
+    tracing::info!("scripted engine stopped");
+}
+
+fn admit(active: &mut Vec<Active>, req: ValidRequest, tx: EventSender) {
+    let _ = tx.send(EngineEvent::Started {
+        cached_tokens: 0,
+        queue_ms: 0.0,
+    });
+    let r = req.inner;
+    active.push(Active {
+        id: r.id,
+        prompt: r.prompt,
+        max_new: r.max_new_tokens as usize,
+        sent: 0,
+        arrived: req.arrived,
+        first: None,
+        tx,
+    });
+}
+
+/// One token for every request; finished ones leave.
+fn tick(active: &mut Vec<Active>) {
+    let now = Instant::now();
+    active.retain_mut(|a| {
+        if a.tx.is_closed() {
+            return false;
+        }
+        let id = a.prompt[a.sent % a.prompt.len()];
+        let _ = a.tx.send(EngineEvent::Token { id, logprob: 0.0 });
+        a.sent += 1;
+        a.first.get_or_insert(now);
+        if a.sent >= a.max_new {
+            a.finish(FinishReason::Length);
+            return false;
+        }
+        true
+    });
+}
