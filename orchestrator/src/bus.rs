@@ -26,22 +26,27 @@ impl StopBus {
 
     /// Asks every replica to stop the session's running reply; false if Redis is unreachable.
     pub async fn publish(&self, session_id: &str) -> bool {
-        let mut c = self.conn.0.clone();
-        let r: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-            .arg(STOP_CHANNEL)
-            .arg(session_id)
-            .query_async(&mut c)
-            .await;
-        r.inspect_err(|e| tracing::warn!(error = %e, "redis unavailable: stop not relayed"))
-            .is_ok()
+        self.conn
+            .cmd::<i64>(
+                redis::cmd("PUBLISH").arg(STOP_CHANNEL).arg(session_id),
+                "stop not relayed",
+            )
+            .await
+            .is_some()
     }
 
     /// Listens for stop signals for as long as the process runs, reconnecting after outages.
     pub fn listen(url: String, streams: Arc<Streams>) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
+            let mut failing = false;
             loop {
-                if let Err(e) = listen_once(&url, &streams).await {
-                    tracing::warn!(error = %e, "redis stop channel lost; reconnecting");
+                match listen_once(&url, &streams).await {
+                    Err(e) if !failing => {
+                        tracing::warn!(error = %e, "redis stop channel lost; reconnecting");
+                        failing = true;
+                    }
+                    Err(_) => {}
+                    Ok(()) => failing = false,
                 }
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }

@@ -18,6 +18,7 @@ pub mod auth;
 pub mod bus;
 pub mod generate;
 pub mod limits;
+mod redis_conn;
 pub mod server;
 pub mod storage;
 pub mod telemetry;

@@ -3,12 +3,13 @@
 //!
 //! With Redis the counters are shared by every orchestrator replica; without it they live in
 //! this process. When Redis cannot be reached the limits are not enforced (requests pass and a
-//! warning is logged): an outage of the limiter must not take the chat service down with it.
+//! warning is logged, and Redis is left alone for a moment between tries): an outage of the
+//! limiter must not take the chat service down with it.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use redis::aio::ConnectionManager;
+pub use crate::redis_conn::Redis;
 
 use crate::storage::now_ms;
 
@@ -35,17 +36,8 @@ pub enum Limiter {
     Redis(Redis),
 }
 
-/// A shared, reconnecting Redis connection.
-#[derive(Clone)]
-pub struct Redis(pub ConnectionManager);
-
-impl std::fmt::Debug for Redis {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Redis")
-    }
-}
-
 const MINUTE_MS: i64 = 60_000;
+const UNENFORCED: &str = "rate limits are not enforced";
 const DAY_MS: i64 = 86_400_000;
 
 fn retry_after(window_ms: i64, now: i64) -> u64 {
@@ -96,20 +88,11 @@ impl Limiter {
                 let m = m.lock().unwrap_or_else(|p| p.into_inner());
                 m.get(key).map_or(0, |&(_, n)| n)
             }
-            Self::Redis(c) => {
-                let mut c = c.0.clone();
-                match redis::cmd("GET")
-                    .arg(key)
-                    .query_async::<Option<i64>>(&mut c)
-                    .await
-                {
-                    Ok(v) => v.unwrap_or(0),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "redis unavailable: rate limit not enforced");
-                        0
-                    }
-                }
-            }
+            Self::Redis(c) => c
+                .cmd::<Option<i64>>(redis::cmd("GET").arg(key), UNENFORCED)
+                .await
+                .flatten()
+                .unwrap_or(0),
         }
     }
 
@@ -130,24 +113,17 @@ impl Limiter {
                 e.1
             }
             Self::Redis(c) => {
-                let mut c = c.0.clone();
-                let r: redis::RedisResult<(i64, i64)> = redis::pipe()
-                    .atomic()
+                let mut pipe = redis::pipe();
+                pipe.atomic()
                     .cmd("INCRBY")
                     .arg(key)
                     .arg(n)
                     .cmd("EXPIRE")
                     .arg(key)
-                    .arg(ttl_secs)
-                    .query_async(&mut c)
-                    .await;
-                match r {
-                    Ok((v, _)) => v,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "redis unavailable: rate limit not enforced");
-                        0
-                    }
-                }
+                    .arg(ttl_secs);
+                c.pipe::<(i64, i64)>(&pipe, UNENFORCED)
+                    .await
+                    .map_or(0, |(v, _)| v)
             }
         }
     }
@@ -163,15 +139,7 @@ fn day_key(bucket: &str, now: i64) -> String {
 
 /// Connects to Redis with short timeouts, so an outage costs a request milliseconds, not a hang.
 pub async fn connect_redis(url: &str) -> Result<Redis, redis::RedisError> {
-    let client = redis::Client::open(url)?;
-    let config = redis::aio::ConnectionManagerConfig::new()
-        .set_connection_timeout(std::time::Duration::from_millis(1000))
-        .set_response_timeout(std::time::Duration::from_millis(500))
-        .set_number_of_retries(1);
-    client
-        .get_connection_manager_with_config(config)
-        .await
-        .map(Redis)
+    Redis::connect(url).await
 }
 
 #[cfg(test)]

@@ -302,9 +302,8 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
         },
         metrics: crate::telemetry::handle(),
     };
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("--listen {}: cannot bind", args.listen))?;
+    let listener =
+        bind(args.listen).with_context(|| format!("--listen {}: cannot bind", args.listen))?;
     let addr = listener.local_addr()?;
     announce(addr, &state);
 
@@ -342,6 +341,21 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
     }
     drop(local);
     Ok(())
+}
+
+/// Connection backlog: a burst of clients (a page of tabs reconnecting, a load test) must
+/// queue, not be reset; the kernel caps it at `net.core.somaxconn`.
+const LISTEN_BACKLOG: u32 = 4096;
+
+fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 async fn sweep_orphans(store: &Arc<dyn Store>, orphan_after: Duration) {

@@ -137,10 +137,15 @@ impl Hearth {
         }
     }
 
-    /// Waits until `/readyz` says a worker is ready.
+    /// Waits until `/readyz` says every worker is ready (not only the first, so a test that
+    /// kills one knows another can take over).
     pub async fn wait_ready(&self) {
         for _ in 0..600 {
-            if Req::new("GET", "/readyz").send(self.addr).await.status == 200 {
+            let r = Req::new("GET", "/readyz").send(self.addr).await;
+            let all = r.json()["workers"]
+                .as_array()
+                .is_some_and(|w| w.iter().all(|w| w["ready"] == true));
+            if r.status == 200 && all {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(50)).await;

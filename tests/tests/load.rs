@@ -2,7 +2,7 @@
 //! (tokens on a timer, no model): every stream completes, the orchestrator's memory stays
 //! bounded, and the time it adds per token is reported.
 //!
-//! Slow (about half a minute on 2 cores): `cargo test -p hearth-e2e --test load` runs it alone;
+//! The heaviest test (a few seconds, 2,000 sockets): `cargo test -p hearth-e2e --test load` runs it alone;
 //! skip it locally with `cargo test --workspace -- --skip thousand`. CI runs it.
 
 use std::sync::Arc;

@@ -171,14 +171,23 @@ pub struct ValidJson<T>(pub T);
 
 impl<S, T> FromRequest<S> for ValidJson<T>
 where
-    axum::Json<T>: FromRequest<S, Rejection = axum::extract::rejection::JsonRejection>,
+    T: serde::de::DeserializeOwned,
     S: Send + Sync,
 {
     type Rejection = ApiError;
 
+    /// Bodies are JSON objects. serde would also build a struct from an array (fields in
+    /// order), which no client means and which would slip past `deny_unknown_fields`.
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let axum::Json(v) = axum::Json::<T>::from_request(req, state).await?;
-        Ok(Self(v))
+        let axum::Json(v) = axum::Json::<serde_json::Value>::from_request(req, state).await?;
+        if !v.is_object() {
+            return Err(ApiError::Validation(
+                "the request body must be a JSON object".into(),
+            ));
+        }
+        serde_json::from_value(v)
+            .map(Self)
+            .map_err(|e| ApiError::Validation(format!("invalid request body: {e}")))
     }
 }
 

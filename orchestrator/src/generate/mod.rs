@@ -153,6 +153,10 @@ impl Generator {
         let mut failed: Vec<String> = Vec::new();
         let mut saved_len = 0usize;
         let mut saved_at = Instant::now();
+        let saver = job
+            .message_id
+            .as_ref()
+            .map(|id| self.progress_saver(id.clone()));
         let mut tick = tokio::time::interval(SAVE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -214,12 +218,10 @@ impl Generator {
                     e = gen.next() => e,
                     () = live.stopped() => return Ending::Finished(FinishReason::Cancelled),
                     _ = tick.tick() => {
-                        if let Some(id) = &job.message_id {
+                        if let Some(saver) = &saver {
                             let due = p.text.len() != saved_len || saved_at.elapsed() >= HEARTBEAT_EVERY;
                             if due {
-                                if let Err(e) = self.store.save_progress(id, &p.text).await {
-                                    tracing::warn!(error = %e, "could not save reply progress");
-                                }
+                                saver.send_replace(p.text.clone());
                                 saved_len = p.text.len();
                                 saved_at = Instant::now();
                             }
@@ -283,6 +285,23 @@ impl Generator {
                 }
             }
         }
+    }
+
+    /// Saves a reply's text in the background, latest first: a slow or unreachable database
+    /// delays the saved copy, never the tokens. Ends when the sender is dropped.
+    fn progress_saver(&self, message_id: String) -> tokio::sync::watch::Sender<String> {
+        let (tx, mut rx) = tokio::sync::watch::channel(String::new());
+        let store = self.store.clone();
+        tokio::spawn(async move {
+            while rx.changed().await.is_ok() {
+                let text = rx.borrow_and_update().clone();
+                // Only a `streaming` message is touched, so a late save never undoes the end.
+                if let Err(e) = store.save_progress(&message_id, &text).await {
+                    tracing::warn!(error = %e, "could not save reply progress");
+                }
+            }
+        });
+        tx
     }
 
     fn emit(&self, job: &Job, live: &Live, p: &mut Progress, text: String) {

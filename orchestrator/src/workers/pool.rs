@@ -115,17 +115,13 @@ impl Affinity {
                 .unwrap_or_else(|p| p.into_inner())
                 .get(session)
                 .cloned(),
-            Self::Redis(c) => {
-                let mut c = c.0.clone();
-                redis::cmd("GET")
-                    .arg(format!("hearth:affinity:{session}"))
-                    .query_async::<Option<String>>(&mut c)
-                    .await
-                    .unwrap_or_else(|e| {
-                        tracing::warn!(error = %e, "redis unavailable: session affinity unknown");
-                        None
-                    })
-            }
+            Self::Redis(c) => c
+                .cmd::<Option<String>>(
+                    redis::cmd("GET").arg(format!("hearth:affinity:{session}")),
+                    "session affinity unknown",
+                )
+                .await
+                .flatten(),
         }
     }
 
@@ -139,17 +135,13 @@ impl Affinity {
                 m.insert(session.to_string(), addr.to_string());
             }
             Self::Redis(c) => {
-                let mut c = c.0.clone();
-                let r: redis::RedisResult<()> = redis::cmd("SET")
+                let set = redis::cmd("SET")
                     .arg(format!("hearth:affinity:{session}"))
                     .arg(addr)
                     .arg("EX")
                     .arg(AFFINITY_TTL_SECS)
-                    .query_async(&mut c)
-                    .await;
-                if let Err(e) = r {
-                    tracing::warn!(error = %e, "redis unavailable: session affinity not saved");
-                }
+                    .clone();
+                c.cmd::<()>(&set, "session affinity not saved").await;
             }
         }
     }
