@@ -321,23 +321,33 @@ pub async fn request_rate(
     }
 }
 
-/// `sessions` conversations of `turns` turns each, all running at once (so their turns
-/// interleave on the server); each turn adds `turn_words` of user text.
+/// `sessions` conversations of `turns` turns each, their turns interleaved on the server, with
+/// at most `clients` requests in flight (turns are served in arrival order, so with fewer
+/// clients than sessions the sessions take turns round-robin); each turn adds `turn_words` of
+/// user text.
+#[allow(clippy::too_many_arguments)]
 pub async fn multi_turn(
     target: &Target,
     shape: &Shape,
     sessions: usize,
     turns: usize,
     turn_words: usize,
+    clients: usize,
     deadline: Instant,
     show: bool,
 ) -> Summary {
-    let name = format!("{sessions}x{turns} turns");
+    let name = format!("{sessions}x{turns} turns, {clients} cl");
+    let permits = Arc::new(tokio::sync::Semaphore::new(clients.max(1)));
     let progress = Arc::new(Progress::start(&name, sessions * turns, show));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for session in 0..sessions {
-        let (target, shape, progress) = (target.clone(), shape.clone(), progress.clone());
+        let (target, shape, progress, permits) = (
+            target.clone(),
+            shape.clone(),
+            progress.clone(),
+            permits.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let mut words = words_for(shape.seed, session, 104_729);
             let mut out: Vec<(usize, Sample)> = Vec::new();
@@ -360,6 +370,9 @@ pub async fn multi_turn(
                     break;
                 }
                 let text = prompt(&mut words, turn_words);
+                let Ok(_permit) = permits.acquire().await else {
+                    break;
+                };
                 let sample = match shape.api {
                     Api::Native => {
                         let path = format!("/v1/sessions/{sid}/messages");

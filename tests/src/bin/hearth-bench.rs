@@ -64,6 +64,10 @@ struct Args {
     /// Turns per session for `multi-turn`.
     #[arg(long, default_value_t = 8)]
     turns: usize,
+    /// Requests in flight at once for `multi-turn` [default: one per session]; fewer clients
+    /// than sessions serve the sessions' turns round-robin.
+    #[arg(long)]
+    clients: Option<usize>,
     /// New user words per turn for `multi-turn`.
     #[arg(long, default_value_t = 90)]
     turn_words: usize,
@@ -137,8 +141,8 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if !(args.rate.is_finite() && args.rate > 0.0) {
         anyhow::bail!("--rate: must be a positive number");
     }
-    if args.output_tokens == 0 || args.sessions == 0 || args.turns == 0 {
-        anyhow::bail!("--output-tokens, --sessions and --turns must be positive");
+    if args.output_tokens == 0 || args.sessions == 0 || args.turns == 0 || args.clients == Some(0) {
+        anyhow::bail!("--output-tokens, --sessions, --turns and --clients must be positive");
     }
     let target = Target::parse(
         &args.url,
@@ -187,6 +191,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     args.sessions,
                     args.turns,
                     args.turn_words,
+                    args.clients.unwrap_or(args.sessions),
                     deadline,
                     show,
                 )
