@@ -81,6 +81,10 @@ pub fn hearth_bin() -> PathBuf {
     sibling_bin("hearth", "hearth-orchestrator")
 }
 
+pub fn bench_bin() -> PathBuf {
+    sibling_bin("hearth-bench", "hearth-e2e")
+}
+
 /// The flags test workers run with: a KV budget that suits the tiny model.
 const WORKER_FLAGS: [&str; 2] = ["--kv-budget", "64MiB"];
 
