@@ -278,6 +278,18 @@ impl Stack {
         self.key_with(user, KeyOptions::default()).await
     }
 
+    /// A key allowed `requests_per_minute` generation requests a minute.
+    pub async fn limited_key(&self, user: &str, requests_per_minute: i64) -> String {
+        self.key_with(
+            user,
+            KeyOptions {
+                requests_per_minute: Some(requests_per_minute),
+                ..KeyOptions::default()
+            },
+        )
+        .await
+    }
+
     pub async fn key_with(&self, user: &str, options: KeyOptions) -> String {
         issue_key(&self.store, user, options)
             .await

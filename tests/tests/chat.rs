@@ -3,7 +3,6 @@
 
 use hearth_e2e::http::{Event, Req, Sse};
 use hearth_e2e::stack::{slow_spec, wait_idle, worker_in_flight, Db, Hearth, Stack};
-use hearth_orchestrator::auth::KeyOptions;
 use serde_json::{json, Value};
 
 async fn new_session(s: &Stack, key: &str, body: Value) -> String {
@@ -278,15 +277,7 @@ async fn another_users_session_is_404_on_every_generation_route() {
 #[tokio::test]
 async fn bad_generation_requests_are_refused_and_store_nothing() {
     let s = Stack::start("badgen", Db::Postgres, 1, &[]).await;
-    let k = s
-        .key_with(
-            "limited",
-            KeyOptions {
-                requests_per_minute: Some(3),
-                ..KeyOptions::default()
-            },
-        )
-        .await;
+    let k = s.limited_key("limited", 3).await;
     let free = s.key("free").await;
     let sid = new_session(&s, &free, json!({})).await;
     let path = format!("/v1/sessions/{sid}/messages");

@@ -649,15 +649,7 @@ async fn with_redis_down_chat_keeps_working_limits_lapse_and_stop_still_works() 
     )
     .await;
     let addr = s.addr();
-    let limited = s
-        .key_with(
-            "bob",
-            KeyOptions {
-                requests_per_minute: Some(2),
-                ..KeyOptions::default()
-            },
-        )
-        .await;
+    let limited = s.limited_key("bob", 2).await;
 
     // With Redis up the limit holds.
     let statuses = until_limited(addr, &limited, 6).await;

@@ -4,7 +4,6 @@
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{slow_spec, Db, Hearth, Stack};
-use hearth_orchestrator::auth::KeyOptions;
 use serde_json::json;
 
 fn redis_url() -> String {
@@ -65,15 +64,7 @@ async fn two_replicas_share_sessions_stops_and_limits() {
     assert_eq!(end.json()["status"], "stopped");
 
     // Two requests a minute for this key, whichever replica gets them.
-    let limited = s
-        .key_with(
-            "bob",
-            KeyOptions {
-                requests_per_minute: Some(2),
-                ..KeyOptions::default()
-            },
-        )
-        .await;
+    let limited = s.limited_key("bob", 2).await;
     let body =
         json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
     let mut statuses = Vec::new();

@@ -183,22 +183,17 @@ pub async fn post_message(
         .ok_or_else(|| ApiError::Validation("content: required".into()))?;
     check_content("content", content)?;
     let user = &caller.user;
-    let session = s.store.get_session(&user.id, &id).await?;
-    let opts = body.options(&session)?;
-    s.generator.limiter.admit(&caller.quota).await?;
-    let reservation = s.generator.streams.reserve(&id)?;
-    let history = s.store.list_messages(&user.id, &id).await?;
-    let mut convo = conversation(&session, &history);
+    let t = open_turn(&s, &caller, &id, &body).await?;
+    let mut convo = conversation(&t.session, &t.history);
     convo.push(ChatMessage::new(ChatRole::User, content));
-    let stream = body.stream.unwrap_or(true);
     launch(
         &s,
         &caller,
         &id,
-        reservation,
+        t.reservation,
         &convo,
-        opts,
-        stream,
+        t.opts,
+        body.stream.unwrap_or(true),
         arrived,
         || async {
             let turn = s.store.begin_turn(&user.id, &id, content).await?;
@@ -222,13 +217,9 @@ pub async fn regenerate(
         ));
     }
     let user = &caller.user;
-    let session = s.store.get_session(&user.id, &id).await?;
-    let opts = body.options(&session)?;
-    s.generator.limiter.admit(&caller.quota).await?;
-    let reservation = s.generator.streams.reserve(&id)?;
-    let history = s.store.list_messages(&user.id, &id).await?;
+    let t = open_turn(&s, &caller, &id, &body).await?;
     // The reply to replace is the last message; what came before must end with a user message.
-    let from = match history.last() {
+    let from = match t.history.last() {
         Some(m) if m.role == Role::Assistant => m.seq,
         _ => {
             return Err(ApiError::Conflict(
@@ -236,18 +227,17 @@ pub async fn regenerate(
             ))
         }
     };
-    let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
-    let convo = conversation(&session, &earlier);
-    let stream = body.stream.unwrap_or(true);
+    let earlier: Vec<Message> = t.history.into_iter().filter(|m| m.seq < from).collect();
+    let convo = conversation(&t.session, &earlier);
     let asked = earlier.last().map(|m| m.id.clone());
     launch(
         &s,
         &caller,
         &id,
-        reservation,
+        t.reservation,
         &convo,
-        opts,
-        stream,
+        t.opts,
+        body.stream.unwrap_or(true),
         arrived,
         || async {
             let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
@@ -255,6 +245,34 @@ pub async fn regenerate(
         },
     )
     .await
+}
+
+/// What a new turn starts from: the caller's session, the options, the session's place (one
+/// running reply at a time) and the stored history. Counts against the caller's rate limit.
+struct OpenTurn {
+    session: Session,
+    opts: GenOptions,
+    reservation: Reservation,
+    history: Vec<Message>,
+}
+
+async fn open_turn(
+    s: &AppState,
+    caller: &Caller,
+    session_id: &str,
+    body: &TurnBody,
+) -> Result<OpenTurn, ApiError> {
+    let session = s.store.get_session(&caller.user.id, session_id).await?;
+    let opts = body.options(&session)?;
+    s.generator.limiter.admit(&caller.quota).await?;
+    let reservation = s.generator.streams.reserve(session_id)?;
+    let history = s.store.list_messages(&caller.user.id, session_id).await?;
+    Ok(OpenTurn {
+        session,
+        opts,
+        reservation,
+        history,
+    })
 }
 
 /// The part of a turn after the request is checked: fit the prompt, take a worker, store the
@@ -482,6 +500,8 @@ pub async fn stop(
     let streaming = |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;
     let reply_id = if let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) {
         live.stop();
+        // The outcome is stored before it is announced, so one read finds the final message.
+        let _ = tokio::time::timeout(Duration::from_secs(10), live.outcome()).await;
         live.ids.message_id.clone()
     } else {
         let last = s.store.list_messages(&caller.user.id, &id).await?.pop();

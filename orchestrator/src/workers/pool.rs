@@ -160,7 +160,7 @@ pub struct WorkerPool {
 /// A worker chosen for one request; it counts as in flight there until dropped.
 #[derive(Debug)]
 pub struct Lease {
-    pub slot: Arc<WorkerSlot>,
+    slot: Arc<WorkerSlot>,
     conn: Arc<WorkerConnection>,
     pool: Arc<WorkerPool>,
 }
@@ -249,18 +249,6 @@ impl WorkerPool {
                 })
             })
             .collect()
-    }
-
-    /// Waits until every worker is ready or `timeout` passes; true if all are.
-    pub async fn wait_ready(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if self.ready_count() == self.slots.len() {
-                return true;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        false
     }
 
     /// Chooses a worker for a request of `session` (if any), skipping `exclude`. Waits in the
