@@ -1,0 +1,26 @@
+"use client";
+
+import { memo, useMemo } from "react";
+import { splitBlocks } from "@/lib/blocks";
+import { renderBlock } from "@/lib/markdown";
+
+/** One block's HTML, rebuilt only when its own text changes. */
+const Block = memo(function Block({ text, done }: { text: string; done: boolean }) {
+  const html = useMemo(() => renderBlock(text, done), [text, done]);
+  return <div className="md-block" dangerouslySetInnerHTML={{ __html: html }} />;
+});
+
+/**
+ * A reply as markdown. While it streams, only the last block changes, so only it is parsed
+ * again on each update; finished blocks keep their memoized HTML.
+ */
+export function Markdown({ text, streaming }: { text: string; streaming: boolean }) {
+  const blocks = useMemo(() => splitBlocks(text, !streaming), [text, streaming]);
+  return (
+    <div className="md">
+      {blocks.map((b, i) => (
+        <Block key={i} text={b} done={!streaming || i < blocks.length - 1} />
+      ))}
+    </div>
+  );
+}

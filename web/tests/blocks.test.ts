@@ -1,0 +1,80 @@
+import { describe, expect, it } from "vitest";
+import { splitBlocks } from "../lib/blocks";
+import { renderBlock } from "../lib/markdown";
+
+const DOC = [
+  "# Title",
+  "",
+  "A paragraph",
+  "over two lines.",
+  "",
+  "1. one",
+  "",
+  "2. two",
+  "",
+  "   continued",
+  "",
+  "```python",
+  "x = 1",
+  "",
+  "y = 2",
+  "```",
+  "",
+  "| a | b |",
+  "|---|---|",
+  "| 1 | 2 |",
+  "",
+  "- [x] done",
+  "- [ ] todo",
+].join("\n");
+
+describe("splitBlocks", () => {
+  it("splits at blank lines outside fences and keeps lists and code whole", () => {
+    expect(splitBlocks(DOC)).toEqual([
+      "# Title",
+      "A paragraph\nover two lines.",
+      "1. one\n\n2. two\n\n   continued",
+      "```python\nx = 1\n\ny = 2\n```",
+      "| a | b |\n|---|---|\n| 1 | 2 |",
+      "- [x] done\n- [ ] todo",
+    ]);
+  });
+
+  it("renders the blocks as the whole text renders", () => {
+    const whole = renderBlock(DOC).replace(/\s+/g, "");
+    const parts = splitBlocks(DOC).map((b) => renderBlock(b)).join("").replace(/\s+/g, "");
+    expect(parts).toBe(whole);
+  });
+
+  it("keeps an unclosed fence open to the end (a streaming code block)", () => {
+    expect(splitBlocks("intro\n\n```js\nlet a;\n\nlet b;")).toEqual(["intro", "```js\nlet a;\n\nlet b;"]);
+  });
+
+  it("every prefix of a stream splits into finished blocks that stay finished", () => {
+    const final = splitBlocks(DOC);
+    for (let i = 1; i <= DOC.length; i++) {
+      const blocks = splitBlocks(DOC.slice(0, i), false);
+      // All but the last block of a prefix are already final.
+      expect(blocks.slice(0, -1), `prefix ${i}`).toEqual(final.slice(0, blocks.length - 1));
+    }
+  });
+});
+
+describe("renderBlock", () => {
+  it("renders GFM tables, task lists and highlighted code with a copy button", () => {
+    const html = splitBlocks(DOC).map((b) => renderBlock(b)).join("");
+    expect(html).toContain("<table>");
+    expect(html).toContain('type="checkbox"');
+    expect(html).toContain('class="hljs language-python"');
+    expect(html).toContain("hljs-number");
+    expect(html).toContain('aria-label="Copy code"');
+  });
+
+  it("shows raw HTML as text and drops unsafe links", () => {
+    const html = renderBlock('<img src=x onerror="alert(1)"> [a](javascript:alert(1)) [b](https://x.test)');
+    expect(html).not.toContain("<img");
+    expect(html).toContain("&#60;img");
+    expect(html).not.toContain("javascript:");
+    expect(html).toContain('<a href="https://x.test"');
+  });
+});
