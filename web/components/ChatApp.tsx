@@ -122,9 +122,9 @@ export function ChatApp() {
 
   // ---- auth -------------------------------------------------------------------------------
   useEffect(() => {
-    setUnauthorizedHandler(() => {
+    setUnauthorizedHandler((hadKey) => {
       setKey(null);
-      setKeyError("The API key was not accepted. Enter a valid key.");
+      setKeyError(hadKey ? "The API key was not accepted. Enter a valid key." : null);
       setAuth("need-key");
     });
     loadKey();

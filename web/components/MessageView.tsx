@@ -97,6 +97,7 @@ export const MessageView = memo(function MessageView({
       className={`msg assistant ${m.status}`}
       data-id={m.id}
       data-status={m.status}
+      data-text={streaming ? undefined : m.content}
       aria-label="Reply"
       aria-live={streaming ? "polite" : undefined}
       aria-busy={streaming}

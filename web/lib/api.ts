@@ -17,7 +17,7 @@ export class ApiError extends Error {
 }
 
 let apiKey: string | null = null;
-let onUnauthorized: (() => void) | null = null;
+let onUnauthorized: ((hadKey: boolean) => void) | null = null;
 
 export function loadKey(): string | null {
   try {
@@ -39,7 +39,7 @@ export function setKey(key: string | null) {
 }
 
 /** Called on any 401 (the key is missing, wrong or revoked). */
-export function setUnauthorizedHandler(f: (() => void) | null) {
+export function setUnauthorizedHandler(f: ((hadKey: boolean) => void) | null) {
   onUnauthorized = f;
 }
 
@@ -64,7 +64,7 @@ export async function request(path: string, init: RequestInit = {}): Promise<Res
   const r = await fetch(path, { ...init, headers });
   if (!r.ok) {
     const e = await errorFrom(r);
-    if (r.status === 401) onUnauthorized?.();
+    if (r.status === 401) onUnauthorized?.(apiKey !== null);
     throw e;
   }
   return r;
