@@ -4,6 +4,12 @@ import { memo, useMemo } from "react";
 import { splitBlocks } from "@/lib/blocks";
 import { renderBlock } from "@/lib/markdown";
 
+/**
+ * `?render=full` turns the incremental rendering off (the whole reply is parsed on every
+ * update), so the measurement in e2e/perf.spec.ts can compare the two in one run.
+ */
+const FULL = typeof window !== "undefined" && new URLSearchParams(window.location.search).get("render") === "full";
+
 /** One block's HTML, rebuilt only when its own text changes. */
 const Block = memo(function Block({ text, done }: { text: string; done: boolean }) {
   const html = useMemo(() => renderBlock(text, done), [text, done]);
@@ -15,7 +21,7 @@ const Block = memo(function Block({ text, done }: { text: string; done: boolean 
  * again on each update; finished blocks keep their memoized HTML.
  */
 export function Markdown({ text, streaming }: { text: string; streaming: boolean }) {
-  const blocks = useMemo(() => splitBlocks(text, !streaming), [text, streaming]);
+  const blocks = useMemo(() => (FULL ? [text] : splitBlocks(text, !streaming)), [text, streaming]);
   return (
     <div className="md">
       {blocks.map((b, i) => (

@@ -1,6 +1,6 @@
 // Measurements, printed (not asserted against thresholds): the JavaScript the chat page loads
 // (gzipped) and the main-thread time spent while a 4,000-token markdown reply streams.
-import { expect, test } from "@playwright/test";
+import { expect, test, type Page } from "@playwright/test";
 import { readFileSync } from "node:fs";
 import { resolve } from "node:path";
 import { gzipSync } from "node:zlib";
@@ -35,26 +35,11 @@ function markdown(chars: number): string {
   return parts.join("\n").slice(0, chars);
 }
 
-test("measure: gzipped JS of the chat page and main-thread time for a 4,000-token reply", async ({ page }) => {
-  test.setTimeout(120_000);
-  const scripts = new Set<string>();
-  page.on("response", (r) => {
-    if (r.request().resourceType() === "script") scripts.add(new URL(r.url()).pathname);
-  });
-  await page.goto(stack().url);
+async function streamReply(page: Page, url: string, text: string) {
+  await page.goto(url);
   await expect(page.locator(".health .dot.ok")).toBeVisible();
-  let gz = 0;
-  let raw = 0;
-  for (const s of scripts) {
-    const body = readFileSync(resolve(WEB_DIR, `.${s}`));
-    raw += body.length;
-    gz += gzipSync(body, { level: 9 }).length;
-  }
-
   await setMaxTokens(page, 4000);
-  const text = markdown(3990);
   await page.getByRole("textbox", { name: "Message" }).fill(text);
-
   const cdp = await page.context().newCDPSession(page);
   await cdp.send("Performance.enable");
   const metrics = async () =>
@@ -77,20 +62,42 @@ test("measure: gzipped JS of the chat page and main-thread time for a 4,000-toke
   expect(stored[1].content.length).toBeGreaterThanOrEqual(3900);
   expect(await reply(page).getAttribute("data-text")).toBe(stored[1].content);
   await expect(reply(page).locator(".details")).toContainText("4000 tokens");
-
   const ms = (k: string) => Math.round((after[k] - before[k]) * 1000);
+  return {
+    wall_ms: wall,
+    main_thread_task_ms: ms("TaskDuration"),
+    script_ms: ms("ScriptDuration"),
+    layout_ms: ms("LayoutDuration"),
+    style_ms: ms("RecalcStyleDuration"),
+    long_tasks: longTasks.length,
+    longest_task_ms: Math.round(Math.max(0, ...longTasks)),
+  };
+}
+
+test("measure: gzipped JS of the chat page and main-thread time for a 4,000-token reply", async ({ page, browser }) => {
+  test.setTimeout(180_000);
+  const scripts = new Set<string>();
+  page.on("response", (r) => {
+    if (r.request().resourceType() === "script") scripts.add(new URL(r.url()).pathname);
+  });
+  const text = markdown(3990);
+  const incremental = await streamReply(page, stack().url, text);
+  let gz = 0;
+  let raw = 0;
+  for (const s of scripts) {
+    const body = readFileSync(resolve(WEB_DIR, `.${s}`));
+    raw += body.length;
+    gz += gzipSync(body, { level: 9 }).length;
+  }
+  // The same reply with every update parsing the whole text, for comparison.
+  const other = await browser.newPage();
+  const full = await streamReply(other, `${stack().url}/?render=full`, text);
+  await other.close();
+
   const report = {
     chat_page_js: { scripts: scripts.size, bytes: raw, gzip_bytes: gz, gzip_kib: +(gz / 1024).toFixed(1) },
-    reply_4000_tokens: {
-      wall_ms: wall,
-      main_thread_task_ms: ms("TaskDuration"),
-      script_ms: ms("ScriptDuration"),
-      layout_ms: ms("LayoutDuration"),
-      style_ms: ms("RecalcStyleDuration"),
-      long_tasks: longTasks.length,
-      longest_task_ms: Math.round(Math.max(0, ...longTasks)),
-      completion_tokens: 4000,
-    },
+    reply_4000_tokens: { incremental, full_reparse: full },
+    main_thread_ratio_full_over_incremental: +(full.main_thread_task_ms / Math.max(1, incremental.main_thread_task_ms)).toFixed(2),
   };
   console.log(`PERF ${JSON.stringify(report)}`);
 });

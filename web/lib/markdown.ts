@@ -1,24 +1,21 @@
 // Markdown to safe HTML: GFM through `marked`, code highlighted by highlight.js core with a
-// few registered languages. Raw HTML in the text is shown as text, never interpreted, and
+// handful of registered languages (each costs a few KiB of the page's JavaScript). Raw HTML in the text is shown as text, never interpreted, and
 // links may only be http(s), mailto or relative.
 
 import { Marked, type Tokens } from "marked";
 import hljs from "highlight.js/lib/core";
 import bash from "highlight.js/lib/languages/bash";
 import c from "highlight.js/lib/languages/c";
-import cpp from "highlight.js/lib/languages/cpp";
-import css from "highlight.js/lib/languages/css";
 import go from "highlight.js/lib/languages/go";
 import javascript from "highlight.js/lib/languages/javascript";
 import json from "highlight.js/lib/languages/json";
 import python from "highlight.js/lib/languages/python";
 import rust from "highlight.js/lib/languages/rust";
-import sql from "highlight.js/lib/languages/sql";
 import typescript from "highlight.js/lib/languages/typescript";
 import xml from "highlight.js/lib/languages/xml";
 import yaml from "highlight.js/lib/languages/yaml";
 
-const LANGS = { bash, c, cpp, css, go, javascript, json, python, rust, sql, typescript, xml, yaml };
+const LANGS = { bash, c, go, javascript, json, python, rust, typescript, xml, yaml };
 for (const [name, lang] of Object.entries(LANGS)) hljs.registerLanguage(name, lang);
 hljs.registerAliases(["sh", "shell", "zsh"], { languageName: "bash" });
 hljs.registerAliases(["js", "jsx", "mjs"], { languageName: "javascript" });
@@ -27,7 +24,7 @@ hljs.registerAliases(["py"], { languageName: "python" });
 hljs.registerAliases(["rs"], { languageName: "rust" });
 hljs.registerAliases(["html", "svg"], { languageName: "xml" });
 hljs.registerAliases(["yml"], { languageName: "yaml" });
-hljs.registerAliases(["c++", "h", "hpp"], { languageName: "cpp" });
+hljs.registerAliases(["h", "cpp", "c++", "hpp"], { languageName: "c" });
 
 export function escapeHtml(s: string): string {
   return s.replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
