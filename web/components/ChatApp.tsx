@@ -117,6 +117,7 @@ export function ChatApp() {
   const listGen = useRef(0);
   const composer = useRef<HTMLTextAreaElement>(null);
   const bottom = useRef<HTMLDivElement>(null);
+  const stick = useRef(true);
   const queued = useRef<SseEvent[]>([]);
   const frame = useRef<number | null>(null);
 
@@ -204,16 +205,18 @@ export function ChatApp() {
     if (cursor && !listLoading) void loadSessions(query, cursor);
   }, [cursor, listLoading, loadSessions, query]);
 
-  const upsert = useCallback(
-    (s: Session) => {
-      setSessions((old) => {
-        const rest = old.filter((o) => o.id !== s.id);
-        if (query && !s.title.toLowerCase().includes(query.trim().toLowerCase())) return rest;
-        return [s, ...rest].sort((a, b) => b.updated_at - a.updated_at);
-      });
-    },
-    [query],
-  );
+  const queryRef = useRef(query);
+  useEffect(() => {
+    queryRef.current = query;
+  }, [query]);
+  const upsert = useCallback((s: Session) => {
+    setSessions((old) => {
+      const rest = old.filter((o) => o.id !== s.id);
+      const q = queryRef.current.trim().toLowerCase();
+      if (q && !s.title.toLowerCase().includes(q)) return rest;
+      return [s, ...rest].sort((a, b) => b.updated_at - a.updated_at);
+    });
+  }, []);
 
   // ---- streaming ----------------------------------------------------------------------------
   const flush = useCallback(() => {
@@ -407,6 +410,7 @@ export function ChatApp() {
     else if (t.kind === "regenerate") dispatch({ type: "regenerate" });
     else dispatch({ type: "edit", messageId: t.messageId, content: t.content });
     if (t.kind === "send") setDraft("");
+    stick.current = true;
     const run = begin(id);
     const max = readMaxTokens(id);
     let first: Response;
@@ -474,8 +478,9 @@ export function ChatApp() {
     return () => clearInterval(t);
   }, [banner]);
 
+  // Follow the reply as it grows, unless the reader has scrolled up.
   useEffect(() => {
-    bottom.current?.scrollIntoView({ block: "end" });
+    if (stick.current) bottom.current?.scrollIntoView({ block: "end" });
   }, [chat.messages]);
 
   // ---- settings -------------------------------------------------------------------------------
@@ -565,7 +570,15 @@ export function ChatApp() {
           <ThemeToggle />
         </header>
         {/* Copy buttons are inside the rendered markdown: one delegated handler serves them all. */}
-        <section className="messages" aria-label="Messages" onClick={onCopyClick}>
+        <section
+          className="messages"
+          aria-label="Messages"
+          onClick={onCopyClick}
+          onScroll={(e) => {
+            const el = e.currentTarget;
+            stick.current = el.scrollHeight - el.scrollTop - el.clientHeight < 80;
+          }}
+        >
           {chat.messages.length === 0 && (
             <div className="empty muted">
               <p>Ask anything. Enter sends, Shift+Enter adds a line, Esc stops a reply.</p>
