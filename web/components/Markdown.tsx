@@ -1,8 +1,10 @@
 "use client";
 
-import { memo, useMemo } from "react";
+import { memo, useEffect, useMemo, useState } from "react";
 import { splitBlocks } from "@/lib/blocks";
-import { renderBlock } from "@/lib/markdown";
+import { highlighterReady, loadHighlighter, renderBlock } from "@/lib/markdown";
+
+const FENCED = /^ {0,3}(```|~~~)/m;
 
 /**
  * `?render=full` turns the incremental rendering off (the whole reply is parsed on every
@@ -12,7 +14,13 @@ const FULL = typeof window !== "undefined" && new URLSearchParams(window.locatio
 
 /** One block's HTML, rebuilt only when its own text changes. */
 const Block = memo(function Block({ text, done }: { text: string; done: boolean }) {
-  const html = useMemo(() => renderBlock(text, done), [text, done]);
+  // A finished code block loads the highlighter once, then renders again highlighted.
+  const [highlighted, setHighlighted] = useState(highlighterReady);
+  const wants = done && !highlighted && FENCED.test(text);
+  useEffect(() => {
+    if (wants) void loadHighlighter().then(() => setHighlighted(true));
+  }, [wants]);
+  const html = useMemo(() => renderBlock(text, done && highlighted), [text, done, highlighted]);
   return <div className="md-block" dangerouslySetInnerHTML={{ __html: html }} />;
 });
 

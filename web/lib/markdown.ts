@@ -1,30 +1,25 @@
-// Markdown to safe HTML: GFM through `marked`, code highlighted by highlight.js core with a
-// handful of registered languages (each costs a few KiB of the page's JavaScript). Raw HTML in the text is shown as text, never interpreted, and
-// links may only be http(s), mailto or relative.
+// Markdown to safe HTML: GFM through `marked`; finished code blocks are highlighted once the
+// highlighter (lib/highlight.ts, loaded on demand) is there. Raw HTML in the text is shown as
+// text, never interpreted, and links may only be http(s), mailto or relative.
 
 import { Marked, type Tokens } from "marked";
-import hljs from "highlight.js/lib/core";
-import bash from "highlight.js/lib/languages/bash";
-import c from "highlight.js/lib/languages/c";
-import go from "highlight.js/lib/languages/go";
-import javascript from "highlight.js/lib/languages/javascript";
-import json from "highlight.js/lib/languages/json";
-import python from "highlight.js/lib/languages/python";
-import rust from "highlight.js/lib/languages/rust";
-import typescript from "highlight.js/lib/languages/typescript";
-import xml from "highlight.js/lib/languages/xml";
-import yaml from "highlight.js/lib/languages/yaml";
 
-const LANGS = { bash, c, go, javascript, json, python, rust, typescript, xml, yaml };
-for (const [name, lang] of Object.entries(LANGS)) hljs.registerLanguage(name, lang);
-hljs.registerAliases(["sh", "shell", "zsh"], { languageName: "bash" });
-hljs.registerAliases(["js", "jsx", "mjs"], { languageName: "javascript" });
-hljs.registerAliases(["ts", "tsx"], { languageName: "typescript" });
-hljs.registerAliases(["py"], { languageName: "python" });
-hljs.registerAliases(["rs"], { languageName: "rust" });
-hljs.registerAliases(["html", "svg"], { languageName: "xml" });
-hljs.registerAliases(["yml"], { languageName: "yaml" });
-hljs.registerAliases(["h", "cpp", "c++", "hpp"], { languageName: "c" });
+type Highlighter = typeof import("./highlight");
+let highlighter: Highlighter | null = null;
+let loading: Promise<void> | null = null;
+
+/** Whether code blocks can be highlighted yet. */
+export function highlighterReady(): boolean {
+  return highlighter !== null;
+}
+
+/** Loads the highlighter (once); blocks rendered after it resolves are highlighted. */
+export function loadHighlighter(): Promise<void> {
+  loading ??= import("./highlight").then((m) => {
+    highlighter = m;
+  });
+  return loading;
+}
 
 export function escapeHtml(s: string): string {
   return s.replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
@@ -38,8 +33,9 @@ function safeHref(href: string): string | null {
 
 function codeBlock(text: string, lang: string | undefined, highlight: boolean): string {
   const name = (lang ?? "").trim().split(/\s+/)[0].toLowerCase();
-  const known = name !== "" && hljs.getLanguage(name) !== undefined;
-  const body = highlight && known ? hljs.highlight(text, { language: name, ignoreIllegals: true }).value : escapeHtml(text);
+  const lit = highlight && highlighter ? highlighter.highlight(text, name) : null;
+  const known = lit !== null;
+  const body = lit ?? escapeHtml(text);
   const label = name ? escapeHtml(name) : "text";
   return (
     `<div class="code"><div class="code-head"><span>${label}</span>` +

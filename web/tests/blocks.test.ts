@@ -1,6 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { splitBlocks } from "../lib/blocks";
-import { renderBlock } from "../lib/markdown";
+import { loadHighlighter, renderBlock } from "../lib/markdown";
 
 const DOC = [
   "# Title",
@@ -61,7 +61,15 @@ describe("splitBlocks", () => {
 });
 
 describe("renderBlock", () => {
-  it("renders GFM tables, task lists and highlighted code with a copy button", () => {
+  it("renders code unhighlighted until the highlighter is loaded", () => {
+    const html = renderBlock("```python\nx = 1\n```");
+    expect(html).toContain("x = 1");
+    expect(html).not.toContain("hljs-number");
+    expect(html).toContain('aria-label="Copy code"');
+  });
+
+  it("renders GFM tables, task lists and highlighted code with a copy button", async () => {
+    await loadHighlighter();
     const html = splitBlocks(DOC).map((b) => renderBlock(b)).join("");
     expect(html).toContain("<table>");
     expect(html).toContain('type="checkbox"');
