@@ -28,7 +28,8 @@ test.describe("429", () => {
 });
 
 test.describe("503", () => {
-  const stack = stackFor(["--model", "slow", "--hearth-arg=--worker-capacity=1", "--hearth-arg=--max-queue=0"]);
+  // One slot and no queue; the scripted worker makes the reply holding it last 20 s.
+  const stack = stackFor(["--scripted-token-ms", "50", "--hearth-arg=--worker-capacity=1", "--hearth-arg=--max-queue=0"]);
 
   test("a 503 says there is no capacity and offers a retry", async ({ page }) => {
     const api = apiClient(stack());
@@ -37,7 +38,7 @@ test.describe("503", () => {
     const hold = fetch(`${stack().url}/v1/sessions/${busy.id}/messages`, {
       method: "POST",
       headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ content: "hold the worker", max_tokens: 400, ignore_eos: true }),
+      body: JSON.stringify({ content: "hold the worker", max_tokens: 400 }),
     });
     await expect
       .poll(async () => (await api.messages(busy.id)).some((m) => m.role === "assistant" && m.status === "streaming"))
