@@ -432,6 +432,17 @@ export function ChatApp() {
     await stream(id, run, first);
   };
 
+  // Stable handlers, so messages that did not change are not rendered again on every token.
+  const turnRef = useRef(turn);
+  useEffect(() => {
+    turnRef.current = turn;
+  });
+  const onRegenerate = useCallback(() => void turnRef.current({ kind: "regenerate" }), []);
+  const onEdit = useCallback(
+    (messageId: string, content: string) => void turnRef.current({ kind: "edit", messageId, content }),
+    [],
+  );
+
   const send = () => {
     const content = draft;
     if (!content.trim() || running) return;
@@ -590,9 +601,9 @@ export function ChatApp() {
               m={m}
               canEdit={!busy}
               canRegenerate={!busy && m === last && m.role === "assistant"}
-              reconnecting={reconnecting}
-              onRegenerate={() => void turn({ kind: "regenerate" })}
-              onEdit={(messageId, content) => void turn({ kind: "edit", messageId, content })}
+              reconnecting={reconnecting && m.status === "streaming"}
+              onRegenerate={onRegenerate}
+              onEdit={onEdit}
             />
           ))}
           <div ref={bottom} />
