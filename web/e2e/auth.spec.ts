@@ -10,7 +10,7 @@ test("with --auth keys: a key prompt, the key kept, a 401 returns to the prompt"
 
   await key.fill("hk_not_a_real_key");
   await page.getByRole("button", { name: "Continue" }).click();
-  await expect(page.getByRole("alert")).toContainText("not accepted");
+  await expect(page.locator(".error-text")).toHaveText(/not accepted/);
 
   await key.fill(stack().keys.full!);
   await page.getByRole("button", { name: "Continue" }).click();

@@ -14,7 +14,7 @@ test.describe("429", () => {
     await expect(page.locator("article.msg.assistant")).toHaveCount(2);
     await expect(reply(page)).toHaveAttribute("data-status", "complete");
     await send(page, "three");
-    const banner = page.getByRole("alert");
+    const banner = page.locator(".banner");
     await expect(banner).toContainText("rate limit");
     await expect(banner).toContainText(/Retry in \d+ s/);
     const secs = Number((await banner.textContent())!.match(/Retry in (\d+) s/)![1]);
@@ -46,7 +46,7 @@ test.describe("503", () => {
 
     await page.goto(stack().url);
     await send(page, "am I served?");
-    const banner = page.getByRole("alert");
+    const banner = page.locator(".banner");
     await expect(banner).toContainText("No capacity");
     const retry = banner.getByRole("button", { name: "Retry" });
     await expect(retry).toBeEnabled();
