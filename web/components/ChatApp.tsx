@@ -40,8 +40,14 @@ function readMaxTokens(id: string | null): number | null {
   }
 }
 
+/** A new chat's title: the first line of its first message, without markdown markers. */
 function titleFrom(content: string): string {
-  const line = content.trim().split("\n")[0].trim();
+  const line = content
+    .trim()
+    .split("\n")[0]
+    .replace(/^#+\s*/, "")
+    .replace(/[*`~]+/g, "")
+    .trim();
   return line.length > 60 ? `${line.slice(0, 57)}…` : line || "New chat";
 }
 

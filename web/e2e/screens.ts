@@ -25,9 +25,14 @@ export const SAMPLE = [
 /** A chat with a rendered markdown reply, plus a few older chats in the sidebar. */
 export async function sampleChat(page: Page, stack: Stack) {
   const api = apiClient(stack);
-  for (const t of ["Trip to Lisbon", "Rust lifetimes question", "Sourdough schedule"]) await api.createSession(t);
+  const have = (await api.sessions()).map((s) => s.title);
+  for (const t of ["Trip to Lisbon", "Rust lifetimes question", "Sourdough schedule"]) {
+    if (!have.includes(t)) await api.createSession(t);
+  }
   await page.goto(stack.url);
-  await setMaxTokens(page, SAMPLE.length + 40);
+  // The echo starts with the template's two special tokens (shown as nothing), "user" and a
+  // newline, then the message: stop at its end.
+  await setMaxTokens(page, 2 + "user\n".length + SAMPLE.length);
   await send(page, SAMPLE);
   await expect(reply(page)).toHaveAttribute("data-status", "complete", { timeout: 30_000 });
   await expect(reply(page).locator("table")).toBeVisible();
