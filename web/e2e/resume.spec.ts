@@ -61,3 +61,21 @@ test("reloading mid-reply shows the reply still streaming and ends with the stor
   expect(await again.getAttribute("data-text")).toBe(stored[1].content);
   await expect(again.locator(".details")).toContainText("200 tokens");
 });
+
+test("stop works after a reload (the resumed stream is stoppable)", async ({ page }) => {
+  await page.goto(stack().url);
+  await setMaxTokens(page, 400);
+  await send(page, "Keep going until I stop you");
+  await expect.poll(async () => (await reply(page).locator(".content").innerText()).length).toBeGreaterThan(10);
+  await page.reload();
+  const r = reply(page);
+  await expect(r).toHaveAttribute("data-status", "streaming");
+  await expect.poll(async () => (await r.locator(".content").innerText()).length).toBeGreaterThan(30);
+  await page.getByRole("button", { name: "Stop reply" }).click();
+  await expect(r).toHaveAttribute("data-status", "stopped");
+  const id = new URL(page.url()).searchParams.get("s")!;
+  const stored = await apiClient(stack()).messages(id);
+  expect(stored[1].status).toBe("stopped");
+  expect(stored[1].content.length).toBeLessThan(400);
+  expect(await r.getAttribute("data-text")).toBe(stored[1].content);
+});
