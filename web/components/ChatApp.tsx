@@ -505,10 +505,12 @@ export function ChatApp() {
     if (!sessionId && pendingSettings) return pendingSettings;
     const p = session?.params ?? {};
     const max = readMaxTokens(sessionId);
+    // The server keeps 32-bit floats (0.7 comes back as 0.699999988…): show what was typed.
+    const f32 = (v: number) => String(Number(v.toPrecision(6)));
     return {
       systemPrompt: session?.system_prompt ?? "",
-      temperature: p.temperature != null ? String(p.temperature) : "",
-      topP: p.top_p != null ? String(p.top_p) : "",
+      temperature: p.temperature != null ? f32(p.temperature) : "",
+      topP: p.top_p != null ? f32(p.top_p) : "",
       topK: p.top_k != null ? String(p.top_k) : "",
       maxTokens: max ? String(max) : "",
     };
