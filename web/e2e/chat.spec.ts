@@ -1,5 +1,5 @@
 import { expect, test } from "@playwright/test";
-import { apiClient, reply, send, setMaxTokens, stackFor } from "./stack";
+import { apiClient, reply, setMaxTokens, stackFor } from "./stack";
 
 // Scripted worker: one token every 25 ms, echoing the prompt, so the stream is slow enough to
 // watch token by token and its text is deterministic.
@@ -10,7 +10,16 @@ test("send a message, see tokens arrive one by one, reload and see the history",
   await expect(page.getByLabel("API key")).toHaveCount(0);
   await expect(page.locator(".health .dot.ok")).toBeVisible();
   await setMaxTokens(page, 40);
-  await send(page, "Hello there");
+  // Shift+Enter adds a line; Enter sends.
+  const box = page.getByRole("textbox", { name: "Message" });
+  await box.fill("Hello");
+  await box.press("Shift+Enter");
+  await box.pressSequentially("there");
+  await expect(box).toHaveValue("Hello\nthere");
+  await expect(page.locator("article.msg")).toHaveCount(0);
+  await box.fill("Hello there");
+  await box.press("Enter");
+  await expect(box).toHaveValue("");
 
   // Watch the reply grow: record each distinct text the page shows while it streams.
   const seen: string[] = await page.evaluate(
