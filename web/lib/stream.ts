@@ -18,12 +18,28 @@ export interface StreamOptions {
   signal: AbortSignal;
   /** Waits between attempts (tests pass a fake). */
   sleep?: (ms: number) => Promise<void>;
+  /** Resolves once the browser is online again (immediately when it is). */
+  online?: (signal: AbortSignal) => Promise<void>;
   maxAttempts?: number;
 }
 
 const TERMINAL = new Set(["message_end", "error"]);
 
 const defaultSleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
+
+/** While the browser is offline nothing can succeed: wait for it instead of using up attempts. */
+function browserOnline(signal: AbortSignal): Promise<void> {
+  if (typeof navigator === "undefined" || navigator.onLine !== false) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      window.removeEventListener("online", done);
+      signal.removeEventListener("abort", done);
+      resolve();
+    };
+    window.addEventListener("online", done);
+    signal.addEventListener("abort", done);
+  });
+}
 
 /**
  * Resolves "ended" after `message_end`/`error`, "aborted" when `signal` aborts, and "gone"
@@ -32,6 +48,7 @@ const defaultSleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms))
  */
 export async function consumeStream(o: StreamOptions): Promise<StreamEnd> {
   const sleep = o.sleep ?? defaultSleep;
+  const online = o.online ?? browserOnline;
   const maxAttempts = o.maxAttempts ?? 30;
   let lastEventId: string | null = null;
   let response: Response | null = o.first;
@@ -66,6 +83,7 @@ export async function consumeStream(o: StreamOptions): Promise<StreamEnd> {
     failures++;
     if (failures > maxAttempts) throw new Error("the connection was lost and could not be restored");
     o.onReconnecting?.(true);
+    await online(o.signal);
     await sleep(Math.min(3000, 200 * 2 ** Math.min(failures - 1, 4)));
   }
 }

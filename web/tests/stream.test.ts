@@ -44,6 +44,27 @@ describe("consumeStream", () => {
     expect(reconnecting).toEqual([false, true, true, false]);
   });
 
+  it("waits for the browser to be online before trying again", async () => {
+    const order: string[] = [];
+    const end = await consumeStream({
+      first: body([e(1, "message_start", "{}")], true),
+      resume: async (last) => {
+        order.push(`resume ${last}`);
+        return body([e(2, "message_end", "{}")]);
+      },
+      onEvent: () => {},
+      signal: new AbortController().signal,
+      sleep: async () => {
+        order.push("sleep");
+      },
+      online: async () => {
+        order.push("online");
+      },
+    });
+    expect(end).toBe("ended");
+    expect(order).toEqual(["online", "sleep", "resume m:1"]);
+  });
+
   it("reports a stream the server no longer has", async () => {
     const end = await consumeStream({
       first: body([e(1, "message_start", "{}")]),
