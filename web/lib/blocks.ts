@@ -7,10 +7,12 @@
 
 const FENCE = /^ {0,3}(`{3,}|~{3,})/;
 const LIST_ITEM = /^ {0,3}([-*+]|\d{1,9}[.)])\s/;
+/** What a list item's first line can look like before its marker is complete. */
+const MAYBE_ITEM = /^ {0,3}(?:[-*+]|\d{1,9}[.)]?)?$/;
 
 /**
- * `complete`: the text is final. While it streams, its last line may still be growing, so a
- * blank line before it is not yet a boundary.
+ * `complete`: the text is final. While it streams, its last line may still be growing; a
+ * blank line before it is a boundary only once that line cannot continue the block before.
  */
 export function splitBlocks(text: string, complete = true): string[] {
   const lines = text.split("\n");
@@ -45,7 +47,10 @@ export function splitBlocks(text: string, complete = true): string[] {
         continue;
       }
       const next = lines[j];
-      const undecided = !complete && j === lines.length - 1;
+      // A line still growing (the last one of a streaming text) that could yet become a list
+      // item would continue the list: wait for it. Anything else is decided by its first
+      // character already.
+      const undecided = !complete && j === lines.length - 1 && inList && MAYBE_ITEM.test(next);
       const continues =
         undecided || /^\s/.test(next) || (inList && LIST_ITEM.test(next));
       if (!continues && cur.length > 0) {

@@ -51,12 +51,21 @@ describe("splitBlocks", () => {
   });
 
   it("every prefix of a stream splits into finished blocks that stay finished", () => {
-    const final = splitBlocks(DOC);
-    for (let i = 1; i <= DOC.length; i++) {
-      const blocks = splitBlocks(DOC.slice(0, i), false);
-      // All but the last block of a prefix are already final.
-      expect(blocks.slice(0, -1), `prefix ${i}`).toEqual(final.slice(0, blocks.length - 1));
+    const other = "- a\n- b\n\n10. ten\n\n11) eleven\n\nAfter the list.\n\n* star\n\n    indented code\n\nEnd";
+    for (const doc of [DOC, other]) {
+      const final = splitBlocks(doc);
+      for (let i = 1; i <= doc.length; i++) {
+        const blocks = splitBlocks(doc.slice(0, i), false);
+        // All but the last block of a prefix are already final.
+        expect(blocks.slice(0, -1), `prefix ${i}`).toEqual(final.slice(0, blocks.length - 1));
+      }
     }
+  });
+
+  it("closes a block as soon as the next line cannot continue it", () => {
+    expect(splitBlocks("- one\n- two\n\nC", false)).toEqual(["- one\n- two", "C"]);
+    expect(splitBlocks("- one\n- two\n\n1", false)).toEqual(["- one\n- two\n\n1"]);
+    expect(splitBlocks("Para\n\n-", false)).toEqual(["Para", "-"]);
   });
 });
 
