@@ -667,7 +667,18 @@ export function ChatApp() {
       {settingsOpen && <Settings initial={settingsInitial()} onSave={saveSettings} onClose={() => setSettingsOpen(false)} />}
       {confirmDelete && (
         <div className="overlay">
-          <div role="alertdialog" aria-modal="true" aria-labelledby="del-title" className="card dialog">
+          <div
+            role="alertdialog"
+            aria-modal="true"
+            aria-labelledby="del-title"
+            className="card dialog"
+            onKeyDown={(e) => {
+              if (e.key === "Escape") {
+                e.preventDefault();
+                setConfirmDelete(null);
+              }
+            }}
+          >
             <h2 id="del-title">Delete chat?</h2>
             <p>
               “{confirmDelete.title}” and all its messages will be deleted. This cannot be undone.

@@ -54,7 +54,7 @@ export const MessageView = memo(function MessageView({
               onChange={(e) => setDraft(e.target.value)}
               onKeyDown={(e) => {
                 if (e.key === "Escape") {
-                  e.stopPropagation();
+                  e.preventDefault();
                   setEditing(false);
                 }
               }}

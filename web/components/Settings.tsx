@@ -45,7 +45,12 @@ export function Settings({
         aria-modal="true"
         aria-labelledby="settings-title"
         className="card dialog"
-        onKeyDown={(e) => e.key === "Escape" && onClose()}
+        onKeyDown={(e) => {
+          if (e.key === "Escape") {
+            e.preventDefault(); // closes the dialog only; a running reply keeps going
+            onClose();
+          }
+        }}
         onSubmit={async (e) => {
           e.preventDefault();
           const bad = check(v);

@@ -56,7 +56,7 @@ function Item({
             onChange={(e) => setTitle(e.target.value)}
             onKeyDown={(e) => {
               if (e.key === "Escape") {
-                e.stopPropagation();
+                e.preventDefault();
                 setTitle(s.title);
                 setEditing(false);
               }

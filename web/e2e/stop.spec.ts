@@ -31,6 +31,11 @@ test("stop keeps the partial text and marks it stopped", async ({ page }) => {
   await send(page, "Another one");
   const r2 = reply(page);
   await expect.poll(async () => (await r2.locator(".content").innerText()).length).toBeGreaterThan(5);
+  // Esc in a dialog closes the dialog only.
+  await page.getByRole("button", { name: "Chat settings" }).click();
+  await page.keyboard.press("Escape");
+  await expect(page.getByRole("dialog")).toBeHidden();
+  await expect(r2).toHaveAttribute("data-status", "streaming");
   await page.keyboard.press("Escape");
   await expect(r2).toHaveAttribute("data-status", "stopped");
 
