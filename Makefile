@@ -2,24 +2,42 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test fetch-model build bench fmt lint check-cuda
+.PHONY: run chat test test-web web fetch-model build bench fmt lint check-cuda
 
-## Fetch the model if missing, build, and serve the chat API on http://127.0.0.1:8080 (a local
-## worker, SQLite under ./data, no auth). Prints the URL and a curl example.
-run: fetch-model
+## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
+## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
+## Prints the URL to open and a curl example.
+run: fetch-model web
 	$(CARGO) build --release -p hearth-worker -p hearth-orchestrator
 	./target/release/hearth
+
+## Build the web UI into web/out when it is missing or stale (needs Node.js >= 20.9 and npm).
+web:
+	bash scripts/build-web.sh
 
 ## Chat with the model in the terminal, without the server.
 chat: fetch-model
 	$(CARGO) build --release -p hearth-worker
 	./target/release/hearth-worker chat
 
-## Everything CI checks: formatting, lints, and every test (unit, engine, real model).
+## Everything CI checks: formatting, lints, every test (unit, engine, real model, whole stack),
+## and the web UI's checks.
 test: fetch-model
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) test --workspace
+	$(MAKE) test-web
+
+## The web UI: types, lint, unit tests, the static build, and the browser specs (Playwright with
+## the system's chromium) against the real stack (hearth-stack over the debug binaries).
+test-web:
+	bash scripts/build-web.sh --deps
+	$(CARGO) build -p hearth-orchestrator -p hearth-worker -p hearth-e2e --bins
+	cd web && npm run typecheck
+	cd web && npm run lint
+	cd web && npm test
+	bash scripts/build-web.sh --force
+	cd web && npm run e2e
 
 fetch-model:
 	bash scripts/fetch-model.sh

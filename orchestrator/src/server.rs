@@ -95,6 +95,9 @@ pub struct ServeArgs {
     /// least every 5 s, so with replicas sharing a database keep this well above that.
     #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]
     pub orphan_after_secs: u64,
+    /// The statically exported web UI (`make run` builds it) served at `/`.
+    #[arg(long, env = "HEARTH_WEB_DIR", default_value = crate::api::DEFAULT_WEB_DIR)]
+    pub web_dir: PathBuf,
     /// On SIGTERM, how long running replies may take to finish before they are stopped.
     #[arg(long, env = "HEARTH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 30)]
     pub shutdown_timeout_secs: u64,
@@ -299,6 +302,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             requests_per_minute: args.requests_per_minute.map(i64::from),
             tokens_per_day: args.tokens_per_day.map(i64::from),
             cancel_on_disconnect: args.cancel_on_disconnect,
+            web_dir: args.web_dir.clone(),
         },
         metrics: crate::telemetry::handle(),
     };
@@ -376,6 +380,16 @@ fn announce(addr: SocketAddr, state: &AppState) {
     #[allow(clippy::print_stdout)]
     {
         println!("{line}");
+    }
+    let ui = &state.options.web_dir;
+    if ui.join("index.html").is_file() {
+        eprintln!("hearth: ready; open http://{addr}/ for the chat UI");
+    } else {
+        eprintln!(
+            "hearth: ready at http://{addr}/ (API only: the web UI is not built in {}; \
+             `make run` builds it)",
+            ui.display()
+        );
     }
     if !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         return;

@@ -54,6 +54,7 @@ both!(turns, turns_suite);
 both!(isolation, isolation_suite);
 both!(concurrency, concurrency_suite);
 both!(search_and_values, search_and_values_suite);
+both!(edit, edit_suite);
 
 async fn users_and_keys_suite(s: &SqlStore) {
     let alice = s.create_user("alice").await.expect("alice");
@@ -545,4 +546,132 @@ async fn find(s: &SqlStore, user: &str, q: &str) -> Vec<String> {
     };
     let found = s.list_sessions(user, &query).await.expect("search");
     found.into_iter().map(|x| x.title).collect()
+}
+
+/// A finished reply, for building history.
+fn complete(text: &str) -> Completion {
+    Completion {
+        content: text.into(),
+        status: MessageStatus::Complete,
+        finish_reason: Some("stop".into()),
+        prompt_tokens: Some(10),
+        cached_tokens: Some(0),
+        completion_tokens: Some(3),
+        ttft_ms: Some(5),
+        duration_ms: Some(20),
+        worker: Some("w".into()),
+    }
+}
+
+async fn edit_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let other = s.create_user("other").await.expect("other").id;
+    let sess = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("session");
+    let mut turns = Vec::new();
+    for (q, a) in [("one?", "One."), ("two?", "Two."), ("three?", "Three.")] {
+        let t = s.begin_turn(&u, &sess.id, q).await.expect("turn");
+        s.finish_message(&t.assistant.id, &complete(a))
+            .await
+            .expect("finish");
+        turns.push(t);
+    }
+    let before = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(before.len(), 6);
+
+    // Refusals change nothing: another user's session, a message of another session, an
+    // unknown message, an assistant message.
+    let nf = |what| Err(StoreError::NotFound(what));
+    assert_eq!(
+        s.begin_edit(&other, &sess.id, &turns[0].user.id, "x")
+            .await
+            .map(|_| ()),
+        nf("session")
+    );
+    let elsewhere = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("second session");
+    let foreign = s
+        .begin_turn(&u, &elsewhere.id, "elsewhere")
+        .await
+        .expect("turn elsewhere");
+    assert_eq!(
+        s.begin_edit(&u, &sess.id, &foreign.user.id, "x")
+            .await
+            .map(|_| ()),
+        nf("message")
+    );
+    assert_eq!(
+        s.begin_edit(&u, &sess.id, "0123456789abcdef0123456789abcdef", "x")
+            .await
+            .map(|_| ()),
+        nf("message")
+    );
+    match s
+        .begin_edit(&u, &sess.id, &turns[1].assistant.id, "x")
+        .await
+    {
+        Err(StoreError::NotAUserMessage(why)) => assert!(why.contains("assistant"), "{why}"),
+        other => panic!("editing a reply: {other:?}"),
+    }
+    assert_eq!(
+        s.list_messages(&u, &sess.id).await.expect("unchanged"),
+        before
+    );
+    assert_eq!(
+        s.list_messages(&u, &elsewhere.id)
+            .await
+            .expect("other")
+            .len(),
+        2
+    );
+
+    // Editing the second question keeps the first turn, replaces the question in place (same
+    // id and seq), drops everything after it and adds a streaming placeholder.
+    let edited = s
+        .begin_edit(&u, &sess.id, &turns[1].user.id, "two, edited?")
+        .await
+        .expect("edit");
+    assert_eq!(edited.user.id, turns[1].user.id);
+    assert_eq!((edited.user.seq, edited.assistant.seq), (3, 4));
+    assert_eq!(edited.user.content, "two, edited?");
+    assert_eq!(edited.assistant.status, MessageStatus::Streaming);
+    let after = s.list_messages(&u, &sess.id).await.expect("messages");
+    let shape: Vec<(i64, Role, &str, MessageStatus)> = after
+        .iter()
+        .map(|m| (m.seq, m.role, m.content.as_str(), m.status))
+        .collect();
+    assert_eq!(
+        shape,
+        vec![
+            (1, Role::User, "one?", MessageStatus::Complete),
+            (2, Role::Assistant, "One.", MessageStatus::Complete),
+            (3, Role::User, "two, edited?", MessageStatus::Complete),
+            (4, Role::Assistant, "", MessageStatus::Streaming),
+        ]
+    );
+    assert_eq!(after[..2], before[..2]);
+    assert_eq!(after[3].id, edited.assistant.id);
+
+    // The first message: one user message and its new placeholder remain; a turn after that
+    // continues the sequence.
+    s.finish_message(&edited.assistant.id, &complete("Two again."))
+        .await
+        .expect("finish");
+    let first = s
+        .begin_edit(&u, &sess.id, &turns[0].user.id, "Zürich 東京 🙂")
+        .await
+        .expect("edit first");
+    let after = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(after.len(), 2);
+    assert_eq!(
+        (after[0].id.as_str(), after[0].content.as_str()),
+        (turns[0].user.id.as_str(), "Zürich 東京 🙂")
+    );
+    assert_eq!(after[1].id, first.assistant.id);
+    let next = s.begin_turn(&u, &sess.id, "more").await.expect("turn");
+    assert_eq!(next.user.seq, 3);
 }

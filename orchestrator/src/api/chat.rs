@@ -1,5 +1,5 @@
-//! Generation on the native API: post a message, regenerate the last reply, stop, and resume a
-//! stream. Replies stream as Server-Sent Events (`message_start`, `token`, `message_end`,
+//! Generation on the native API: post a message, regenerate the last reply, edit an earlier
+//! message and answer it again, stop, and resume a stream. Replies stream as Server-Sent Events (`message_start`, `token`, `message_end`,
 //! `error`), each with an id `<message id>:<n>` that `GET /v1/sessions/{id}/stream` accepts
 //! as `Last-Event-ID`; with `"stream": false` the answer is the finished message as JSON.
 //!
@@ -36,7 +36,7 @@ const MAX_STOP_BYTES: usize = 256;
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TurnBody {
-    /// The new user message (not for regenerate).
+    /// The new user message (or an edited one's new text; not for regenerate).
     #[serde(default)]
     pub content: Option<String>,
     #[serde(default)]
@@ -242,6 +242,64 @@ pub async fn regenerate(
         || async {
             let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
             Ok((asked, reply.id))
+        },
+    )
+    .await
+}
+
+/// `POST /v1/sessions/{id}/messages/{message_id}/edit`: edit and resend. Replaces the user
+/// message's content and drops everything after it, in the same transaction that stores the new
+/// reply's placeholder, then answers like a new turn. The worker's cache of the session rewinds
+/// to the prefix the edit left unchanged by itself.
+pub async fn edit(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidPath((id, message_id)): ValidPath<(String, String)>,
+    ValidJson(body): ValidJson<TurnBody>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    check_id(&id)?;
+    if super::sessions::check_id(&message_id).is_err() {
+        return Err(ApiError::NotFound("message"));
+    }
+    let content = body
+        .content
+        .as_deref()
+        .ok_or_else(|| ApiError::Validation("content: required (the message's new text)".into()))?;
+    check_content("content", content)?;
+    let user = &caller.user;
+    let t = open_turn(&s, &caller, &id, &body).await?;
+    let target = t
+        .history
+        .iter()
+        .find(|m| m.id == message_id)
+        .ok_or(ApiError::NotFound("message"))?;
+    if target.role != Role::User {
+        return Err(ApiError::not_a_user_message(format!(
+            "message {message_id} is an {} message; only user messages can be edited \
+             (POST /v1/sessions/{id}/regenerate answers the last one again)",
+            target.role.as_str()
+        )));
+    }
+    let from = target.seq;
+    let earlier: Vec<Message> = t.history.into_iter().filter(|m| m.seq < from).collect();
+    let mut convo = conversation(&t.session, &earlier);
+    convo.push(ChatMessage::new(ChatRole::User, content));
+    launch(
+        &s,
+        &caller,
+        &id,
+        t.reservation,
+        &convo,
+        t.opts,
+        body.stream.unwrap_or(true),
+        arrived,
+        || async {
+            let turn = s
+                .store
+                .begin_edit(&user.id, &id, &message_id, content)
+                .await?;
+            Ok((Some(turn.user.id), turn.assistant.id))
         },
     )
     .await

@@ -14,6 +14,10 @@ pub enum ApiError {
     /// Well-formed JSON with a value out of range or of the wrong kind.
     #[error("{0}")]
     Validation(String),
+    /// Well-formed, but asks for something the target cannot do; `kind` names the problem
+    /// (it is the body's `type` and `code`).
+    #[error("{message}")]
+    Unprocessable { kind: &'static str, message: String },
     /// Not JSON, or not the JSON the route takes.
     #[error("{0}")]
     BadRequest(String),
@@ -42,6 +46,7 @@ impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
@@ -59,6 +64,7 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             Self::Validation(_) => "invalid_request_error",
+            Self::Unprocessable { kind, .. } => kind,
             Self::BadRequest(_) => "invalid_request_error",
             Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized => "authentication_error",
@@ -75,6 +81,7 @@ impl ApiError {
     fn code(&self) -> &'static str {
         match self {
             Self::Validation(_) => "invalid_value",
+            Self::Unprocessable { kind, .. } => kind,
             Self::BadRequest(_) => "invalid_json",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::Unauthorized => "invalid_api_key",
@@ -85,6 +92,16 @@ impl ApiError {
             Self::RateLimited(_) => "rate_limit_exceeded",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",
+        }
+    }
+}
+
+impl ApiError {
+    /// An edit aimed at a message that is not a user message.
+    pub fn not_a_user_message(message: String) -> Self {
+        Self::Unprocessable {
+            kind: "not_a_user_message",
+            message,
         }
     }
 }
@@ -119,6 +136,7 @@ impl From<StoreError> for ApiError {
                 Self::Unavailable("the database cannot be reached".into())
             }
             StoreError::Invalid(why) => Self::BadRequest(why),
+            StoreError::NotAUserMessage(why) => Self::not_a_user_message(why),
             StoreError::Internal(why) => Self::Internal(why),
         }
     }

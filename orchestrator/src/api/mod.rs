@@ -3,15 +3,18 @@
 //! - [`sessions`]: the caller's sessions and stored messages;
 //! - [`chat`]: generation on the native API (post, regenerate, stop, resume; SSE or JSON);
 //! - [`openai`]: `/v1/chat/completions` and `/v1/models`;
-//! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`.
+//! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`;
+//! - [`web`]: the web UI's static files at `/` (every path the API does not claim).
 
 mod chat;
 mod error;
 mod openai;
 mod sessions;
+mod web;
 
 pub use error::ApiError;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, Request, State};
@@ -26,6 +29,9 @@ use crate::auth::{authenticate, AuthError};
 use crate::generate::Generator;
 use crate::limits::Quota;
 use crate::storage::{Store, User};
+
+/// Where `make run` builds the web UI, relative to the working directory.
+pub const DEFAULT_WEB_DIR: &str = "web/out";
 
 /// Largest request body accepted (a chat message with a long paste fits; a file does not).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
@@ -49,6 +55,8 @@ pub struct ApiOptions {
     pub tokens_per_day: Option<i64>,
     /// On the native API, stop a reply when its client disconnects (default: finish and store).
     pub cancel_on_disconnect: bool,
+    /// The statically exported web UI served at `/`.
+    pub web_dir: PathBuf,
 }
 
 impl Default for ApiOptions {
@@ -58,6 +66,7 @@ impl Default for ApiOptions {
             requests_per_minute: None,
             tokens_per_day: None,
             cancel_on_disconnect: false,
+            web_dir: PathBuf::from(DEFAULT_WEB_DIR),
         }
     }
 }
@@ -91,7 +100,7 @@ pub fn router(state: AppState) -> Router {
         .merge(sessions::routes())
         .route("/v1/chat/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
-        .fallback(|| async { ApiError::NotFound("route") })
+        .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(axum::middleware::from_fn(crate::telemetry::count_requests))

@@ -29,6 +29,10 @@ pub fn routes() -> Router<AppState> {
             "/v1/sessions/{id}/regenerate",
             post(super::chat::regenerate),
         )
+        .route(
+            "/v1/sessions/{id}/messages/{message_id}/edit",
+            post(super::chat::edit),
+        )
         .route("/v1/sessions/{id}/stop", post(super::chat::stop))
         .route("/v1/sessions/{id}/stream", get(super::chat::resume))
 }

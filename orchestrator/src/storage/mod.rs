@@ -27,6 +27,9 @@ pub enum StoreError {
     Unavailable(String),
     #[error("storage: {0}")]
     Invalid(String),
+    /// An edit named a message that is not the user's own words (an assistant reply).
+    #[error("{0}")]
+    NotAUserMessage(String),
     #[error("storage error: {0}")]
     Internal(String),
 }
@@ -77,6 +80,18 @@ pub trait Store: Send + Sync + std::fmt::Debug {
         session_id: &str,
         from_seq: i64,
     ) -> StoreResult<Message>;
+    /// Edit and resend, in one transaction: replaces the content of the user message
+    /// `message_id` of the caller's session, drops every later message, and writes a new
+    /// `streaming` assistant placeholder after it. The edited message keeps its id and place.
+    /// Another session's (or user's) message is [`StoreError::NotFound`]; an assistant message
+    /// is [`StoreError::NotAUserMessage`]; either way nothing changes.
+    async fn begin_edit(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        message_id: &str,
+        content: &str,
+    ) -> StoreResult<Turn>;
     /// The reply so far, while it streams.
     async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()>;
     /// The reply's final state.

@@ -113,18 +113,32 @@ impl SqlStore {
         self.pool.close().await;
     }
 
-    /// In one transaction: claims the caller's session, drops its messages from `truncate_from`
-    /// on (regenerate), and appends `messages`.
+    /// In one transaction: claims the caller's session, rewrites its history as `rewrite`
+    /// says, and appends `messages`. Returns the edited message (if any) and then those written.
     async fn append(
         &self,
         user_id: &str,
         session_id: &str,
-        truncate_from: Option<i64>,
+        rewrite: Rewrite<'_>,
         messages: &[(Role, &str, MessageStatus)],
     ) -> StoreResult<Vec<Message>> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         let now = now_ms();
         Self::claim(&mut tx, user_id, session_id, now).await?;
+        let mut written = Vec::with_capacity(messages.len() + 1);
+        let truncate_from = match rewrite {
+            Rewrite::Keep => None,
+            Rewrite::From(seq) => Some(seq),
+            Rewrite::Edit {
+                message_id,
+                content,
+            } => {
+                let edited = edit_message(&mut tx, session_id, message_id, content, now).await?;
+                let after = edited.seq + 1;
+                written.push(edited);
+                Some(after)
+            }
+        };
         if let Some(seq) = truncate_from {
             sqlx::query("DELETE FROM messages WHERE session_id = $1 AND seq >= $2")
                 .bind(session_id)
@@ -133,7 +147,6 @@ impl SqlStore {
                 .await
                 .map_err(db_err)?;
         }
-        let mut written = Vec::with_capacity(messages.len());
         for &(role, content, status) in messages {
             written.push(insert_message(&mut tx, session_id, role, content, status, now).await?);
         }
@@ -181,6 +194,20 @@ impl SqlStore {
             .map(|_| ())
             .ok_or(StoreError::NotFound("session"))
     }
+}
+
+/// How a write changes the history before appending.
+#[derive(Debug, Clone, Copy)]
+enum Rewrite<'a> {
+    /// A new turn: nothing.
+    Keep,
+    /// Regenerate: drop messages from this sequence number on.
+    From(i64),
+    /// Edit and resend: replace this user message's content and drop everything after it.
+    Edit {
+        message_id: &'a str,
+        content: &'a str,
+    },
 }
 
 const SESSION_COLUMNS: &str = "id, title, system_prompt, params, created_at, updated_at";
@@ -260,6 +287,42 @@ fn like_pattern(q: &str) -> String {
     }
     p.push('%');
     p
+}
+
+/// Inside a transaction that claimed the session: replaces the content of the session's user
+/// message `message_id`, and returns it as stored.
+async fn edit_message(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    session_id: &str,
+    message_id: &str,
+    content: &str,
+    now: i64,
+) -> StoreResult<Message> {
+    let sql = format!("SELECT {MESSAGE_COLUMNS} FROM messages WHERE id = $1 AND session_id = $2");
+    let row = sqlx::query(&sql)
+        .bind(message_id)
+        .bind(session_id)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(db_err)?
+        .ok_or(StoreError::NotFound("message"))?;
+    let mut m = message_from(&row)?;
+    if m.role != Role::User {
+        return Err(StoreError::NotAUserMessage(format!(
+            "message {message_id} is an {} message; only user messages can be edited",
+            m.role.as_str()
+        )));
+    }
+    sqlx::query("UPDATE messages SET content = $1, updated_at = $2 WHERE id = $3")
+        .bind(content)
+        .bind(now)
+        .bind(message_id)
+        .execute(&mut **tx)
+        .await
+        .map_err(db_err)?;
+    m.content = content.to_string();
+    m.updated_at = now;
+    Ok(m)
 }
 
 /// Inserts a message inside a transaction, at the session's next sequence number.
@@ -582,7 +645,7 @@ impl Store for SqlStore {
             .append(
                 user_id,
                 session_id,
-                None,
+                Rewrite::Keep,
                 &[
                     (Role::User, content, MessageStatus::Complete),
                     (Role::Assistant, "", MessageStatus::Streaming),
@@ -608,12 +671,40 @@ impl Store for SqlStore {
         self.append(
             user_id,
             session_id,
-            Some(from_seq),
+            Rewrite::From(from_seq),
             &[(Role::Assistant, "", MessageStatus::Streaming)],
         )
         .await?
         .pop()
         .ok_or_else(|| StoreError::Internal("a reply wrote no message".into()))
+    }
+
+    async fn begin_edit(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        message_id: &str,
+        content: &str,
+    ) -> StoreResult<Turn> {
+        let mut written = self
+            .append(
+                user_id,
+                session_id,
+                Rewrite::Edit {
+                    message_id,
+                    content,
+                },
+                &[(Role::Assistant, "", MessageStatus::Streaming)],
+            )
+            .await?;
+        let assistant = written.pop();
+        let user = written.pop();
+        match (user, assistant) {
+            (Some(user), Some(assistant)) => Ok(Turn { user, assistant }),
+            _ => Err(StoreError::Internal(
+                "an edit wrote fewer than two messages".into(),
+            )),
+        }
     }
 
     async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()> {

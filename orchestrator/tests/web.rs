@@ -1,0 +1,255 @@
+//! The web UI's static files at `/`, over a real socket: content types, Next's `name.html`
+//! routes, cache headers, the export's 404 page, path traversal, the API's JSON answers beside
+//! them, and the page shown when the UI is not built.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use hearth_e2e::http::{Reply, Req};
+use hearth_orchestrator::api::{router, ApiOptions, AppState, AuthMode};
+use hearth_orchestrator::generate::{Generator, Streams};
+use hearth_orchestrator::limits::Limiter;
+use hearth_orchestrator::storage::SqlStore;
+use hearth_orchestrator::workers::{Affinity, PoolConfig, WorkerPool};
+
+struct Server {
+    addr: std::net::SocketAddr,
+    dir: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn temp_dir(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "hearth-web-{tag}-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    dir
+}
+
+fn write(root: &Path, rel: &str, body: &str) {
+    let p = root.join(rel);
+    std::fs::create_dir_all(p.parent().expect("parent")).expect("dirs");
+    std::fs::write(p, body).expect("write");
+}
+
+/// A server with keys on (the UI's files must need none) whose web directory is `web_dir`
+/// under a fresh temporary directory; `export` fills it (or not).
+async fn start(export: impl FnOnce(&Path)) -> Server {
+    let dir = temp_dir("srv");
+    let web_dir = dir.join("out");
+    export(&web_dir);
+    let url = format!("sqlite://{}?mode=rwc", dir.join("hearth.db").display());
+    let store = Arc::new(SqlStore::connect(&url).await.expect("store"));
+    let tokenizer = dir.join("tokenizer.json");
+    hearth_worker::fixtures::write_tiny_tokenizer(&tokenizer, 512).expect("tokenizer");
+    let generator = Arc::new(Generator {
+        pool: WorkerPool::start(
+            &[],
+            Affinity::Local(Default::default()),
+            PoolConfig::default(),
+        ),
+        tokenizer: Arc::new(
+            hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
+        ),
+        store: store.clone(),
+        limiter: Arc::new(Limiter::local()),
+        streams: Arc::new(Streams::default()),
+        stop_bus: None,
+    });
+    let app = router(AppState {
+        store,
+        auth: AuthMode::Keys,
+        generator,
+        options: ApiOptions {
+            web_dir,
+            ..ApiOptions::default()
+        },
+        metrics: None,
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Server { addr, dir }
+}
+
+/// What a Next.js static export looks like, plus a file beside it that must stay unreachable.
+fn export(out: &Path) {
+    write(out, "index.html", "<html>chat home</html>");
+    write(out, "settings.html", "<html>settings page</html>");
+    write(out, "404.html", "<html>custom not found</html>");
+    write(out, "index.txt", "rsc payload");
+    write(out, "favicon.ico", "icon");
+    write(out, "_next/static/chunks/app-3f2a.js", "console.log('app')");
+    write(out, "_next/static/css/site-9c1d.css", "body{}");
+    write(out, "_next/static/media/font-1a.woff2", "font");
+    write(out, "docs/index.html", "<html>docs index</html>");
+    let parent = out.parent().expect("parent");
+    write(parent, "secret.txt", "do not serve");
+    std::os::unix::fs::symlink(parent.join("secret.txt"), out.join("leak.txt")).expect("symlink");
+}
+
+async fn get(s: &Server, path: &str) -> Reply {
+    Req::new("GET", path).send(s.addr).await
+}
+
+#[tokio::test]
+async fn serves_the_export_with_types_routes_and_cache_headers() {
+    let s = start(export).await;
+
+    let home = get(&s, "/").await;
+    assert_eq!(home.status, 200);
+    assert_eq!(home.text(), "<html>chat home</html>");
+    assert_eq!(
+        home.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+    assert_eq!(home.header("cache-control"), Some("no-cache"));
+
+    // No key needed for the UI's files, although the API requires one.
+    assert_eq!(get(&s, "/v1/sessions").await.status, 401);
+
+    let index = get(&s, "/index.html").await;
+    assert_eq!(index.text(), "<html>chat home</html>");
+
+    // Next writes route `/settings` as `settings.html`.
+    let settings = get(&s, "/settings").await;
+    assert_eq!(settings.status, 200);
+    assert_eq!(settings.text(), "<html>settings page</html>");
+    assert_eq!(settings.header("cache-control"), Some("no-cache"));
+    // A query string does not change the file.
+    assert_eq!(
+        get(&s, "/settings?x=1").await.text(),
+        "<html>settings page</html>"
+    );
+    assert_eq!(get(&s, "/docs/").await.text(), "<html>docs index</html>");
+    assert_eq!(get(&s, "/docs").await.text(), "<html>docs index</html>");
+
+    let js = get(&s, "/_next/static/chunks/app-3f2a.js").await;
+    assert_eq!(js.status, 200);
+    assert_eq!(js.text(), "console.log('app')");
+    assert_eq!(
+        js.header("content-type"),
+        Some("text/javascript; charset=utf-8")
+    );
+    assert_eq!(
+        js.header("cache-control"),
+        Some("public, max-age=31536000, immutable")
+    );
+    let css = get(&s, "/_next/static/css/site-9c1d.css").await;
+    assert_eq!(css.header("content-type"), Some("text/css; charset=utf-8"));
+    let font = get(&s, "/_next/static/media/font-1a.woff2").await;
+    assert_eq!(font.header("content-type"), Some("font/woff2"));
+    let rsc = get(&s, "/index.txt").await;
+    assert_eq!(
+        rsc.header("content-type"),
+        Some("text/plain; charset=utf-8")
+    );
+    assert_eq!(rsc.header("cache-control"), Some("no-cache"));
+    assert_eq!(
+        get(&s, "/favicon.ico").await.header("content-type"),
+        Some("image/x-icon")
+    );
+
+    // Revalidation: the ETag comes back as 304 with no body.
+    let etag = home.header("etag").expect("etag").to_string();
+    let again = Req::new("GET", "/")
+        .header("If-None-Match", etag)
+        .send(s.addr)
+        .await;
+    assert_eq!(again.status, 304);
+    assert!(again.body.is_empty());
+
+    let head = Req::new("HEAD", "/settings").send(s.addr).await;
+    assert_eq!(head.status, 200);
+    assert_eq!(
+        head.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+}
+
+#[tokio::test]
+async fn unknown_paths_get_the_export_404_and_the_api_keeps_json() {
+    let s = start(export).await;
+
+    let missing = get(&s, "/no/such/page").await;
+    assert_eq!(missing.status, 404);
+    assert_eq!(missing.text(), "<html>custom not found</html>");
+    assert_eq!(
+        missing.header("content-type"),
+        Some("text/html; charset=utf-8")
+    );
+
+    for path in ["/v1/nope", "/v1", "/v1/sessions/x/y/z", "/healthz/x"] {
+        let r = get(&s, path).await;
+        assert_eq!(r.status, 404, "{path}");
+        assert_eq!(r.json()["error"]["type"], "not_found_error", "{path}");
+    }
+    let r = Req::new("DELETE", "/v1/models").send(s.addr).await;
+    assert_eq!(r.status, 405);
+    assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+    // The UI's paths take GET and HEAD only.
+    let r = Req::new("POST", "/settings").send(s.addr).await;
+    assert_eq!(r.status, 405);
+    assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+
+    assert_eq!(get(&s, "/healthz").await.text(), "ok");
+}
+
+#[tokio::test]
+async fn path_traversal_reaches_nothing_outside_the_export() {
+    let s = start(export).await;
+    for path in [
+        "/../secret.txt",
+        "/..%2fsecret.txt",
+        "/%2e%2e/secret.txt",
+        "/%2E%2E%2Fsecret.txt",
+        "/docs/../../secret.txt",
+        "/docs/%2e%2e/%2e%2e/secret.txt",
+        "/..%5csecret.txt",
+        "//secret.txt",
+        "/leak.txt",
+        "/./index.html",
+        "/index.html%00",
+        "/%zz",
+    ] {
+        let r = get(&s, path).await;
+        assert!(
+            !r.text().contains("do not serve"),
+            "{path} leaked a file outside the export"
+        );
+        // Either the export's 404 page, or a refusal before any routing (hyper rejects some
+        // request targets outright).
+        assert!(
+            r.status == 404 || r.status == 400,
+            "{path}: status {}",
+            r.status
+        );
+    }
+}
+
+#[tokio::test]
+async fn without_a_build_the_root_says_how_to_build_it_and_the_api_works() {
+    let s = start(|_| {}).await;
+    let r = get(&s, "/").await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.header("content-type"), Some("text/html; charset=utf-8"));
+    let page = r.text();
+    assert!(page.contains("not built"), "{page}");
+    assert!(page.contains("make run"), "{page}");
+    assert!(page.contains("npm run build"), "{page}");
+    // Other UI paths say the same; the API is unaffected.
+    assert!(get(&s, "/settings").await.text().contains("not built"));
+    assert_eq!(get(&s, "/healthz").await.text(), "ok");
+    assert_eq!(get(&s, "/v1/sessions").await.status, 401);
+    let r = get(&s, "/v1/nope").await;
+    assert_eq!(r.json()["error"]["type"], "not_found_error");
+}
