@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test fetch-model build bench fmt lint check-cuda
+.PHONY: run chat test test-deploy deploy-test fetch-model build bench fmt lint check-cuda
 
 ## Fetch the model if missing, build, and serve the chat API on http://127.0.0.1:8080 (a local
 ## worker, SQLite under ./data, no auth). Prints the URL and a curl example.
@@ -15,11 +15,21 @@ chat: fetch-model
 	$(CARGO) build --release -p hearth-worker
 	./target/release/hearth-worker chat
 
-## Everything CI checks: formatting, lints, and every test (unit, engine, real model).
-test: fetch-model
+## Everything CI checks: formatting, lints, the deploy/ files, and every test (unit, engine,
+## real model, whole stack; tests/tests/dashboards.rs needs Debian's `prometheus`).
+test: fetch-model test-deploy
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) test --workspace
+
+## Offline checks of deploy/: compose config, promtool, dashboards, kustomize + schemas (~10 s).
+test-deploy:
+	bash deploy/scripts/check.sh
+
+## The docker-compose stack for real (needs dockerd; builds the images, minutes; not in CI).
+## Without registry access run deploy/scripts/offline-base-images.sh first.
+deploy-test:
+	bash deploy/scripts/deploy-test.sh
 
 fetch-model:
 	bash scripts/fetch-model.sh

@@ -16,7 +16,7 @@ step() { printf 'deploy-check: %s\n' "$*"; }
 need() { command -v "$1" >/dev/null || { echo "deploy-check: $1 is missing ($2)" >&2; exit 1; }; }
 need docker-compose "apt-get install docker-compose"
 need promtool "apt-get install prometheus"
-need kubectl "apt-get install kubectl"
+need kubectl "the Kubernetes client, which includes kustomize"
 need kubernetes-validate "python3 -m pip install kubernetes-validate"
 
 tmp="$(mktemp -d)"
