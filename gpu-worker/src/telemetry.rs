@@ -27,6 +27,8 @@ pub const KV_BYTES_TOTAL: &str = "hearth_worker_kv_bytes_total";
 pub const CACHED_SESSIONS: &str = "hearth_worker_cached_sessions";
 pub const SESSION_EVICTIONS: &str = "hearth_worker_session_evictions_total";
 pub const PREEMPTIONS: &str = "hearth_worker_preemptions_total";
+pub const PREFIX_CACHE_QUERIES: &str = "hearth_worker_prefix_cache_queries_tokens_total";
+pub const PREFIX_CACHE_HITS: &str = "hearth_worker_prefix_cache_hits_tokens_total";
 pub const DEVICE_MEMORY_USED: &str = "hearth_worker_device_memory_used_bytes";
 pub const DEVICE_MEMORY_TOTAL: &str = "hearth_worker_device_memory_total_bytes";
 pub const READY: &str = "hearth_worker_ready";
@@ -74,6 +76,14 @@ fn describe() {
     describe_gauge!(CACHED_SESSIONS, "Sessions whose KV is resident");
     describe_counter!(SESSION_EVICTIONS, "Idle session caches evicted for memory");
     describe_counter!(PREEMPTIONS, "Running sequences preempted for recompute");
+    describe_counter!(
+        PREFIX_CACHE_QUERIES,
+        "Prompt tokens looked up in the KV cache at admission"
+    );
+    describe_counter!(
+        PREFIX_CACHE_HITS,
+        "Prompt tokens served from cached KV instead of prefilled"
+    );
     describe_gauge!(
         DEVICE_MEMORY_USED,
         metrics::Unit::Bytes,
@@ -116,6 +126,8 @@ pub fn refresh(stats: &EngineStats, kv_block_bytes: usize, in_flight: usize, mem
     gauge!(CACHED_SESSIONS).set(stats.cached_sessions as f64);
     counter!(SESSION_EVICTIONS).absolute(stats.session_evictions as u64);
     counter!(PREEMPTIONS).absolute(stats.preemptions as u64);
+    counter!(PREFIX_CACHE_QUERIES).absolute(stats.prefix_cache_queries_tokens as u64);
+    counter!(PREFIX_CACHE_HITS).absolute(stats.prefix_cache_hits_tokens as u64);
     gauge!(DEVICE_MEMORY_USED).set(memory.used_bytes as f64);
     gauge!(DEVICE_MEMORY_TOTAL).set(memory.total_bytes as f64);
 }

@@ -85,6 +85,14 @@ fn a_turn_served_from_the_session_cache_matches_the_same_prompt_served_cold() {
         Some(turn1.len() + out1.tokens.len() - 1)
     );
 
+    // The prefix-cache counters saw both prompts and the reused tokens.
+    let stats = h.stats();
+    assert_eq!(stats.prefix_cache_queries_tokens, turn1.len() + turn2.len());
+    assert_eq!(
+        stats.prefix_cache_hits_tokens,
+        turn1.len() + out1.tokens.len() - 1
+    );
+
     let cold_engine = engine(model, EngineConfig::default());
     let cold = collect(cold_engine.handle().submit(greedy(3, turn2, 10)).unwrap());
     assert_eq!(cold.cached_tokens, Some(0));

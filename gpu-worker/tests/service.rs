@@ -126,9 +126,20 @@ async fn info_health_and_a_streamed_generation() {
         "hearth_worker_session_evictions_total",
         "hearth_worker_device_memory_used_bytes",
         "hearth_worker_device_memory_total_bytes",
+        "hearth_worker_prefix_cache_queries_tokens_total",
+        "hearth_worker_prefix_cache_hits_tokens_total",
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
+    // The one request looked up its 20 prompt tokens and found none cached.
+    assert_eq!(
+        common::worker::metric(&w, "hearth_worker_prefix_cache_queries_tokens_total").await,
+        Some(20.0)
+    );
+    assert_eq!(
+        common::worker::metric(&w, "hearth_worker_prefix_cache_hits_tokens_total").await,
+        Some(0.0)
+    );
     // 23 decode steps after the prompt's prefill (the last step is recorded just after the
     // request's last event goes out, so allow it a moment).
     let mut decoded = None;

@@ -59,6 +59,8 @@ pub(crate) struct SharedStats {
     pub evictions: AtomicUsize,
     pub preemptions: AtomicUsize,
     pub steps: AtomicUsize,
+    pub prefix_queries: AtomicUsize,
+    pub prefix_hits: AtomicUsize,
 }
 
 /// A cloneable handle to the engine thread.
@@ -253,6 +255,8 @@ impl EngineHandle {
             session_evictions: l(&s.evictions),
             preemptions: l(&s.preemptions),
             steps: l(&s.steps),
+            prefix_cache_queries_tokens: l(&s.prefix_queries),
+            prefix_cache_hits_tokens: l(&s.prefix_hits),
         }
     }
 }
@@ -339,4 +343,10 @@ fn publish(sched: &Scheduler, stats: &SharedStats) {
         .evictions
         .store(s.session_evictions, Ordering::Relaxed);
     stats.preemptions.store(s.preemptions, Ordering::Relaxed);
+    stats
+        .prefix_queries
+        .store(s.prefix_cache_queries_tokens, Ordering::Relaxed);
+    stats
+        .prefix_hits
+        .store(s.prefix_cache_hits_tokens, Ordering::Relaxed);
 }

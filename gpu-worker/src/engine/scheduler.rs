@@ -118,6 +118,9 @@ pub struct Scheduler {
     clock: u64,
     evictions: usize,
     preemptions: usize,
+    /// Prompt tokens looked up in the cache at admission, and those found there.
+    prefix_queries: usize,
+    prefix_hits: usize,
     /// Highest request id enqueued so far; see `early_cancels`.
     max_id_seen: u64,
     /// Cancels that overtook their request (they travel on another channel). Only ids above
@@ -172,6 +175,8 @@ impl Scheduler {
             clock: 0,
             evictions: 0,
             preemptions: 0,
+            prefix_queries: 0,
+            prefix_hits: 0,
             max_id_seen: 0,
             early_cancels: HashSet::new(),
         })
@@ -195,6 +200,8 @@ impl Scheduler {
             session_evictions: self.evictions,
             preemptions: self.preemptions,
             steps: 0,
+            prefix_cache_queries_tokens: self.prefix_queries,
+            prefix_cache_hits_tokens: self.prefix_hits,
         }
     }
 
@@ -424,6 +431,8 @@ impl Scheduler {
             }
             let now = Instant::now();
             if !s.preempted {
+                self.prefix_queries += s.prompt_len;
+                self.prefix_hits += s.kv_len;
                 s.cached_tokens = s.kv_len;
                 s.admitted = Some(now);
                 s.send(EngineEvent::Started {

@@ -172,4 +172,8 @@ pub struct EngineStats {
     pub session_evictions: usize,
     pub preemptions: usize,
     pub steps: usize,
+    /// Prompt tokens looked up in the KV cache at admission (each request counted once).
+    pub prefix_cache_queries_tokens: usize,
+    /// Of those, tokens served from cached KV instead of being prefilled.
+    pub prefix_cache_hits_tokens: usize,
 }
