@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web fetch-model build bench fmt lint check-cuda
+.PHONY: run chat test test-web web test-deploy deploy-test fetch-model build bench fmt lint check-cuda
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -20,9 +20,10 @@ chat: fetch-model
 	$(CARGO) build --release -p hearth-worker
 	./target/release/hearth-worker chat
 
-## Everything CI checks: formatting, lints, every test (unit, engine, real model, whole stack),
-## and the web UI's checks.
-test: fetch-model
+## Everything CI checks: formatting, lints, the deploy/ files, every test (unit, engine, real
+## model, whole stack; tests/tests/dashboards.rs needs Debian's `prometheus`), and the web UI's
+## checks.
+test: fetch-model test-deploy
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) test --workspace
@@ -38,6 +39,15 @@ test-web:
 	cd web && npm test
 	bash scripts/build-web.sh --force
 	cd web && npm run e2e
+
+## Offline checks of deploy/: compose config, promtool, dashboards, kustomize + schemas (~10 s).
+test-deploy:
+	bash deploy/scripts/check.sh
+
+## The docker-compose stack for real (needs dockerd; builds the images, minutes; not in CI).
+## Without registry access run deploy/scripts/offline-base-images.sh first.
+deploy-test:
+	bash deploy/scripts/deploy-test.sh
 
 fetch-model:
 	bash scripts/fetch-model.sh

@@ -56,6 +56,7 @@ impl Limiter {
         if let Some(limit) = q.tokens_per_day {
             let used = self.read(&day_key(&q.bucket, now)).await;
             if used >= limit {
+                crate::telemetry::count_rate_limited("tokens_per_day");
                 return Err(Limited {
                     what: format!("the daily limit of {limit} generated tokens is used up"),
                     retry_after_secs: retry_after(DAY_MS, now),
@@ -65,6 +66,7 @@ impl Limiter {
         if let Some(limit) = q.requests_per_minute {
             let n = self.add(&minute_key(&q.bucket, now), 1, 120).await;
             if n > limit {
+                crate::telemetry::count_rate_limited("requests_per_minute");
                 return Err(Limited {
                     what: format!("more than {limit} requests in this minute"),
                     retry_after_secs: retry_after(MINUTE_MS, now),

@@ -250,6 +250,8 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
         }
     });
 
+    let database_check = crate::telemetry::database_check_task(store.clone());
+
     let mut local = None;
     let mut workers = args.workers.clone();
     if workers.is_empty() {
@@ -340,6 +342,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
     }
     stopper.abort();
     sweeper.abort();
+    database_check.abort();
     if let Some(t) = listener_task {
         t.abort();
     }

@@ -1,5 +1,6 @@
-//! The worker's plain-HTTP side: `/metrics` for Prometheus, `/healthz` (alive) and `/readyz`
-//! (model loaded and accepting work) for orchestration systems that probe over HTTP.
+//! The worker's plain-HTTP side: `/metrics` for Prometheus (the worker's metrics and the
+//! process's CPU and memory), `/healthz` (alive) and `/readyz` (model loaded and accepting work)
+//! for orchestration systems that probe over HTTP.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -46,10 +47,9 @@ async fn render(State(h): State<Http>) -> impl IntoResponse {
             h.state.device.memory(),
         );
     }
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        h.metrics.render(),
-    )
+    let mut text = h.metrics.render();
+    text.push_str(&hearth_shared::telemetry::process_metrics());
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
 async fn ready(State(h): State<Http>) -> impl IntoResponse {

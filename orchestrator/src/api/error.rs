@@ -109,6 +109,7 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
+        crate::telemetry::count_error(self.error_type());
         if let Self::Internal(detail) = &self {
             tracing::error!(%detail, "internal error");
         }

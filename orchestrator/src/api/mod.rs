@@ -118,11 +118,7 @@ async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
 }
 
 async fn render_metrics(State(s): State<AppState>) -> Response {
-    let text = s
-        .metrics
-        .as_ref()
-        .map(PrometheusHandle::render)
-        .unwrap_or_default();
+    let text = crate::telemetry::render(s.metrics.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 

@@ -140,6 +140,13 @@ impl Generator {
         metrics::counter!(telemetry::PROMPT_TOKENS).increment(outcome.prompt_tokens);
         metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(outcome.cached_tokens);
         metrics::counter!(telemetry::GENERATED_TOKENS).increment(outcome.completion_tokens);
+        telemetry::record_reply_end(&telemetry::ReplyEnd {
+            finish_reason: &outcome.finish_reason,
+            error_type: outcome.error.as_ref().map(|(kind, _)| kind.as_str()),
+            prompt_tokens: outcome.prompt_tokens,
+            completion_tokens: outcome.completion_tokens,
+            decode: p.first_token.map(|t| t.elapsed()),
+        });
         live.push(RunEvent::End(Box::new(outcome.clone())));
         metrics::gauge!(telemetry::ACTIVE_STREAMS).decrement(1.0);
         metrics::gauge!(telemetry::ACTIVE_SESSIONS).set(self.streams.running() as f64);

@@ -1,0 +1,40 @@
+# The orchestrator image (`hearth`). Build from the repository root:
+#   docker build -f deploy/docker/hearth.Dockerfile -t hearth:local .
+#
+# The builder stage is the same text in worker.Dockerfile, so Docker builds the workspace once
+# and both images reuse that layer.
+ARG RUST_IMAGE=rust:1.89-slim-bookworm
+ARG RUNTIME_IMAGE=debian:bookworm-slim
+
+FROM ${RUST_IMAGE} AS builder
+WORKDIR /src
+# Portable SIMD level (AVX2 + FMA) rather than the build machine's: see README "Build targets".
+ENV RUSTFLAGS="-C target-cpu=x86-64-v3" CARGO_TERM_COLOR=never CARGO_INCREMENTAL=0
+COPY . .
+RUN cargo build --release --locked -p hearth-orchestrator -p hearth-worker \
+ && mkdir -p /out && cp target/release/hearth target/release/hearth-worker /out/ \
+ && strip /out/hearth /out/hearth-worker
+
+FROM ${RUNTIME_IMAGE}
+# A fixed non-root user; written directly so the image needs no `passwd` package.
+RUN echo 'hearth:x:10001:10001:hearth:/var/lib/hearth:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'hearth:x:10001:' >> /etc/group \
+ && mkdir -p /var/lib/hearth /models \
+ && chown 10001:10001 /var/lib/hearth /models
+COPY --from=builder /out/hearth /usr/local/bin/hearth
+COPY deploy/docker/probe.sh /usr/local/bin/hearth-probe
+# Every flag has a HEARTH_… variable (`hearth --help`); these suit a container. Without auth the
+# server refuses a non-loopback address, so keys are on.
+ENV HEARTH_LISTEN=0.0.0.0:8080 \
+    HEARTH_AUTH=keys \
+    HEARTH_MODELS_DIR=/models \
+    HEARTH_DATA_DIR=/var/lib/hearth \
+    RUST_LOG=warn
+USER 10001:10001
+WORKDIR /var/lib/hearth
+EXPOSE 8080
+# Ready = database reachable and at least one worker ready (JSON on /readyz); /healthz is
+# liveness only.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+  CMD ["hearth-probe", "8080", "/readyz"]
+ENTRYPOINT ["hearth"]

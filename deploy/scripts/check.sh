@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Offline checks of deploy/ (part of `make test`, no daemon, no network):
+#   - the compose file (and the offline override) validate with docker-compose;
+#   - Prometheus config and rules pass promtool, and the rules' unit tests pass;
+#   - the Grafana dashboards match their generator;
+#   - both Kubernetes overlays render with kubectl kustomize and validate against the
+#     Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors).
+# Needs docker-compose, promtool (Debian `prometheus`), kubectl and kubernetes-validate (PyPI);
+# .ci/run installs them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+K8S_VERSION="${K8S_VERSION:-1.30.0}"
+fail=0
+step() { printf 'deploy-check: %s\n' "$*"; }
+need() { command -v "$1" >/dev/null || { echo "deploy-check: $1 is missing ($2)" >&2; exit 1; }; }
+need docker-compose "apt-get install docker-compose"
+need promtool "apt-get install prometheus"
+need kubectl "the Kubernetes client, which includes kustomize"
+need kubernetes-validate "python3 -m pip install kubernetes-validate"
+
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+
+step "docker-compose config"
+docker-compose --env-file .env.example -f docker-compose.yml config -q
+docker-compose --env-file .env.example -f docker-compose.yml -f docker-compose.offline.yml config -q
+docker-compose --env-file .env.example -f docker-compose.yml --profile gpu config --services | grep -qx worker-gpu \
+  || { echo "deploy-check: the gpu profile has no worker-gpu service" >&2; fail=1; }
+
+step "promtool check config / rules / test rules"
+# The config names its rules at their in-container path; check it with the path rewritten.
+sed 's#/etc/prometheus/rules/#'"$PWD"'/prometheus/rules/#' prometheus/prometheus.yml >"$tmp/prometheus.yml"
+promtool check config "$tmp/prometheus.yml" >/dev/null
+promtool check rules prometheus/rules/*.yml >/dev/null
+promtool test rules prometheus/tests/*.yml
+
+step "grafana dashboards match deploy/grafana/generate.py"
+python3 grafana/generate.py --check
+
+for overlay in cpu gpu; do
+  step "kustomize $overlay overlay + schema validation (Kubernetes $K8S_VERSION)"
+  kubectl kustomize "k8s/overlays/$overlay" >"$tmp/$overlay.yaml"
+  kubernetes-validate --strict --quiet -k "$K8S_VERSION" "$tmp/$overlay.yaml" || fail=1
+done
+grep -q 'nvidia.com/gpu: 1' "$tmp/gpu.yaml" || { echo "deploy-check: gpu overlay requests no nvidia.com/gpu" >&2; fail=1; }
+if grep -q 'nvidia.com/gpu: 1' "$tmp/cpu.yaml"; then echo "deploy-check: cpu overlay requests a GPU" >&2; fail=1; fi
+
+if ((fail)); then
+  step "FAILED"
+  exit 1
+fi
+step "ok"
