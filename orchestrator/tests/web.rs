@@ -196,10 +196,12 @@ async fn unknown_paths_get_the_export_404_and_the_api_keeps_json() {
     let r = Req::new("DELETE", "/v1/models").send(s.addr).await;
     assert_eq!(r.status, 405);
     assert_eq!(r.json()["error"]["code"], "method_not_allowed");
-    // The UI's paths take GET and HEAD only.
-    let r = Req::new("POST", "/settings").send(s.addr).await;
-    assert_eq!(r.status, 405);
-    assert_eq!(r.json()["error"]["code"], "method_not_allowed");
+    // The UI's paths take GET and HEAD only: other methods name no route (a JSON 404).
+    for path in ["/settings", "/", "/no/such/page"] {
+        let r = Req::new("POST", path).send(s.addr).await;
+        assert_eq!(r.status, 404, "{path}");
+        assert_eq!(r.json()["error"]["type"], "not_found_error", "{path}");
+    }
 
     assert_eq!(get(&s, "/healthz").await.text(), "ok");
 }

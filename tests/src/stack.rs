@@ -85,6 +85,10 @@ pub fn bench_bin() -> PathBuf {
     sibling_bin("hearth-bench", "hearth-e2e")
 }
 
+pub fn stack_bin() -> PathBuf {
+    sibling_bin("hearth-stack", "hearth-e2e")
+}
+
 /// The flags test workers run with: a KV budget that suits the tiny model.
 const WORKER_FLAGS: [&str; 2] = ["--kv-budget", "64MiB"];
 

@@ -1095,11 +1095,14 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
                 ("GET", "/v1/sessions//messages".into()),
                 ("POST", format!("/v1/sessions/{sid}/messages/extra")),
                 ("POST", format!("/v1/sessions/{sid}/regenerate/{sid}")),
-                ("GET", "/v2/sessions".into()),
+                // A GET outside the API is the web UI's (its 404 page, HTML; see
+                // orchestrator/tests/web.rs); every other method is a JSON 404 there too.
+                ("POST", "/v2/sessions".into()),
                 ("POST", "/v1/chat/completion".into()),
                 ("POST", "/v1/chat/completions/x".into()),
-                ("GET", "/%FF%FE".into()),
-                ("GET", format!("/{}", rng.letters_in(1, 3000))),
+                ("GET", "/v1/%FF%FE".into()),
+                ("GET", format!("/v1/{}", rng.letters_in(1, 3000))),
+                ("PUT", format!("/{}", rng.letters_in(1, 3000))),
                 ("POST", "/V1/SESSIONS".into()),
             ];
             let method_wrong = rng.chance(60);

@@ -2,7 +2,7 @@
 //! API's own origin, so the browser needs no CORS and the UI no server of its own.
 //!
 //! This is the router's fallback: every path no API route claims. Paths under `/v1` and the
-//! operations routes keep their JSON 404s. Static files need no key (the UI asks for one and
+//! operations routes keep their JSON 404s, and so does any method but GET and HEAD. Static files need no key (the UI asks for one and
 //! sends it with its API calls). A path resolves to the file itself, then `name.html` (Next's
 //! export writes route `/name` there), then `name/index.html`; anything else is the export's
 //! `404.html` with status 404. Every segment is checked before the file system is touched, and
@@ -41,11 +41,9 @@ pub async fn fallback(
     uri: Uri,
     headers: HeaderMap,
 ) -> Response {
-    if is_api_path(uri.path()) {
+    // The UI's files take GET and HEAD only; anything else names no route, as before the UI.
+    if is_api_path(uri.path()) || (method != Method::GET && method != Method::HEAD) {
         return ApiError::NotFound("route").into_response();
-    }
-    if method != Method::GET && method != Method::HEAD {
-        return ApiError::MethodNotAllowed.into_response();
     }
     let root = &s.options.web_dir;
     let mut response = match serve(root, uri.path(), &headers).await {

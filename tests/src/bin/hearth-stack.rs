@@ -49,7 +49,8 @@ enum Model {
 ///
 /// Recipes:
 ///   503 (no capacity): `--model slow --hearth-arg=--worker-capacity=1 --hearth-arg=--max-queue=0`
-///     (a second reply while one streams is refused with 503).
+///     (while one reply streams, a turn in another session is refused with 503; in the same
+///     session it is a 409).
 ///   Long deterministic reply (markdown rendering): `--scripted-token-ms 2`: the worker loads no
 ///     model and answers every request by echoing its prompt tokens, one every 2 ms, until
 ///     `max_tokens`. With the tiny tokenizer one ASCII character is one token, so posting a
