@@ -9,6 +9,7 @@ use hearth_shared::SessionId;
 use serde_json::{json, Value};
 
 use crate::engine::{Engine, EngineConfig, EngineEvent, EventStream, GenerateRequest};
+use crate::kv::KvDtype;
 use crate::model::{load_gguf, Model};
 
 /// Options of a benchmark run (also the `hearth-worker bench` flags).
@@ -41,6 +42,12 @@ pub struct BenchOptions {
     /// Reply tokens per turn.
     #[arg(long, default_value_t = 32)]
     pub reply_tokens: u32,
+    /// History length of the disk-tier measurement (restore vs recompute); 0 skips it.
+    #[arg(long, default_value_t = 2000)]
+    pub disk_tokens: usize,
+    /// Element type of stored K/V.
+    #[arg(long, value_enum, default_value_t = KvDtype::F16)]
+    pub kv_dtype: KvDtype,
     /// KV budget in MiB.
     #[arg(long, env = "HEARTH_KV_BUDGET_MB", default_value_t = 4096)]
     pub kv_budget_mb: usize,
@@ -123,6 +130,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         model.clone(),
         EngineConfig {
             kv_budget_bytes: o.kv_budget_mb << 20,
+            kv_dtype: o.kv_dtype,
             ..Default::default()
         },
     )?;
@@ -256,6 +264,11 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
 
     let stats = h.stats();
     drop(engine);
+    let disk = if o.disk_tokens > 0 {
+        Some(disk_tier(&model, o)?)
+    } else {
+        None
+    };
     Ok(json!({
         "model": model_path.display().to_string(),
         "architecture": model.config.architecture,
@@ -271,6 +284,82 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "decode_single_stream_tok_s": decode_tok_s,
         "batched_decode": batched,
         "multi_turn": multi,
-        "engine": { "kv_blocks_total": stats.kv_blocks_total, "preemptions": stats.preemptions },
+        "disk_tier": disk,
+        "engine": {
+            "kv_dtype": o.kv_dtype.name(),
+            "kv_blocks_total": stats.kv_blocks_total,
+            "kv_block_bytes": h.model_info().kv_block_bytes,
+            "preemptions": stats.preemptions,
+            "prefix_cache_queries_tokens": stats.prefix_cache_queries_tokens,
+            "prefix_cache_hits_tokens": stats.prefix_cache_hits_tokens,
+        },
+    }))
+}
+
+/// A session evicted to the disk tier and restored for its next turn, against the same turn
+/// recomputed from scratch (a prompt of the same length that nothing has cached).
+fn disk_tier(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
+    let vocab = model.config.vocab_size;
+    let n = o.disk_tokens;
+    let c = &model.config;
+    let block =
+        crate::kv::KvStore::block_bytes(c.num_layers, 16, c.kv_dim(), c.head_dim, o.kv_dtype);
+    let dir = std::env::temp_dir().join(format!("hearth-bench-kv-{}", std::process::id()));
+    // Memory for two such sessions: the third pushes the first out to disk.
+    let blocks = 2 * (n + 64).div_ceil(16) + 8;
+    let engine = Engine::start(
+        model.clone(),
+        EngineConfig {
+            kv_budget_bytes: blocks * block,
+            kv_dtype: o.kv_dtype,
+            kv_disk: Some(crate::engine::DiskConfig {
+                dir: dir.clone(),
+                bytes: 4 * blocks as u64 * block as u64,
+            }),
+            ..Default::default()
+        },
+    )?;
+    let h = engine.handle();
+    let mut histories = Vec::new();
+    for s in 0..3u64 {
+        let p = tokens(n, 5000 + s, vocab);
+        let r = run(
+            h.submit(req(10 + s, p.clone(), 1, Some(format!("disk-{s}"))))?,
+            Instant::now(),
+        );
+        histories.push((p, r.tokens));
+    }
+    let spilled = h.stats().disk_sessions;
+    let (p, reply) = &histories[0];
+    let mut next = p.clone();
+    next.extend(reply);
+    next.extend(tokens(16, 5999, vocab));
+    let t = Instant::now();
+    let restored = run(
+        h.submit(req(20, next.clone(), 1, Some("disk-0".into())))?,
+        t,
+    );
+    let cold_prompt = tokens(next.len(), 6000, vocab);
+    let t = Instant::now();
+    let cold = run(h.submit(req(21, cold_prompt, 1, None))?, t);
+    let restores = h.stats().disk_restores;
+    drop(engine);
+    let _ = std::fs::remove_dir_all(&dir);
+    let (a, b) = (
+        restored.ttft.as_secs_f64() * 1e3,
+        cold.ttft.as_secs_f64() * 1e3,
+    );
+    progress(&format!(
+        "disk tier: {}-token turn restored in {a:.0} ms, recomputed in {b:.0} ms",
+        next.len()
+    ));
+    Ok(json!({
+        "prompt_tokens": next.len(),
+        "sessions_spilled": spilled,
+        "restores": restores,
+        "restored_cached_tokens": restored.cached,
+        "ttft_ms_restored": a,
+        "ttft_ms_recomputed": b,
+        "speedup": b / a.max(1e-9),
     }))
 }

@@ -22,6 +22,7 @@ pub const WAITING: &str = "hearth_worker_waiting_sequences";
 pub const IN_FLIGHT: &str = "hearth_worker_in_flight_requests";
 pub const KV_BLOCKS_USED: &str = "hearth_worker_kv_blocks_used";
 pub const KV_BLOCKS_TOTAL: &str = "hearth_worker_kv_blocks_total";
+pub const KV_BLOCKS_CACHED: &str = "hearth_worker_kv_blocks_cached";
 pub const KV_BYTES_USED: &str = "hearth_worker_kv_bytes_used";
 pub const KV_BYTES_TOTAL: &str = "hearth_worker_kv_bytes_total";
 pub const CACHED_SESSIONS: &str = "hearth_worker_cached_sessions";
@@ -71,6 +72,10 @@ fn describe() {
         "KV blocks held by running sequences and session caches"
     );
     describe_gauge!(KV_BLOCKS_TOTAL, "KV blocks in the budget");
+    describe_gauge!(
+        KV_BLOCKS_CACHED,
+        "Unreferenced KV blocks kept for the prefix cache (reclaimable, not in used)"
+    );
     describe_gauge!(KV_BYTES_USED, metrics::Unit::Bytes, "KV bytes in use");
     describe_gauge!(KV_BYTES_TOTAL, metrics::Unit::Bytes, "KV budget in bytes");
     describe_gauge!(CACHED_SESSIONS, "Sessions whose KV is resident");
@@ -121,6 +126,7 @@ pub fn refresh(stats: &EngineStats, kv_block_bytes: usize, in_flight: usize, mem
     gauge!(IN_FLIGHT).set(in_flight as f64);
     gauge!(KV_BLOCKS_USED).set(stats.kv_blocks_used as f64);
     gauge!(KV_BLOCKS_TOTAL).set(stats.kv_blocks_total as f64);
+    gauge!(KV_BLOCKS_CACHED).set(stats.kv_blocks_cached as f64);
     gauge!(KV_BYTES_USED).set((stats.kv_blocks_used * kv_block_bytes) as f64);
     gauge!(KV_BYTES_TOTAL).set((stats.kv_blocks_total * kv_block_bytes) as f64);
     gauge!(CACHED_SESSIONS).set(stats.cached_sessions as f64);

@@ -261,8 +261,13 @@ fn seeded_sampling_is_reproducible_and_sessions_can_be_dropped() {
 #[test]
 fn memory_pressure_evicts_idle_sessions_then_preempts_and_loses_nothing() {
     let model = tiny_model();
-    let block_bytes =
-        hearth_worker::kv::KvStore::block_bytes(model.config.num_layers, 16, model.config.kv_dim());
+    let block_bytes = hearth_worker::kv::KvStore::block_bytes(
+        model.config.num_layers,
+        16,
+        model.config.kv_dim(),
+        model.config.head_dim,
+        hearth_worker::kv::KvDtype::default(),
+    );
     // Room for 12 blocks (192 tokens): far less than 6 concurrent 60-token sequences need.
     let small = EngineConfig {
         kv_budget_bytes: 12 * block_bytes,
@@ -414,4 +419,147 @@ fn stats_account_session_blocks_exactly() {
         (s.cached_sessions, s.kv_blocks_used, s.kv_blocks_total),
         (0, 0, total)
     );
+}
+
+/// The engine's counters once `ok` holds (they are published after each step).
+fn settled(
+    h: &hearth_worker::engine::EngineHandle,
+    ok: impl Fn(&hearth_worker::engine::EngineStats) -> bool,
+) -> hearth_worker::engine::EngineStats {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = h.stats();
+        if ok(&s) {
+            return s;
+        }
+        assert!(std::time::Instant::now() < deadline, "{s:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_stateless_client_resending_its_history_gets_it_from_the_prefix_cache() {
+    let model = tiny_model();
+    let e = engine(model.clone(), EngineConfig::default());
+    let h = e.handle();
+    let turn1 = prompt(50, 11, VOCAB);
+    let out1 = collect(h.submit(greedy(1, turn1.clone(), 8)).unwrap());
+    assert_eq!(out1.cached_tokens, Some(0));
+    // Turn 2 resends turn 1 and its reply, then a new message; no session.
+    let mut turn2 = turn1.clone();
+    turn2.extend(&out1.tokens);
+    turn2.extend(prompt(20, 12, VOCAB));
+    let warm = collect(h.submit(greedy(2, turn2.clone(), 10)).unwrap());
+    // Every full block of the 57 positions turn 1 computed: 3 blocks of 16.
+    assert_eq!(warm.cached_tokens, Some(48));
+    let cold = collect(
+        engine(model, EngineConfig::default())
+            .handle()
+            .submit(greedy(3, turn2.clone(), 10))
+            .unwrap(),
+    );
+    assert_eq!(cold.cached_tokens, Some(0));
+    assert_eq!(warm.tokens, cold.tokens);
+    assert_eq!(warm.logprobs, cold.logprobs);
+    // Nothing is referenced once both are done; the cached blocks stay available.
+    let s = settled(&h, |s| s.kv_blocks_used == 0 && s.kv_blocks_cached >= 3);
+    assert_eq!(s.prefix_cache_queries_tokens, turn1.len() + turn2.len());
+    assert_eq!(s.prefix_cache_hits_tokens, 48);
+}
+
+#[test]
+fn a_new_session_skips_the_system_prompt_another_session_computed() {
+    let model = tiny_model();
+    let e = engine(model.clone(), EngineConfig::default());
+    let h = e.handle();
+    let system = prompt(40, 21, VOCAB);
+    let ask = |id: u64, session: &str, seed: u32| {
+        let mut p = system.clone();
+        p.extend(prompt(9, seed, VOCAB));
+        let mut r = greedy(id, p.clone(), 6);
+        r.session = Some(SessionId::new(session));
+        (p, collect(h.submit(r).unwrap()))
+    };
+    let (_, first) = ask(1, "alice", 22);
+    assert_eq!(first.cached_tokens, Some(0));
+    let (p, second) = ask(2, "bob", 23);
+    // The two full blocks of the shared 40-token system prompt.
+    assert_eq!(second.cached_tokens, Some(32));
+    let cold = collect(
+        engine(model, EngineConfig::default())
+            .handle()
+            .submit(greedy(3, p, 6))
+            .unwrap(),
+    );
+    assert_eq!(second.tokens, cold.tokens);
+    // Both sessions hold the shared blocks: counted once in the used blocks.
+    // 49 + 5 = 54 positions each: 4 blocks per session, 2 of them shared and counted once.
+    settled(&h, |s| s.cached_sessions == 2 && s.kv_blocks_used == 6);
+}
+
+#[test]
+fn an_evicted_session_comes_back_from_the_disk_tier_with_the_same_answer() {
+    use hearth_worker::engine::DiskConfig;
+    let model = tiny_model();
+    let c = &model.config;
+    let block_bytes = hearth_worker::kv::KvStore::block_bytes(
+        c.num_layers,
+        16,
+        c.kv_dim(),
+        c.head_dim,
+        hearth_worker::kv::KvDtype::default(),
+    );
+    let dir = temp_dir("disk");
+    let config = EngineConfig {
+        // Room for two of the three sessions below (3 blocks each).
+        kv_budget_bytes: 8 * block_bytes,
+        kv_disk: Some(DiskConfig {
+            dir: dir.clone(),
+            bytes: 64 * block_bytes as u64,
+        }),
+        ..Default::default()
+    };
+    let e = engine(model.clone(), config);
+    let h = e.handle();
+    let mut history = Vec::new();
+    for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+        let p = prompt(40, 30 + i as u32, VOCAB);
+        let mut r = greedy(i as u64, p.clone(), 4);
+        r.session = Some(SessionId::new(name));
+        let out = collect(h.submit(r).unwrap());
+        history.push((p, out.tokens));
+    }
+    let s = settled(&h, |s| s.disk_sessions >= 1);
+    assert!(s.session_evictions >= 1, "{s:?}");
+    assert!(dir.join("kv-tier.bin").is_file());
+    // Session "a" (evicted first) asks its next turn.
+    let (p, reply) = &history[0];
+    let mut turn2 = p.clone();
+    turn2.extend(reply);
+    turn2.extend(prompt(10, 39, VOCAB));
+    let mut r = greedy(10, turn2.clone(), 8);
+    r.session = Some(SessionId::new("a"));
+    let warm = collect(h.submit(r).unwrap());
+    // All 43 computed positions come back, more than the 2 full blocks the prefix cache could
+    // still hold.
+    assert_eq!(warm.cached_tokens, Some(43));
+    assert_eq!(h.stats().disk_restores, 1);
+    let cold = collect(
+        engine(model, EngineConfig::default())
+            .handle()
+            .submit(greedy(11, turn2, 8))
+            .unwrap(),
+    );
+    assert_eq!(warm.tokens, cold.tokens);
+    assert_eq!(warm.logprobs, cold.logprobs);
+    // Dropping sessions works wherever they live (memory or disk) and forgets them.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    for name in ["b", "c"] {
+        rt.block_on(h.drop_session(SessionId::new(name))).unwrap();
+    }
+    assert_eq!(h.stats().disk_sessions, 0);
+    drop(e);
+    let _ = std::fs::remove_dir_all(&dir);
 }

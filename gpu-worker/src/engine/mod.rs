@@ -13,7 +13,9 @@ mod types;
 
 pub use error::EngineError;
 pub use scheduler::{Scheduler, StepSummary};
-pub use types::{EngineConfig, EngineEvent, EngineStats, GenerateRequest, Timings, ValidRequest};
+pub use types::{
+    DiskConfig, EngineConfig, EngineEvent, EngineStats, GenerateRequest, Timings, ValidRequest,
+};
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -55,7 +57,10 @@ pub(crate) struct SharedStats {
     pub waiting: AtomicUsize,
     pub blocks_used: AtomicUsize,
     pub blocks_total: AtomicUsize,
+    pub blocks_cached: AtomicUsize,
     pub cached_sessions: AtomicUsize,
+    pub disk_sessions: AtomicUsize,
+    pub disk_restores: AtomicUsize,
     pub evictions: AtomicUsize,
     pub preemptions: AtomicUsize,
     pub steps: AtomicUsize,
@@ -251,7 +256,10 @@ impl EngineHandle {
             waiting: l(&s.waiting),
             kv_blocks_used: l(&s.blocks_used),
             kv_blocks_total: l(&s.blocks_total),
+            kv_blocks_cached: l(&s.blocks_cached),
             cached_sessions: l(&s.cached_sessions),
+            disk_sessions: l(&s.disk_sessions),
+            disk_restores: l(&s.disk_restores),
             session_evictions: l(&s.evictions),
             preemptions: l(&s.preemptions),
             steps: l(&s.steps),
@@ -337,8 +345,17 @@ fn publish(sched: &Scheduler, stats: &SharedStats) {
         .blocks_total
         .store(s.kv_blocks_total, Ordering::Relaxed);
     stats
+        .blocks_cached
+        .store(s.kv_blocks_cached, Ordering::Relaxed);
+    stats
         .cached_sessions
         .store(s.cached_sessions, Ordering::Relaxed);
+    stats
+        .disk_sessions
+        .store(s.disk_sessions, Ordering::Relaxed);
+    stats
+        .disk_restores
+        .store(s.disk_restores, Ordering::Relaxed);
     stats
         .evictions
         .store(s.session_evictions, Ordering::Relaxed);

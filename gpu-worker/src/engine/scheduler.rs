@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
-use crate::kv::{BlockAllocator, BlockId, KvStore};
+use crate::kv::{BlockAllocator, BlockId, DiskTier, KvStore, ROOT_HASH};
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
 
@@ -48,6 +48,15 @@ impl StepSummary {
     }
 }
 
+/// The outcome of trying to give a waiting request its KV blocks.
+enum Placement {
+    Ready,
+    /// Not enough memory now; try again at a later step.
+    Wait,
+    /// Needs more tokens than the whole budget holds.
+    TooBig(usize),
+}
+
 /// A session's KV left behind by its last turn.
 #[derive(Debug)]
 struct SessionCache {
@@ -68,6 +77,8 @@ struct Seq {
     /// Positions whose K/V are in `blocks`.
     kv_len: usize,
     blocks: Vec<BlockId>,
+    /// Chain hashes of the leading full blocks already offered to the prefix cache.
+    hashes: Vec<u64>,
     generated: usize,
     max_new: usize,
     stop_ids: Vec<u32>,
@@ -115,6 +126,9 @@ pub struct Scheduler {
     waiting: Vec<Seq>,
     running: Vec<Seq>,
     sessions: HashMap<SessionId, SessionCache>,
+    /// Where evicted session caches go, when configured.
+    disk: Option<DiskTier>,
+    disk_restores: usize,
     clock: u64,
     evictions: usize,
     preemptions: usize,
@@ -136,7 +150,13 @@ impl Scheduler {
                 "block_size, max_batch and prefill_chunk must be positive".into(),
             ));
         }
-        let block_bytes = KvStore::block_bytes(c.num_layers, config.block_size, c.kv_dim());
+        let block_bytes = KvStore::block_bytes(
+            c.num_layers,
+            config.block_size,
+            c.kv_dim(),
+            c.head_dim,
+            config.kv_dtype,
+        );
         let num_blocks = config.kv_budget_bytes / block_bytes;
         if num_blocks == 0 {
             return Err(EngineError::Internal(format!(
@@ -163,8 +183,24 @@ impl Scheduler {
             max_waiting: config.max_waiting,
             command_queue: config.command_queue,
         };
+        let kv = KvStore::new(
+            c.num_layers,
+            num_blocks,
+            config.block_size,
+            c.kv_dim(),
+            c.head_dim,
+            config.kv_dtype,
+        );
+        let disk = match &config.kv_disk {
+            Some(d) => Some(
+                DiskTier::create(&d.dir, d.bytes, kv.saved_bytes(config.block_size)).map_err(
+                    |e| EngineError::Internal(format!("KV disk tier in {}: {e}", d.dir.display())),
+                )?,
+            ),
+            None => None,
+        };
         Ok(Self {
-            kv: KvStore::new(c.num_layers, num_blocks, config.block_size, c.kv_dim()),
+            kv,
             alloc: BlockAllocator::new(num_blocks),
             model,
             config,
@@ -172,6 +208,8 @@ impl Scheduler {
             waiting: Vec::new(),
             running: Vec::new(),
             sessions: HashMap::new(),
+            disk,
+            disk_restores: 0,
             clock: 0,
             evictions: 0,
             preemptions: 0,
@@ -196,7 +234,10 @@ impl Scheduler {
             waiting: self.waiting.len(),
             kv_blocks_used: self.alloc.used(),
             kv_blocks_total: self.alloc.total(),
+            kv_blocks_cached: self.alloc.cached(),
             cached_sessions: self.sessions.len(),
+            disk_sessions: self.disk.as_ref().map_or(0, DiskTier::sessions),
+            disk_restores: self.disk_restores,
             session_evictions: self.evictions,
             preemptions: self.preemptions,
             steps: 0,
@@ -240,6 +281,7 @@ impl Scheduler {
             prompt_len,
             kv_len: 0,
             blocks: Vec::new(),
+            hashes: Vec::new(),
             generated: 0,
             max_new,
             stop_ids,
@@ -277,11 +319,13 @@ impl Scheduler {
     }
 
     pub(crate) fn drop_session(&mut self, id: &SessionId) -> Result<(), EngineError> {
+        let on_disk = self.disk.as_mut().is_some_and(|d| d.remove(id));
         match self.sessions.remove(id) {
             Some(mut c) => {
                 self.alloc.release(&mut c.blocks);
                 Ok(())
             }
+            None if on_disk => Ok(()),
             None => Err(EngineError::UnknownSession(id.clone())),
         }
     }
@@ -312,11 +356,66 @@ impl Scheduler {
             return false;
         };
         if let Some(mut c) = self.sessions.remove(&id) {
+            self.spill(&id, &c);
             self.alloc.release(&mut c.blocks);
             self.evictions += 1;
             tracing::debug!(session = %id, "evicted idle session cache");
         }
         true
+    }
+
+    /// Copies an evicted session cache to the disk tier, if there is one.
+    fn spill(&mut self, id: &SessionId, c: &SessionCache) {
+        let (Some(disk), false) = (self.disk.as_mut(), c.tokens.is_empty()) else {
+            return;
+        };
+        let (bs, n) = (self.config.block_size, c.tokens.len());
+        let kv = &self.kv;
+        let blocks = n.div_ceil(bs);
+        let stored = disk.spill(id.clone(), c.tokens.clone(), blocks, |i, out| {
+            kv.save_block(c.blocks[i], bs.min(n - i * bs), out)
+        });
+        if !stored {
+            tracing::debug!(session = %id, "session cache too large for the disk tier");
+        }
+    }
+
+    /// Brings session `id` back from the disk tier as a session cache of its first `n` tokens
+    /// (at most), if that is worth more than `than` tokens found elsewhere and memory allows.
+    fn restore(&mut self, id: &SessionId, want: &[u32], than: usize) -> Option<SessionCache> {
+        let bs = self.config.block_size;
+        let common = {
+            let tokens = self.disk.as_ref()?.tokens(id)?;
+            tokens.iter().zip(want).take_while(|(a, b)| a == b).count()
+        };
+        if common <= than {
+            return None;
+        }
+        let need = common.div_ceil(bs);
+        while self.alloc.free() < need && self.evict_one_idle(None) {}
+        let mut blocks = Vec::new();
+        // Evictions above may have spilled other sessions and pushed this one out.
+        if !self.disk.as_ref()?.contains(id) || !self.alloc.grow(&mut blocks, common, bs) {
+            self.alloc.release(&mut blocks);
+            return None;
+        }
+        let crate::kv::Spilled {
+            mut tokens,
+            blocks: bytes,
+        } = self.disk.as_mut()?.take(id)?;
+        let stored = tokens.len();
+        for (i, (&b, bytes)) in blocks.iter().zip(&bytes).enumerate() {
+            self.kv.load_block(b, bs.min(stored - i * bs), bytes);
+        }
+        drop(bytes);
+        tokens.truncate(common);
+        self.disk_restores += 1;
+        let last_used = self.tick();
+        Some(SessionCache {
+            tokens,
+            blocks,
+            last_used,
+        })
     }
 
     /// Removes cancelled sequences and those whose client went away.
@@ -345,7 +444,12 @@ impl Scheduler {
     fn retire(&mut self, mut s: Seq) {
         match s.session.take() {
             Some(id) => {
+                if let Some(d) = self.disk.as_mut() {
+                    d.remove(&id);
+                }
                 s.tokens.truncate(s.kv_len);
+                self.alloc
+                    .truncate(&mut s.blocks, s.kv_len, self.config.block_size);
                 let last_used = self.tick();
                 let cache = SessionCache {
                     tokens: std::mem::take(&mut s.tokens),
@@ -381,53 +485,21 @@ impl Scheduler {
     fn admit(&mut self) {
         while self.running.len() < self.config.max_batch {
             let Some(i) = self.next_waiting() else { return };
-            let bs = self.config.block_size;
-            // Reuse the session's cache: the common prefix of cache and prompt, minus at least one
-            // token so there is something to run for logits.
-            let s = &self.waiting[i];
-            let cache = s.session.as_ref().and_then(|id| self.sessions.get(id));
-            let reuse = cache.map_or(0, |c| {
-                let common = c
-                    .tokens
-                    .iter()
-                    .zip(&s.tokens)
-                    .take_while(|(a, b)| a == b)
-                    .count();
-                common.min(s.tokens.len() - 1)
-            });
-            let need_tokens = s.tokens.len() + 1;
-            let have_blocks = reuse.div_ceil(bs);
-            let need = BlockAllocator::blocks_needed(have_blocks, need_tokens, bs);
-            // Blocks this request's own cache frees by rewinding count as available.
-            let own_cached = cache.map_or(0, |c| c.blocks.len() - have_blocks);
-            let has_cache = cache.is_some();
-            let keep = s.session.clone();
-            // Never evict the cache we are about to reuse.
-            while self.alloc.free() + own_cached < need && self.evict_one_idle(keep.as_ref()) {}
-            if self.alloc.free() + own_cached < need {
-                if self.running.is_empty() && self.sessions.is_empty() && !has_cache {
+            let mut s = self.waiting.remove(i);
+            match self.place(&mut s) {
+                Placement::Ready => {}
+                Placement::Wait => {
+                    self.waiting.push(s);
+                    return;
+                }
+                Placement::TooBig(need) => {
                     // Cannot fit even in an empty engine; validation normally prevents this.
-                    let s = self.waiting.remove(i);
                     s.send(EngineEvent::Error(EngineError::KvBudgetTooSmall {
-                        need: need_tokens,
+                        need,
                         capacity: self.info.kv_capacity_tokens,
                     }));
                     continue;
                 }
-                return;
-            }
-            let mut s = self.waiting.remove(i);
-            if let Some(mut c) = s.session.as_ref().and_then(|id| self.sessions.remove(id)) {
-                self.alloc.truncate(&mut c.blocks, reuse, bs);
-                s.blocks = c.blocks;
-                s.kv_len = reuse;
-            }
-            if !self.alloc.grow(&mut s.blocks, need_tokens, bs) {
-                // Accounting above guarantees room; keep the request rather than lose it.
-                self.alloc.release(&mut s.blocks);
-                s.kv_len = 0;
-                self.waiting.push(s);
-                return;
             }
             let now = Instant::now();
             if !s.preempted {
@@ -444,12 +516,151 @@ impl Scheduler {
         }
     }
 
+    /// Gives `s` the longest cached prefix of its input (its session's cache, or blocks of the
+    /// prefix cache) and blocks for the rest, evicting idle sessions as needed.
+    fn place(&mut self, s: &mut Seq) -> Placement {
+        let bs = self.config.block_size;
+        let need_tokens = s.tokens.len() + 1;
+        self.attach_cached_prefix(s);
+        // The block the next token goes into may be registered (immutable) or shared: copy it.
+        let cow = !s.kv_len.is_multiple_of(bs) && !self.alloc.writable(s.blocks[s.kv_len / bs]);
+        let need =
+            BlockAllocator::blocks_needed(s.blocks.len(), need_tokens, bs) + usize::from(cow);
+        while self.alloc.free() < need && self.evict_one_idle(None) {}
+        if self.alloc.free() < need {
+            if !self.running.is_empty() {
+                self.detach(s);
+                return Placement::Wait;
+            }
+            // Nothing runs and no idle session is left: only this request's own prefix holds
+            // memory. Start it cold rather than wait forever.
+            self.alloc.release(&mut s.blocks);
+            s.kv_len = 0;
+            if self.alloc.free() < need_tokens.div_ceil(bs) {
+                return Placement::TooBig(need_tokens);
+            }
+            return self.place_cold(s, need_tokens);
+        }
+        if cow {
+            let at = s.kv_len / bs;
+            let Some(fresh) = self.alloc.take_one() else {
+                self.detach(s);
+                return Placement::Wait;
+            };
+            self.kv.copy_block(s.blocks[at], fresh, s.kv_len % bs);
+            let old = std::mem::replace(&mut s.blocks[at], fresh);
+            self.alloc.unref(old);
+        }
+        if !self.alloc.grow(&mut s.blocks, need_tokens, bs) {
+            // Accounting above guarantees room; keep the request rather than lose it.
+            self.detach(s);
+            return Placement::Wait;
+        }
+        Placement::Ready
+    }
+
+    fn place_cold(&mut self, s: &mut Seq, need_tokens: usize) -> Placement {
+        if self
+            .alloc
+            .grow(&mut s.blocks, need_tokens, self.config.block_size)
+        {
+            Placement::Ready
+        } else {
+            Placement::TooBig(need_tokens)
+        }
+    }
+
+    /// Attaches the longest reusable prefix of `s.tokens` (all but the last token, which must run
+    /// for logits): the session's own cache, or shared blocks of the prefix cache, whichever is
+    /// longer. The session cache leaves the map either way (it becomes the sequence's KV).
+    fn attach_cached_prefix(&mut self, s: &mut Seq) {
+        let bs = self.config.block_size;
+        let limit = s.tokens.len() - 1;
+        let hits = self.alloc.lookup_prefix(&s.tokens[..limit], bs);
+        let mut cache = s.session.as_ref().and_then(|id| self.sessions.remove(id));
+        if let (None, Some(id)) = (&cache, s.session.clone()) {
+            cache = self.restore(&id, &s.tokens[..limit], hits.len() * bs);
+        }
+        let from_session = cache.as_ref().map_or(0, |c| {
+            let common = c
+                .tokens
+                .iter()
+                .zip(&s.tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
+            common.min(limit)
+        });
+        // A restore may have reclaimed cached blocks: look again.
+        let hits = if hits.is_empty() {
+            hits
+        } else {
+            self.alloc.lookup_prefix(&s.tokens[..limit], bs)
+        };
+        s.hashes.clear();
+        match cache {
+            Some(mut c) if from_session > 0 && from_session >= hits.len() * bs => {
+                self.alloc.truncate(&mut c.blocks, from_session, bs);
+                s.blocks = c.blocks;
+                s.kv_len = from_session;
+            }
+            cache => {
+                // Take the shared blocks before releasing the session's: they may be the same.
+                for &b in &hits {
+                    self.alloc.share(b);
+                }
+                if let Some(mut c) = cache {
+                    self.alloc.release(&mut c.blocks);
+                }
+                s.kv_len = hits.len() * bs;
+                s.blocks = hits;
+            }
+        }
+    }
+
+    /// Undoes [`Self::attach_cached_prefix`] for a request that must wait: a session keeps what
+    /// it had as its cache; shared blocks go back to the prefix cache.
+    fn detach(&mut self, s: &mut Seq) {
+        let bs = self.config.block_size;
+        match (&s.session, s.kv_len > 0) {
+            (Some(id), true) => {
+                self.alloc.truncate(&mut s.blocks, s.kv_len, bs);
+                let last_used = self.tick();
+                let cache = SessionCache {
+                    tokens: s.tokens[..s.kv_len].to_vec(),
+                    blocks: std::mem::take(&mut s.blocks),
+                    last_used,
+                };
+                if let Some(mut old) = self.sessions.insert(id.clone(), cache) {
+                    self.alloc.release(&mut old.blocks);
+                }
+            }
+            _ => self.alloc.release(&mut s.blocks),
+        }
+        s.kv_len = 0;
+        s.hashes.clear();
+    }
+
+    /// Offers every newly completed block of `running[ix]` to the prefix cache.
+    fn register_full_blocks(&mut self, ix: usize) {
+        let bs = self.config.block_size;
+        let s = &mut self.running[ix];
+        while (s.hashes.len() + 1) * bs <= s.kv_len {
+            let i = s.hashes.len();
+            let parent = s.hashes.last().copied().unwrap_or(ROOT_HASH);
+            let h = self
+                .alloc
+                .register(s.blocks[i], parent, &s.tokens[i * bs..(i + 1) * bs]);
+            s.hashes.push(h);
+        }
+    }
+
     /// Puts the youngest running sequence back in the queue, freeing its KV for recompute.
     fn preempt_youngest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
         let mut s = self.running.remove(i);
         self.alloc.release(&mut s.blocks);
         s.kv_len = 0;
+        s.hashes.clear();
         s.preempted = true;
         self.preemptions += 1;
         tracing::debug!(request = %s.id, "preempted for recompute");
@@ -531,6 +742,13 @@ impl Scheduler {
             })
             .collect();
         let wants: Vec<bool> = chunks.iter().map(|c| c.want_logits).collect();
+        // Shared and registered blocks are immutable; only a table's own fresh blocks take writes.
+        debug_assert!(chunks.iter().all(|c| {
+            let (first, last) = (c.start_pos / bs, (c.start_pos + c.tokens.len() - 1) / bs);
+            c.blocks[first..=last]
+                .iter()
+                .all(|&b| self.alloc.writable(b))
+        }));
         let mut summary = StepSummary::default();
         for c in &chunks {
             // A one-token chunk that yields logits is a decode (or a prompt's very last token).
@@ -553,6 +771,7 @@ impl Scheduler {
         };
         for (&ix, &(_, n)) in order.iter().zip(&plan) {
             self.running[ix].kv_len += n;
+            self.register_full_blocks(ix);
         }
         // Sample every sequence that produced logits, in parallel (262k-wide rows).
         let vocab = self.info.vocab_size;
@@ -632,3 +851,7 @@ impl Scheduler {
         Some(summary)
     }
 }
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -5,6 +5,7 @@ use std::time::Instant;
 use hearth_shared::{FinishReason, RequestId, SamplingParams, SessionId, UserId};
 
 use super::{EngineError, ModelInfo};
+use crate::kv::KvDtype;
 
 /// Engine tuning; the worker binary fills it from flags.
 #[derive(Clone, Debug)]
@@ -21,6 +22,17 @@ pub struct EngineConfig {
     pub prefill_chunk: usize,
     /// Capacity of the command channel to the engine thread.
     pub command_queue: usize,
+    /// Element type of stored K/V.
+    pub kv_dtype: KvDtype,
+    /// Where idle sessions evicted from memory go instead of being dropped; `None`: nowhere.
+    pub kv_disk: Option<DiskConfig>,
+}
+
+/// The disk tier's file location and size.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskConfig {
+    pub dir: std::path::PathBuf,
+    pub bytes: u64,
 }
 
 impl Default for EngineConfig {
@@ -32,6 +44,8 @@ impl Default for EngineConfig {
             max_waiting: 1024,
             prefill_chunk: 512,
             command_queue: 4096,
+            kv_dtype: KvDtype::default(),
+            kv_disk: None,
         }
     }
 }
@@ -168,7 +182,12 @@ pub struct EngineStats {
     pub waiting: usize,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// Unreferenced blocks kept for the prefix cache (reclaimable, not counted as used).
+    pub kv_blocks_cached: usize,
     pub cached_sessions: usize,
+    /// Sessions held in the disk tier, and sessions brought back from it.
+    pub disk_sessions: usize,
+    pub disk_restores: usize,
     pub session_evictions: usize,
     pub preemptions: usize,
     pub steps: usize,

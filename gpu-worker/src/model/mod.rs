@@ -165,6 +165,70 @@ impl Model {
         kv: &mut KvStore,
     ) -> Result<Vec<f32>, ModelError> {
         let c = &self.config;
+        let h = c.hidden_size;
+        let x = self.hidden(chunks, kv)?;
+        // Only the last row of chunks that sample needs the (expensive) output projection.
+        let mut last = Vec::new();
+        let mut end = 0;
+        for ch in chunks {
+            end += ch.tokens.len();
+            if ch.want_logits {
+                last.extend_from_slice(&x[(end - 1) * h..end * h]);
+            }
+        }
+        self.logits(last)
+    }
+
+    /// The `k` most likely next tokens (id, logit; best first) after every position of one
+    /// chunk (teacher forcing). For accuracy tests over many positions.
+    pub fn forward_top_k(
+        &self,
+        chunk: SeqChunk<'_>,
+        kv: &mut KvStore,
+        k: usize,
+    ) -> Result<Vec<Vec<(u32, f32)>>, ModelError> {
+        let h = self.config.hidden_size;
+        let vocab = self.config.vocab_size;
+        let x = self.hidden(&[chunk], kv)?;
+        let mut out = Vec::with_capacity(chunk.tokens.len());
+        // 64 rows of logits at a time: all of them at once would be rows × 262k floats.
+        for rows in x.chunks(64 * h) {
+            let logits = self.logits(rows.to_vec())?;
+            out.extend(logits.chunks_exact(vocab).map(|l| {
+                let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+                for (i, &v) in l.iter().enumerate() {
+                    if top.len() < k || v > top[top.len() - 1].1 {
+                        let at = top.partition_point(|&(_, t)| t >= v);
+                        top.insert(at, (i as u32, v));
+                        top.truncate(k);
+                    }
+                }
+                top
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Logits of hidden-state rows (final norm, output projection, soft-cap).
+    fn logits(&self, mut rows: Vec<f32>) -> Result<Vec<f32>, ModelError> {
+        let c = &self.config;
+        let h = c.hidden_size;
+        let n = rows.len() / h;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        ops::rms_norm_rows(&mut rows, &self.output_norm, c.rms_eps);
+        let mut logits = Vec::new();
+        self.output.forward(&Input::new(&rows, n, h), &mut logits)?;
+        if let Some(cap) = c.final_logit_softcap {
+            ops::softcap(&mut logits, cap);
+        }
+        Ok(logits)
+    }
+
+    /// The final hidden state of every token row of `chunks` (writing their K/V).
+    fn hidden(&self, chunks: &[SeqChunk<'_>], kv: &mut KvStore) -> Result<Vec<f32>, ModelError> {
+        let c = &self.config;
         let (h, hd) = (c.hidden_size, c.head_dim);
         let n_tok: usize = chunks.iter().map(|s| s.tokens.len()).sum();
         if n_tok == 0 {
@@ -262,26 +326,6 @@ impl Model {
             x.iter_mut().zip(&d).for_each(|(a, b)| *a += b);
         }
 
-        // Only the last row of chunks that sample needs the (expensive) output projection.
-        let mut last = Vec::new();
-        let mut end = 0;
-        for ch in chunks {
-            end += ch.tokens.len();
-            if ch.want_logits {
-                last.extend_from_slice(&x[(end - 1) * h..end * h]);
-            }
-        }
-        let rows = last.len() / h;
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        ops::rms_norm_rows(&mut last, &self.output_norm, c.rms_eps);
-        let mut logits = Vec::new();
-        self.output
-            .forward(&Input::new(&last, rows, h), &mut logits)?;
-        if let Some(cap) = c.final_logit_softcap {
-            ops::softcap(&mut logits, cap);
-        }
-        Ok(logits)
+        Ok(x)
     }
 }

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::device::DeviceSpec;
-use crate::engine::EngineConfig;
+use crate::engine::{DiskConfig, EngineConfig};
+use crate::kv::KvDtype;
 
 /// Default model and tokenizer file names inside the models directory (what
 /// `scripts/fetch-model.sh` writes).
@@ -43,6 +44,20 @@ pub struct ServeConfig {
     /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`).
     #[arg(long, env = "HEARTH_WORKER_KV_BUDGET", default_value = "2GiB", value_parser = parse_bytes)]
     pub kv_budget: u64,
+    /// Element type of stored K/V: `f16` (default), `int8` (per-position, per-head scales) or
+    /// `f32`.
+    #[arg(long, env = "HEARTH_WORKER_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
+    pub kv_dtype: KvDtype,
+    /// Disk tier for idle sessions evicted from memory, in GB (10^9 bytes); 0 turns it off.
+    #[arg(long, env = "HEARTH_WORKER_KV_DISK_GB", default_value_t = 0.0)]
+    pub kv_disk_gb: f64,
+    /// Directory of the disk tier's file (recreated at start-up).
+    #[arg(
+        long,
+        env = "HEARTH_WORKER_KV_DISK_DIR",
+        default_value = "data/kv-tier"
+    )]
+    pub kv_disk_dir: PathBuf,
     /// Most sequences decoded in one engine step.
     #[arg(long, env = "HEARTH_WORKER_MAX_BATCH", default_value_t = 64)]
     pub max_batch: usize,
@@ -134,12 +149,24 @@ impl ServeConfig {
                 format!("{} is also the gRPC address", self.listen),
             ));
         }
+        if !(self.kv_disk_gb.is_finite() && (0.0..=1e6).contains(&self.kv_disk_gb)) {
+            return Err(invalid(
+                "--kv-disk-gb",
+                format!("{} is not a size between 0 and 1000000", self.kv_disk_gb),
+            ));
+        }
+        let kv_disk = (self.kv_disk_gb > 0.0).then(|| DiskConfig {
+            dir: self.kv_disk_dir.clone(),
+            bytes: (self.kv_disk_gb * 1e9) as u64,
+        });
         let engine = EngineConfig {
+            kv_disk,
             kv_budget_bytes: usize::try_from(self.kv_budget)
                 .map_err(|_| invalid("--kv-budget", "larger than this machine can address"))?,
             max_batch: self.max_batch,
             max_waiting: self.max_waiting,
             prefill_chunk: self.prefill_chunk,
+            kv_dtype: self.kv_dtype,
             // Room for every waiting request plus the cancels and drops that accompany them.
             command_queue: self.max_waiting * 2 + 64,
             ..EngineConfig::default()

@@ -224,7 +224,12 @@ pub async fn completions(
     s.generator.limiter.admit(&caller.quota).await?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     let (prompt, max_new) = plan(&s, &convo, max_tokens)?;
-    let lease = s.generator.pool.admit(None, &[]).await?;
+    // Route to the worker that likely holds this conversation's earlier turns.
+    let lease = s
+        .generator
+        .pool
+        .admit_prefix(&crate::workers::prefix_keys(&prompt))
+        .await?;
     let model = s.model_name();
     let _ = req.model;
     let live = Live::new(TurnIds::default());

@@ -4,7 +4,9 @@
 //! and (re)opens the batched `Generate` connection. A worker is *ready* when its last health
 //! check said so and its connection is open; a connection that breaks makes it unready at once.
 //!
-//! Routing: a session goes to the worker that holds its KV cache (affinity) unless that worker
+//! Routing: a session goes to the worker that holds its KV cache (affinity), and a stateless
+//! request to the worker that served the longest of its leading token runs (see
+//! [`prefix_keys`]: it likely holds that prefix in its prefix cache), unless that worker
 //! is overloaded (as many requests in flight from here as its batch holds); otherwise to the
 //! ready worker with the fewest requests in flight. Each worker takes at most `capacity`
 //! requests at a time from this orchestrator; when every worker is full, requests wait in a
@@ -107,7 +109,53 @@ pub enum Affinity {
 
 const AFFINITY_TTL_SECS: u64 = 86_400;
 
+/// Tokens in the shortest prefix routed by affinity: one KV block of the worker.
+const PREFIX_UNIT: usize = 16;
+
+/// Affinity keys of a stateless prompt: a hash of each of its leading runs of 16, 32, 64, …
+/// tokens (short of its last token, which a worker always computes), shortest first. A
+/// conversation resent with one more turn shares its earlier keys; prompts with a common
+/// system prompt share the keys that fall inside it.
+pub fn prefix_keys(prompt: &[u32]) -> Vec<String> {
+    use std::hash::{Hash, Hasher};
+    let mut keys = Vec::new();
+    let mut len = PREFIX_UNIT;
+    while len < prompt.len() {
+        // The same key in every orchestrator replica: DefaultHasher::new() has fixed keys.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        prompt[..len].hash(&mut h);
+        keys.push(format!("prefix:{len}:{:016x}", h.finish()));
+        len *= 2;
+    }
+    keys
+}
+
 impl Affinity {
+    /// The worker of the last of `keys` that has one.
+    async fn get_last(&self, keys: &[String]) -> Option<String> {
+        match self {
+            Self::Local(m) => {
+                let m = m.lock().unwrap_or_else(|p| p.into_inner());
+                keys.iter().rev().find_map(|k| m.get(k).cloned())
+            }
+            Self::Redis(c) => {
+                if keys.is_empty() {
+                    return None;
+                }
+                let mut get = redis::cmd("MGET");
+                for k in keys {
+                    get.arg(format!("hearth:affinity:{k}"));
+                }
+                c.cmd::<Vec<Option<String>>>(&get, "prefix affinity unknown")
+                    .await?
+                    .into_iter()
+                    .rev()
+                    .flatten()
+                    .next()
+            }
+        }
+    }
+
     async fn get(&self, session: &str) -> Option<String> {
         match self {
             Self::Local(m) => m
@@ -251,6 +299,18 @@ impl WorkerPool {
             .collect()
     }
 
+    /// Chooses a worker for a stateless request with the affinity keys `keys` (from
+    /// [`prefix_keys`]): the worker that served the longest of them, unless it is overloaded.
+    pub async fn admit_prefix(self: &Arc<Self>, keys: &[String]) -> Result<Lease, PoolError> {
+        let preferred = self.affinity.get_last(keys).await;
+        let lease = self.admit_preferring(preferred.as_deref(), &[]).await?;
+        // Every key, the longer ones being new: the next turn finds the longest.
+        for k in keys {
+            self.affinity.set(k, lease.addr()).await;
+        }
+        Ok(lease)
+    }
+
     /// Chooses a worker for a request of `session` (if any), skipping `exclude`. Waits in the
     /// bounded queue when every worker is full.
     pub async fn admit(
@@ -262,18 +322,27 @@ impl WorkerPool {
             Some(s) => self.affinity.get(s).await,
             None => None,
         };
-        let started = Instant::now();
-        let lease = match self.pick(preferred.as_deref(), exclude) {
-            Pick::Got(l) => l,
-            Pick::NoneReady => return Err(PoolError::NoWorker),
-            Pick::Full => self.wait_for_room(preferred.as_deref(), exclude).await?,
-        };
-        telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
+        let lease = self.admit_preferring(preferred.as_deref(), exclude).await?;
         if let Some(s) = session {
             if preferred.as_deref() != Some(lease.addr()) {
                 self.affinity.set(s, lease.addr()).await;
             }
         }
+        Ok(lease)
+    }
+
+    async fn admit_preferring(
+        self: &Arc<Self>,
+        preferred: Option<&str>,
+        exclude: &[String],
+    ) -> Result<Lease, PoolError> {
+        let started = Instant::now();
+        let lease = match self.pick(preferred, exclude) {
+            Pick::Got(l) => l,
+            Pick::NoneReady => return Err(PoolError::NoWorker),
+            Pick::Full => self.wait_for_room(preferred, exclude).await?,
+        };
+        telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
         Ok(lease)
     }
 
@@ -418,4 +487,38 @@ async fn check(
         slot.state().conn = Some(Arc::new(conn));
     }
     Ok(health.ready)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_keys_grow_by_doubling_and_a_longer_conversation_shares_them() {
+        let turn1: Vec<u32> = (0..40).collect();
+        let mut turn2 = turn1.clone();
+        turn2.extend(100..200);
+        let (k1, k2) = (prefix_keys(&turn1), prefix_keys(&turn2));
+        // 16 and 32 tokens fit before turn 1's last token; 64 and 128 also in turn 2's.
+        assert_eq!(k1.len(), 2);
+        assert_eq!(k2.len(), 4);
+        assert_eq!(k2[..2], k1[..]);
+        let mut other = turn1.clone();
+        other[20] = 999;
+        let k3 = prefix_keys(&other);
+        assert_eq!(k3[0], k1[0], "the first 16 tokens are the same");
+        assert_ne!(k3[1], k1[1]);
+        assert!(prefix_keys(&turn1[..16]).is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_longest_known_prefix_key_wins() {
+        let a = Affinity::Local(Default::default());
+        let keys = prefix_keys(&(0..100).collect::<Vec<u32>>());
+        assert_eq!(a.get_last(&keys).await, None);
+        a.set(&keys[0], "w1").await;
+        a.set(&keys[2], "w2").await;
+        assert_eq!(a.get_last(&keys).await.as_deref(), Some("w2"));
+        assert_eq!(a.get_last(&keys[..2]).await.as_deref(), Some("w1"));
+    }
 }

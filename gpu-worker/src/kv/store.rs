@@ -1,0 +1,417 @@
+//! Paged K/V storage: one slab per layer for K and one for V, indexed through block tables.
+//!
+//! Rows are stored as f32, f16, or int8 with one f32 scale per (position, KV head). Slabs are
+//! allocated zeroed (the OS maps pages lazily, so an idle worker's resident memory grows only with
+//! the blocks actually written). Readers get each head's row as f32, converted into a scratch
+//! buffer when the storage is compact; the conversion is exact and deterministic, so a token's K/V
+//! reads back the same however it was batched, chunked or cached.
+
+use half::f16;
+
+use super::BlockId;
+
+/// Element type of stored K/V.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum KvDtype {
+    F32,
+    #[default]
+    F16,
+    /// int8 with one f32 scale per position and KV head (symmetric, max-abs).
+    Int8,
+}
+
+impl KvDtype {
+    /// Bytes of one stored row of `kv_dim` values made of `kv_heads` heads.
+    pub fn row_bytes(self, kv_dim: usize, kv_heads: usize) -> usize {
+        match self {
+            Self::F32 => kv_dim * 4,
+            Self::F16 => kv_dim * 2,
+            Self::Int8 => kv_dim + kv_heads * 4,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::F32 => "f32",
+            Self::F16 => "f16",
+            Self::Int8 => "int8",
+        }
+    }
+}
+
+/// A zeroed, lazily backed slab (huge pages where possible: fewer faults as blocks are first
+/// written, fewer TLB misses when attention walks a long history).
+fn slab<T: Clone + Default>(len: usize) -> Vec<T> {
+    let v = vec![T::default(); len];
+    crate::kernels::advise_huge_pages(v.as_ptr() as usize, len * std::mem::size_of::<T>());
+    v
+}
+
+/// One layer's K or V rows.
+#[derive(Debug)]
+enum Slab {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    /// Values, and one scale per (slot, head).
+    Int8(Vec<i8>, Vec<f32>),
+}
+
+impl Slab {
+    fn new(dtype: KvDtype, slots: usize, kv_dim: usize, heads: usize) -> Self {
+        match dtype {
+            KvDtype::F32 => Self::F32(slab(slots * kv_dim)),
+            KvDtype::F16 => Self::F16(slab(slots * kv_dim)),
+            KvDtype::Int8 => Self::Int8(slab(slots * kv_dim), slab(slots * heads)),
+        }
+    }
+
+    fn write(&mut self, slot: usize, row: &[f32], hd: usize) {
+        let d = row.len();
+        let o = slot * d;
+        match self {
+            Self::F32(v) => v[o..o + d].copy_from_slice(row),
+            Self::F16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[o..o + d].convert_from_f32_slice(row);
+            }
+            Self::Int8(v, scales) => {
+                let heads = d / hd;
+                for (h, x) in row.chunks_exact(hd).enumerate() {
+                    let max = x.iter().fold(0f32, |m, &a| m.max(a.abs()));
+                    let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
+                    let inv = 1.0 / scale;
+                    scales[slot * heads + h] = scale;
+                    for (q, &a) in v[o + h * hd..o + (h + 1) * hd].iter_mut().zip(x) {
+                        *q = (a * inv).round().clamp(-127.0, 127.0) as i8;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Head `g` of the row in `slot`, as f32 (in `buf` unless stored as f32).
+    #[inline]
+    fn head<'a>(
+        &'a self,
+        slot: usize,
+        g: usize,
+        d: usize,
+        hd: usize,
+        buf: &'a mut [f32],
+    ) -> &'a [f32] {
+        let o = slot * d + g * hd;
+        match self {
+            Self::F32(v) => &v[o..o + hd],
+            Self::F16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[o..o + hd].convert_to_f32_slice(&mut buf[..hd]);
+                &buf[..hd]
+            }
+            Self::Int8(v, scales) => {
+                let s = scales[slot * (d / hd) + g];
+                for (b, &q) in buf[..hd].iter_mut().zip(&v[o..o + hd]) {
+                    *b = f32::from(q) * s;
+                }
+                &buf[..hd]
+            }
+        }
+    }
+
+    /// Copies the first `n` slots of block `src` to block `dst` (blocks of `bs` slots).
+    fn copy_block(&mut self, src: usize, dst: usize, n: usize, bs: usize, d: usize, heads: usize) {
+        let (s, t, len) = (src * bs * d, dst * bs * d, n * d);
+        match self {
+            Self::F32(v) => v.copy_within(s..s + len, t),
+            Self::F16(v) => v.copy_within(s..s + len, t),
+            Self::Int8(v, scales) => {
+                v.copy_within(s..s + len, t);
+                let (s, t, len) = (src * bs * heads, dst * bs * heads, n * heads);
+                scales.copy_within(s..s + len, t);
+            }
+        }
+    }
+
+    /// The raw bytes of `n` slots from `slot` on, appended to `out` (for the disk tier).
+    fn save(&self, slot: usize, n: usize, d: usize, heads: usize, out: &mut Vec<u8>) {
+        fn bytes<T: Copy>(v: &[T]) -> &[u8] {
+            // SAFETY: f32, f16 and i8 are plain data without padding; any byte is a valid u8.
+            unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
+        }
+        match self {
+            Self::F32(v) => out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d])),
+            Self::F16(v) => out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d])),
+            Self::Int8(v, s) => {
+                out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d]));
+                out.extend_from_slice(bytes(&s[slot * heads..(slot + n) * heads]));
+            }
+        }
+    }
+
+    /// Restores what [`Slab::save`] wrote for `n` slots from `slot` on; returns the bytes read.
+    fn load(&mut self, slot: usize, n: usize, d: usize, heads: usize, src: &[u8]) -> usize {
+        fn fill<T: Copy>(dst: &mut [T], src: &[u8]) -> usize {
+            let len = std::mem::size_of_val(dst);
+            // SAFETY: as in `save`; every bit pattern is a valid f32, f16 or i8.
+            let d = unsafe { std::slice::from_raw_parts_mut(dst.as_mut_ptr().cast::<u8>(), len) };
+            d.copy_from_slice(&src[..len]);
+            len
+        }
+        match self {
+            Self::F32(v) => fill(&mut v[slot * d..(slot + n) * d], src),
+            Self::F16(v) => fill(&mut v[slot * d..(slot + n) * d], src),
+            Self::Int8(v, s) => {
+                let a = fill(&mut v[slot * d..(slot + n) * d], src);
+                a + fill(&mut s[slot * heads..(slot + n) * heads], &src[a..])
+            }
+        }
+    }
+}
+
+/// Paged K/V vectors for every layer.
+#[derive(Debug)]
+pub struct KvStore {
+    pub block_size: usize,
+    pub kv_dim: usize,
+    pub head_dim: usize,
+    pub num_blocks: usize,
+    pub dtype: KvDtype,
+    k: Vec<Slab>,
+    v: Vec<Slab>,
+}
+
+impl KvStore {
+    pub fn new(
+        num_layers: usize,
+        num_blocks: usize,
+        block_size: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> Self {
+        let slots = num_blocks * block_size;
+        let heads = kv_dim / head_dim;
+        Self {
+            block_size,
+            kv_dim,
+            head_dim,
+            num_blocks,
+            dtype,
+            k: (0..num_layers)
+                .map(|_| Slab::new(dtype, slots, kv_dim, heads))
+                .collect(),
+            v: (0..num_layers)
+                .map(|_| Slab::new(dtype, slots, kv_dim, heads))
+                .collect(),
+        }
+    }
+
+    /// Bytes of one block across all layers (K and V).
+    pub fn block_bytes(
+        num_layers: usize,
+        block_size: usize,
+        kv_dim: usize,
+        head_dim: usize,
+        dtype: KvDtype,
+    ) -> usize {
+        2 * num_layers * block_size * dtype.row_bytes(kv_dim, kv_dim / head_dim)
+    }
+
+    fn heads(&self) -> usize {
+        self.kv_dim / self.head_dim
+    }
+
+    #[inline]
+    fn slot(&self, blocks: &[BlockId], pos: usize) -> usize {
+        blocks[pos / self.block_size] as usize * self.block_size + pos % self.block_size
+    }
+
+    /// Stores the K and V vectors of the token at `pos`.
+    pub fn write(&mut self, layer: usize, blocks: &[BlockId], pos: usize, k: &[f32], v: &[f32]) {
+        let s = self.slot(blocks, pos);
+        let hd = self.head_dim;
+        self.k[layer].write(s, k, hd);
+        self.v[layer].write(s, v, hd);
+    }
+
+    /// The storage slots of every position in `range`, in order. Walks the block table without a
+    /// division per position: attention reads every cached position of every layer.
+    pub fn slots<'a>(
+        &self,
+        blocks: &'a [BlockId],
+        range: std::ops::RangeInclusive<usize>,
+    ) -> impl Iterator<Item = usize> + 'a {
+        let bs = self.block_size;
+        let (first, last) = (*range.start(), *range.end());
+        let mut block = first / bs;
+        let mut slot = first % bs;
+        (first..=last).map(move |_| {
+            let o = blocks[block] as usize * bs + slot;
+            slot += 1;
+            if slot == bs {
+                slot = 0;
+                block += 1;
+            }
+            o
+        })
+    }
+
+    /// KV head `g` of the key in `slot` of `layer`, as f32 (`buf` holds at least `head_dim`).
+    #[inline]
+    pub fn key<'a>(&'a self, layer: usize, slot: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
+        self.k[layer].head(slot, g, self.kv_dim, self.head_dim, buf)
+    }
+
+    /// KV head `g` of the value in `slot` of `layer`, as f32.
+    #[inline]
+    pub fn value<'a>(
+        &'a self,
+        layer: usize,
+        slot: usize,
+        g: usize,
+        buf: &'a mut [f32],
+    ) -> &'a [f32] {
+        self.v[layer].head(slot, g, self.kv_dim, self.head_dim, buf)
+    }
+
+    /// K and V of the token at `pos` (all KV heads) as f32.
+    pub fn read(&self, layer: usize, blocks: &[BlockId], pos: usize) -> (Vec<f32>, Vec<f32>) {
+        let s = self.slot(blocks, pos);
+        let hd = self.head_dim;
+        let mut buf = vec![0f32; hd];
+        let (mut k, mut v) = (
+            Vec::with_capacity(self.kv_dim),
+            Vec::with_capacity(self.kv_dim),
+        );
+        for g in 0..self.heads() {
+            k.extend_from_slice(self.key(layer, s, g, &mut buf));
+            v.extend_from_slice(self.value(layer, s, g, &mut buf));
+        }
+        (k, v)
+    }
+
+    /// Copies the first `n` positions of block `src` into block `dst`, every layer (copy-on-write
+    /// of a block that must not be written).
+    pub fn copy_block(&mut self, src: BlockId, dst: BlockId, n: usize) {
+        let (bs, d, heads) = (self.block_size, self.kv_dim, self.heads());
+        for s in self.k.iter_mut().chain(self.v.iter_mut()) {
+            s.copy_block(src as usize, dst as usize, n, bs, d, heads);
+        }
+    }
+
+    /// Appends the stored bytes of block `b`'s first `n` positions, every layer, to `out`.
+    pub fn save_block(&self, b: BlockId, n: usize, out: &mut Vec<u8>) {
+        let (d, heads) = (self.kv_dim, self.heads());
+        let slot = b as usize * self.block_size;
+        for s in self.k.iter().chain(self.v.iter()) {
+            s.save(slot, n, d, heads, out);
+        }
+    }
+
+    /// Bytes [`KvStore::save_block`] writes for `n` positions.
+    pub fn saved_bytes(&self, n: usize) -> usize {
+        2 * self.k.len() * n * self.dtype.row_bytes(self.kv_dim, self.heads())
+    }
+
+    /// Restores block `b`'s first `n` positions from bytes written by [`KvStore::save_block`].
+    pub fn load_block(&mut self, b: BlockId, n: usize, src: &[u8]) {
+        let (d, heads) = (self.kv_dim, self.heads());
+        let slot = b as usize * self.block_size;
+        let mut at = 0;
+        for s in self.k.iter_mut().chain(self.v.iter_mut()) {
+            at += s.load(slot, n, d, heads, &src[at..]);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_reads_back_what_was_written_through_the_table() {
+        let mut s = KvStore::new(2, 4, 2, 3, 3, KvDtype::F32);
+        let blocks = [3, 1];
+        for pos in 0..4 {
+            let k = [pos as f32; 3];
+            let v = [-(pos as f32); 3];
+            s.write(1, &blocks, pos, &k, &v);
+        }
+        for pos in 0..4 {
+            let (k, v) = s.read(1, &blocks, pos);
+            assert_eq!(k, [pos as f32; 3]);
+            assert_eq!(v, [-(pos as f32); 3]);
+        }
+        let mut buf = [0f32; 3];
+        let walked: Vec<f32> = s
+            .slots(&blocks, 1..=3)
+            .map(|o| s.key(1, o, 0, &mut buf)[0])
+            .collect();
+        assert_eq!(walked, [1.0, 2.0, 3.0]);
+        // Layer 0 untouched.
+        assert_eq!(s.read(0, &blocks, 2).0, [0.0; 3]);
+    }
+
+    #[test]
+    fn compact_rows_round_trip_within_their_precision() {
+        // Two KV heads of 4 with very different magnitudes: int8 scales are per head.
+        let k = [0.5, -1.25, 3.0, 0.001, 100.0, -50.0, 25.0, 0.0];
+        let v = [-0.3, 0.2, 0.1, 0.0, 7.0, 7.5, -8.0, 1.0];
+        for (dtype, tol) in [
+            (KvDtype::F32, 0.0),
+            (KvDtype::F16, 1e-3),
+            (KvDtype::Int8, 0.5 / 127.0),
+        ] {
+            let mut s = KvStore::new(1, 2, 4, 8, 4, dtype);
+            s.write(0, &[1], 2, &k, &v);
+            let (rk, rv) = s.read(0, &[1], 2);
+            for (got, want) in rk.iter().chain(&rv).zip(k.iter().chain(&v)) {
+                // Relative to the head's largest value for int8, to the value itself for f16.
+                let scale = if dtype == KvDtype::Int8 {
+                    100.0
+                } else {
+                    want.abs().max(1.0)
+                };
+                assert!(
+                    (got - want).abs() <= tol * scale,
+                    "{dtype:?}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn copy_save_and_load_move_blocks_exactly() {
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
+            let mut s = KvStore::new(2, 3, 2, 4, 2, dtype);
+            for layer in 0..2 {
+                for pos in 0..2 {
+                    let k: Vec<f32> = (0..4)
+                        .map(|i| (layer * 10 + pos * 4 + i) as f32 * 0.3)
+                        .collect();
+                    let v: Vec<f32> = k.iter().map(|x| -x).collect();
+                    s.write(layer, &[0], pos, &k, &v);
+                }
+            }
+            s.copy_block(0, 2, 1);
+            assert_eq!(s.read(1, &[2], 0), s.read(1, &[0], 0));
+            assert_eq!(
+                s.read(1, &[2], 1).0,
+                vec![0.0; 4],
+                "only the first position copied"
+            );
+            let mut bytes = Vec::new();
+            s.save_block(0, 2, &mut bytes);
+            assert_eq!(bytes.len(), s.saved_bytes(2));
+            s.load_block(1, 2, &bytes);
+            for layer in 0..2 {
+                for pos in 0..2 {
+                    assert_eq!(
+                        s.read(layer, &[1], pos),
+                        s.read(layer, &[0], pos),
+                        "{dtype:?}"
+                    );
+                }
+            }
+        }
+    }
+}
