@@ -1,0 +1,86 @@
+//! Stateless (OpenAI API) conversations go back to the worker that holds their prefix, and get
+//! it from that worker's prefix cache.
+
+use std::net::SocketAddr;
+
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{slow_spec, worker_in_flight, Db, Stack};
+use hearth_worker::fixtures::WorkerProcess;
+use serde_json::{json, Value};
+
+async fn worker_metric(w: &WorkerProcess, name: &str) -> f64 {
+    let addr: SocketAddr = w.metrics.parse().expect("metrics addr");
+    let text = Req::new("GET", "/metrics").send(addr).await.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+#[tokio::test]
+async fn a_resent_conversation_returns_to_the_worker_holding_its_prefix() {
+    let s = Stack::start_with("prefix", &slow_spec(), Db::Sqlite, 2, &[]).await;
+    let k = s.key("alice").await;
+    let question = "tell me a long story about a small town by the sea where every evening the \
+                    lights of the harbour come on one by one and the boats return home";
+    let mut messages = vec![json!({"role": "user", "content": question})];
+    let turn = |messages: &[Value], max: u32| json!({"model": "tiny", "messages": messages, "max_tokens": max, "ignore_eos": true});
+    // Turn one: both workers idle, the first takes it.
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&turn(&messages, 4))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let one = r.json();
+    assert!(one["usage"]["prompt_tokens"].as_u64() > Some(32), "{one}");
+    messages.push(json!({"role": "assistant",
+                         "content": one["choices"][0]["message"]["content"]}));
+    messages.push(json!({"role": "user", "content": "and then?"}));
+
+    // An unrelated long reply keeps that worker busy: least-loaded routing alone would now pick
+    // the other, idle one.
+    let mut busy = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(
+            &json!({"model": "tiny", "stream": true, "max_tokens": 400, "ignore_eos": true,
+                      "messages": [{"role": "user", "content": "something else entirely"}]}),
+        )
+        .events(s.addr())
+        .await;
+    assert_eq!(busy.status, 200);
+    assert!(busy.next().await.is_some());
+    let mut loads = [0.0; 2];
+    for _ in 0..100 {
+        loads = [
+            worker_in_flight(&s.workers[0]).await,
+            worker_in_flight(&s.workers[1]).await,
+        ];
+        if loads != [0.0; 2] {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let home = usize::from(loads[1] > loads[0]);
+    assert_eq!(loads[home], 1.0, "{loads:?}");
+
+    // Turn two resends turn one: it goes to the busy worker that holds the prefix.
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&turn(&messages, 4))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let two = r.json();
+    let cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(cached >= 32, "{two}");
+    let hits = worker_metric(
+        &s.workers[home],
+        "hearth_worker_prefix_cache_hits_tokens_total",
+    )
+    .await;
+    assert_eq!(hits, cached as f64);
+    drop(busy);
+}
