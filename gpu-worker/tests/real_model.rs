@@ -114,8 +114,9 @@ fn the_real_model_continues_a_sentence_with_coherent_english() {
     assert_eq!(batched[0].tokens, out.tokens);
 }
 
-/// f16 K/V (the default) against f32 K/V, teacher-forced over 1,000 positions of the README's
-/// English. At 99 % of positions the f16 run's greedy token must be f32's, or tie with it within
+/// f16 K/V (the default) against f32 K/V, teacher-forced over 1,000 positions of a fixed English
+/// text (`tests/data/accuracy-text.md`, a past README; on another README version f16 measured
+/// 98.4 % within the tie, so the margin is thin). At 99 % of positions the f16 run's greedy token must be f32's, or tie with it within
 /// 0.1 (f32 logits): where the model is torn between two tokens, rounding may pick either.
 /// Exact agreement is printed and must stay above 94 % (measured: 96.0 %, and 99.3 % within the
 /// tie). int8 K/V (`--kv-dtype int8`) does not pass: 92.8 % exact, 96.0 % within the tie.
@@ -128,7 +129,8 @@ fn f16_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() 
     let tok = Tokenizer::from_file(&require("gemma-3-tokenizer.json")).unwrap();
     let model = load_gguf(&require("gemma-3-270m-q4_k_m.gguf")).unwrap();
     let mut ids = vec![tok.bos_id];
-    ids.extend(tok.encode(include_str!("../../README.md")).unwrap());
+    // A fixed text (a past README), so edits elsewhere never move the measured figures.
+    ids.extend(tok.encode(include_str!("data/accuracy-text.md")).unwrap());
     assert!(ids.len() >= POSITIONS, "only {} tokens of text", ids.len());
     ids.truncate(POSITIONS);
     let c = &model.config;
