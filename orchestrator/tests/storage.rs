@@ -127,6 +127,7 @@ async fn sessions_suite(s: &SqlStore) {
                     title: format!("Chat {i} about {}", if i % 2 == 0 { "Rust" } else { "tea" }),
                     system_prompt: (i == 0).then(|| "Be brief.".to_string()),
                     params: (i == 1).then(|| serde_json::json!({"temperature": 0.7})),
+                    max_tokens: (i == 2).then_some(300),
                 },
             )
             .await
@@ -213,12 +214,18 @@ async fn sessions_suite(s: &SqlStore) {
                 title: Some("Renamed".into()),
                 system_prompt: Some(None),
                 params: None,
+                max_tokens: Some(Some(64)),
             },
         )
         .await
         .expect("patch");
     assert_eq!(patched.title, "Renamed");
     assert_eq!(patched.system_prompt, None);
+    assert_eq!(patched.max_tokens, Some(64));
+    assert_eq!(
+        s.get_session(&u, &ids[0]).await.expect("get").max_tokens,
+        Some(64)
+    );
     let top = s
         .list_sessions(
             &u,
@@ -230,6 +237,36 @@ async fn sessions_suite(s: &SqlStore) {
         .await
         .expect("list");
     assert_eq!(top[0].id, ids[0]);
+    // The default reply length set at creation is stored; a patch that leaves it out keeps it,
+    // and an explicit `None` clears it.
+    assert_eq!(
+        s.get_session(&u, &ids[2]).await.expect("get").max_tokens,
+        Some(300)
+    );
+    let kept = s
+        .update_session(
+            &u,
+            &ids[2],
+            SessionPatch {
+                system_prompt: Some(Some("Be kind.".into())),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("patch system prompt");
+    assert_eq!(kept.max_tokens, Some(300));
+    let cleared = s
+        .update_session(
+            &u,
+            &ids[2],
+            SessionPatch {
+                max_tokens: Some(None),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("clear max_tokens");
+    assert_eq!(cleared.max_tokens, None);
 
     // Soft delete: gone from every query, and deleting again is NotFound.
     s.delete_session(&u, &ids[1]).await.expect("delete");

@@ -28,16 +28,11 @@ interface Running {
 }
 
 const PAGE = 30;
-const maxTokensKey = (id: string) => `hearth.maxTokens.${id}`;
 
-function readMaxTokens(id: string | null): number | null {
-  if (!id) return null;
-  try {
-    const v = Number(localStorage.getItem(maxTokensKey(id)));
-    return Number.isInteger(v) && v > 0 ? v : null;
-  } catch {
-    return null;
-  }
+/** The settings form's max tokens as the API takes it: a positive whole number, or null. */
+function maxTokensFrom(v: SettingsValue): number | null {
+  const m = v.maxTokens.trim();
+  return m ? Number(m) : null;
 }
 
 /** A new chat's title: the first line of its first message, without markdown markers. */
@@ -390,9 +385,8 @@ export function ChatApp() {
     const s = await api.createSession({
       title: titleFrom(content),
       ...(ps?.systemPrompt.trim() ? { system_prompt: ps.systemPrompt } : {}),
-      ...(ps ? { params: paramsFrom(ps, null) } : {}),
+      ...(ps ? { params: paramsFrom(ps, null), max_tokens: maxTokensFrom(ps) } : {}),
     });
-    if (ps?.maxTokens.trim()) localStorage.setItem(maxTokensKey(s.id), ps.maxTokens.trim());
     setPendingSettings(null);
     setSessionId(s.id);
     setSession(s);
@@ -418,15 +412,14 @@ export function ChatApp() {
     if (t.kind === "send") setDraft("");
     stick.current = true;
     const run = begin(id);
-    const max = readMaxTokens(id);
     let first: Response;
     try {
       first =
         t.kind === "send"
-          ? await api.send(id, t.content, max, run.ctrl.signal)
+          ? await api.send(id, t.content, run.ctrl.signal)
           : t.kind === "regenerate"
-            ? await api.regenerate(id, max, run.ctrl.signal)
-            : await api.edit(id, t.messageId, t.content, max, run.ctrl.signal);
+            ? await api.regenerate(id, run.ctrl.signal)
+            : await api.edit(id, t.messageId, t.content, run.ctrl.signal);
     } catch (e) {
       if (runningRef.current !== run) return;
       runningRef.current = null;
@@ -504,7 +497,7 @@ export function ChatApp() {
   const settingsInitial = (): SettingsValue => {
     if (!sessionId && pendingSettings) return pendingSettings;
     const p = session?.params ?? {};
-    const max = readMaxTokens(sessionId);
+    const max = session?.max_tokens ?? null;
     // The server keeps 32-bit floats (0.7 comes back as 0.699999988…): show what was typed.
     const f32 = (v: number) => String(Number(v.toPrecision(6)));
     return {
@@ -521,9 +514,8 @@ export function ChatApp() {
     const s = await api.patchSession(sessionId, {
       system_prompt: v.systemPrompt.trim() ? v.systemPrompt : null,
       params: paramsFrom(v, session?.params ?? null),
+      max_tokens: maxTokensFrom(v),
     });
-    if (v.maxTokens.trim()) localStorage.setItem(maxTokensKey(sessionId), v.maxTokens.trim());
-    else localStorage.removeItem(maxTokensKey(sessionId));
     setSession(s);
     upsert(s);
   };

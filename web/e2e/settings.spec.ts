@@ -31,8 +31,11 @@ test("session settings are stored with the session; code blocks copy their code"
   expect(s.params.temperature).toBeCloseTo(0.7, 6);
   expect(s.params.top_p).toBeCloseTo(0.9, 6);
   expect(s.params.top_k).toBe(40);
+  expect(s.max_tokens).toBe(64);
 
   // Reopened after a reload, the dialog shows what is stored.
+  // In a fresh browser context (nothing in local storage), since everything lives on the server.
+  await page.evaluate(() => localStorage.clear());
   await page.reload();
   await page.getByRole("button", { name: "Chat settings" }).click();
   await expect(dialog.getByLabel("System prompt")).toHaveValue("You are terse.");

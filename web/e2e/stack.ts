@@ -102,7 +102,7 @@ export async function withKey(page: Page, key: string) {
   await page.addInitScript((k) => localStorage.setItem("hearth.apiKey", k), key);
 }
 
-/** Sets this browser's max tokens for the chat opened next (the settings dialog, before sending). */
+/** Sets max tokens for the chat opened next (the settings dialog, before sending; stored with the session). */
 export async function setMaxTokens(page: Page, n: number) {
   await page.getByRole("button", { name: "Chat settings" }).click();
   await page.getByLabel("Max tokens").fill(String(n));

@@ -3,6 +3,14 @@
 
 import type { ApiMessage, SamplingParams, Session, SessionPage } from "./types";
 
+/** The session fields a client sets on create or PATCH (`null` clears one). */
+export interface SessionFields {
+  title?: string;
+  system_prompt?: string | null;
+  params?: SamplingParams | null;
+  max_tokens?: number | null;
+}
+
 const KEY_STORAGE = "hearth.apiKey";
 
 export class ApiError extends Error {
@@ -85,13 +93,13 @@ export const api = {
     if (opts.before) p.set("before", opts.before);
     return json(`/v1/sessions?${p}`);
   },
-  createSession(v: { title?: string; system_prompt?: string | null; params?: SamplingParams | null }): Promise<Session> {
+  createSession(v: SessionFields): Promise<Session> {
     return json("/v1/sessions", { method: "POST", body: body(v) });
   },
   getSession(id: string): Promise<Session> {
     return json(sid(id));
   },
-  patchSession(id: string, v: { title?: string; system_prompt?: string | null; params?: SamplingParams | null }): Promise<Session> {
+  patchSession(id: string, v: SessionFields): Promise<Session> {
     return json(sid(id), { method: "PATCH", body: body(v) });
   },
   async deleteSession(id: string): Promise<void> {
@@ -104,26 +112,26 @@ export const api = {
     return json(`${sid(id)}/stop`, { method: "POST", body: "{}" });
   },
   /** Starts a reply; the answer is an SSE stream. */
-  send(id: string, content: string, maxTokens: number | null, signal: AbortSignal): Promise<Response> {
+  send(id: string, content: string, signal: AbortSignal): Promise<Response> {
     return request(`${sid(id)}/messages`, {
       method: "POST",
-      body: body({ content, ...(maxTokens ? { max_tokens: maxTokens } : {}) }),
+      body: body({ content }),
       headers: { Accept: "text/event-stream" },
       signal,
     });
   },
-  regenerate(id: string, maxTokens: number | null, signal: AbortSignal): Promise<Response> {
+  regenerate(id: string, signal: AbortSignal): Promise<Response> {
     return request(`${sid(id)}/regenerate`, {
       method: "POST",
-      body: body(maxTokens ? { max_tokens: maxTokens } : {}),
+      body: "{}",
       headers: { Accept: "text/event-stream" },
       signal,
     });
   },
-  edit(id: string, messageId: string, content: string, maxTokens: number | null, signal: AbortSignal): Promise<Response> {
+  edit(id: string, messageId: string, content: string, signal: AbortSignal): Promise<Response> {
     return request(`${sid(id)}/messages/${encodeURIComponent(messageId)}/edit`, {
       method: "POST",
-      body: body({ content, ...(maxTokens ? { max_tokens: maxTokens } : {}) }),
+      body: body({ content }),
       headers: { Accept: "text/event-stream" },
       signal,
     });

@@ -34,6 +34,8 @@ export interface Session {
   title: string;
   system_prompt: string | null;
   params: SamplingParams | null;
+  /** Default reply length for the session's turns (server default when null). */
+  max_tokens: number | null;
   created_at: number;
   updated_at: number;
 }

@@ -109,7 +109,10 @@ impl TurnBody {
         };
         Ok(GenOptions {
             params,
-            max_tokens: self.max_tokens,
+            // The turn's own value, else the session's default (else the server's).
+            max_tokens: self
+                .max_tokens
+                .or_else(|| session.max_tokens.and_then(|n| u32::try_from(n).ok())),
             stop: check_stops(self.stop.clone().unwrap_or_default(), "stop")?,
             ignore_eos: self.ignore_eos,
         })

@@ -46,6 +46,8 @@ struct CreateBody {
     system_prompt: Option<String>,
     #[serde(default)]
     params: Option<SamplingParams>,
+    #[serde(default)]
+    max_tokens: Option<u32>,
 }
 
 /// Distinguishes an absent field (`None`) from an explicit `null` (`Some(None)`).
@@ -66,6 +68,8 @@ struct PatchBody {
     system_prompt: Option<Option<String>>,
     #[serde(default, deserialize_with = "present")]
     params: Option<Option<SamplingParams>>,
+    #[serde(default, deserialize_with = "present")]
+    max_tokens: Option<Option<u32>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -114,6 +118,25 @@ fn check_params(p: SamplingParams) -> Result<Value, ApiError> {
     serde_json::to_value(p).map_err(|e| ApiError::Internal(e.to_string()))
 }
 
+/// Largest default reply length a session may store when no worker has reported its context yet.
+const MAX_SESSION_MAX_TOKENS: u32 = 1 << 20;
+
+/// A session's default reply length: at least one token, and shorter than the served model's
+/// context when a worker has reported it (a turn's own `max_tokens` is checked the same way).
+fn check_max_tokens(s: &AppState, n: u32) -> Result<i64, ApiError> {
+    let limit = s
+        .generator
+        .pool
+        .context_length()
+        .map_or(MAX_SESSION_MAX_TOKENS, |ctx| (ctx as u32).saturating_sub(1));
+    if n == 0 || n > limit {
+        return Err(ApiError::Validation(format!(
+            "max_tokens: must be between 1 and {limit}"
+        )));
+    }
+    Ok(i64::from(n))
+}
+
 /// Session ids are 32 lowercase hex characters; anything else cannot name a session.
 pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
     if id.len() == 32
@@ -137,6 +160,10 @@ async fn create(
         check_system(sys)?;
     }
     let params = body.params.map(check_params).transpose()?;
+    let max_tokens = body
+        .max_tokens
+        .map(|n| check_max_tokens(&s, n))
+        .transpose()?;
     let session = s
         .store
         .create_session(
@@ -149,6 +176,7 @@ async fn create(
                 },
                 system_prompt: body.system_prompt,
                 params,
+                max_tokens,
             },
         )
         .await?;
@@ -224,10 +252,16 @@ async fn update(
         Some(None) => Some(None),
         None => None,
     };
+    let max_tokens = match body.max_tokens {
+        Some(Some(n)) => Some(Some(check_max_tokens(&s, n)?)),
+        Some(None) => Some(None),
+        None => None,
+    };
     let patch = SessionPatch {
         title,
         system_prompt: body.system_prompt,
         params,
+        max_tokens,
     };
     Ok(Json(s.store.update_session(&user.id, &id, patch).await?))
 }

@@ -210,7 +210,8 @@ enum Rewrite<'a> {
     },
 }
 
-const SESSION_COLUMNS: &str = "id, title, system_prompt, params, created_at, updated_at";
+const SESSION_COLUMNS: &str =
+    "id, title, system_prompt, params, max_tokens, created_at, updated_at";
 const MESSAGE_COLUMNS: &str = "id, seq, role, content, status, finish_reason, prompt_tokens, \
      cached_tokens, completion_tokens, ttft_ms, duration_ms, worker, created_at, updated_at";
 
@@ -224,6 +225,7 @@ fn session_from(r: &AnyRow) -> StoreResult<Session> {
             .map(|p| serde_json::from_str(&p))
             .transpose()
             .map_err(|e| StoreError::Internal(format!("stored session params: {e}")))?,
+        max_tokens: r.try_get("max_tokens").map_err(db_err)?,
         created_at: r.try_get("created_at").map_err(db_err)?,
         updated_at: r.try_get("updated_at").map_err(db_err)?,
     })
@@ -484,12 +486,13 @@ impl Store for SqlStore {
             title: new.title,
             system_prompt: new.system_prompt,
             params: new.params,
+            max_tokens: new.max_tokens,
             created_at: now,
             updated_at: now,
         };
         sqlx::query(
             "INSERT INTO sessions (id, user_id, title, title_lower, system_prompt, params, \
-             created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+             max_tokens, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
         )
         .bind(&s.id)
         .bind(user_id)
@@ -497,6 +500,7 @@ impl Store for SqlStore {
         .bind(s.title.to_lowercase())
         .bind(&s.system_prompt)
         .bind(json_text(&s.params))
+        .bind(s.max_tokens)
         .bind(now)
         .execute(&self.pool)
         .await
@@ -588,6 +592,14 @@ impl Store for SqlStore {
         if let Some(params) = &patch.params {
             sqlx::query("UPDATE sessions SET params = $1 WHERE id = $2")
                 .bind(json_text(params))
+                .bind(session_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?;
+        }
+        if let Some(max_tokens) = patch.max_tokens {
+            sqlx::query("UPDATE sessions SET max_tokens = $1 WHERE id = $2")
+                .bind(max_tokens)
                 .bind(session_id)
                 .execute(&mut *tx)
                 .await

@@ -39,6 +39,8 @@ pub struct Session {
     pub system_prompt: Option<String>,
     /// Default sampling parameters (JSON object), if the session has any.
     pub params: Option<serde_json::Value>,
+    /// Default reply length for the session's turns, if set.
+    pub max_tokens: Option<i64>,
     pub created_at: i64,
     pub updated_at: i64,
 }
@@ -48,6 +50,7 @@ pub struct NewSession {
     pub title: String,
     pub system_prompt: Option<String>,
     pub params: Option<serde_json::Value>,
+    pub max_tokens: Option<i64>,
 }
 
 /// Fields to change; `None` leaves a field as it is.
@@ -57,6 +60,8 @@ pub struct SessionPatch {
     /// `Some(None)` clears the system prompt.
     pub system_prompt: Option<Option<String>>,
     pub params: Option<Option<serde_json::Value>>,
+    /// `Some(None)` clears the default reply length.
+    pub max_tokens: Option<Option<i64>>,
 }
 
 /// A page of sessions: newest first, optionally matching `q` in the title, strictly older than
