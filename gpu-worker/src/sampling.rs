@@ -66,6 +66,19 @@ impl Sampler {
         Self { params, rng }
     }
 
+    /// A sampler for a reply of which `sampled` tokens were already drawn elsewhere (a
+    /// failover's continuation): every stochastic pick takes exactly one draw, so skipping
+    /// `sampled` draws makes a seeded reply continue exactly as if it had not been cut.
+    pub fn continuing(params: SamplingParams, sampled: u32) -> Self {
+        let mut s = Self::new(params);
+        if !s.params.is_greedy() {
+            for _ in 0..sampled {
+                s.rng.next_f64();
+            }
+        }
+        s
+    }
+
     /// Picks a token from `logits` (modified in place); `history` holds the tokens seen so far
     /// (for the repetition penalty). Returns the token and its log-probability under the model's
     /// unmodified distribution.
@@ -230,6 +243,10 @@ mod tests {
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
+        // A continuation that skips the first 20 draws picks what the uncut run picked next.
+        let mut cont = Sampler::continuing(params(42), 20);
+        let rest: Vec<u32> = (0..30).map(|_| cont.sample(&mut logits(), &[]).0).collect();
+        assert_eq!(rest, run(42)[20..]);
     }
 
     #[test]

@@ -90,12 +90,23 @@ struct Seq {
     first_token: Option<Instant>,
     preempted: bool,
     cancelled: bool,
+    /// Cancelled by a shutdown rather than by its client: it ends with `ShuttingDown`, so the
+    /// caller continues it elsewhere instead of taking it as stopped.
+    shut_down: bool,
 }
 
 impl Seq {
     fn send(&self, e: EngineEvent) {
         // A closed receiver is noticed (and the sequence cancelled) at the next step.
         let _ = self.events.send(e);
+    }
+
+    fn end_cancelled(&self) {
+        if self.shut_down {
+            self.send(EngineEvent::Error(EngineError::ShuttingDown));
+        } else {
+            self.finish(FinishReason::Cancelled);
+        }
     }
 
     fn finish(&self, reason: FinishReason) {
@@ -285,7 +296,7 @@ impl Scheduler {
             generated: 0,
             max_new,
             stop_ids,
-            sampler: Sampler::new(inner.params),
+            sampler: Sampler::continuing(inner.params, inner.sampled_before),
             cached_tokens: 0,
             events,
             arrived,
@@ -293,6 +304,7 @@ impl Scheduler {
             first_token: None,
             preempted: false,
             cancelled: self.early_cancels.remove(&inner.id),
+            shut_down: false,
         });
     }
 
@@ -312,9 +324,11 @@ impl Scheduler {
         }
     }
 
+    /// Ends every sequence because the worker is shutting down (a drain past its deadline).
     pub(crate) fn cancel_all(&mut self) {
         for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
             s.cancelled = true;
+            s.shut_down = true;
         }
     }
 
@@ -425,7 +439,7 @@ impl Scheduler {
             let s = &self.running[i];
             if s.cancelled || s.events.is_closed() {
                 let s = self.running.swap_remove(i);
-                s.finish(FinishReason::Cancelled);
+                s.end_cancelled();
                 self.retire(s);
             } else {
                 i += 1;
@@ -434,7 +448,7 @@ impl Scheduler {
         self.waiting.retain(|s| {
             let gone = s.cancelled || s.events.is_closed();
             if gone {
-                s.finish(FinishReason::Cancelled);
+                s.end_cancelled();
             }
             !gone
         });

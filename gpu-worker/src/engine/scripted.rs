@@ -62,15 +62,18 @@ pub(super) fn scripted_task(
             Err(RecvTimeoutError::Timeout) => {}
         }
         while let Ok(c) = cancels.try_recv() {
-            active.retain(|a| {
-                let hit = match c {
-                    Cancel::One(id) => a.id == id,
-                    Cancel::All => true,
-                };
-                if hit {
+            active.retain(|a| match c {
+                Cancel::One(id) if a.id == id => {
                     a.finish(FinishReason::Cancelled);
+                    false
                 }
-                !hit
+                Cancel::One(_) => true,
+                // A shutdown, not the client: the caller continues the reply elsewhere.
+                Cancel::All => {
+                    let _ =
+                        a.tx.send(EngineEvent::Error(super::EngineError::ShuttingDown));
+                    false
+                }
             });
         }
         if Instant::now() >= next_tick {

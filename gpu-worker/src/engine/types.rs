@@ -65,6 +65,9 @@ pub struct GenerateRequest {
     /// Generate exactly `max_new_tokens` (unless the context fills): no default stop tokens. For
     /// benchmarks that need fixed output lengths, like vLLM's and llama.cpp's `ignore_eos`.
     pub ignore_eos: bool,
+    /// Tokens of this reply sampled before (a continuation after a failover): the seeded RNG
+    /// skips that many draws first, so a seed reproduces the uncut reply.
+    pub sampled_before: u32,
 }
 
 impl GenerateRequest {
@@ -79,6 +82,7 @@ impl GenerateRequest {
             max_new_tokens,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            sampled_before: 0,
         }
     }
 }

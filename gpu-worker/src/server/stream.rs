@@ -214,6 +214,7 @@ impl Connection {
             max_new_tokens: r.max_new_tokens,
             stop_token_ids: r.stop_token_ids,
             ignore_eos: r.ignore_eos,
+            sampled_before: r.sampled_tokens,
         })
     }
 
