@@ -11,12 +11,14 @@
 //! - [`limits`]: per-key rate limits, in process or in Redis.
 //! - [`bus`]: stop signals between replicas (Redis pub/sub).
 //! - [`server`]: configuration and start-up, including the quick start's local worker.
+//! - [`http_server`]: the HTTP accept loop (header deadline, connection cap, bounded shutdown).
 //! - [`telemetry`]: Prometheus metrics.
 
 pub mod api;
 pub mod auth;
 pub mod bus;
 pub mod generate;
+pub mod http_server;
 pub mod limits;
 mod redis_conn;
 pub mod server;

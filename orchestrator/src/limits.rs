@@ -7,7 +7,7 @@
 //! limiter must not take the chat service down with it.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 pub use crate::redis_conn::Redis;
 
@@ -45,57 +45,95 @@ fn retry_after(window_ms: i64, now: i64) -> u64 {
     (left as u64).div_ceil(1000).max(1)
 }
 
+/// How long a day's token counter is kept.
+const DAY_TTL_SECS: i64 = 2 * 86_400;
+
+/// Tokens set aside from a key's daily budget for one reply, from admission until the reply
+/// ends; [`Budget::settle`] then charges what it really generated. Replies running at once
+/// each hold their share, so together they cannot spend more than the budget allows (the one
+/// admitted while some budget was left may take its whole `max_tokens`). Dropped unsettled (the
+/// turn failed before it started), it gives its tokens back.
+#[derive(Debug)]
+pub struct Budget {
+    limiter: Arc<Limiter>,
+    key: String,
+    reserved: i64,
+    settled: bool,
+}
+
+impl Budget {
+    /// Charges `used` tokens in place of the reservation.
+    pub async fn settle(mut self, used: u64) {
+        self.settled = true;
+        let delta = used as i64 - self.reserved;
+        if delta != 0 {
+            self.limiter.add(&self.key, delta, DAY_TTL_SECS).await;
+        }
+    }
+}
+
+impl Drop for Budget {
+    fn drop(&mut self) {
+        if self.settled || self.reserved == 0 {
+            return;
+        }
+        let (limiter, key, n) = (self.limiter.clone(), self.key.clone(), self.reserved);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                limiter.add(&key, -n, DAY_TTL_SECS).await;
+            });
+        }
+    }
+}
+
 impl Limiter {
     pub fn local() -> Self {
         Self::Local(Mutex::new(HashMap::new()))
     }
 
-    /// Counts one request against the per-minute limit and checks the daily token budget.
-    pub async fn admit(&self, q: &Quota) -> Result<(), Limited> {
+    /// Counts one request against the per-minute limit and, when the key has a daily token
+    /// budget, sets `max_tokens` aside from it (refused once nothing is left).
+    pub async fn admit(
+        self: &Arc<Self>,
+        q: &Quota,
+        max_tokens: u64,
+    ) -> Result<Option<Budget>, Limited> {
         let now = now_ms();
+        let mut budget = None;
         if let Some(limit) = q.tokens_per_day {
-            let used = self.read(&day_key(&q.bucket, now)).await;
-            if used >= limit {
+            let key = day_key(&q.bucket, now);
+            let reserve = max_tokens.max(1) as i64;
+            let after = self.add(&key, reserve, DAY_TTL_SECS).await;
+            // 0: Redis is unreachable, and limits lapse rather than take chat down.
+            if after != 0 && after - reserve >= limit {
+                self.add(&key, -reserve, DAY_TTL_SECS).await;
                 crate::telemetry::count_rate_limited("tokens_per_day");
                 return Err(Limited {
                     what: format!("the daily limit of {limit} generated tokens is used up"),
                     retry_after_secs: retry_after(DAY_MS, now),
                 });
             }
+            budget = Some(Budget {
+                limiter: self.clone(),
+                key,
+                reserved: if after == 0 { 0 } else { reserve },
+                settled: false,
+            });
         }
         if let Some(limit) = q.requests_per_minute {
             let n = self.add(&minute_key(&q.bucket, now), 1, 120).await;
             if n > limit {
                 crate::telemetry::count_rate_limited("requests_per_minute");
+                if let Some(b) = budget {
+                    b.settle(0).await;
+                }
                 return Err(Limited {
                     what: format!("more than {limit} requests in this minute"),
                     retry_after_secs: retry_after(MINUTE_MS, now),
                 });
             }
         }
-        Ok(())
-    }
-
-    /// Charges generated tokens to the daily budget.
-    pub async fn charge_tokens(&self, q: &Quota, tokens: u64) {
-        if q.tokens_per_day.is_some() && tokens > 0 {
-            self.add(&day_key(&q.bucket, now_ms()), tokens as i64, 2 * 86_400)
-                .await;
-        }
-    }
-
-    async fn read(&self, key: &str) -> i64 {
-        match self {
-            Self::Local(m) => {
-                let m = m.lock().unwrap_or_else(|p| p.into_inner());
-                m.get(key).map_or(0, |&(_, n)| n)
-            }
-            Self::Redis(c) => c
-                .cmd::<Option<i64>>(redis::cmd("GET").arg(key), UNENFORCED)
-                .await
-                .flatten()
-                .unwrap_or(0),
-        }
+        Ok(budget)
     }
 
     /// Adds `n` and returns the new count (0 when Redis is unavailable).
@@ -158,38 +196,92 @@ mod tests {
 
     #[tokio::test]
     async fn requests_per_minute_are_counted() {
-        let l = Limiter::local();
+        let l = Arc::new(Limiter::local());
         let q = quota(Some(2), None);
-        assert!(l.admit(&q).await.is_ok());
-        assert!(l.admit(&q).await.is_ok());
-        let e = l.admit(&q).await.expect_err("third request in a minute");
+        assert!(l.admit(&q, 1).await.is_ok());
+        assert!(l.admit(&q, 1).await.is_ok());
+        let e = l.admit(&q, 1).await.expect_err("third request in a minute");
         assert!((1..=60).contains(&e.retry_after_secs), "{e:?}");
         // Another key has its own window.
         let other = Quota {
             bucket: "k2".into(),
             ..q
         };
-        assert!(l.admit(&other).await.is_ok());
+        assert!(l.admit(&other, 1).await.is_ok());
     }
 
     #[tokio::test]
     async fn daily_tokens_are_charged_after_use() {
-        let l = Limiter::local();
+        let l = Arc::new(Limiter::local());
         let q = quota(None, Some(10));
-        assert!(l.admit(&q).await.is_ok());
-        l.charge_tokens(&q, 9).await;
-        assert!(l.admit(&q).await.is_ok());
-        l.charge_tokens(&q, 1).await;
-        let e = l.admit(&q).await.expect_err("budget used");
+        let b = l.admit(&q, 4).await.expect("admitted").expect("a budget");
+        b.settle(9).await;
+        let b = l
+            .admit(&q, 4)
+            .await
+            .expect("one token left")
+            .expect("a budget");
+        b.settle(1).await;
+        let e = l.admit(&q, 4).await.expect_err("budget used");
         assert!(e.retry_after_secs <= 86_400, "{e:?}");
     }
 
     #[tokio::test]
+    async fn replies_running_at_once_cannot_overspend_the_budget() {
+        let l = Arc::new(Limiter::local());
+        let q = quota(None, Some(100));
+        // Ten replies of up to 30 tokens at once: four fit (the fourth crosses the budget), and
+        // the rest are refused until something is given back.
+        let mut held = Vec::new();
+        let mut refused = 0;
+        for _ in 0..10 {
+            match l.admit(&q, 30).await {
+                Ok(b) => held.push(b.expect("a budget")),
+                Err(_) => refused += 1,
+            }
+        }
+        assert_eq!((held.len(), refused), (4, 6));
+        // Each used all 30: 120, one reply's max_tokens over at most.
+        for b in held.drain(..) {
+            b.settle(30).await;
+        }
+        assert!(l.admit(&q, 1).await.is_err());
+        // A reservation that is dropped (the turn failed to start) gives its tokens back.
+        let l = Arc::new(Limiter::local());
+        let unused = l.admit(&q, 100).await.expect("ok").expect("budget");
+        assert!(l.admit(&q, 1).await.is_err(), "all reserved");
+        drop(unused);
+        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        assert!(l.admit(&q, 1).await.is_ok(), "given back");
+    }
+
+    #[tokio::test]
+    async fn a_request_refused_per_minute_gives_its_tokens_back() {
+        let l = Arc::new(Limiter::local());
+        let q = quota(Some(1), Some(10));
+        let first = l.admit(&q, 10).await.expect("first").expect("budget");
+        first.settle(0).await;
+        assert!(
+            l.admit(&q, 10).await.is_err(),
+            "second request in the minute"
+        );
+        let other_minute_q = Quota {
+            requests_per_minute: None,
+            ..q
+        };
+        assert!(
+            l.admit(&other_minute_q, 10).await.is_ok(),
+            "the budget was not spent"
+        );
+    }
+
+    #[tokio::test]
     async fn no_limits_means_no_counting() {
-        let l = Limiter::local();
+        let l = Arc::new(Limiter::local());
         let q = quota(None, None);
         for _ in 0..100 {
-            assert!(l.admit(&q).await.is_ok());
+            assert!(l.admit(&q, 1).await.expect("ok").is_none());
         }
     }
 }

@@ -75,6 +75,10 @@ pub struct ServeArgs {
     /// How long a queued request waits before it gets 503.
     #[arg(long, env = "HEARTH_QUEUE_TIMEOUT_SECS", default_value_t = 10)]
     pub queue_timeout_secs: u64,
+    /// A worker that fails health checks this long with replies open on it is given up on, and
+    /// its replies continue on other workers (a stopped process, a frozen VM, a lost network).
+    #[arg(long, env = "HEARTH_STALL_TIMEOUT_SECS", default_value_t = 10)]
+    pub stall_timeout_secs: u64,
     /// How often workers' health is checked.
     #[arg(long, env = "HEARTH_HEALTH_INTERVAL_MS", default_value_t = 500)]
     pub health_interval_ms: u64,
@@ -98,6 +102,23 @@ pub struct ServeArgs {
     /// The statically exported web UI (`make run` builds it) served at `/`.
     #[arg(long, env = "HEARTH_WEB_DIR", default_value = crate::api::DEFAULT_WEB_DIR)]
     pub web_dir: PathBuf,
+    /// Sessions one user may keep; creating more answers 422 `too_many_sessions`.
+    #[arg(long, env = "HEARTH_MAX_SESSIONS_PER_USER", default_value_t = 10_000)]
+    pub max_sessions_per_user: u64,
+    /// Messages one session may hold; a turn beyond answers 422 `session_full`.
+    #[arg(
+        long,
+        env = "HEARTH_MAX_MESSAGES_PER_SESSION",
+        default_value_t = 10_000
+    )]
+    pub max_messages_per_session: usize,
+    /// A client has this long from the first byte of a request to the end of its header.
+    #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
+    /// Open HTTP connections at most; more wait in the listen backlog [default: the open-files
+    /// limit less 512].
+    #[arg(long, env = "HEARTH_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
     /// On SIGTERM, how long running replies may take to finish before they are stopped.
     #[arg(long, env = "HEARTH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 30)]
     pub shutdown_timeout_secs: u64,
@@ -219,7 +240,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
         Some(url) => {
             let conn = connect_redis(url)
                 .await
-                .with_context(|| format!("--redis-url {url}: cannot connect"))?;
+                .with_context(|| format!("--redis-url {}: cannot connect", redact_url(url)))?;
             let task = StopBus::listen(url.clone(), streams.clone());
             (
                 Limiter::Redis(conn.clone()),
@@ -272,6 +293,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             per_worker_capacity: args.worker_capacity,
             max_queue: args.max_queue,
             queue_timeout: Duration::from_secs(args.queue_timeout_secs),
+            stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
         },
     );
     if let Some(w) = &mut local {
@@ -305,6 +327,8 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             tokens_per_day: args.tokens_per_day.map(i64::from),
             cancel_on_disconnect: args.cancel_on_disconnect,
             web_dir: args.web_dir.clone(),
+            max_sessions_per_user: args.max_sessions_per_user,
+            max_messages_per_session: args.max_messages_per_session.max(2),
         },
         metrics: crate::telemetry::handle(),
     };
@@ -320,6 +344,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
         let _ = signalled_tx.send(true);
     });
     let mut on_signal = signalled.clone();
+    let http_shutdown = signalled.clone();
     // After the grace period, running replies are stopped (and stored as `stopped`).
     let stopper = tokio::spawn({
         let streams = streams.clone();
@@ -329,12 +354,27 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             streams.stop_all();
         }
     });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move {
-            let _ = on_signal.wait_for(|s| *s).await;
-            eprintln!("hearth: shutting down; letting running replies finish");
-        })
-        .await?;
+    tokio::spawn(async move {
+        let _ = on_signal.wait_for(|s| *s).await;
+        eprintln!("hearth: shutting down; letting running replies finish");
+    });
+    let limits = crate::http_server::HttpLimits {
+        header_timeout: Duration::from_secs(args.header_timeout_secs.max(1)),
+        max_connections: args
+            .max_connections
+            .unwrap_or_else(crate::http_server::default_max_connections)
+            .max(1),
+    };
+    // Open connections get the replies' grace period and a little more to send their ends.
+    let hard_deadline = shutdown_timeout + Duration::from_secs(5);
+    crate::http_server::serve(
+        listener,
+        router(state),
+        limits,
+        http_shutdown,
+        hard_deadline,
+    )
+    .await;
     // Replies whose clients already left are still running as tasks: let them end and store.
     let deadline = tokio::time::Instant::now() + shutdown_timeout + Duration::from_secs(5);
     while streams.running() > 0 && tokio::time::Instant::now() < deadline {
@@ -428,5 +468,49 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
+    }
+}
+
+/// `url` with its password (if any) replaced by `***`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            let masked = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                // `redis://secret@host`: the single part is the password.
+                "***".to_string()
+            };
+            format!("{scheme}://{masked}@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_in_urls_are_masked() {
+        assert_eq!(
+            redact_url("redis://:hunter2@cache:6379/0"),
+            "redis://:***@cache:6379/0"
+        );
+        assert_eq!(
+            redact_url("redis://app:hunter2@cache:6379"),
+            "redis://app:***@cache:6379"
+        );
+        assert_eq!(redact_url("redis://hunter2@cache"), "redis://***@cache");
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379"
+        );
+        assert_eq!(redact_url("not a url"), "not a url");
     }
 }

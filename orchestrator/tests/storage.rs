@@ -390,6 +390,21 @@ async fn turns_suite(s: &SqlStore) {
         (again.id.as_str(), "")
     );
 
+    // While the new reply streams, no other turn starts in the session (from any replica).
+    assert_eq!(
+        s.begin_turn(&u, &sess.id, "meanwhile").await.map(|_| ()),
+        Err(StoreError::ReplyRunning)
+    );
+    assert_eq!(
+        s.begin_regenerate(&u, &sess.id, 4).await.map(|_| ()),
+        Err(StoreError::ReplyRunning)
+    );
+    assert_eq!(
+        s.list_messages(&u, &sess.id).await.expect("messages").len(),
+        4
+    );
+    s.finish_message(&again.id, &done).await.expect("finish");
+
     // Unicode and a long message survive the round trip.
     let text = "Zürich 東京 🙂 ".repeat(2000);
     let t3 = s.begin_turn(&u, &sess.id, &text).await.expect("turn 3");
@@ -417,9 +432,27 @@ async fn isolation_suite(s: &SqlStore) {
         )
         .await
         .expect("session");
-    s.begin_turn(&a, &sess.id, "mine").await.expect("turn");
+    let turn = s.begin_turn(&a, &sess.id, "mine").await.expect("turn");
     let nf: Result<(), StoreError> = Err(StoreError::NotFound("session"));
     assert_eq!(s.get_session(&b, &sess.id).await.map(|_| ()), nf);
+    assert_eq!(
+        s.get_message(&b, &sess.id, &turn.user.id).await.map(|_| ()),
+        nf
+    );
+    let mine = s
+        .get_message(&a, &sess.id, &turn.user.id)
+        .await
+        .expect("a's message");
+    assert_eq!(
+        (mine.id.as_str(), mine.content.as_str()),
+        (turn.user.id.as_str(), "mine")
+    );
+    assert_eq!(
+        s.get_message(&a, &sess.id, "no-such-message")
+            .await
+            .map(|_| ()),
+        Err(StoreError::NotFound("message"))
+    );
     assert_eq!(s.list_messages(&b, &sess.id).await.map(|_| ()), nf);
     assert_eq!(s.begin_turn(&b, &sess.id, "x").await.map(|_| ()), nf);
     assert_eq!(s.begin_regenerate(&b, &sess.id, 1).await.map(|_| ()), nf);
@@ -490,7 +523,8 @@ async fn concurrency_suite(s: &SqlStore) {
         v
     };
     // Eight turns on one session and eight spread over others, all at once, while a reply
-    // streams progress: every turn is written, with distinct sequence numbers.
+    // streams progress: on each session exactly one turn is written and the others are refused
+    // (one reply per session, however many replicas race), with sequence numbers intact.
     let streaming = s
         .begin_turn(&u, &others[0], "streaming")
         .await
@@ -504,7 +538,10 @@ async fn concurrency_suite(s: &SqlStore) {
             others[i % 4].clone()
         };
         tasks.push(tokio::spawn(async move {
-            s.begin_turn(&u, &session, &format!("turn {i}")).await
+            (
+                session.clone(),
+                s.begin_turn(&u, &session, &format!("turn {i}")).await,
+            )
         }));
     }
     for k in 0..20 {
@@ -512,15 +549,30 @@ async fn concurrency_suite(s: &SqlStore) {
             .await
             .expect("progress");
     }
+    let mut written = std::collections::HashMap::<String, usize>::new();
     for t in tasks {
-        t.await
-            .expect("task")
-            .expect("every concurrent turn is written");
+        let (session, r) = t.await.expect("task");
+        match r {
+            Ok(_) => *written.entry(session).or_default() += 1,
+            Err(StoreError::ReplyRunning) => {}
+            Err(e) => panic!("a concurrent turn failed: {e}"),
+        }
     }
+    assert_eq!(written.get(&one), Some(&1), "{written:?}");
+    assert_eq!(written.get(&others[1]), Some(&1), "{written:?}");
+    assert_eq!(written.get(&others[3]), Some(&1), "{written:?}");
+    assert_eq!(
+        s.begin_turn(&u, &others[0], "no").await.map(|_| ()),
+        Err(StoreError::ReplyRunning)
+    );
     let msgs = s.list_messages(&u, &one).await.expect("messages");
-    assert_eq!(msgs.len(), 16);
     let seqs: Vec<i64> = msgs.iter().map(|m| m.seq).collect();
-    assert_eq!(seqs, (1..=16).collect::<Vec<_>>());
+    assert_eq!(seqs, vec![1, 2]);
+    s.finish_message(&msgs[1].id, &complete("ok"))
+        .await
+        .expect("finish");
+    let next = s.begin_turn(&u, &one, "next").await.expect("next turn");
+    assert_eq!((next.user.seq, next.assistant.seq), (3, 4));
 }
 
 async fn search_and_values_suite(s: &SqlStore) {
@@ -709,6 +761,16 @@ async fn edit_suite(s: &SqlStore) {
         (turns[0].user.id.as_str(), "Zürich 東京 🙂")
     );
     assert_eq!(after[1].id, first.assistant.id);
+    assert_eq!(
+        s.begin_edit(&u, &sess.id, &turns[0].user.id, "again")
+            .await
+            .map(|_| ()),
+        Err(StoreError::ReplyRunning),
+        "no edit while the edited turn's reply streams"
+    );
+    s.finish_message(&first.assistant.id, &complete("Done."))
+        .await
+        .expect("finish");
     let next = s.begin_turn(&u, &sess.id, "more").await.expect("turn");
     assert_eq!(next.user.seq, 3);
 }

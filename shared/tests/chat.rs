@@ -116,6 +116,42 @@ fn context_fitting_drops_the_oldest_whole_turns_and_keeps_the_system_prompt() {
 }
 
 #[test]
+fn at_every_budget_the_fitted_prompt_is_the_longest_suffix_that_fits() {
+    let tok = tokenizer();
+    let mut msgs = vec![Message::new(Role::System, "Be brief.")];
+    for i in 0..40 {
+        msgs.push(user(&format!("question {i} {}", "why ".repeat(i % 7))));
+        msgs.push(assistant(&format!(
+            "answer {i} {}",
+            "because ".repeat(i % 5)
+        )));
+    }
+    msgs.push(user("last"));
+    let whole = render(tok, &msgs, 100_000).expect("whole").tokens.len();
+    for budget in (10..whole + 20).step_by(7) {
+        let Ok(fitted) = render(tok, &msgs, budget) else {
+            continue;
+        };
+        assert!(fitted.tokens.len() <= budget, "budget {budget}");
+        // The same as rendering what was kept, unbounded…
+        let mut kept = vec![msgs[0].clone()];
+        kept.extend_from_slice(&msgs[1 + fitted.dropped_messages..]);
+        let unbounded = render(tok, &kept, 100_000).expect("kept");
+        assert_eq!(fitted.tokens, unbounded.tokens, "budget {budget}");
+        // …and keeping one more turn would not have fitted.
+        if fitted.dropped_messages >= 2 {
+            let mut more = vec![msgs[0].clone()];
+            more.extend_from_slice(&msgs[fitted.dropped_messages - 1..]);
+            let longer = render(tok, &more, 100_000).expect("longer");
+            assert!(
+                longer.tokens.len() > budget,
+                "budget {budget}: a turn more fits"
+            );
+        }
+    }
+}
+
+#[test]
 fn malformed_conversations_are_errors_naming_the_problem() {
     let tok = tokenizer();
     assert!(matches!(

@@ -119,9 +119,24 @@ impl TurnBody {
     }
 }
 
+/// Refuses a `max_tokens` the served context cannot hold, before anything is charged or stored.
+pub fn check_max_tokens(s: &AppState, max_tokens: Option<u32>) -> Result<(), ApiError> {
+    let (Some(want), Some(ctx)) = (max_tokens, s.generator.pool.context_length()) else {
+        return Ok(());
+    };
+    if want == 0 || want as usize >= ctx {
+        return Err(ApiError::Validation(format!(
+            "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
+            ctx - 1
+        )));
+    }
+    Ok(())
+}
+
 /// Prompt tokens for `convo` and the number of tokens to generate: the oldest whole turns are
-/// dropped until the prompt leaves room for the reply.
-pub fn plan(
+/// dropped until the prompt leaves room for the reply. Tokenizing runs on the blocking pool, so
+/// a long history never holds up the runtime's other requests (or its health checks).
+pub async fn plan(
     s: &AppState,
     convo: &[ChatMessage],
     max_tokens: Option<u32>,
@@ -140,7 +155,12 @@ pub fn plan(
         )));
     }
     let reserve = (want as usize).min(ctx / 2);
-    let prompt = render(&s.generator.tokenizer, convo, ctx - reserve).map_err(|e| match e {
+    let tokenizer = s.generator.tokenizer.clone();
+    let convo = convo.to_vec();
+    let rendered = tokio::task::spawn_blocking(move || render(&tokenizer, &convo, ctx - reserve))
+        .await
+        .map_err(|e| ApiError::Internal(format!("prompt rendering failed: {e}")))?;
+    let prompt = rendered.map_err(|e| match e {
         ChatError::Tokenizer(e) => ApiError::Internal(e.to_string()),
         other => ApiError::Validation(other.to_string()),
     })?;
@@ -193,7 +213,7 @@ pub async fn post_message(
         &s,
         &caller,
         &id,
-        t.reservation,
+        t.place,
         &convo,
         t.opts,
         body.stream.unwrap_or(true),
@@ -237,7 +257,7 @@ pub async fn regenerate(
         &s,
         &caller,
         &id,
-        t.reservation,
+        t.place,
         &convo,
         t.opts,
         body.stream.unwrap_or(true),
@@ -292,7 +312,7 @@ pub async fn edit(
         &s,
         &caller,
         &id,
-        t.reservation,
+        t.place,
         &convo,
         t.opts,
         body.stream.unwrap_or(true),
@@ -313,8 +333,15 @@ pub async fn edit(
 struct OpenTurn {
     session: Session,
     opts: GenOptions,
-    reservation: Reservation,
+    place: Place,
     history: Vec<Message>,
+}
+
+/// What an admitted turn holds until its reply starts: the session's place and the tokens set
+/// aside from the caller's daily budget. Dropped, both are given back.
+struct Place {
+    reservation: Reservation,
+    budget: Option<crate::limits::Budget>,
 }
 
 async fn open_turn(
@@ -325,13 +352,34 @@ async fn open_turn(
 ) -> Result<OpenTurn, ApiError> {
     let session = s.store.get_session(&caller.user.id, session_id).await?;
     let opts = body.options(&session)?;
-    s.generator.limiter.admit(&caller.quota).await?;
+    check_max_tokens(s, opts.max_tokens)?;
     let reservation = s.generator.streams.reserve(session_id)?;
     let history = s.store.list_messages(&caller.user.id, session_id).await?;
+    let cap = s.options.max_messages_per_session;
+    if history.len() + 2 > cap {
+        return Err(ApiError::Unprocessable {
+            kind: "session_full",
+            message: format!(
+                "this session holds {} messages, and a session may hold at most {cap}; \
+                 continue in a new session",
+                history.len()
+            ),
+        });
+    }
+    // Charged last, so a request refused above costs the caller nothing.
+    let reserve = opts.max_tokens.unwrap_or(s.options.default_max_tokens);
+    let budget = s
+        .generator
+        .limiter
+        .admit(&caller.quota, u64::from(reserve))
+        .await?;
     Ok(OpenTurn {
         session,
         opts,
-        reservation,
+        place: Place {
+            reservation,
+            budget,
+        },
         history,
     })
 }
@@ -344,7 +392,7 @@ async fn launch<F, Fut>(
     s: &AppState,
     caller: &Caller,
     session_id: &str,
-    reservation: Reservation,
+    place: Place,
     convo: &[ChatMessage],
     opts: GenOptions,
     stream: bool,
@@ -355,7 +403,7 @@ where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Result<(Option<String>, String), ApiError>>,
 {
-    let (prompt, max_new) = plan(s, convo, opts.max_tokens)?;
+    let (prompt, max_new) = plan(s, convo, opts.max_tokens).await?;
     let lease = s.generator.pool.admit(Some(session_id), &[]).await?;
     let (user_message_id, message_id) = store_turn().await?;
     let live = Live::new(TurnIds {
@@ -363,9 +411,16 @@ where
         user_message_id,
         message_id,
     });
-    reservation.fill(&live);
+    place.reservation.fill(&live);
     start(
-        s, caller, session_id, prompt, max_new, opts, lease, &live, arrived,
+        s,
+        caller,
+        session_id,
+        (prompt, max_new),
+        opts,
+        (lease, place.budget),
+        &live,
+        arrived,
     );
     respond(s, live, stream, 0).await
 }
@@ -375,10 +430,9 @@ fn start(
     s: &AppState,
     caller: &Caller,
     session_id: &str,
-    prompt: Vec<u32>,
-    max_new_tokens: u32,
+    (prompt, max_new_tokens): (Vec<u32>, u32),
     opts: GenOptions,
-    lease: crate::workers::Lease,
+    (lease, budget): (crate::workers::Lease, Option<crate::limits::Budget>),
     live: &Arc<Live>,
     arrived: Instant,
 ) {
@@ -392,7 +446,7 @@ fn start(
         ignore_eos: opts.ignore_eos,
         arrived,
         message_id: Some(live.ids.message_id.clone()),
-        quota: Some(caller.quota.clone()),
+        budget,
         lease: Some(lease),
     };
     let g = s.generator.clone();
@@ -576,17 +630,23 @@ pub async fn stop(
         }
         reply.id
     };
-    // The replica running it stores the stopped reply; wait for that.
+    // The replica running it stores the stopped reply; wait for that, reading only that message
+    // and less often as the wait grows.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        let now = s.store.list_messages(&caller.user.id, &id).await?;
-        if let Some(m) = now.iter().find(|m| m.id == reply_id && !streaming(m)) {
+    let mut pause = Duration::from_millis(20);
+    loop {
+        let m = s.store.get_message(&caller.user.id, &id, &reply_id).await?;
+        if !streaming(&m) {
             return Ok(Json(json!({
                 "stopped": m.status == MessageStatus::Stopped,
                 "message": m,
             })));
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        if Instant::now() + pause >= deadline {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
     }
     Ok(Json(json!({"stopped": false})))
 }

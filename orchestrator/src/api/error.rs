@@ -25,6 +25,9 @@ pub enum ApiError {
     UnsupportedMediaType(String),
     #[error("missing or invalid API key")]
     Unauthorized,
+    /// The request may not be served from where it came.
+    #[error("{0}")]
+    Forbidden(String),
     /// Missing, or another user's (the two are indistinguishable on purpose).
     #[error("{0} not found")]
     NotFound(&'static str),
@@ -50,6 +53,7 @@ impl ApiError {
             Self::BadRequest(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::Forbidden(_) => StatusCode::FORBIDDEN,
             Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
@@ -68,6 +72,7 @@ impl ApiError {
             Self::BadRequest(_) => "invalid_request_error",
             Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized => "authentication_error",
+            Self::Forbidden(_) => "permission_error",
             Self::NotFound(_) => "not_found_error",
             Self::MethodNotAllowed => "invalid_request_error",
             Self::Conflict(_) => "conflict_error",
@@ -85,6 +90,7 @@ impl ApiError {
             Self::BadRequest(_) => "invalid_json",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::Unauthorized => "invalid_api_key",
+            Self::Forbidden(_) => "forbidden",
             Self::NotFound(_) => "not_found",
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
@@ -138,6 +144,7 @@ impl From<StoreError> for ApiError {
             }
             StoreError::Invalid(why) => Self::BadRequest(why),
             StoreError::NotAUserMessage(why) => Self::not_a_user_message(why),
+            StoreError::ReplyRunning => Self::Conflict(StoreError::ReplyRunning.to_string()),
             StoreError::Internal(why) => Self::Internal(why),
         }
     }

@@ -57,6 +57,10 @@ pub struct ApiOptions {
     pub cancel_on_disconnect: bool,
     /// The statically exported web UI served at `/`.
     pub web_dir: PathBuf,
+    /// Sessions one user may keep (deleted ones do not count).
+    pub max_sessions_per_user: u64,
+    /// Messages one session may hold; a longer conversation continues in a new session.
+    pub max_messages_per_session: usize,
 }
 
 impl Default for ApiOptions {
@@ -67,6 +71,8 @@ impl Default for ApiOptions {
             tokens_per_day: None,
             cancel_on_disconnect: false,
             web_dir: PathBuf::from(DEFAULT_WEB_DIR),
+            max_sessions_per_user: 10_000,
+            max_messages_per_session: 10_000,
         }
     }
 }
@@ -93,7 +99,8 @@ pub enum AuthMode {
 }
 
 pub fn router(state: AppState) -> Router {
-    Router::new()
+    let open = matches!(state.auth, AuthMode::Disabled(_));
+    let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(render_metrics))
@@ -102,9 +109,74 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES));
+    // Without keys, anything that can reach the port is the user: refuse requests that a web
+    // page on another site made through a name that resolves to this machine (DNS rebinding).
+    let router = if open {
+        router.layer(axum::middleware::from_fn(loopback_names_only))
+    } else {
+        router
+    };
+    router
         .layer(axum::middleware::from_fn(crate::telemetry::count_requests))
         .with_state(state)
+}
+
+/// Whether `host` (a `Host` header or an origin's authority, port allowed) names this machine:
+/// `localhost` (or a name under `.localhost`), 127.0.0.0/8 or `[::1]`.
+fn is_loopback_name(host: &str) -> bool {
+    let name = match host.strip_prefix('[') {
+        Some(v6) => match v6.split_once(']') {
+            Some((addr, rest)) if rest.is_empty() || rest.starts_with(':') => addr,
+            _ => return false,
+        },
+        None => host.rsplit_once(':').map_or(host, |(name, port)| {
+            if port.chars().all(|c| c.is_ascii_digit()) {
+                name
+            } else {
+                host
+            }
+        }),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    if name == "localhost" || name.ends_with(".localhost") {
+        return true;
+    }
+    name.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// With `--auth none`: the `Host` must be a loopback name, and an `Origin`, when a browser
+/// sends one, a loopback origin; otherwise 403 and nothing is read or changed.
+async fn loopback_names_only(req: Request, next: axum::middleware::Next) -> Response {
+    match foreign_site(&req) {
+        Some(refusal) => refusal.into_response(),
+        None => next.run(req).await,
+    }
+}
+
+/// Why a request without a key may not be served here, if it may not.
+fn foreign_site(req: &Request) -> Option<ApiError> {
+    let header_str = |name| req.headers().get(name).and_then(|v| v.to_str().ok());
+    let host = header_str(header::HOST).or_else(|| req.uri().authority().map(|a| a.as_str()));
+    if !host.is_some_and(is_loopback_name) {
+        return Some(ApiError::Forbidden(
+            "this server runs without API keys and answers only to localhost; the Host header \
+             names another site (start it with --auth keys to serve other names)"
+                .into(),
+        ));
+    }
+    let origin = header_str(header::ORIGIN)?;
+    let authority = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    if origin != "null" && !authority.is_some_and(is_loopback_name) {
+        return Some(ApiError::Forbidden(format!(
+            "this server runs without API keys and does not answer requests from pages of \
+             {origin}"
+        )));
+    }
+    None
 }
 
 async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
@@ -239,4 +311,38 @@ where
 /// `201 Created` with a JSON body.
 pub fn created<T: serde::Serialize>(v: T) -> (StatusCode, axum::Json<T>) {
     (StatusCode::CREATED, axum::Json(v))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_loopback_name;
+
+    #[test]
+    fn loopback_names_are_told_from_other_sites() {
+        for ok in [
+            "localhost",
+            "localhost:8080",
+            "LOCALHOST.",
+            "app.localhost:3000",
+            "127.0.0.1",
+            "127.0.0.1:8080",
+            "127.1.2.3:9",
+            "[::1]",
+            "[::1]:8080",
+        ] {
+            assert!(is_loopback_name(ok), "{ok}");
+        }
+        for bad in [
+            "evil.example",
+            "evil.example:8080",
+            "localhost.evil.example",
+            "127.0.0.1.nip.io",
+            "10.0.0.1:8080",
+            "[::2]:80",
+            "[::1",
+            "",
+        ] {
+            assert!(!is_loopback_name(bad), "{bad}");
+        }
+    }
 }

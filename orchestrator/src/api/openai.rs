@@ -221,9 +221,15 @@ pub async fn completions(
         Some(StopField::Many(v)) => v.clone(),
     };
     let stop = check_stops(stop, "stop")?;
-    s.generator.limiter.admit(&caller.quota).await?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let (prompt, max_new) = plan(&s, &convo, max_tokens)?;
+    super::chat::check_max_tokens(&s, max_tokens)?;
+    let reserve = max_tokens.unwrap_or(s.options.default_max_tokens);
+    let budget = s
+        .generator
+        .limiter
+        .admit(&caller.quota, u64::from(reserve))
+        .await?;
+    let (prompt, max_new) = plan(&s, &convo, max_tokens).await?;
     // Route to the worker that likely holds this conversation's earlier turns.
     let lease = s
         .generator
@@ -243,7 +249,7 @@ pub async fn completions(
         ignore_eos: req.ignore_eos,
         arrived,
         message_id: None,
-        quota: Some(caller.quota.clone()),
+        budget,
         lease: Some(lease),
     };
     tokio::spawn(s.generator.clone().run(job, live.clone()));

@@ -164,6 +164,16 @@ async fn create(
         .max_tokens
         .map(|n| check_max_tokens(&s, n))
         .transpose()?;
+    let cap = s.options.max_sessions_per_user;
+    if s.store.count_sessions(&user.id).await? >= cap {
+        return Err(ApiError::Unprocessable {
+            kind: "too_many_sessions",
+            message: format!(
+                "you have {cap} sessions, the most this server keeps for one user; delete some \
+                 to create more"
+            ),
+        });
+    }
     let session = s
         .store
         .create_session(
@@ -272,7 +282,24 @@ async fn remove(
     ValidPath(id): ValidPath<String>,
 ) -> Result<StatusCode, ApiError> {
     check_id(&id)?;
+    // Stop the session's reply first, so it is not left generating for nobody; it ends within
+    // one engine step. One running on another replica is stopped through Redis.
+    s.store.get_session(&user.id, &id).await?;
+    if let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) {
+        live.stop();
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), live.outcome()).await;
+    } else if let Some(bus) = &s.generator.stop_bus {
+        bus.publish(&id).await;
+    }
     s.store.delete_session(&user.id, &id).await?;
+    // Then free its KV cache on the workers, now and once more a little later, in case a reply
+    // stopped on another replica hands its cache back after the first call.
+    let pool = s.generator.pool.clone();
+    tokio::spawn(async move {
+        pool.drop_session(&id).await;
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        pool.drop_session(&id).await;
+    });
     Ok(StatusCode::NO_CONTENT)
 }
 

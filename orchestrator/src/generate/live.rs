@@ -103,10 +103,16 @@ impl Live {
         async_stream::stream! {
             let mut next = from;
             loop {
-                let batch: Vec<RunEvent> = {
+                let (batch, ended) = {
                     let ev = live.events();
-                    ev.get(next..).map(<[RunEvent]>::to_vec).unwrap_or_default()
+                    let batch: Vec<RunEvent> =
+                        ev.get(next..).map(<[RunEvent]>::to_vec).unwrap_or_default();
+                    (batch, matches!(ev.last(), Some(RunEvent::End(_))))
                 };
+                // Resumed at or past the end of a finished log: nothing more will come.
+                if batch.is_empty() && ended {
+                    return;
+                }
                 for e in batch {
                     let end = matches!(e, RunEvent::End(_));
                     yield (next, e);
@@ -231,5 +237,47 @@ impl Streams {
                 m.remove(&live.ids.session_id);
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio_stream::StreamExt;
+
+    use super::*;
+
+    fn finished() -> Arc<Live> {
+        let live = Live::new(TurnIds::default());
+        live.push(RunEvent::Begin);
+        live.push(RunEvent::Text("hi".into()));
+        live.push(RunEvent::End(Box::new(Outcome {
+            content: "hi".into(),
+            status: crate::storage::MessageStatus::Complete,
+            finish_reason: "stop".into(),
+            prompt_tokens: 1,
+            cached_tokens: 0,
+            completion_tokens: 1,
+            ttft_ms: None,
+            duration_ms: 0,
+            worker: None,
+            error: None,
+        })));
+        live
+    }
+
+    async fn collect(live: &Arc<Live>, from: usize) -> Vec<usize> {
+        let s = live.subscribe(from).map(|(n, _)| n);
+        tokio::time::timeout(Duration::from_secs(2), s.collect::<Vec<_>>())
+            .await
+            .unwrap_or_else(|_| panic!("resuming a finished stream at {from} did not end"))
+    }
+
+    #[tokio::test]
+    async fn resuming_a_finished_stream_at_or_past_its_end_ends_at_once() {
+        let live = finished();
+        assert_eq!(collect(&live, 0).await, vec![0, 1, 2]);
+        assert_eq!(collect(&live, 2).await, vec![2]);
+        assert_eq!(collect(&live, 3).await, Vec::<usize>::new());
+        assert_eq!(collect(&live, 1000).await, Vec::<usize>::new());
     }
 }

@@ -23,7 +23,7 @@ use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::{FinishReason, SamplingParams};
 use tokio::time::Instant;
 
-use crate::limits::{Limiter, Quota};
+use crate::limits::{Budget, Limiter};
 use crate::storage::{Completion, MessageStatus, Store, StoreError};
 use crate::telemetry;
 use crate::workers::{Lease, PoolError, WorkerPool};
@@ -54,8 +54,8 @@ pub struct Job {
     pub arrived: Instant,
     /// The stored assistant message to keep up to date.
     pub message_id: Option<String>,
-    /// Whose daily token budget pays for the reply.
-    pub quota: Option<Quota>,
+    /// The tokens set aside for the reply from its key's daily budget.
+    pub budget: Option<Budget>,
     /// The worker already chosen at admission.
     pub lease: Option<Lease>,
 }
@@ -65,13 +65,40 @@ pub struct Job {
 const SAVE_EVERY: Duration = Duration::from_secs(1);
 const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 
-/// Whether a worker error means "try another worker" rather than "this request is wrong".
-fn worker_failed(code: i32) -> bool {
-    use tonic::Code;
-    !matches!(
-        Code::from_i32(code),
-        Code::InvalidArgument | Code::FailedPrecondition | Code::OutOfRange | Code::Cancelled
-    )
+/// What a worker's error means for the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The worker went away, is shutting down, or dropped the request: continue on another.
+    Failover,
+    /// The worker is full: try another, without counting the worker as failed.
+    Busy,
+    /// The request is wrong; another worker would say the same.
+    Refused,
+    /// The worker could not run this request. It is not retried elsewhere: a request that
+    /// breaks one worker must not be handed to every other.
+    Internal,
+}
+
+impl Fault {
+    fn of(code: i32) -> Self {
+        use tonic::Code;
+        match Code::from_i32(code) {
+            Code::Unavailable | Code::Aborted | Code::Cancelled | Code::DeadlineExceeded => {
+                Self::Failover
+            }
+            Code::ResourceExhausted => Self::Busy,
+            Code::InvalidArgument
+            | Code::FailedPrecondition
+            | Code::OutOfRange
+            | Code::NotFound
+            | Code::AlreadyExists
+            | Code::PermissionDenied
+            | Code::Unauthenticated => Self::Refused,
+            Code::Internal | Code::Unknown | Code::Unimplemented | Code::DataLoss | Code::Ok => {
+                Self::Internal
+            }
+        }
+    }
 }
 
 struct Progress {
@@ -128,10 +155,8 @@ impl Generator {
         if let Some(id) = &job.message_id {
             self.finish(id, &outcome).await;
         }
-        if let Some(q) = &job.quota {
-            self.limiter
-                .charge_tokens(q, outcome.completion_tokens)
-                .await;
+        if let Some(b) = job.budget.take() {
+            b.settle(outcome.completion_tokens).await;
         }
         telemetry::observe(
             telemetry::REQUEST_DURATION,
@@ -157,7 +182,9 @@ impl Generator {
     async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress) -> Ending {
         let mut detok = Detokenizer::new();
         let mut stops = StopMatcher::new(job.stop.clone());
+        // Workers this reply will not go to again, and whether one of them was only busy.
         let mut failed: Vec<String> = Vec::new();
+        let mut busy = false;
         let mut saved_len = 0usize;
         let mut saved_at = Instant::now();
         let saver = job
@@ -185,6 +212,8 @@ impl Generator {
                             };
                             let why = if failed.is_empty() {
                                 e.to_string()
+                            } else if busy {
+                                PoolError::Full.to_string()
                             } else {
                                 format!("the worker failed and {e}")
                             };
@@ -208,6 +237,7 @@ impl Generator {
                 max_new_tokens: remaining,
                 stop_token_ids: Vec::new(),
                 ignore_eos: job.ignore_eos,
+                sampled_tokens: p.generated.len() as u32,
             };
             let addr = lease.addr().to_string();
             let mut gen = match lease.generate(req) {
@@ -218,7 +248,7 @@ impl Generator {
                     continue;
                 }
             };
-            p.worker = Some(addr.clone());
+            p.worker = Some(lease.name().to_string());
             let resumed = !p.generated.is_empty();
             loop {
                 let event = tokio::select! {
@@ -266,25 +296,49 @@ impl Generator {
                         }
                     }
                     Some(Kind::Finished(f)) => {
-                        let reason = proto::FinishReason::try_from(f.reason)
+                        let Some(reason) = proto::FinishReason::try_from(f.reason)
                             .ok()
                             .and_then(|r| FinishReason::try_from(r).ok())
-                            .unwrap_or(FinishReason::Stop);
+                        else {
+                            tracing::error!(worker = %addr, reason = f.reason, "unknown finish reason");
+                            return Ending::Failed(
+                                "internal_error".into(),
+                                format!(
+                                    "the worker ended the reply with an unknown finish reason ({})",
+                                    f.reason
+                                ),
+                            );
+                        };
                         let tail = detok.finish(&self.tokenizer).unwrap_or_default();
                         let mut rest = stops.push(&tail).text;
                         rest.push_str(&stops.flush());
                         self.emit(job, live, p, rest);
                         return Ending::Finished(reason);
                     }
-                    Some(Kind::Error(e)) if worker_failed(e.code) => {
-                        tracing::warn!(worker = %addr, error = %e.message, generated = p.generated.len(), "worker failed mid-request; moving on");
-                        metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
-                        failed.push(addr.clone());
-                        break;
-                    }
-                    Some(Kind::Error(e)) => {
-                        return Ending::Failed("invalid_request_error".into(), e.message);
-                    }
+                    Some(Kind::Error(e)) => match Fault::of(e.code) {
+                        Fault::Failover => {
+                            tracing::warn!(worker = %addr, error = %e.message, generated = p.generated.len(), "worker failed mid-request; moving on");
+                            metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
+                            failed.push(addr.clone());
+                            break;
+                        }
+                        Fault::Busy => {
+                            tracing::debug!(worker = %addr, error = %e.message, "worker full; trying another");
+                            failed.push(addr.clone());
+                            busy = true;
+                            break;
+                        }
+                        Fault::Refused => {
+                            return Ending::Failed("invalid_request_error".into(), e.message);
+                        }
+                        Fault::Internal => {
+                            tracing::error!(worker = %addr, error = %e.message, "the worker could not run the request");
+                            return Ending::Failed(
+                                "internal_error".into(),
+                                "the worker could not generate this reply".into(),
+                            );
+                        }
+                    },
                     None => {
                         failed.push(addr.clone());
                         break;
@@ -355,5 +409,41 @@ impl Generator {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::Fault;
+
+    #[test]
+    fn only_a_lost_worker_fails_over_and_a_full_one_is_busy() {
+        for c in [
+            Code::Unavailable,
+            Code::Aborted,
+            Code::Cancelled,
+            Code::DeadlineExceeded,
+        ] {
+            assert_eq!(Fault::of(c as i32), Fault::Failover, "{c:?}");
+        }
+        assert_eq!(Fault::of(Code::ResourceExhausted as i32), Fault::Busy);
+        for c in [
+            Code::Internal,
+            Code::Unknown,
+            Code::DataLoss,
+            Code::Unimplemented,
+        ] {
+            assert_eq!(Fault::of(c as i32), Fault::Internal, "{c:?}");
+        }
+        for c in [Code::InvalidArgument, Code::OutOfRange, Code::NotFound] {
+            assert_eq!(Fault::of(c as i32), Fault::Refused, "{c:?}");
+        }
+        assert_eq!(
+            Fault::of(999),
+            Fault::Internal,
+            "an unknown code is not retried"
+        );
     }
 }

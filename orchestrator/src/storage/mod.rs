@@ -30,6 +30,9 @@ pub enum StoreError {
     /// An edit named a message that is not the user's own words (an assistant reply).
     #[error("{0}")]
     NotAUserMessage(String),
+    /// Another reply of the session is still streaming (possibly on another replica).
+    #[error("a reply is still being generated in this session; stop it or wait for it to finish")]
+    ReplyRunning,
     #[error("storage error: {0}")]
     Internal(String),
 }
@@ -57,6 +60,8 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     async fn list_sessions(&self, user_id: &str, query: &SessionQuery)
         -> StoreResult<Vec<Session>>;
     async fn get_session(&self, user_id: &str, session_id: &str) -> StoreResult<Session>;
+    /// The user's sessions that are not deleted.
+    async fn count_sessions(&self, user_id: &str) -> StoreResult<u64>;
     async fn update_session(
         &self,
         user_id: &str,
@@ -68,6 +73,13 @@ pub trait Store: Send + Sync + std::fmt::Debug {
 
     /// The session's messages in order.
     async fn list_messages(&self, user_id: &str, session_id: &str) -> StoreResult<Vec<Message>>;
+    /// One message of the caller's session.
+    async fn get_message(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        message_id: &str,
+    ) -> StoreResult<Message>;
     /// In one transaction: the user's message, an empty assistant message with status
     /// `streaming`, and the session's `updated_at`. Nothing is written if any part fails.
     async fn begin_turn(&self, user_id: &str, session_id: &str, content: &str)

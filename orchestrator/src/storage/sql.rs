@@ -14,6 +14,10 @@ use super::{Store, StoreError, StoreResult};
 /// Longest a query waits for a pooled connection before the database counts as unavailable.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// A streaming reply written within this long is running somewhere (replies are saved at least
+/// every 5 s while they stream); an older one belongs to an orchestrator that died.
+const STREAMING_FRESH_MS: i64 = 20_000;
+
 #[derive(Debug, Clone)]
 pub struct SqlStore {
     pool: AnyPool,
@@ -125,6 +129,22 @@ impl SqlStore {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         let now = now_ms();
         Self::claim(&mut tx, user_id, session_id, now).await?;
+        // One reply per session across every replica: the session row is locked now, so of two
+        // racing turns (a new message on one replica, a regenerate on another) the second sees
+        // the first's reply streaming and is refused, and never deletes what the first stored.
+        // A streaming reply not written for a while belongs to a replica that died.
+        let running: Option<String> = sqlx::query_scalar(
+            "SELECT id FROM messages WHERE session_id = $1 AND status = 'streaming' \
+             AND updated_at >= $2 LIMIT 1",
+        )
+        .bind(session_id)
+        .bind(now - STREAMING_FRESH_MS)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_err)?;
+        if running.is_some() {
+            return Err(StoreError::ReplyRunning);
+        }
         let mut written = Vec::with_capacity(messages.len() + 1);
         let truncate_from = match rewrite {
             Rewrite::Keep => None,
@@ -508,6 +528,17 @@ impl Store for SqlStore {
         Ok(s)
     }
 
+    async fn count_sessions(&self, user_id: &str) -> StoreResult<u64> {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM sessions WHERE user_id = $1 AND deleted_at IS NULL",
+        )
+        .bind(user_id)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(n.max(0) as u64)
+    }
+
     async fn list_sessions(
         &self,
         user_id: &str,
@@ -645,6 +676,26 @@ impl Store for SqlStore {
             .map_err(db_err)?;
         tx.commit().await.map_err(db_err)?;
         rows.iter().map(message_from).collect()
+    }
+
+    async fn get_message(
+        &self,
+        user_id: &str,
+        session_id: &str,
+        message_id: &str,
+    ) -> StoreResult<Message> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let sql =
+            format!("SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 AND id = $2");
+        let row = sqlx::query(&sql)
+            .bind(session_id)
+            .bind(message_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        message_from(&row.ok_or(StoreError::NotFound("message"))?)
     }
 
     async fn begin_turn(

@@ -3,17 +3,19 @@
 //! A connection task owns the stream. Callers hand it requests through a bounded channel; it
 //! assigns request ids, collects new requests into one `GenerateBatch` (flushed when
 //! `max_batch` are waiting or `max_delay` after the first), routes each event back to its
-//! request by id, and forwards cancels. A dropped [`Generation`] cancels its request. When the
-//! stream ends or breaks, every open request gets a final `UNAVAILABLE` error event, so callers
-//! can retry elsewhere; the connection then refuses new work.
+//! request by id, and forwards cancels. A dropped [`Generation`] cancels its request; cancels
+//! travel on their own unbounded channel, so a full request queue cannot lose one. When the
+//! stream ends or breaks, or the pool gives up on a worker that stopped answering
+//! ([`WorkerConnection::abort`]), every open request gets a final `UNAVAILABLE` error event, so
+//! callers can retry elsewhere; the connection then refuses new work.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::Code;
@@ -46,13 +48,10 @@ pub enum WorkerError {
     Busy(String),
 }
 
-enum Command {
-    Submit(
-        proto::GenerateRequest,
-        mpsc::UnboundedSender<proto::WorkerEvent>,
-    ),
-    Cancel(u64),
-}
+struct Submit(
+    proto::GenerateRequest,
+    mpsc::UnboundedSender<proto::WorkerEvent>,
+);
 
 /// Requests queued per connection before `generate` answers `Busy`.
 const COMMAND_QUEUE: usize = 4096;
@@ -60,9 +59,18 @@ const COMMAND_QUEUE: usize = 4096;
 #[derive(Debug)]
 pub struct WorkerConnection {
     addr: String,
-    tx: mpsc::Sender<Command>,
+    tx: mpsc::Sender<Submit>,
+    cancels: mpsc::UnboundedSender<u64>,
     next_id: AtomicU64,
     open: Arc<AtomicBool>,
+    abort: Arc<Abort>,
+}
+
+/// Why the pool closed a connection from outside ([`WorkerConnection::abort`]).
+#[derive(Debug, Default)]
+struct Abort {
+    reason: Mutex<Option<String>>,
+    signal: Notify,
 }
 
 /// One request's events: `Started`, `Tokens`…, then exactly one `Finished` or `Error`.
@@ -70,7 +78,7 @@ pub struct WorkerConnection {
 pub struct Generation {
     pub request_id: u64,
     pub events: mpsc::UnboundedReceiver<proto::WorkerEvent>,
-    cancel: mpsc::Sender<Command>,
+    cancel: mpsc::UnboundedSender<u64>,
     done: bool,
 }
 
@@ -89,7 +97,8 @@ impl Generation {
 impl Drop for Generation {
     fn drop(&mut self) {
         if !self.done {
-            let _ = self.cancel.try_send(Command::Cancel(self.request_id));
+            // Fails only when the connection task is gone, and then nothing runs to cancel.
+            let _ = self.cancel.send(self.request_id);
         }
     }
 }
@@ -111,10 +120,16 @@ impl WorkerConnection {
             .map_err(|e| err(&e))?
             .into_inner();
         let (tx, rx) = mpsc::channel(COMMAND_QUEUE);
+        let (cancels, cancel_rx) = mpsc::unbounded_channel();
         let open = Arc::new(AtomicBool::new(true));
+        let abort = Arc::new(Abort::default());
         tokio::spawn(connection_task(
             addr.to_string(),
-            rx,
+            Inputs {
+                submits: rx,
+                cancels: cancel_rx,
+                abort: abort.clone(),
+            },
             out_tx,
             inbound,
             batch,
@@ -123,9 +138,19 @@ impl WorkerConnection {
         Ok(Self {
             addr: addr.to_string(),
             tx,
+            cancels,
             next_id: AtomicU64::new(1),
             open,
+            abort,
         })
+    }
+
+    /// Closes the connection from outside: every open request ends with `UNAVAILABLE` and
+    /// `reason` (so its caller fails over), and the connection takes no more work.
+    pub fn abort(&self, reason: impl Into<String>) {
+        *self.abort.reason.lock().unwrap_or_else(|p| p.into_inner()) = Some(reason.into());
+        // notify_one keeps a permit, so the task sees it even if it is busy right now.
+        self.abort.signal.notify_one();
     }
 
     pub fn addr(&self) -> &str {
@@ -144,16 +169,14 @@ impl WorkerConnection {
         req.request_id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let id = req.request_id;
         let (etx, erx) = mpsc::unbounded_channel();
-        self.tx
-            .try_send(Command::Submit(req, etx))
-            .map_err(|e| match e {
-                mpsc::error::TrySendError::Full(_) => WorkerError::Busy(self.addr.clone()),
-                mpsc::error::TrySendError::Closed(_) => WorkerError::Closed(self.addr.clone()),
-            })?;
+        self.tx.try_send(Submit(req, etx)).map_err(|e| match e {
+            mpsc::error::TrySendError::Full(_) => WorkerError::Busy(self.addr.clone()),
+            mpsc::error::TrySendError::Closed(_) => WorkerError::Closed(self.addr.clone()),
+        })?;
         Ok(Generation {
             request_id: id,
             events: erx,
-            cancel: self.tx.clone(),
+            cancel: self.cancels.clone(),
             done: false,
         })
     }
@@ -161,9 +184,16 @@ impl WorkerConnection {
 
 type Routes = HashMap<u64, mpsc::UnboundedSender<proto::WorkerEvent>>;
 
+/// What the connection task listens to besides the worker.
+struct Inputs {
+    submits: mpsc::Receiver<Submit>,
+    cancels: mpsc::UnboundedReceiver<u64>,
+    abort: Arc<Abort>,
+}
+
 async fn connection_task(
     addr: String,
-    mut commands: mpsc::Receiver<Command>,
+    mut inputs: Inputs,
     out: mpsc::Sender<proto::WorkerRequest>,
     mut inbound: tonic::Streaming<proto::WorkerEvent>,
     batch: BatchConfig,
@@ -172,10 +202,15 @@ async fn connection_task(
     let mut routes: Routes = HashMap::new();
     let mut pending: Vec<proto::GenerateRequest> = Vec::new();
     let mut flush_at: Option<Instant> = None;
+    let mut submits_open = true;
     let reason = loop {
         tokio::select! {
-            cmd = commands.recv() => match cmd {
-                Some(Command::Submit(req, events)) => {
+            () = inputs.abort.signal.notified() => {
+                let why = inputs.abort.reason.lock().unwrap_or_else(|p| p.into_inner()).take();
+                break why.unwrap_or_else(|| "the connection was closed".to_string());
+            }
+            cmd = inputs.submits.recv(), if submits_open => match cmd {
+                Some(Submit(req, events)) => {
                     routes.insert(req.request_id, events);
                     pending.push(req);
                     flush_at.get_or_insert_with(|| Instant::now() + batch.max_delay);
@@ -183,7 +218,11 @@ async fn connection_task(
                         break "the stream to the worker closed".to_string();
                     }
                 }
-                Some(Command::Cancel(id)) => {
+                // The connection was dropped: its running requests still finish here.
+                None => submits_open = false,
+            },
+            cancel = inputs.cancels.recv() => match cancel {
+                Some(id) => {
                     if let Some(i) = pending.iter().position(|r| r.request_id == id) {
                         // Never sent: answer it here.
                         pending.remove(i);
@@ -199,6 +238,7 @@ async fn connection_task(
                         }
                     }
                 }
+                // The connection and every request it started are gone.
                 None => break "the connection was dropped".to_string(),
             },
             () = sleep_until(flush_at) => {
@@ -271,5 +311,61 @@ fn cancelled(id: u64) -> proto::WorkerEvent {
             reason: proto::FinishReason::Cancelled as i32,
             ..Default::default()
         })),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection whose task is not running, so its request queue fills up.
+    fn stalled(
+        queue: usize,
+    ) -> (
+        WorkerConnection,
+        mpsc::Receiver<Submit>,
+        mpsc::UnboundedReceiver<u64>,
+    ) {
+        let (tx, rx) = mpsc::channel(queue);
+        let (cancels, cancel_rx) = mpsc::unbounded_channel();
+        let conn = WorkerConnection {
+            addr: "w".into(),
+            tx,
+            cancels,
+            next_id: AtomicU64::new(1),
+            open: Arc::new(AtomicBool::new(true)),
+            abort: Arc::new(Abort::default()),
+        };
+        (conn, rx, cancel_rx)
+    }
+
+    #[test]
+    fn a_cancel_is_not_lost_when_the_request_queue_is_full() {
+        let (conn, _submits, mut cancels) = stalled(1);
+        let gen = conn
+            .generate(proto::GenerateRequest::default())
+            .expect("room for one");
+        assert!(matches!(
+            conn.generate(proto::GenerateRequest::default()),
+            Err(WorkerError::Busy(_))
+        ));
+        let id = gen.request_id;
+        drop(gen);
+        assert_eq!(
+            cancels.try_recv(),
+            Ok(id),
+            "the dropped request's cancel was lost"
+        );
+    }
+
+    #[test]
+    fn a_finished_request_sends_no_cancel() {
+        let (conn, _submits, mut cancels) = stalled(4);
+        let mut gen = conn
+            .generate(proto::GenerateRequest::default())
+            .expect("queued");
+        gen.done = true;
+        drop(gen);
+        assert!(cancels.try_recv().is_err());
     }
 }

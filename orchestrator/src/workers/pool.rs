@@ -35,6 +35,9 @@ pub struct PoolConfig {
     pub max_queue: usize,
     /// How long one of them waits before it is refused.
     pub queue_timeout: Duration,
+    /// A worker that fails its health checks this long while it has an open connection is
+    /// given up on: the connection is closed and its replies fail over to other workers.
+    pub stall_timeout: Duration,
 }
 
 impl Default for PoolConfig {
@@ -45,6 +48,7 @@ impl Default for PoolConfig {
             per_worker_capacity: 0,
             max_queue: 256,
             queue_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -63,13 +67,21 @@ struct SlotState {
     info: Option<proto::InfoResponse>,
     conn: Option<Arc<WorkerConnection>>,
     last_error: Option<String>,
+    /// The connection a failing health check took out of service, and since when: requests on
+    /// it may still finish if the worker recovers, or are failed over after `stall_timeout`.
+    suspect: Option<(Instant, Arc<WorkerConnection>)>,
 }
 
 #[derive(Debug)]
 pub struct WorkerSlot {
     pub addr: String,
+    /// What clients and stored messages see instead of the address: `worker-<n>`, its place
+    /// in the `--worker` list (the same in every replica started with the same list).
+    pub name: String,
     state: Mutex<SlotState>,
     in_flight: AtomicUsize,
+    /// For unary calls (`DropSession`); set by the poller.
+    client: std::sync::OnceLock<WorkerClient<tonic::transport::Channel>>,
 }
 
 impl WorkerSlot {
@@ -218,6 +230,11 @@ impl Lease {
         &self.slot.addr
     }
 
+    /// The worker's public name (see [`WorkerSlot::name`]).
+    pub fn name(&self) -> &str {
+        &self.slot.name
+    }
+
     pub fn generate(&self, req: proto::GenerateRequest) -> Result<Generation, WorkerError> {
         self.conn.generate(req)
     }
@@ -227,6 +244,29 @@ impl Drop for Lease {
     fn drop(&mut self) {
         self.slot.in_flight.fetch_sub(1, Ordering::SeqCst);
         self.pool.room.notify_waiters();
+    }
+}
+
+/// One place in the bounded queue, held while a request waits for room.
+struct QueuePlace<'a> {
+    pool: &'a WorkerPool,
+}
+
+impl<'a> QueuePlace<'a> {
+    fn take(pool: &'a WorkerPool) -> Option<Self> {
+        if pool.queued.fetch_add(1, Ordering::SeqCst) >= pool.config.max_queue {
+            pool.queued.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
+        Some(Self { pool })
+    }
+}
+
+impl Drop for QueuePlace<'_> {
+    fn drop(&mut self) {
+        self.pool.queued.fetch_sub(1, Ordering::SeqCst);
+        metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
     }
 }
 
@@ -243,11 +283,14 @@ impl WorkerPool {
         let pool = Arc::new(Self {
             slots: addrs
                 .iter()
-                .map(|a| {
+                .enumerate()
+                .map(|(i, a)| {
                     Arc::new(WorkerSlot {
                         addr: a.clone(),
+                        name: format!("worker-{}", i + 1),
                         state: Mutex::new(SlotState::default()),
                         in_flight: AtomicUsize::new(0),
+                        client: std::sync::OnceLock::new(),
                     })
                 })
                 .collect(),
@@ -297,6 +340,31 @@ impl WorkerPool {
                 })
             })
             .collect()
+    }
+
+    /// Frees `session`'s cached KV on every worker that holds it (a deleted session). Workers
+    /// that are down, or hold nothing for it, are skipped: a restarted worker holds nothing.
+    pub async fn drop_session(&self, session: &str) {
+        let mut calls = tokio::task::JoinSet::new();
+        for slot in &self.slots {
+            let Some(client) = slot.client.get() else {
+                continue;
+            };
+            let (mut client, addr) = (client.clone(), slot.addr.clone());
+            let req = proto::DropSessionRequest {
+                session_id: session.to_string(),
+            };
+            calls.spawn(async move {
+                match client.drop_session(req).await {
+                    Ok(_) => tracing::debug!(worker = %addr, "session cache dropped"),
+                    Err(s) if s.code() == tonic::Code::NotFound => {}
+                    Err(s) => {
+                        tracing::debug!(worker = %addr, error = %s.message(), "could not drop a session cache");
+                    }
+                }
+            });
+        }
+        while calls.join_next().await.is_some() {}
     }
 
     /// Chooses a worker for a stateless request with the affinity keys `keys` (from
@@ -351,28 +419,30 @@ impl WorkerPool {
         preferred: Option<&str>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
-        if self.queued.fetch_add(1, Ordering::SeqCst) >= self.config.max_queue {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
+        // The place in the queue is given back when this future ends in any way, including
+        // being dropped while it waits (a client that goes away, a stop).
+        let Some(_place) = QueuePlace::take(self) else {
             return Err(PoolError::Full);
-        }
-        metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
+        };
         let deadline = Instant::now() + self.config.queue_timeout;
-        let result = loop {
+        loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
             match self.pick(preferred, exclude) {
-                Pick::Got(l) => break Ok(l),
-                Pick::NoneReady => break Err(PoolError::NoWorker),
+                Pick::Got(l) => return Ok(l),
+                Pick::NoneReady => return Err(PoolError::NoWorker),
                 Pick::Full => {}
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                break Err(PoolError::Full);
+                return Err(PoolError::Full);
             }
-        };
-        self.queued.fetch_sub(1, Ordering::SeqCst);
-        metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
-        result
+        }
+    }
+
+    /// Requests waiting for room now.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::SeqCst)
     }
 
     fn pick(self: &Arc<Self>, preferred: Option<&str>, exclude: &[String]) -> Pick {
@@ -425,6 +495,7 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
         }
     };
     let mut client = WorkerClient::new(endpoint.connect_lazy());
+    let _ = slot.client.set(client.clone());
     loop {
         let Some(p) = pool.upgrade() else { return };
         let interval = p.config.health_interval;
@@ -436,13 +507,30 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
                 Ok(ready) => {
                     st.ready = ready;
                     st.last_error = (!ready).then(|| "the worker is not ready".to_string());
+                    // It answers again: what still runs on the old connection may finish.
+                    st.suspect = None;
                 }
                 Err(e) => {
                     if st.ready {
                         tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
                     }
                     st.ready = false;
-                    st.conn = None;
+                    if let Some(conn) = st.conn.take().filter(|c| c.is_open()) {
+                        st.suspect.get_or_insert((Instant::now(), conn));
+                    }
+                    let stalled = st
+                        .suspect
+                        .as_ref()
+                        .is_some_and(|(since, _)| since.elapsed() >= p.config.stall_timeout);
+                    if stalled {
+                        if let Some((since, conn)) = st.suspect.take() {
+                            tracing::warn!(worker = %slot.addr, silent_s = since.elapsed().as_secs_f64(), "worker stalled; failing its replies over");
+                            conn.abort(format!(
+                                "the worker has not answered health checks for {} s",
+                                since.elapsed().as_secs()
+                            ));
+                        }
+                    }
                     st.last_error = Some(e);
                 }
             }

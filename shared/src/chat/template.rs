@@ -127,11 +127,17 @@ pub fn render(tok: &Tokenizer, messages: &[Message], budget: usize) -> Result<Pr
     if rest.last().map(|m| m.role) != Some(Role::User) {
         return Err(ChatError::NoUserMessage);
     }
-    // Tokenize every turn once; fitting then only sums lengths.
-    let encoded: Vec<Vec<u32>> = turns
-        .iter()
-        .map(|t| encode_turn(tok, t))
-        .collect::<Result<_, _>>()?;
+    // Tokenize each turn once, newest first, and stop once the newer turns alone fill the
+    // budget: every older turn would be dropped anyway, so a long history costs only what fits.
+    let mut encoded: Vec<Vec<u32>> = vec![Vec::new(); turns.len()];
+    let mut oldest_encoded = turns.len();
+    let mut newer_len = 0usize;
+    while oldest_encoded > 0 && newer_len < budget {
+        oldest_encoded -= 1;
+        let e = encode_turn(tok, &turns[oldest_encoded])?;
+        newer_len += e.len();
+        encoded[oldest_encoded] = e;
+    }
     let system_tokens = match system {
         Some(s) if !s.is_empty() => tok.encode(&format!("{s}\n\n"))?,
         _ => Vec::new(),
@@ -144,8 +150,8 @@ pub fn render(tok: &Tokenizer, messages: &[Message], budget: usize) -> Result<Pr
         (false, true) => system_tokens.len(),
         (false, false) => user_head + system_tokens.len() + 1,
     };
-    let mut first = 0;
-    let mut turns_len: usize = encoded.iter().map(Vec::len).sum();
+    let mut first = oldest_encoded;
+    let mut turns_len: usize = newer_len;
     let total = |first: usize, turns_len: usize| 1 + system_cost(first) + turns_len;
     while total(first, turns_len) > budget && first + 1 < encoded.len() {
         turns_len -= encoded[first].len();

@@ -1,0 +1,137 @@
+//! The HTTP accept loop, with the limits a public server needs: a deadline for each request's
+//! header, a cap on open connections, and a shutdown that cannot be held open by idle or
+//! half-open connections.
+//!
+//! A client that opens connections and sends nothing, or a header a byte at a time (slowloris),
+//! is closed when the header deadline passes; connections beyond the cap wait in the kernel's
+//! backlog until one closes. On shutdown the server stops accepting, closes idle connections at
+//! once, lets requests in progress finish (replies are stopped by the caller after its grace
+//! period), and returns at `hard_deadline` whatever is still open.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto::Builder;
+use hyper_util::service::TowerToHyperService;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+
+/// Limits on connections.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpLimits {
+    /// Time from a connection's first byte of a request to the end of its header.
+    pub header_timeout: Duration,
+    /// Open connections at most.
+    pub max_connections: usize,
+}
+
+/// Open files this process may use, after raising the soft limit to the hard one (Linux
+/// starts services with a soft limit of 1,024, far below what a chat server's streams need).
+pub fn raise_open_files_limit() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid pointer to an rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return None;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: lim.rlim_max,
+                rlim_max: lim.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                lim = raised;
+            }
+        }
+    }
+    Some(lim.rlim_cur as u64)
+}
+
+/// The default connection cap: the open-file limit less a reserve for the database, Redis,
+/// workers and files.
+pub fn default_max_connections() -> usize {
+    let files = raise_open_files_limit().unwrap_or(1024);
+    files.saturating_sub(512).clamp(64, 65_536) as usize
+}
+
+/// Serves `app` on `listener` until `shutdown` turns true; see the module docs.
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    limits: HttpLimits,
+    mut shutdown: watch::Receiver<bool>,
+    hard_deadline: Duration,
+) {
+    let mut builder = Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout);
+    let builder = Arc::new(builder);
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    // Every connection task holds a receiver; all dropped means all closed.
+    let (open_tx, open_rx) = watch::channel(());
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = shutdown.wait_for(|s| *s) => break,
+        };
+        let (stream, _peer) = tokio::select! {
+            a = listener.accept() => match a {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors or a connection reset before accept: not fatal.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = shutdown.wait_for(|s| *s) => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let builder = builder.clone();
+        let mut stop = shutdown.clone();
+        let open = open_rx.clone();
+        tokio::spawn(async move {
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            let mut stopping = false;
+            loop {
+                tokio::select! {
+                    r = conn.as_mut() => {
+                        if let Err(e) = r {
+                            tracing::debug!(error = %e, "connection ended with an error");
+                        }
+                        break;
+                    }
+                    _ = stop.wait_for(|s| *s), if !stopping => {
+                        stopping = true;
+                        conn.as_mut().graceful_shutdown();
+                    }
+                }
+            }
+            drop(open);
+            drop(permit);
+        });
+    }
+    drop(listener);
+    drop(open_rx);
+    if tokio::time::timeout(hard_deadline, open_tx.closed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            open = open_tx.receiver_count(),
+            "connections still open at the shutdown deadline; closing them"
+        );
+    }
+}
