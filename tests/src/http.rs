@@ -80,9 +80,17 @@ impl<'a> Req<'a> {
     async fn open(&self, addr: SocketAddr) -> (BufReader<TcpStream>, u16, Vec<(String, String)>) {
         let mut c = TcpStream::connect(addr).await.expect("connect");
         let mut head = format!(
-            "{} {} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n",
+            "{} {} HTTP/1.1\r\nConnection: close\r\n",
             self.method, self.path
         );
+        // The address connected to, as real clients send it, unless the test names its own.
+        if !self
+            .headers
+            .iter()
+            .any(|(k, _)| k.eq_ignore_ascii_case("host"))
+        {
+            head += &format!("Host: {addr}\r\n");
+        }
         if let Some(k) = self.key {
             head += &format!("Authorization: Bearer {k}\r\n");
         }

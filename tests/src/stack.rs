@@ -57,8 +57,9 @@ pub fn assets_with(tag: &str, spec: &TinySpec) -> Assets {
 }
 
 /// `target/<profile>/<name>`, next to the running test's directory; `cargo test --workspace`
-/// builds every binary there.
-fn sibling_bin(name: &str, package: &str) -> PathBuf {
+/// builds every binary there. Refuses a binary older than the sources it is built from (a
+/// `cargo test -p hearth-e2e` after an edit elsewhere would otherwise test yesterday's code).
+fn sibling_bin(name: &str, package: &str, sources: &[&str]) -> PathBuf {
     let exe = std::env::current_exe().expect("test path");
     let bin = exe
         .parent()
@@ -70,23 +71,93 @@ fn sibling_bin(name: &str, package: &str) -> PathBuf {
         "{} is missing: run `cargo build -p {package}` (or `make test`)",
         bin.display()
     );
+    let built = std::fs::metadata(&bin).and_then(|m| m.modified()).ok();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let newest = sources
+        .iter()
+        .filter_map(|d| newest_source(&root.join(d)))
+        .max();
+    if let (Some(built), Some((changed, file))) = (built, newest) {
+        assert!(
+            changed <= built,
+            "{} is older than {}: run `cargo build -p {package}` (or `make test`)",
+            bin.display(),
+            file.display()
+        );
+    }
     bin
 }
 
+/// The most recently modified source file (Rust, proto, SQL, Cargo.toml) under `dir`.
+fn newest_source(dir: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
+    if dir.is_file() {
+        let t = std::fs::metadata(dir).and_then(|m| m.modified()).ok()?;
+        return Some((t, dir.to_path_buf()));
+    }
+    let mut newest: Option<(std::time::SystemTime, PathBuf)> = None;
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let Ok(entries) = std::fs::read_dir(&d) else {
+            continue;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let source = p
+                .extension()
+                .and_then(|x| x.to_str())
+                .is_some_and(|x| matches!(x, "rs" | "proto" | "sql"))
+                || p.file_name().is_some_and(|n| n == "Cargo.toml");
+            if !source {
+                continue;
+            }
+            if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
+                if newest.as_ref().is_none_or(|(n, _)| t > *n) {
+                    newest = Some((t, p));
+                }
+            }
+        }
+    }
+    newest
+}
+
+const ORCHESTRATOR_SOURCES: &[&str] = &[
+    "orchestrator/src",
+    "orchestrator/Cargo.toml",
+    "shared/src",
+    "proto",
+];
+const WORKER_SOURCES: &[&str] = &[
+    "gpu-worker/src",
+    "gpu-worker/Cargo.toml",
+    "shared/src",
+    "proto",
+];
+const E2E_SOURCES: &[&str] = &[
+    "tests/src",
+    "orchestrator/src",
+    "gpu-worker/src",
+    "shared/src",
+    "proto",
+];
+
 pub fn worker_bin() -> PathBuf {
-    sibling_bin("hearth-worker", "hearth-worker")
+    sibling_bin("hearth-worker", "hearth-worker", WORKER_SOURCES)
 }
 
 pub fn hearth_bin() -> PathBuf {
-    sibling_bin("hearth", "hearth-orchestrator")
+    sibling_bin("hearth", "hearth-orchestrator", ORCHESTRATOR_SOURCES)
 }
 
 pub fn bench_bin() -> PathBuf {
-    sibling_bin("hearth-bench", "hearth-e2e")
+    sibling_bin("hearth-bench", "hearth-e2e", E2E_SOURCES)
 }
 
 pub fn stack_bin() -> PathBuf {
-    sibling_bin("hearth-stack", "hearth-e2e")
+    sibling_bin("hearth-stack", "hearth-e2e", E2E_SOURCES)
 }
 
 /// The flags test workers run with: a KV budget that suits the tiny model.
@@ -337,4 +408,44 @@ pub async fn wait_idle(w: &WorkerProcess) -> f64 {
         left = worker_in_flight(w).await;
     }
     left
+}
+
+/// The value of the unlabelled metric `name` on the `/metrics` page at `addr` (a worker's
+/// metrics address or an orchestrator's). Panics when the page does not export it, so a
+/// renamed metric fails the test instead of reading as 0.
+pub async fn metric(addr: SocketAddr, name: &str) -> f64 {
+    let text = Req::new("GET", "/metrics").send(addr).await.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{addr}/metrics does not export {name}"))
+}
+
+/// A worker's metric (see [`metric`]).
+pub async fn worker_metric(w: &WorkerProcess, name: &str) -> f64 {
+    metric(w.metrics.parse().expect("metrics addr"), name).await
+}
+
+/// Polls `metric` at `addr` until `want(value)` holds; the last value either way.
+pub async fn wait_metric(
+    addr: SocketAddr,
+    name: &str,
+    timeout: Duration,
+    want: impl Fn(f64) -> bool,
+) -> f64 {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let v = metric(addr, name).await;
+        if want(v) || tokio::time::Instant::now() >= deadline {
+            return v;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Sends a POSIX signal to a child process (SIGSTOP, SIGCONT, SIGTERM…).
+pub fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on a child this process started and has not reaped.
+    let rc = unsafe { libc::kill(child.id() as i32, sig) };
+    assert_eq!(rc, 0, "kill({}, {sig})", child.id());
 }

@@ -1,21 +1,9 @@
 //! Stateless (OpenAI API) conversations go back to the worker that holds their prefix, and get
 //! it from that worker's prefix cache.
 
-use std::net::SocketAddr;
-
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{slow_spec, worker_in_flight, Db, Stack};
-use hearth_worker::fixtures::WorkerProcess;
+use hearth_e2e::stack::{slow_spec, worker_in_flight, worker_metric, Db, Stack};
 use serde_json::{json, Value};
-
-async fn worker_metric(w: &WorkerProcess, name: &str) -> f64 {
-    let addr: SocketAddr = w.metrics.parse().expect("metrics addr");
-    let text = Req::new("GET", "/metrics").send(addr).await.text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
-}
 
 #[tokio::test]
 async fn a_resent_conversation_returns_to_the_worker_holding_its_prefix() {

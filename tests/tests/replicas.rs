@@ -80,3 +80,80 @@ async fn two_replicas_share_sessions_stops_and_limits() {
     drop(b);
     s.finish().await;
 }
+
+/// A new message on one replica and a regenerate on another, at the same moment, ten times:
+/// each time exactly one is refused with 409, and every acknowledged reply is in the history.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_turn_and_a_regenerate_racing_on_two_replicas_lose_nothing() {
+    let worker = ["--scripted-token-ms", "20"];
+    let s = Stack::start_full(
+        "replica-race",
+        &hearth_worker::fixtures::TinySpec::default(),
+        Db::Postgres,
+        1,
+        &worker,
+        &[],
+    )
+    .await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &[]));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+    let r = Req::new("POST", "/v1/sessions")
+        .key(Some(&k))
+        .json(&json!({}))
+        .send(a)
+        .await;
+    let sid = r.json()["id"].as_str().expect("id").to_string();
+    let body = |content: Option<&str>| {
+        let mut v = json!({"max_tokens": 20, "ignore_eos": true, "stream": false});
+        if let Some(c) = content {
+            v["content"] = json!(c);
+        }
+        v
+    };
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&body(Some("first")))
+        .send(a)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (turn_path, regen_path) = (
+        format!("/v1/sessions/{sid}/messages"),
+        format!("/v1/sessions/{sid}/regenerate"),
+    );
+    for round in 0..10 {
+        let turn = Req::new("POST", &turn_path)
+            .key(Some(&k))
+            .json(&body(Some(&format!("round {round}"))));
+        let regen = Req::new("POST", &regen_path)
+            .key(Some(&k))
+            .json(&body(None));
+        let (t, g) = tokio::join!(turn.send(a), regen.send(b_addr));
+        let mut statuses = [t.status, g.status];
+        statuses.sort_unstable();
+        assert_eq!(
+            statuses,
+            [200, 409],
+            "round {round}: {} / {}",
+            t.text(),
+            g.text()
+        );
+        let acked = if t.status == 200 { t.json() } else { g.json() };
+        let history = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+            .key(Some(&k))
+            .send(a)
+            .await
+            .json();
+        let msgs = history["data"].as_array().cloned().expect("messages");
+        let last = msgs.last().expect("a reply");
+        assert_eq!(
+            last["id"], acked["message_id"],
+            "round {round}: the acknowledged reply was lost"
+        );
+        assert_eq!(last["status"], "complete", "round {round}");
+        assert_eq!(last["content"], acked["content"], "round {round}");
+    }
+    drop(b);
+    s.finish().await;
+}

@@ -1,0 +1,687 @@
+//! Failure modes of a running stack that must neither lose nor hang a reply: a worker that stops
+//! answering, a worker that drains with a reply longer than its deadline, queued clients that go
+//! away, a stream resumed at or past its end, a session deleted while it replies, and requests
+//! that other sites make to a server running without keys.
+//!
+//! Most workers here run in scripted mode (one token per tick, no model), so how long a reply
+//! lasts is set by the test rather than by how busy the machine is.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use hearth_e2e::http::{Event, Req, Sse};
+use hearth_e2e::stack::{
+    assets, metric, path, signal, slow_spec, wait_idle, wait_metric, worker_bin, worker_in_flight,
+    worker_metric, Db, Hearth, Stack,
+};
+use hearth_worker::fixtures::{TinySpec, WorkerProcess};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+/// Scripted workers: a token every 40 ms, and a drain that gives up after 1 s.
+const SCRIPTED: [&str; 4] = ["--scripted-token-ms", "40", "--drain-timeout-secs", "1"];
+
+async fn new_session(addr: SocketAddr, key: &str) -> String {
+    let r = Req::new("POST", "/v1/sessions")
+        .key(Some(key))
+        .json(&json!({}))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    r.json()["id"].as_str().expect("id").to_string()
+}
+
+/// A reply of exactly `tokens` tokens, streamed.
+async fn stream_turn(addr: SocketAddr, key: &str, sid: &str, tokens: u32) -> Sse {
+    let sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(&json!({"content": "Tell me everything", "max_tokens": tokens, "ignore_eos": true}))
+        .events(addr)
+        .await;
+    assert_eq!(sse.status, 200);
+    sse
+}
+
+/// Reads until `n` token events have arrived; their text.
+async fn read_tokens(sse: &mut Sse, n: usize) -> String {
+    let mut tokens = 0;
+    let mut text = String::new();
+    while tokens < n {
+        let e = sse.next().await.expect("the stream ended early");
+        assert!(
+            e.event == "token" || e.event == "message_start",
+            "the reply ended before {n} tokens: {e:?}"
+        );
+        if e.event == "token" {
+            tokens += 1;
+            text += e.json()["text"].as_str().unwrap_or_default();
+        }
+    }
+    text
+}
+
+/// The rest of a stream: its text and its last event.
+async fn finish(sse: &mut Sse) -> (String, Event) {
+    let events = sse.rest().await;
+    let last = events.last().cloned().expect("the stream had no end");
+    let text = events
+        .iter()
+        .filter(|e| e.event == "token")
+        .map(|e| e.json()["text"].as_str().unwrap_or_default().to_string())
+        .collect();
+    (text, last)
+}
+
+/// Which worker has a request in flight.
+async fn serving(s: &Stack) -> usize {
+    for _ in 0..250 {
+        for (i, w) in s.workers.iter().enumerate() {
+            if worker_in_flight(w).await >= 1.0 {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no worker has the reply in flight");
+}
+
+async fn history(addr: SocketAddr, key: &str, sid: &str) -> Vec<Value> {
+    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["data"].as_array().cloned().expect("messages")
+}
+
+/// A reply that ended with `length` after `tokens` tokens, stored once with the streamed text.
+async fn assert_completed_once(
+    s: &Stack,
+    key: &str,
+    sid: &str,
+    text: &str,
+    end: &Event,
+    tokens: u64,
+) {
+    assert_eq!(end.event, "message_end", "{end:?}");
+    let e = end.json();
+    assert_eq!(e["status"], "complete", "{e}");
+    assert_eq!(e["finish_reason"], "length", "{e}");
+    assert_eq!(e["usage"]["completion_tokens"], tokens, "{e}");
+    let msgs = history(s.addr(), key, sid).await;
+    assert_eq!(msgs.len(), 2, "one user message and one reply: {msgs:#?}");
+    assert_eq!(msgs[1]["role"], "assistant");
+    assert_eq!(msgs[1]["status"], "complete");
+    assert_eq!(
+        msgs[1]["content"], text,
+        "the stored reply is what was streamed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_s_reply_continues_on_another_after_the_stall_timeout() {
+    let s = Stack::start_full(
+        "stall",
+        &TinySpec::default(),
+        Db::Postgres,
+        2,
+        &SCRIPTED,
+        &["--stall-timeout-secs", "2"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let mut sse = stream_turn(s.addr(), &k, &sid, 150).await;
+    let head = read_tokens(&mut sse, 10).await;
+    let home = serving(&s).await;
+    // The worker process freezes with its connection open: no error, no more tokens.
+    signal(&s.workers[home].child, libc::SIGSTOP);
+    let frozen = Instant::now();
+    let (rest, end) = finish(&mut sse).await;
+    let text = head + &rest;
+    let took = frozen.elapsed();
+    signal(&s.workers[home].child, libc::SIGCONT);
+    println!("the reply finished {took:?} after its worker froze (stall timeout 2 s)");
+    assert_completed_once(&s, &k, &sid, &text, &end, 150).await;
+    let failovers = metric(s.addr(), "hearth_worker_failovers_total").await;
+    assert_eq!(failovers, 1.0);
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_worker_s_reply_fails_over_and_finishes_with_length() {
+    let mut s = Stack::start_full(
+        "drain",
+        &TinySpec::default(),
+        Db::Postgres,
+        2,
+        &SCRIPTED,
+        &[],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    // 150 tokens take 6 s; the worker's drain gives up after 1 s.
+    let mut sse = stream_turn(s.addr(), &k, &sid, 150).await;
+    let head = read_tokens(&mut sse, 10).await;
+    let home = serving(&s).await;
+    signal(&s.workers[home].child, libc::SIGTERM);
+    let (rest, end) = finish(&mut sse).await;
+    let text = head + &rest;
+    assert_completed_once(&s, &k, &sid, &text, &end, 150).await;
+    let status = s.workers[home].child.wait().expect("drained worker exits");
+    assert!(status.success(), "{status}");
+    s.finish().await;
+}
+
+/// An OpenAI completion request written on a raw connection, left open; dropping the stream
+/// is a client that goes away.
+async fn queued_client(addr: SocketAddr, key: &str) -> TcpStream {
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 3, "stream": true})
+    .to_string();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let mut c = TcpStream::connect(addr).await.expect("connect");
+    c.write_all(head.as_bytes()).await.expect("write");
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_that_leave_the_queue_give_their_places_back() {
+    let s = Stack::start_full(
+        "queue",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &SCRIPTED[..2],
+        &[
+            "--worker-capacity",
+            "1",
+            "--max-queue",
+            "50",
+            "--queue-timeout-secs",
+            "120",
+        ],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    // The one worker place is taken for as long as the test needs it.
+    let mut busy = stream_turn(s.addr(), &k, &sid, 900).await;
+    read_tokens(&mut busy, 1).await;
+    let wait = Duration::from_secs(20);
+    for round in 0..10 {
+        let mut clients = Vec::new();
+        for _ in 0..50 {
+            clients.push(queued_client(s.addr(), &k).await);
+        }
+        let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 50.0).await;
+        assert_eq!(depth, 50.0, "round {round}: 50 clients should be queued");
+        drop(clients);
+        let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 0.0).await;
+        assert_eq!(
+            depth, 0.0,
+            "round {round}: clients that left still hold queue places"
+        );
+    }
+    // The queue still admits: a request waits for the place and gets it when the reply stops.
+    let addr = s.addr();
+    let key = k.clone();
+    let queued = tokio::spawn(async move {
+        Req::new("POST", "/v1/chat/completions")
+            .key(Some(&key))
+            .json(
+                &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 3}),
+            )
+            .send(addr)
+            .await
+    });
+    let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 1.0).await;
+    assert_eq!(depth, 1.0, "the new request should wait in the queue");
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/stop"))
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = queued.await.expect("queued request");
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(metric(s.addr(), "hearth_queue_depth").await, 0.0);
+    drop(busy);
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_at_or_past_the_end_of_a_finished_stream_closes_at_once() {
+    let s = Stack::start_full(
+        "resume-end",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &SCRIPTED[..2],
+        &[],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let mut sse = stream_turn(s.addr(), &k, &sid, 5).await;
+    let events = sse.rest().await;
+    let last_id = events.last().and_then(|e| e.id.clone()).expect("event ids");
+    let (message, n) = last_id.rsplit_once(':').expect("<message>:<n>");
+    let n: usize = n.parse().expect("event number");
+    let addr = s.addr();
+    let resume = |from: usize| {
+        let (k, sid) = (k.clone(), sid.clone());
+        let id = format!("{message}:{from}");
+        async move {
+            let mut sse = Req::new("GET", &format!("/v1/sessions/{sid}/stream"))
+                .key(Some(&k))
+                .header("Last-Event-ID", id)
+                .events(addr)
+                .await;
+            assert_eq!(sse.status, 200);
+            tokio::time::timeout(Duration::from_secs(5), sse.rest())
+                .await
+                .unwrap_or_else(|_| panic!("resuming after event {from} of {n} did not close"))
+        }
+    };
+    let tail = resume(n - 1).await;
+    assert_eq!(tail.len(), 1, "only the last event is new: {tail:?}");
+    assert_eq!(tail[0].event, "message_end");
+    for from in [n, n + 1, n + 1000] {
+        assert_eq!(
+            resume(from).await,
+            Vec::<Event>::new(),
+            "after event {from}"
+        );
+    }
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_session_stops_its_reply_and_frees_its_cache_on_the_worker() {
+    let s = Stack::start_with("delete", &slow_spec(), Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let w = &s.workers[0];
+    let sid = new_session(s.addr(), &k).await;
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "hello", "max_tokens": 3, "stream": false}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let metrics: SocketAddr = w.metrics.parse().expect("metrics addr");
+    let cached = wait_metric(
+        metrics,
+        "hearth_worker_cached_sessions",
+        Duration::from_secs(5),
+        |v| v == 1.0,
+    )
+    .await;
+    assert_eq!(cached, 1.0, "the finished turn's cache is kept");
+    let mut sse = stream_turn(s.addr(), &k, &sid, 900).await;
+    read_tokens(&mut sse, 2).await;
+    let r = Req::new("DELETE", &format!("/v1/sessions/{sid}"))
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 204, "{}", r.text());
+    let (_, end) = tokio::time::timeout(Duration::from_secs(10), finish(&mut sse))
+        .await
+        .expect("the deleted session's reply kept streaming");
+    assert_eq!(end.json()["status"], "stopped", "{end:?}");
+    assert_eq!(
+        wait_idle(w).await,
+        0.0,
+        "the worker still generates for the deleted session"
+    );
+    let cached = wait_metric(
+        metrics,
+        "hearth_worker_cached_sessions",
+        Duration::from_secs(10),
+        |v| v == 0.0,
+    )
+    .await;
+    assert_eq!(cached, 0.0, "the deleted session's KV stays on the worker");
+    assert!(worker_metric(w, "hearth_worker_kv_blocks_used").await == 0.0);
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_keys_requests_naming_another_site_are_refused() {
+    let a = assets("rebinding");
+    let worker = WorkerProcess::spawn(&worker_bin(), &a.model, &SCRIPTED[..2]).expect("worker");
+    let db = format!("sqlite://{}?mode=rwc", a.dir.join("hearth.db").display());
+    let hearth = Hearth::spawn(&[
+        "--database-url".into(),
+        db,
+        "--tokenizer".into(),
+        path(&a.tokenizer),
+        "--auth".into(),
+        "none".into(),
+        "--worker".into(),
+        worker.grpc.clone(),
+    ]);
+    hearth.wait_ready().await;
+    let addr = hearth.addr;
+    let refused = |r: &hearth_e2e::http::Reply| {
+        assert_eq!(r.status, 403, "{}", r.text());
+        assert_eq!(
+            r.json()["error"]["type"],
+            "permission_error",
+            "{}",
+            r.text()
+        );
+    };
+    // A page on evil.example whose name now resolves to 127.0.0.1 (DNS rebinding).
+    for (method, p) in [
+        ("GET", "/v1/sessions"),
+        ("POST", "/v1/sessions"),
+        ("GET", "/"),
+    ] {
+        let mut req = Req::new(method, p).header("Host", "evil.example:8080");
+        if method == "POST" {
+            req = req.json(&json!({}));
+        }
+        refused(&req.send(addr).await);
+    }
+    // A cross-site request from a page elsewhere, to the right name.
+    refused(
+        &Req::new("POST", "/v1/sessions")
+            .header("Origin", "http://evil.example")
+            .json(&json!({}))
+            .send(addr)
+            .await,
+    );
+    let list = Req::new("GET", "/v1/sessions").send(addr).await;
+    assert_eq!(list.status, 200, "{}", list.text());
+    assert_eq!(
+        list.json()["data"],
+        json!([]),
+        "a refused request changed nothing"
+    );
+    // Local names and local pages are served.
+    let r = Req::new("POST", "/v1/sessions")
+        .header("Host", format!("localhost:{}", addr.port()))
+        .header("Origin", "http://localhost:3000")
+        .json(&json!({}))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let r = Req::new("GET", "/healthz")
+        .header("Host", format!("[::1]:{}", addr.port()))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(hearth);
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&a.dir);
+}
+
+/// The text of a streamed reply to "A long story, please" in a new session, with `params`; when
+/// `cut`, the worker serving it is killed after 20 tokens so the reply fails over.
+async fn story(s: &mut Stack, key: &str, params: &Value, cut: bool) -> String {
+    let sid = new_session(s.addr(), key).await;
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(
+            &json!({"content": "A long story, please", "max_tokens": 120,
+                      "ignore_eos": true, "params": params}),
+        )
+        .events(s.addr())
+        .await;
+    assert_eq!(sse.status, 200);
+    let mut text = String::new();
+    if cut {
+        let mut tokens = 0;
+        while tokens < 20 {
+            let e = sse.next().await.expect("the reply ended early");
+            if e.event == "token" {
+                tokens += 1;
+                text += e.json()["text"].as_str().unwrap_or_default();
+            }
+        }
+        let victim = serving(s).await;
+        s.workers[victim].child.kill().expect("kill -9");
+    }
+    let (rest, end) = finish(&mut sse).await;
+    assert_eq!(end.event, "message_end", "{end:?}");
+    assert_eq!(end.json()["usage"]["completion_tokens"], 120, "{end:?}");
+    text + &rest
+}
+
+async fn cut_and_uncut(tag: &str, params: Value) {
+    let mut s = Stack::start_with(tag, &slow_spec(), Db::Sqlite, 2, &[]).await;
+    let k = s.key("alice").await;
+    let whole = story(&mut s, &k, &params, false).await;
+    let cut = story(&mut s, &k, &params, true).await;
+    assert_eq!(
+        metric(s.addr(), "hearth_worker_failovers_total").await,
+        1.0,
+        "the second reply failed over"
+    );
+    assert_eq!(cut, whole, "a failover changed the reply ({params})");
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_greedy_reply_that_fails_over_is_identical_to_the_uncut_one() {
+    cut_and_uncut("greedy-failover", json!({})).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seeded_sampled_reply_that_fails_over_is_identical_to_the_uncut_one() {
+    cut_and_uncut(
+        "seeded-failover",
+        json!({"temperature": 1.0, "top_p": 0.95, "seed": 7}),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
+    let mut s = Stack::start_full(
+        "slowloris",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &SCRIPTED[..2],
+        &["--header-timeout-secs", "3", "--shutdown-timeout-secs", "2"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    // 2,000 connections without a key: half send nothing, half the start of a header.
+    let mut idle = Vec::new();
+    for i in 0..2000 {
+        let mut c = TcpStream::connect(s.addr()).await.expect("connect");
+        if i % 2 == 1 {
+            c.write_all(b"GET /v1/sessions HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .expect("write");
+        }
+        idle.push(c);
+    }
+    let sid = new_session(s.addr(), &k).await;
+    let started = Instant::now();
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "still there?", "max_tokens": 3, "stream": false}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    println!(
+        "a turn beside 2,000 idle connections took {:?}",
+        started.elapsed()
+    );
+    // SIGTERM with all of them still open: the server exits within its shutdown timeout (2 s)
+    // plus the time open connections get to close (5 s), not never.
+    signal(&s.hearth.child, libc::SIGTERM);
+    let signalled = Instant::now();
+    let status = loop {
+        if let Some(st) = s.hearth.child.try_wait().expect("wait") {
+            break st;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(30),
+            "hearth did not exit after SIGTERM with idle connections open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    println!("exited {:?} after SIGTERM", signalled.elapsed());
+    assert!(status.success(), "{status}");
+    drop(idle);
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_history_and_session_caps_answer_422_and_change_nothing() {
+    let s = Stack::start_full(
+        "caps",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &SCRIPTED[..2],
+        &[
+            "--max-messages-per-session",
+            "6",
+            "--max-sessions-per-user",
+            "3",
+        ],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let turn_path = format!("/v1/sessions/{sid}/messages");
+    let turn = || {
+        Req::new("POST", &turn_path)
+            .key(Some(&k))
+            .json(&json!({"content": "hello", "max_tokens": 2, "stream": false}))
+    };
+    for _ in 0..3 {
+        let r = turn().send(s.addr()).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let r = turn().send(s.addr()).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "session_full", "{}", r.text());
+    assert_eq!(
+        history(s.addr(), &k, &sid).await.len(),
+        6,
+        "a refused turn stored nothing"
+    );
+    let create = || {
+        Req::new("POST", "/v1/sessions")
+            .key(Some(&k))
+            .json(&json!({}))
+    };
+    for _ in 0..2 {
+        assert_eq!(create().send(s.addr()).await.status, 201);
+    }
+    let r = create().send(s.addr()).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(
+        r.json()["error"]["type"],
+        "too_many_sessions",
+        "{}",
+        r.text()
+    );
+    let other = s.key("bob").await;
+    let r = Req::new("POST", "/v1/sessions")
+        .key(Some(&other))
+        .json(&json!({}))
+        .send(s.addr())
+        .await;
+    assert_eq!(
+        r.status,
+        201,
+        "another user's sessions are their own: {}",
+        r.text()
+    );
+    let r = Req::new("DELETE", &format!("/v1/sessions/{sid}"))
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 204);
+    assert_eq!(
+        create().send(s.addr()).await.status,
+        201,
+        "a deleted session frees its place"
+    );
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_replies_cannot_overspend_a_daily_token_budget() {
+    let s = Stack::start_full(
+        "budget",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &SCRIPTED[..2],
+        &[],
+    )
+    .await;
+    let k = s
+        .key_with(
+            "alice",
+            hearth_orchestrator::auth::KeyOptions {
+                tokens_per_day: Some(100),
+                ..Default::default()
+            },
+        )
+        .await;
+    let ask = || {
+        Req::new("POST", "/v1/chat/completions").key(Some(&k)).json(
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 30, "ignore_eos": true}),
+        )
+    };
+    let addr = s.addr();
+    let tasks: Vec<_> =
+        (0..10)
+            .map(|_| {
+                let k = k.clone();
+                tokio::spawn(async move {
+                    Req::new("POST", "/v1/chat/completions")
+                    .key(Some(&k))
+                    .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 30, "ignore_eos": true}))
+                    .send(addr)
+                    .await
+                })
+            })
+            .collect();
+    let mut replies = Vec::new();
+    for t in tasks {
+        replies.push(t.await.expect("task"));
+    }
+    let mut spent = 0;
+    let mut refused = 0;
+    for r in &replies {
+        match r.status {
+            200 => {
+                spent += r.json()["usage"]["completion_tokens"]
+                    .as_u64()
+                    .expect("usage")
+            }
+            429 => refused += 1,
+            other => panic!("unexpected {other}: {}", r.text()),
+        }
+    }
+    println!(
+        "10 concurrent replies of 30 tokens on a budget of 100: {spent} tokens, {refused} refused"
+    );
+    assert!(
+        spent <= 100 + 30,
+        "spent {spent}: more than one reply over the budget"
+    );
+    assert!(spent >= 100, "spent {spent}: refused while budget was left");
+    let r = ask().send(s.addr()).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    s.finish().await;
+}
