@@ -26,7 +26,9 @@ trap 'rm -rf "$tmp"' EXIT
 step "docker-compose config"
 docker-compose --env-file .env.example -f docker-compose.yml config -q
 docker-compose --env-file .env.example -f docker-compose.yml -f docker-compose.offline.yml config -q
-docker-compose --env-file .env.example -f docker-compose.yml --profile gpu config --services | grep -qx worker-gpu \
+# Captured first: with pipefail, `grep -q` stopping early would fail the pipe (SIGPIPE).
+gpu_services="$(docker-compose --env-file .env.example -f docker-compose.yml --profile gpu config --services)"
+grep -qx worker-gpu <<<"$gpu_services" \
   || { echo "deploy-check: the gpu profile has no worker-gpu service" >&2; fail=1; }
 
 step "the CPU images share one builder stage"
