@@ -8,7 +8,14 @@ FROM ${RUST_IMAGE} AS builder
 WORKDIR /src
 # Portable SIMD level (AVX2 + FMA) rather than the build machine's: see README "Build targets".
 ENV RUSTFLAGS="-C target-cpu=x86-64-v3" CARGO_TERM_COLOR=never CARGO_INCREMENTAL=0
-COPY . .
+# Only what cargo reads, so that a change to deploy/ or web/ does not rebuild the workspace.
+COPY Cargo.toml Cargo.lock ./
+COPY proto proto
+COPY migrations migrations
+COPY shared shared
+COPY gpu-worker gpu-worker
+COPY orchestrator orchestrator
+COPY tests tests
 RUN cargo build --release --locked -p hearth-orchestrator -p hearth-worker \
  && mkdir -p /out && cp target/release/hearth target/release/hearth-worker /out/ \
  && strip /out/hearth /out/hearth-worker

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Offline checks of deploy/ (part of `make test`, no daemon, no network):
 #   - the compose file (and the offline override) validate with docker-compose;
+#   - hearth.Dockerfile and worker.Dockerfile have the same builder stage;
 #   - Prometheus config and rules pass promtool, and the rules' unit tests pass;
 #   - the Grafana dashboards match their generator;
 #   - both Kubernetes overlays render with kubectl kustomize and validate against the
@@ -25,8 +26,17 @@ trap 'rm -rf "$tmp"' EXIT
 step "docker-compose config"
 docker-compose --env-file .env.example -f docker-compose.yml config -q
 docker-compose --env-file .env.example -f docker-compose.yml -f docker-compose.offline.yml config -q
-docker-compose --env-file .env.example -f docker-compose.yml --profile gpu config --services | grep -qx worker-gpu \
+# Captured first: with pipefail, `grep -q` stopping early would fail the pipe (SIGPIPE).
+gpu_services="$(docker-compose --env-file .env.example -f docker-compose.yml --profile gpu config --services)"
+grep -qx worker-gpu <<<"$gpu_services" \
   || { echo "deploy-check: the gpu profile has no worker-gpu service" >&2; fail=1; }
+
+step "the CPU images share one builder stage"
+# Docker compiles the workspace once only while both builder stages are the same text.
+builder_stage() { awk '/^FROM .* AS builder$/{on=1} on&&/^$/{exit} on' "$1"; }
+[[ -n "$(builder_stage docker/hearth.Dockerfile)" ]] \
+  && [[ "$(builder_stage docker/hearth.Dockerfile)" == "$(builder_stage docker/worker.Dockerfile)" ]] \
+  || { echo "deploy-check: the builder stages of hearth.Dockerfile and worker.Dockerfile differ" >&2; fail=1; }
 
 step "promtool check config / rules / test rules"
 # The config names its rules at their in-container path; check it with the path rewritten.

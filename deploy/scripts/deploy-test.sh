@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make deploy-test`: the docker-compose stack for real. Builds the Hearth images, brings the
-# stack up, chats through the load balancer, kills a worker in the middle of a streamed reply
-# and checks the reply completes on the other worker, restarts PostgreSQL and checks chat
-# recovers, checks every Prometheus target is up, and tears everything down (volumes included).
+# stack up, checks the web UI is served at / through the load balancer, chats through it, kills
+# a worker in the middle of a streamed reply and checks the reply completes on the other worker,
+# restarts PostgreSQL and checks chat recovers, checks every Prometheus target is up, and tears
+# everything down (volumes included).
 # Prints how long each step took.
 #
 # Needs a running Docker daemon and docker-compose (v1 or the `docker compose` plugin). Where
@@ -73,6 +74,17 @@ for _ in $(seq 1 180); do
 done
 [[ "$(curl -s -o /dev/null -w '%{http_code}' "$base/readyz")" == 200 ]] || die "the entry point never became ready"
 mark "stack up and ready"
+
+log "checking the web UI is served through the entry point"
+page="$(curl -sf -D "$work/ui-headers.txt" "$base/")" || die "GET / through the entry point failed"
+grep -qi '^content-type: text/html' "$work/ui-headers.txt" \
+  || die "GET / is not HTML: $(grep -i '^content-type' "$work/ui-headers.txt")"
+grep -q '<title>Hearth</title>' <<<"$page" || die "GET / is not the chat UI: $(head -c 300 <<<"$page")"
+script="$(grep -o '/_next/static/[^"]*\.js' <<<"$page" | head -1)"
+[[ -n "$script" ]] || die "the UI page names no script"
+[[ "$(curl -s -o /dev/null -w '%{http_code}' "$base$script")" == 200 ]] || die "the UI's $script is not served"
+log "web UI ok: GET / is the chat page ($(wc -c <<<"$page") bytes), $script served"
+mark "web UI through the entry point"
 
 log "creating an API key"
 key="$(compose run --rm --no-deps -T hearth-1 keys create --user deploy-test 2>/dev/null | tr -d '\r' | grep -E '^hk_' | tail -1)"

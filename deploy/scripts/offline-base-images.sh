@@ -4,6 +4,8 @@
 #   debian:bookworm-slim               debootstrap --variant=minbase bookworm + docker import
 #   hearth-offline/rust-builder:local  that base + gcc + the host's Rust toolchain and crate cache
 #                                      (rustup cannot download inside a build; cargo runs offline)
+#   hearth-offline/node:local          that base + the host's Node.js (>= 20.9) and npm, and an npm
+#                                      cache with the web UI's locked packages (npm runs offline)
 #   hearth-offline/postgres:local      stand-ins from Debian's packages, behaving like the
 #   hearth-offline/redis:local         official images as far as docker-compose.yml uses them
 #   hearth-offline/prometheus:local    (env variables, paths, healthcheck commands)
@@ -72,7 +74,53 @@ DOCKERFILE
   rm -rf "$ctx"
 fi
 
-# 3. Stand-ins.
+# 3. Node.js for the web UI's build stage (hearth.Dockerfile, NODE_IMAGE): the host's Node, which
+#    must be >= 20.9 for Next.js (Debian bookworm's nodejs is 18), its npm, and an npm cache
+#    holding every package web/package-lock.json names, filled here by an install on the host;
+#    npm runs offline in the build. After a change to the lock file, rebuild this image (REBUILD=1).
+if ! have hearth-offline/node:local; then
+  node_bin="$(command -v node || true)"
+  npm_bin="$(command -v npm || true)"
+  [[ -n "$node_bin" && -n "$npm_bin" ]] || { log "node and npm are missing on this host (Node >= 20.9)"; exit 1; }
+  node_version="$("$node_bin" -p 'process.versions.node')"
+  IFS=. read -r node_major node_minor _ <<<"$node_version"
+  if ((node_major < 20 || (node_major == 20 && node_minor < 9))); then
+    log "the host's Node.js is $node_version; the web UI needs >= 20.9"; exit 1
+  fi
+  # npm is a script inside its package directory: <prefix>/lib/node_modules/npm/bin/npm-cli.js.
+  npm_dir="$(dirname "$(dirname "$(readlink -f "$npm_bin")")")"
+  [[ -f "$npm_dir/package.json" ]] || { log "cannot find npm's package directory from $npm_bin"; exit 1; }
+  ctx="$work/node"
+  rm -rf "$ctx" && mkdir -p "$ctx/web"
+  log "copying Node.js $node_version from $node_bin and npm from $npm_dir"
+  cp "$(readlink -f "$node_bin")" "$ctx/node"
+  cp -a "$npm_dir" "$ctx/npm"
+  log "filling an npm cache with web/package-lock.json's packages (npm install on the host)"
+  cp ../../web/package.json ../../web/package-lock.json "$ctx/web/"
+  # As scripts/build-web.sh: npm ci refuses a lock file with only Linux builds of the platform
+  # packages; npm install then installs (and caches) the same locked versions.
+  (cd "$ctx/web" && { npm ci --cache "$ctx/npm-cache" --no-audit --no-fund >"$work/npm.log" 2>&1 \
+    || npm install --cache "$ctx/npm-cache" --no-audit --no-fund >>"$work/npm.log" 2>&1; }) \
+    || { log "npm install failed: see $work/npm.log"; exit 1; }
+  rm -rf "$ctx/web" "$ctx/npm-cache/_logs"
+  cat >"$ctx/Dockerfile" <<'DOCKERFILE'
+FROM debian:bookworm-slim
+RUN apt-get update && apt-get install -y --no-install-recommends libstdc++6 \
+ && rm -rf /var/lib/apt/lists/*
+COPY node /usr/local/bin/node
+COPY npm /usr/local/lib/node_modules/npm
+COPY npm-cache /usr/local/share/npm-cache
+RUN ln -s ../lib/node_modules/npm/bin/npm-cli.js /usr/local/bin/npm \
+ && ln -s ../lib/node_modules/npm/bin/npx-cli.js /usr/local/bin/npx \
+ && node --version && npm --version
+ENV npm_config_cache=/usr/local/share/npm-cache npm_config_offline=true
+CMD ["node"]
+DOCKERFILE
+  build hearth-offline/node:local "$ctx"
+  rm -rf "$ctx"
+fi
+
+# 4. Stand-ins.
 standin() { # NAME: Dockerfile text on stdin
   have "$1" && return
   local ctx="$work/$(echo "$1" | tr '/:' '__')"
