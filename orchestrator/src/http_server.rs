@@ -49,7 +49,7 @@ pub fn raise_open_files_limit() -> Option<u64> {
             }
         }
     }
-    Some(lim.rlim_cur as u64)
+    Some(lim.rlim_cur)
 }
 
 /// The default connection cap: the open-file limit less a reserve for the database, Redis,
