@@ -449,3 +449,43 @@ pub fn signal(child: &Child, sig: i32) {
     let rc = unsafe { libc::kill(child.id() as i32, sig) };
     assert_eq!(rc, 0, "kill({}, {sig})", child.id());
 }
+
+/// Creates an empty session for `key`'s user; its id.
+pub async fn new_session(addr: SocketAddr, key: &str) -> String {
+    let r = Req::new("POST", "/v1/sessions")
+        .key(Some(key))
+        .json(&serde_json::json!({}))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    r.json()["id"].as_str().expect("id").to_string()
+}
+
+impl Stack {
+    /// `workers` scripted workers (a token every `token_ms`, no model) and `hearth` with `extra`.
+    pub async fn scripted(
+        tag: &str,
+        db: Db,
+        workers: usize,
+        token_ms: u64,
+        extra: &[&str],
+    ) -> Self {
+        let ms = token_ms.to_string();
+        let flags = ["--scripted-token-ms", ms.as_str()];
+        Self::start_full(tag, &TinySpec::default(), db, workers, &flags, extra).await
+    }
+}
+
+/// A reply of exactly `tokens` tokens to a new message in `sid`, streamed.
+pub async fn stream_turn(addr: SocketAddr, key: &str, sid: &str, tokens: u32) -> super::http::Sse {
+    let sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(
+            &serde_json::json!({"content": "Tell me everything", "max_tokens": tokens,
+                                  "ignore_eos": true}),
+        )
+        .events(addr)
+        .await;
+    assert_eq!(sse.status, 200);
+    sse
+}

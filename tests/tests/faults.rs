@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hearth_e2e::http::{Event, Req, Sse};
-use hearth_e2e::stack::{assets_with, worker_bin, Db, Hearth, Stack};
+use hearth_e2e::stack::{assets_with, new_session, stream_turn, worker_bin, Db, Hearth, Stack};
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
 use hearth_orchestrator::storage::{Message, MessageStatus, Role, SqlStore, Store};
 use hearth_worker::fixtures::{TinySpec, WorkerProcess};
@@ -34,16 +34,6 @@ fn scripted_worker(model: &Path, token_ms: u64) -> WorkerProcess {
         .expect("start scripted worker")
 }
 
-async fn new_session(addr: SocketAddr, key: &str) -> String {
-    let r = Req::new("POST", "/v1/sessions")
-        .key(Some(key))
-        .json(&json!({}))
-        .send(addr)
-        .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    r.json()["id"].as_str().expect("id").to_string()
-}
-
 /// A turn answered as JSON once it is finished.
 async fn json_turn(addr: SocketAddr, key: &str, sid: &str, content: &str) -> Value {
     let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
@@ -53,17 +43,6 @@ async fn json_turn(addr: SocketAddr, key: &str, sid: &str, content: &str) -> Val
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
     r.json()
-}
-
-/// A reply of exactly `tokens` tokens, streamed.
-async fn stream_turn(addr: SocketAddr, key: &str, sid: &str, tokens: u32) -> Sse {
-    let sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .json(&json!({"content": "Tell me everything", "max_tokens": tokens, "ignore_eos": true}))
-        .events(addr)
-        .await;
-    assert_eq!(sse.status, 200);
-    sse
 }
 
 /// Reads until `n` token events have arrived (fails if the reply ends first).

@@ -3,7 +3,7 @@
 //! across both.
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{slow_spec, Db, Hearth, Stack};
+use hearth_e2e::stack::{new_session, slow_spec, Db, Hearth, Stack};
 use serde_json::json;
 
 fn redis_url() -> String {
@@ -85,26 +85,12 @@ async fn two_replicas_share_sessions_stops_and_limits() {
 /// each time exactly one is refused with 409, and every acknowledged reply is in the history.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_turn_and_a_regenerate_racing_on_two_replicas_lose_nothing() {
-    let worker = ["--scripted-token-ms", "20"];
-    let s = Stack::start_full(
-        "replica-race",
-        &hearth_worker::fixtures::TinySpec::default(),
-        Db::Postgres,
-        1,
-        &worker,
-        &[],
-    )
-    .await;
+    let s = Stack::scripted("replica_race", Db::Postgres, 1, 20, &[]).await;
     let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &[]));
     b.wait_ready().await;
     let (a, b_addr) = (s.addr(), b.addr);
     let k = s.key("alice").await;
-    let r = Req::new("POST", "/v1/sessions")
-        .key(Some(&k))
-        .json(&json!({}))
-        .send(a)
-        .await;
-    let sid = r.json()["id"].as_str().expect("id").to_string();
+    let sid = new_session(a, &k).await;
     let body = |content: Option<&str>| {
         let mut v = json!({"max_tokens": 20, "ignore_eos": true, "stream": false});
         if let Some(c) = content {

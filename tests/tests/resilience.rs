@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use hearth_e2e::http::{Event, Req, Sse};
 use hearth_e2e::stack::{
-    assets, metric, path, signal, slow_spec, wait_idle, wait_metric, worker_bin, worker_in_flight,
-    worker_metric, Db, Hearth, Stack,
+    assets, metric, new_session, path, signal, slow_spec, stream_turn, wait_idle, wait_metric,
+    worker_bin, worker_in_flight, worker_metric, Db, Hearth, Stack,
 };
 use hearth_worker::fixtures::{TinySpec, WorkerProcess};
 use serde_json::{json, Value};
@@ -21,27 +21,6 @@ use tokio::net::TcpStream;
 
 /// Scripted workers: a token every 40 ms, and a drain that gives up after 1 s.
 const SCRIPTED: [&str; 4] = ["--scripted-token-ms", "40", "--drain-timeout-secs", "1"];
-
-async fn new_session(addr: SocketAddr, key: &str) -> String {
-    let r = Req::new("POST", "/v1/sessions")
-        .key(Some(key))
-        .json(&json!({}))
-        .send(addr)
-        .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    r.json()["id"].as_str().expect("id").to_string()
-}
-
-/// A reply of exactly `tokens` tokens, streamed.
-async fn stream_turn(addr: SocketAddr, key: &str, sid: &str, tokens: u32) -> Sse {
-    let sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .json(&json!({"content": "Tell me everything", "max_tokens": tokens, "ignore_eos": true}))
-        .events(addr)
-        .await;
-    assert_eq!(sse.status, 200);
-    sse
-}
 
 /// Reads until `n` token events have arrived; their text.
 async fn read_tokens(sse: &mut Sse, n: usize) -> String {
@@ -119,31 +98,31 @@ async fn assert_completed_once(
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_worker_s_reply_continues_on_another_after_the_stall_timeout() {
-    let s = Stack::start_full(
-        "stall",
-        &TinySpec::default(),
-        Db::Postgres,
-        2,
-        &SCRIPTED,
-        &["--stall-timeout-secs", "2"],
-    )
-    .await;
+/// Two scripted workers; a 150-token reply (6 s) that, after 10 tokens, gets `sig` sent to the
+/// worker serving it. Checks the reply still completes, once, with everything it streamed; the
+/// stack, the signalled worker and how long the rest took.
+async fn reply_outlives(tag: &str, sig: i32, extra: &[&str]) -> (Stack, usize, Duration) {
+    let s = Stack::start_full(tag, &TinySpec::default(), Db::Postgres, 2, &SCRIPTED, extra).await;
     let k = s.key("alice").await;
     let sid = new_session(s.addr(), &k).await;
     let mut sse = stream_turn(s.addr(), &k, &sid, 150).await;
     let head = read_tokens(&mut sse, 10).await;
     let home = serving(&s).await;
-    // The worker process freezes with its connection open: no error, no more tokens.
-    signal(&s.workers[home].child, libc::SIGSTOP);
-    let frozen = Instant::now();
+    signal(&s.workers[home].child, sig);
+    let signalled = Instant::now();
     let (rest, end) = finish(&mut sse).await;
-    let text = head + &rest;
-    let took = frozen.elapsed();
+    let took = signalled.elapsed();
+    assert_completed_once(&s, &k, &sid, &(head + &rest), &end, 150).await;
+    (s, home, took)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_worker_s_reply_continues_on_another_after_the_stall_timeout() {
+    // The worker process freezes with its connection open: no error, no more tokens.
+    let (s, home, took) =
+        reply_outlives("stall", libc::SIGSTOP, &["--stall-timeout-secs", "2"]).await;
     signal(&s.workers[home].child, libc::SIGCONT);
     println!("the reply finished {took:?} after its worker froze (stall timeout 2 s)");
-    assert_completed_once(&s, &k, &sid, &text, &end, 150).await;
     let failovers = metric(s.addr(), "hearth_worker_failovers_total").await;
     assert_eq!(failovers, 1.0);
     s.finish().await;
@@ -151,25 +130,8 @@ async fn a_stopped_worker_s_reply_continues_on_another_after_the_stall_timeout()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_worker_s_reply_fails_over_and_finishes_with_length() {
-    let mut s = Stack::start_full(
-        "drain",
-        &TinySpec::default(),
-        Db::Postgres,
-        2,
-        &SCRIPTED,
-        &[],
-    )
-    .await;
-    let k = s.key("alice").await;
-    let sid = new_session(s.addr(), &k).await;
-    // 150 tokens take 6 s; the worker's drain gives up after 1 s.
-    let mut sse = stream_turn(s.addr(), &k, &sid, 150).await;
-    let head = read_tokens(&mut sse, 10).await;
-    let home = serving(&s).await;
-    signal(&s.workers[home].child, libc::SIGTERM);
-    let (rest, end) = finish(&mut sse).await;
-    let text = head + &rest;
-    assert_completed_once(&s, &k, &sid, &text, &end, 150).await;
+    // The worker's drain gives up after 1 s, long before the reply's 6 s.
+    let (mut s, home, _) = reply_outlives("drain", libc::SIGTERM, &[]).await;
     let status = s.workers[home].child.wait().expect("drained worker exits");
     assert!(status.success(), "{status}");
     s.finish().await;
@@ -193,12 +155,11 @@ async fn queued_client(addr: SocketAddr, key: &str) -> TcpStream {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_that_leave_the_queue_give_their_places_back() {
-    let s = Stack::start_full(
+    let s = Stack::scripted(
         "queue",
-        &TinySpec::default(),
         Db::Sqlite,
         1,
-        &SCRIPTED[..2],
+        40,
         &[
             "--worker-capacity",
             "1",
@@ -258,15 +219,7 @@ async fn clients_that_leave_the_queue_give_their_places_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn resuming_at_or_past_the_end_of_a_finished_stream_closes_at_once() {
-    let s = Stack::start_full(
-        "resume-end",
-        &TinySpec::default(),
-        Db::Sqlite,
-        1,
-        &SCRIPTED[..2],
-        &[],
-    )
-    .await;
+    let s = Stack::scripted("resume-end", Db::Sqlite, 1, 40, &[]).await;
     let k = s.key("alice").await;
     let sid = new_session(s.addr(), &k).await;
     let mut sse = stream_turn(s.addr(), &k, &sid, 5).await;
@@ -485,12 +438,11 @@ async fn a_seeded_sampled_reply_that_fails_over_is_identical_to_the_uncut_one() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
-    let mut s = Stack::start_full(
+    let mut s = Stack::scripted(
         "slowloris",
-        &TinySpec::default(),
         Db::Sqlite,
         1,
-        &SCRIPTED[..2],
+        40,
         &["--header-timeout-secs", "3", "--shutdown-timeout-secs", "2"],
     )
     .await;
@@ -540,12 +492,11 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_history_and_session_caps_answer_422_and_change_nothing() {
-    let s = Stack::start_full(
+    let s = Stack::scripted(
         "caps",
-        &TinySpec::default(),
         Db::Sqlite,
         1,
-        &SCRIPTED[..2],
+        40,
         &[
             "--max-messages-per-session",
             "6",
@@ -617,15 +568,7 @@ async fn the_history_and_session_caps_answer_422_and_change_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_replies_cannot_overspend_a_daily_token_budget() {
-    let s = Stack::start_full(
-        "budget",
-        &TinySpec::default(),
-        Db::Sqlite,
-        1,
-        &SCRIPTED[..2],
-        &[],
-    )
-    .await;
+    let s = Stack::scripted("budget", Db::Sqlite, 1, 40, &[]).await;
     let k = s
         .key_with(
             "alice",
