@@ -210,9 +210,10 @@ fn ready(addr: SocketAddr) -> bool {
         return false;
     };
     let _ = c.set_read_timeout(Some(Duration::from_secs(2)));
-    if c.write_all(b"GET /readyz HTTP/1.1\r\nHost: stack\r\nConnection: close\r\n\r\n")
-        .is_err()
-    {
+    // The address as Host, as any client sends it (without keys, hearth answers only to
+    // loopback names).
+    let probe = format!("GET /readyz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    if c.write_all(probe.as_bytes()).is_err() {
         return false;
     }
     let mut head = [0u8; 12];
