@@ -103,7 +103,10 @@ fn newest_source(dir: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
         for e in entries.flatten() {
             let p = e.path();
             if p.is_dir() {
-                stack.push(p);
+                // `src/bin/*` are other binaries, named one by one where they count.
+                if p.file_name().is_some_and(|n| n != "bin") {
+                    stack.push(p);
+                }
                 continue;
             }
             let source = p
@@ -153,11 +156,13 @@ pub fn hearth_bin() -> PathBuf {
 }
 
 pub fn bench_bin() -> PathBuf {
-    sibling_bin("hearth-bench", "hearth-e2e", E2E_SOURCES)
+    let sources = [E2E_SOURCES, &["tests/src/bin/hearth-bench.rs"]].concat();
+    sibling_bin("hearth-bench", "hearth-e2e", &sources)
 }
 
 pub fn stack_bin() -> PathBuf {
-    sibling_bin("hearth-stack", "hearth-e2e", E2E_SOURCES)
+    let sources = [E2E_SOURCES, &["tests/src/bin/hearth-stack.rs"]].concat();
+    sibling_bin("hearth-stack", "hearth-e2e", &sources)
 }
 
 /// The flags test workers run with: a KV budget that suits the tiny model.
