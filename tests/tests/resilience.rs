@@ -628,3 +628,67 @@ async fn concurrent_replies_cannot_overspend_a_daily_token_budget() {
     assert_eq!(r.status, 429, "{}", r.text());
     s.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_on_a_stuck_engine_continues_on_another_worker() {
+    let a = assets("engine_stall");
+    // worker-1's engine thread stops for good after 10 tokens while its process, its gRPC
+    // server and its health checks stay up; it reports the stall after 1 s.
+    let stuck = WorkerProcess::spawn(
+        &worker_bin(),
+        &a.model,
+        &[
+            "--scripted-token-ms",
+            "40",
+            "--scripted-freeze-after-tokens",
+            "10",
+            "--engine-stall-secs",
+            "1",
+        ],
+    )
+    .expect("worker");
+    let healthy = WorkerProcess::spawn(&worker_bin(), &a.model, &SCRIPTED[..2]).expect("worker");
+    let db = format!("sqlite://{}?mode=rwc", a.dir.join("hearth.db").display());
+    let mut args: Vec<String> = [
+        "--database-url",
+        &db,
+        "--tokenizer",
+        &path(&a.tokenizer),
+        "--auth",
+        "none",
+        "--health-interval-ms",
+        "100",
+        "--stall-timeout-secs",
+        "2",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    for w in [&stuck, &healthy] {
+        args.extend(["--worker".to_string(), w.grpc.clone()]);
+    }
+    let hearth = Hearth::spawn(&args);
+    hearth.wait_ready().await;
+    let sid = new_session(hearth.addr, "").await;
+    // Both idle: the reply goes to the first worker, whose engine then freezes.
+    let mut sse = stream_turn(hearth.addr, "", &sid, 100).await;
+    let (text, end) = finish(&mut sse).await;
+    assert_eq!(end.event, "message_end", "{end:?}");
+    let e = end.json();
+    assert_eq!(
+        (e["finish_reason"].clone(), e["worker"].clone()),
+        (json!("length"), json!("worker-2")),
+        "{e}"
+    );
+    assert_eq!(e["usage"]["completion_tokens"], 100, "{e}");
+    let msgs = history(hearth.addr, "", &sid).await;
+    assert_eq!(msgs.len(), 2);
+    assert_eq!(msgs[1]["content"], text.as_str());
+    assert_eq!(
+        metric(hearth.addr, "hearth_worker_failovers_total").await,
+        1.0
+    );
+    drop(hearth);
+    drop((stuck, healthy));
+    let _ = std::fs::remove_dir_all(&a.dir);
+}

@@ -135,7 +135,11 @@ impl Engine {
 
     /// Starts a scripted engine (load tests only): no model, one token per request every
     /// `interval`, echoing the request's prompt; see [`scripted`].
-    pub fn scripted(interval: Duration, config: &EngineConfig) -> Result<Self, EngineError> {
+    pub fn scripted(
+        interval: Duration,
+        config: &EngineConfig,
+        freeze_after: Option<u64>,
+    ) -> Result<Self, EngineError> {
         let info = Arc::new(ModelInfo {
             architecture: "scripted".into(),
             context_length: 1 << 20,
@@ -157,7 +161,9 @@ impl Engine {
         let thread_stats = stats.clone();
         let thread = std::thread::Builder::new()
             .name("hearth-scripted".into())
-            .spawn(move || scripted::scripted_task(interval, rx, cancel_rx, thread_stats))
+            .spawn(move || {
+                scripted::scripted_task(interval, rx, cancel_rx, thread_stats, freeze_after)
+            })
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
             handle: EngineHandle {

@@ -46,8 +46,10 @@ pub(super) fn scripted_task(
     rx: Receiver<Command>,
     cancels: Receiver<Cancel>,
     stats: Arc<SharedStats>,
+    freeze_after: Option<u64>,
 ) {
     let mut active: Vec<Active> = Vec::new();
+    let mut tokens_sent = 0u64;
     let mut shutting_down = false;
     let mut next_tick = Instant::now() + interval;
     loop {
@@ -78,8 +80,18 @@ pub(super) fn scripted_task(
         }
         if Instant::now() >= next_tick {
             next_tick += interval;
-            tick(&mut active);
+            tokens_sent += tick(&mut active);
             stats.steps.fetch_add(1, Ordering::Relaxed);
+            if freeze_after.is_some_and(|n| tokens_sent >= n) {
+                tracing::warn!(
+                    tokens_sent,
+                    "scripted engine frozen on purpose (stall test)"
+                );
+                stats.running.store(active.len(), Ordering::Relaxed);
+                loop {
+                    std::thread::park();
+                }
+            }
         }
         stats.running.store(active.len(), Ordering::Relaxed);
         if shutting_down && active.is_empty() {
@@ -106,9 +118,10 @@ fn admit(active: &mut Vec<Active>, req: ValidRequest, tx: EventSender) {
     });
 }
 
-/// One token for every request; finished ones leave.
-fn tick(active: &mut Vec<Active>) {
+/// One token for every request; finished ones leave. Returns the tokens sent.
+fn tick(active: &mut Vec<Active>) -> u64 {
     let now = Instant::now();
+    let mut sent = 0;
     active.retain_mut(|a| {
         if a.tx.is_closed() {
             return false;
@@ -116,6 +129,7 @@ fn tick(active: &mut Vec<Active>) {
         let id = a.prompt[a.sent % a.prompt.len()];
         let _ = a.tx.send(EngineEvent::Token { id, logprob: 0.0 });
         a.sent += 1;
+        sent += 1;
         a.first.get_or_insert(now);
         if a.sent >= a.max_new {
             a.finish(FinishReason::Length);
@@ -123,4 +137,5 @@ fn tick(active: &mut Vec<Active>) {
         }
         true
     });
+    sent
 }

@@ -74,6 +74,14 @@ pub struct ServeConfig {
     /// milliseconds (echoing its prompt tokens), to measure what the layers above add.
     #[arg(long, env = "HEARTH_WORKER_SCRIPTED_TOKEN_MS")]
     pub scripted_token_ms: Option<u64>,
+    /// Tests of stall handling only, with `--scripted-token-ms`: the engine thread stops for
+    /// good after this many tokens in all, as a hung engine would.
+    #[arg(long, env = "HEARTH_WORKER_SCRIPTED_FREEZE_AFTER_TOKENS")]
+    pub scripted_freeze_after_tokens: Option<u64>,
+    /// An engine that has work but has not finished a step for this long is stuck: health
+    /// reports it not ready (`engine_stalled`), so its replies fail over.
+    #[arg(long, env = "HEARTH_WORKER_ENGINE_STALL_SECS", default_value_t = 120)]
+    pub engine_stall_secs: u64,
 }
 
 /// A configuration that passed [`ServeConfig::validate`].
@@ -88,6 +96,10 @@ pub struct ValidConfig {
     pub drain_timeout: Duration,
     /// Scripted mode (load tests): the token interval; no model is loaded.
     pub scripted: Option<Duration>,
+    /// Scripted mode: tokens after which the engine thread stops (stall tests).
+    pub scripted_freeze_after: Option<u64>,
+    /// How long an engine with work may go without finishing a step before it counts as stuck.
+    pub engine_stall: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -118,6 +130,12 @@ impl ServeConfig {
             .unwrap_or_else(|| models_dir.join(DEFAULT_MODEL));
         if let Some(0) = self.scripted_token_ms {
             return Err(invalid("--scripted-token-ms", "must be at least 1"));
+        }
+        if self.scripted_freeze_after_tokens.is_some() && self.scripted_token_ms.is_none() {
+            return Err(invalid(
+                "--scripted-freeze-after-tokens",
+                "only with --scripted-token-ms",
+            ));
         }
         if !model.exists() && self.scripted_token_ms.is_none() {
             return Err(ConfigError::MissingModel {
@@ -180,6 +198,8 @@ impl ServeConfig {
             engine,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
             scripted: self.scripted_token_ms.map(Duration::from_millis),
+            scripted_freeze_after: self.scripted_freeze_after_tokens,
+            engine_stall: Duration::from_secs(self.engine_stall_secs.max(1)),
         })
     }
 }

@@ -130,8 +130,11 @@ impl Worker {
             metrics,
             stopped(stop_rx.clone()),
         ));
-        let service = WorkerServer::new(service::WorkerService::new(state.clone()))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let service = WorkerServer::new(service::WorkerService::new(
+            state.clone(),
+            config.engine_stall,
+        ))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES);
         let incoming = TcpIncoming::from(grpc).with_nodelay(Some(true));
         let grpc_task = tokio::spawn(
             tonic::transport::Server::builder()
@@ -154,7 +157,10 @@ impl Worker {
                 model_id: "scripted".into(),
                 ..Loaded::default()
             };
-            (Engine::scripted(interval, &config.engine)?, info)
+            (
+                Engine::scripted(interval, &config.engine, config.scripted_freeze_after)?,
+                info,
+            )
         } else {
             let load_config = config.clone();
             let load = tokio::task::spawn_blocking(move || load(&load_config));

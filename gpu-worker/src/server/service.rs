@@ -1,7 +1,8 @@
 //! The `hearth.worker.v1.Worker` gRPC service over the engine handle.
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use hearth_shared::proto::{self, worker_server::Worker};
 use hearth_shared::SessionId;
@@ -17,11 +18,38 @@ use super::{status, stream};
 #[derive(Debug, Clone)]
 pub struct WorkerService {
     state: Arc<WorkerState>,
+    stall: Arc<StallWatch>,
 }
 
 impl WorkerService {
-    pub fn new(state: Arc<WorkerState>) -> Self {
-        Self { state }
+    /// `engine_stall`: how long an engine with work may go without finishing a step.
+    pub fn new(state: Arc<WorkerState>, engine_stall: Duration) -> Self {
+        Self {
+            state,
+            stall: Arc::new(StallWatch {
+                limit: engine_stall,
+                last: Mutex::new((0, Instant::now())),
+            }),
+        }
+    }
+}
+
+/// Tells a stuck engine from a busy one: the step counter must move while there is work.
+#[derive(Debug)]
+struct StallWatch {
+    limit: Duration,
+    /// The step count last seen, and since when it has not moved (or the engine was idle).
+    last: Mutex<(usize, Instant)>,
+}
+
+impl StallWatch {
+    fn stalled(&self, steps: usize, has_work: bool) -> bool {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        if steps != last.0 || !has_work {
+            *last = (steps, Instant::now());
+            return false;
+        }
+        last.1.elapsed() >= self.limit
     }
 }
 
@@ -95,6 +123,10 @@ impl Worker for WorkerService {
             r.cached_sessions = s.cached_sessions as u32;
             r.session_evictions = s.session_evictions as u64;
             r.preemptions = s.preemptions as u64;
+            if self.stall.stalled(s.steps, s.running + s.waiting > 0) {
+                r.engine_stalled = true;
+                r.ready = false;
+            }
         }
         Ok(Response::new(r))
     }
@@ -140,5 +172,28 @@ impl Worker for WorkerService {
             .await
             .map_err(|e| status::status(&e))?;
         Ok(Response::new(proto::DropSessionResponse {}))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_is_stalled_only_with_work_and_no_steps_for_the_limit() {
+        let w = StallWatch {
+            limit: Duration::from_millis(30),
+            last: Mutex::new((0, Instant::now())),
+        };
+        assert!(!w.stalled(0, true));
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(
+            w.stalled(0, true),
+            "work waiting, no step for longer than the limit"
+        );
+        assert!(!w.stalled(1, true), "a step was made");
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!w.stalled(1, false), "idle is not stuck");
+        assert!(!w.stalled(1, true), "the clock restarts when work arrives");
     }
 }

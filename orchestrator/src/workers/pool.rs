@@ -500,7 +500,16 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
         let Some(p) = pool.upgrade() else { return };
         let interval = p.config.health_interval;
         let was_ready = slot.conn().is_some();
-        let outcome = check(&mut client, &slot, p.config.batch).await;
+        let outcome = check(&mut client, &slot, p.config.batch)
+            .await
+            .and_then(|h| {
+                if h.engine_stalled {
+                    // Alive but stuck: its replies will not move, so it counts as failing.
+                    Err("the worker's engine has not finished a step with work waiting".to_string())
+                } else {
+                    Ok(h.ready)
+                }
+            });
         {
             let mut st = slot.state();
             match outcome {
@@ -548,12 +557,12 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
     }
 }
 
-/// One health round: `Health`, `Info` the first time, and an open connection. Ok(ready).
+/// One health round: `Health`, `Info` the first time, and an open connection.
 async fn check(
     client: &mut WorkerClient<tonic::transport::Channel>,
     slot: &WorkerSlot,
     batch: BatchConfig,
-) -> Result<bool, String> {
+) -> Result<proto::HealthResponse, String> {
     let health = client
         .health(proto::HealthRequest {})
         .await
@@ -568,13 +577,13 @@ async fn check(
         slot.state().info = Some(info);
     }
     let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
-    if !open && health.ready {
+    if !open && health.ready && !health.engine_stalled {
         let conn = WorkerConnection::connect(&slot.addr, batch)
             .await
             .map_err(|e| e.to_string())?;
         slot.state().conn = Some(Arc::new(conn));
     }
-    Ok(health.ready)
+    Ok(health)
 }
 
 #[cfg(test)]
