@@ -45,6 +45,10 @@ fn retry_after(window_ms: i64, now: i64) -> u64 {
     (left as u64).div_ceil(1000).max(1)
 }
 
+/// Stops one key may send a minute (a stop costs a database read and, across replicas, a Redis
+/// message; a client has no reason to send more than a few).
+pub const STOPS_PER_MINUTE: i64 = 120;
+
 /// How long a day's token counter is kept.
 const DAY_TTL_SECS: i64 = 2 * 86_400;
 
@@ -89,6 +93,20 @@ impl Drop for Budget {
 impl Limiter {
     pub fn local() -> Self {
         Self::Local(Mutex::new(HashMap::new()))
+    }
+
+    /// Counts a stop against [`STOPS_PER_MINUTE`].
+    pub async fn admit_stop(&self, q: &Quota) -> Result<(), Limited> {
+        let now = now_ms();
+        let key = format!("hearth:rl:stop:{}:{}", q.bucket, now / MINUTE_MS);
+        if self.add(&key, 1, 120).await > STOPS_PER_MINUTE {
+            crate::telemetry::count_rate_limited("stops_per_minute");
+            return Err(Limited {
+                what: format!("more than {STOPS_PER_MINUTE} stops in this minute"),
+                retry_after_secs: retry_after(MINUTE_MS, now),
+            });
+        }
+        Ok(())
     }
 
     /// Counts one request against the per-minute limit and, when the key has a daily token
@@ -274,6 +292,32 @@ mod tests {
             l.admit(&other_minute_q, 10).await.is_ok(),
             "the budget was not spent"
         );
+    }
+
+    #[tokio::test]
+    async fn stops_are_limited_per_key_and_minute() {
+        // Twice at most: a run that straddles a minute boundary proves nothing and is retried.
+        for attempt in 0..2 {
+            let l = Limiter::local();
+            let q = quota(None, None);
+            let minute = now_ms() / MINUTE_MS;
+            let mut allowed = 0;
+            while l.admit_stop(&q).await.is_ok() && allowed <= STOPS_PER_MINUTE {
+                allowed += 1;
+            }
+            let other = Quota {
+                bucket: "k2".into(),
+                ..q
+            };
+            let other_ok = l.admit_stop(&other).await.is_ok();
+            if now_ms() / MINUTE_MS != minute {
+                assert_eq!(attempt, 0, "two minute boundaries in one test");
+                continue;
+            }
+            assert_eq!(allowed, STOPS_PER_MINUTE);
+            assert!(other_ok, "another key has its own count");
+            return;
+        }
     }
 
     #[tokio::test]

@@ -612,6 +612,7 @@ pub async fn stop(
 ) -> Result<Json<serde_json::Value>, ApiError> {
     check_id(&id)?;
     s.store.get_session(&caller.user.id, &id).await?;
+    s.generator.limiter.admit_stop(&caller.quota).await?;
     let streaming = |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;
     let reply_id = if let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) {
         live.stop();
