@@ -92,7 +92,8 @@ async fn a_turn_and_a_regenerate_racing_on_two_replicas_lose_nothing() {
     let k = s.key("alice").await;
     let sid = new_session(a, &k).await;
     let body = |content: Option<&str>| {
-        let mut v = json!({"max_tokens": 20, "ignore_eos": true, "stream": false});
+        // 100 tokens at 20 ms: each reply lasts 2 s, so the racing pair always overlaps.
+        let mut v = json!({"max_tokens": 100, "ignore_eos": true, "stream": false});
         if let Some(c) = content {
             v["content"] = json!(c);
         }

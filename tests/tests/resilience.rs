@@ -447,6 +447,8 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
     )
     .await;
     let k = s.key("alice").await;
+    // This process holds the 2,000 client ends itself.
+    hearth_orchestrator::http_server::raise_open_files_limit();
     // 2,000 connections without a key: half send nothing, half the start of a header.
     let mut idle = Vec::new();
     for i in 0..2000 {
