@@ -494,3 +494,17 @@ pub async fn stream_turn(addr: SocketAddr, key: &str, sid: &str, tokens: u32) ->
     assert_eq!(sse.status, 200);
     sse
 }
+
+/// The index of the worker that has a request in flight (the test's one running reply); waits
+/// up to 5 s for one to show it.
+pub async fn serving_worker(s: &Stack) -> usize {
+    for _ in 0..250 {
+        for (i, w) in s.workers.iter().enumerate() {
+            if worker_in_flight(w).await >= 1.0 {
+                return i;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("no worker has a request in flight");
+}

@@ -2,7 +2,7 @@
 //! `hearth-worker` processes with a tiny generated model, and a real PostgreSQL database.
 
 use hearth_e2e::http::{Event, Req, Sse};
-use hearth_e2e::stack::{slow_spec, wait_idle, worker_in_flight, Db, Hearth, Stack};
+use hearth_e2e::stack::{serving_worker, slow_spec, wait_idle, Db, Hearth, Stack};
 use serde_json::{json, Value};
 
 async fn new_session(s: &Stack, key: &str, body: Value) -> String {
@@ -399,19 +399,6 @@ async fn bad_generation_requests_are_refused_and_store_nothing() {
     s.finish().await;
 }
 
-/// The worker serving the one running request.
-async fn busy_worker(s: &Stack) -> usize {
-    for _ in 0..100 {
-        for (i, w) in s.workers.iter().enumerate() {
-            if worker_in_flight(w).await > 0.0 {
-                return i;
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    panic!("no worker is serving the request");
-}
-
 #[tokio::test]
 async fn killing_the_worker_mid_stream_moves_the_reply_to_another() {
     let mut s = Stack::start_with("failover", &slow_spec(), Db::Postgres, 2, &[]).await;
@@ -420,7 +407,7 @@ async fn killing_the_worker_mid_stream_moves_the_reply_to_another() {
     let turn = json!({"content": "A long story, please", "max_tokens": 300, "ignore_eos": true});
     let mut sse = post_turn(&s, &k, &sid, turn).await;
     let (mut seen, _) = read_tokens(&mut sse, 5).await;
-    let victim = busy_worker(&s).await;
+    let victim = serving_worker(&s).await;
     // Clients see a worker's place in the --worker list, never its address.
     let survivor = format!("worker-{}", 2 - victim);
     s.workers[victim].child.kill().expect("kill -9");

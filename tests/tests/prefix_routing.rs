@@ -2,7 +2,7 @@
 //! it from that worker's prefix cache.
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{slow_spec, worker_in_flight, worker_metric, Db, Stack};
+use hearth_e2e::stack::{serving_worker, slow_spec, worker_in_flight, worker_metric, Db, Stack};
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -12,15 +12,20 @@ async fn a_resent_conversation_returns_to_the_worker_holding_its_prefix() {
     let question = "tell me a long story about a small town by the sea where every evening the \
                     lights of the harbour come on one by one and the boats return home";
     let mut messages = vec![json!({"role": "user", "content": question})];
-    let turn = |messages: &[Value], max: u32| json!({"model": "tiny", "messages": messages, "max_tokens": max, "ignore_eos": true});
+    let (key, addr) = (k.as_str(), s.addr());
+    let turn = |messages: Vec<Value>| async move {
+        let body =
+            json!({"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": true});
+        let r = Req::new("POST", "/v1/chat/completions")
+            .key(Some(key))
+            .json(&body)
+            .send(addr)
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
     // Turn one: both workers idle, the first takes it.
-    let r = Req::new("POST", "/v1/chat/completions")
-        .key(Some(&k))
-        .json(&turn(&messages, 4))
-        .send(s.addr())
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    let one = r.json();
+    let one = turn(messages.clone()).await;
     assert!(one["usage"]["prompt_tokens"].as_u64() > Some(32), "{one}");
     messages.push(json!({"role": "assistant",
                          "content": one["choices"][0]["message"]["content"]}));
@@ -38,28 +43,15 @@ async fn a_resent_conversation_returns_to_the_worker_holding_its_prefix() {
         .await;
     assert_eq!(busy.status, 200);
     assert!(busy.next().await.is_some());
-    let mut loads = [0.0; 2];
-    for _ in 0..100 {
-        loads = [
-            worker_in_flight(&s.workers[0]).await,
-            worker_in_flight(&s.workers[1]).await,
-        ];
-        if loads != [0.0; 2] {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
-    let home = usize::from(loads[1] > loads[0]);
-    assert_eq!(loads[home], 1.0, "{loads:?}");
+    let home = serving_worker(&s).await;
+    let loads = [
+        worker_in_flight(&s.workers[0]).await,
+        worker_in_flight(&s.workers[1]).await,
+    ];
+    assert_eq!((loads[home], loads[1 - home]), (1.0, 0.0), "{loads:?}");
 
     // Turn two resends turn one: it goes to the busy worker that holds the prefix.
-    let r = Req::new("POST", "/v1/chat/completions")
-        .key(Some(&k))
-        .json(&turn(&messages, 4))
-        .send(s.addr())
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    let two = r.json();
+    let two = turn(messages).await;
     let cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
         .as_u64()
         .unwrap_or(0);

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use hearth_e2e::http::{Event, Req, Sse};
 use hearth_e2e::stack::{
-    assets, metric, new_session, path, signal, slow_spec, stream_turn, wait_idle, wait_metric,
-    worker_bin, worker_in_flight, worker_metric, Db, Hearth, Stack,
+    assets, metric, new_session, path, serving_worker, signal, slow_spec, stream_turn, wait_idle,
+    wait_metric, worker_bin, worker_metric, Db, Hearth, Stack,
 };
 use hearth_worker::fixtures::{TinySpec, WorkerProcess};
 use serde_json::{json, Value};
@@ -50,19 +50,6 @@ async fn finish(sse: &mut Sse) -> (String, Event) {
         .map(|e| e.json()["text"].as_str().unwrap_or_default().to_string())
         .collect();
     (text, last)
-}
-
-/// Which worker has a request in flight.
-async fn serving(s: &Stack) -> usize {
-    for _ in 0..250 {
-        for (i, w) in s.workers.iter().enumerate() {
-            if worker_in_flight(w).await >= 1.0 {
-                return i;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("no worker has the reply in flight");
 }
 
 async fn history(addr: SocketAddr, key: &str, sid: &str) -> Vec<Value> {
@@ -107,7 +94,7 @@ async fn reply_outlives(tag: &str, sig: i32, extra: &[&str]) -> (Stack, usize, D
     let sid = new_session(s.addr(), &k).await;
     let mut sse = stream_turn(s.addr(), &k, &sid, 150).await;
     let head = read_tokens(&mut sse, 10).await;
-    let home = serving(&s).await;
+    let home = serving_worker(&s).await;
     signal(&s.workers[home].child, sig);
     let signalled = Instant::now();
     let (rest, end) = finish(&mut sse).await;
@@ -399,7 +386,7 @@ async fn story(s: &mut Stack, key: &str, params: &Value, cut: bool) -> String {
                 text += e.json()["text"].as_str().unwrap_or_default();
             }
         }
-        let victim = serving(s).await;
+        let victim = serving_worker(s).await;
         s.workers[victim].child.kill().expect("kill -9");
     }
     let (rest, end) = finish(&mut sse).await;

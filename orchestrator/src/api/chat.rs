@@ -148,12 +148,7 @@ pub async fn plan(
         .ok_or_else(|| ApiError::Unavailable("no worker is ready".into()))?;
     // The server's default shrinks to fit a small model; an explicit value must fit as asked.
     let want = max_tokens.unwrap_or_else(|| s.options.default_max_tokens.min(ctx as u32 / 2));
-    if want == 0 || want as usize >= ctx {
-        return Err(ApiError::Validation(format!(
-            "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
-            ctx - 1
-        )));
-    }
+    check_max_tokens(s, Some(want))?;
     let reserve = (want as usize).min(ctx / 2);
     let tokenizer = s.generator.tokenizer.clone();
     let convo = convo.to_vec();

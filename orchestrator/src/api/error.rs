@@ -144,7 +144,8 @@ impl From<StoreError> for ApiError {
             }
             StoreError::Invalid(why) => Self::BadRequest(why),
             StoreError::NotAUserMessage(why) => Self::not_a_user_message(why),
-            StoreError::ReplyRunning => Self::Conflict(StoreError::ReplyRunning.to_string()),
+            // The same answer as a reply running on this replica.
+            StoreError::ReplyRunning => crate::generate::Busy.into(),
             StoreError::Internal(why) => Self::Internal(why),
         }
     }

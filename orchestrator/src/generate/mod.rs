@@ -420,25 +420,23 @@ mod tests {
 
     #[test]
     fn only_a_lost_worker_fails_over_and_a_full_one_is_busy() {
-        for c in [
-            Code::Unavailable,
-            Code::Aborted,
-            Code::Cancelled,
-            Code::DeadlineExceeded,
-        ] {
-            assert_eq!(Fault::of(c as i32), Fault::Failover, "{c:?}");
-        }
-        assert_eq!(Fault::of(Code::ResourceExhausted as i32), Fault::Busy);
-        for c in [
-            Code::Internal,
-            Code::Unknown,
-            Code::DataLoss,
-            Code::Unimplemented,
-        ] {
-            assert_eq!(Fault::of(c as i32), Fault::Internal, "{c:?}");
-        }
-        for c in [Code::InvalidArgument, Code::OutOfRange, Code::NotFound] {
-            assert_eq!(Fault::of(c as i32), Fault::Refused, "{c:?}");
+        use Code::*;
+        let cases = [
+            (Unavailable, Fault::Failover),
+            (Aborted, Fault::Failover),
+            (Cancelled, Fault::Failover),
+            (DeadlineExceeded, Fault::Failover),
+            (ResourceExhausted, Fault::Busy),
+            (Internal, Fault::Internal),
+            (Unknown, Fault::Internal),
+            (DataLoss, Fault::Internal),
+            (Unimplemented, Fault::Internal),
+            (InvalidArgument, Fault::Refused),
+            (OutOfRange, Fault::Refused),
+            (NotFound, Fault::Refused),
+        ];
+        for (code, fault) in cases {
+            assert_eq!(Fault::of(code as i32), fault, "{code:?}");
         }
         assert_eq!(
             Fault::of(999),

@@ -31,7 +31,7 @@ pub enum StoreError {
     #[error("{0}")]
     NotAUserMessage(String),
     /// Another reply of the session is still streaming (possibly on another replica).
-    #[error("a reply is still being generated in this session; stop it or wait for it to finish")]
+    #[error("another reply of this session is still streaming")]
     ReplyRunning,
     #[error("storage error: {0}")]
     Internal(String),
