@@ -42,6 +42,9 @@ pub struct BenchOptions {
     /// Reply tokens per turn.
     #[arg(long, default_value_t = 32)]
     pub reply_tokens: u32,
+    /// Length of the idle session whose KV memory is measured (warm sessions per GB); 0 skips it.
+    #[arg(long, default_value_t = 4000)]
+    pub warm_tokens: usize,
     /// History length of the disk-tier measurement (restore vs recompute); 0 skips it.
     #[arg(long, default_value_t = 2000)]
     pub disk_tokens: usize,
@@ -264,6 +267,11 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
 
     let stats = h.stats();
     drop(engine);
+    let warm = if o.warm_tokens > 0 {
+        Some(warm_sessions(&model, o)?)
+    } else {
+        None
+    };
     let disk = if o.disk_tokens > 0 {
         Some(disk_tier(&model, o)?)
     } else {
@@ -284,6 +292,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "decode_single_stream_tok_s": decode_tok_s,
         "batched_decode": batched,
         "multi_turn": multi,
+        "warm_sessions": warm,
         "disk_tier": disk,
         "engine": {
             "kv_dtype": o.kv_dtype.name(),
@@ -293,6 +302,60 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
             "prefix_cache_queries_tokens": stats.prefix_cache_queries_tokens,
             "prefix_cache_hits_tokens": stats.prefix_cache_hits_tokens,
         },
+    }))
+}
+
+/// The KV memory one idle session of `--warm-tokens` tokens holds, as configured (element type,
+/// sliding-window packing), against every layer of every position in f32 (the engine before f16
+/// K/V and packing).
+fn warm_sessions(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
+    use crate::kv::KvStore;
+    let (n, c) = (o.warm_tokens, &model.config);
+    let engine = Engine::start(
+        model.clone(),
+        EngineConfig {
+            kv_budget_bytes: o.kv_budget_mb << 20,
+            kv_dtype: o.kv_dtype,
+            ..Default::default()
+        },
+    )?;
+    let h = engine.handle();
+    let bs = h.model_info().block_size;
+    let t = Instant::now();
+    run(
+        h.submit(req(
+            1,
+            tokens(n, 7000, c.vocab_size),
+            1,
+            Some("warm".into()),
+        ))?,
+        t,
+    );
+    // Statistics are published after the step that finished the turn.
+    let settle = Instant::now();
+    while h.stats().cached_sessions == 0 && settle.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let held = h.stats().kv_blocks_used * h.model_info().kv_block_bytes;
+    let f32_full = n.div_ceil(bs)
+        * KvStore::block_bytes(c.num_layers, bs, c.kv_dim(), c.head_dim, KvDtype::F32);
+    drop(engine);
+    let per_gb = |bytes: usize| 1e9 / bytes.max(1) as f64;
+    progress(&format!(
+        "warm sessions: a {n}-token session holds {:.1} MB of KV ({:.1} MB as f32, every layer): {:.1}x the sessions per GB",
+        held as f64 / 1e6,
+        f32_full as f64 / 1e6,
+        f32_full as f64 / held.max(1) as f64
+    ));
+    Ok(json!({
+        "tokens": n,
+        "kv_dtype": o.kv_dtype.name(),
+        "window_margin": crate::engine::DEFAULT_WINDOW_MARGIN,
+        "bytes_held": held,
+        "bytes_f32_every_layer": f32_full,
+        "sessions_per_gb": per_gb(held),
+        "sessions_per_gb_f32_every_layer": per_gb(f32_full),
+        "ratio": f32_full as f64 / held.max(1) as f64,
     }))
 }
 

@@ -148,6 +148,7 @@ fn f16_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() 
             tokens: &ids,
             start_pos: 0,
             blocks: &blocks,
+            packed: &[],
             want_logits: true,
         };
         model.forward_top_k(chunk, &mut kv, 8).unwrap()

@@ -15,6 +15,7 @@ pub use error::EngineError;
 pub use scheduler::{Scheduler, StepSummary};
 pub use types::{
     DiskConfig, EngineConfig, EngineEvent, EngineStats, GenerateRequest, Timings, ValidRequest,
+    DEFAULT_WINDOW_MARGIN,
 };
 
 use std::panic::{catch_unwind, AssertUnwindSafe};

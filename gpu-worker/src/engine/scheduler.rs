@@ -16,7 +16,9 @@ use std::sync::Mutex;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
-use crate::kv::{BlockAllocator, BlockId, DiskTier, KvStore, ROOT_HASH};
+use crate::kv::{
+    chain_hash, BlockAllocator, BlockId, DiskTier, KvStore, Packing, NO_BLOCK, ROOT_HASH,
+};
 use crate::model::{Model, SeqChunk};
 use crate::sampling::Sampler;
 
@@ -62,7 +64,15 @@ enum Placement {
 struct SessionCache {
     tokens: Vec<u32>,
     blocks: Vec<BlockId>,
+    /// Packed global layers of the table's leading [`NO_BLOCK`] entries.
+    packed: Vec<BlockId>,
     last_used: u64,
+}
+
+/// Releases a table and its packed blocks.
+fn release(alloc: &mut BlockAllocator, blocks: &mut Vec<BlockId>, packed: &mut Vec<BlockId>) {
+    alloc.release(blocks);
+    alloc.release(packed);
 }
 
 /// A request being served (or waiting, or preempted).
@@ -74,9 +84,11 @@ struct Seq {
     /// Prompt followed by every generated token.
     tokens: Vec<u32>,
     prompt_len: usize,
-    /// Positions whose K/V are in `blocks`.
+    /// Positions whose K/V are in `blocks` (and `packed`).
     kv_len: usize,
     blocks: Vec<BlockId>,
+    /// Packed global layers of the table's leading [`NO_BLOCK`] entries.
+    packed: Vec<BlockId>,
     /// Chain hashes of the leading full blocks already offered to the prefix cache.
     hashes: Vec<u64>,
     generated: usize,
@@ -194,6 +206,12 @@ impl Scheduler {
             max_waiting: config.max_waiting,
             command_queue: config.command_queue,
         };
+        // Old positions keep only their global layers once the sliding layers cannot see them.
+        let packing = config.kv_window_margin.and_then(|_| {
+            c.sliding_window?;
+            let globals = (0..c.num_layers).filter(|&l| !c.is_sliding(l)).collect();
+            Packing::new(c.num_layers, globals)
+        });
         let kv = KvStore::new(
             c.num_layers,
             num_blocks,
@@ -201,7 +219,8 @@ impl Scheduler {
             c.kv_dim(),
             c.head_dim,
             config.kv_dtype,
-        );
+        )
+        .with_packing(packing);
         let disk = match &config.kv_disk {
             Some(d) => Some(
                 DiskTier::create(&d.dir, d.bytes, kv.saved_bytes(config.block_size)).map_err(
@@ -292,6 +311,7 @@ impl Scheduler {
             prompt_len,
             kv_len: 0,
             blocks: Vec::new(),
+            packed: Vec::new(),
             hashes: Vec::new(),
             generated: 0,
             max_new,
@@ -336,7 +356,7 @@ impl Scheduler {
         let on_disk = self.disk.as_mut().is_some_and(|d| d.remove(id));
         match self.sessions.remove(id) {
             Some(mut c) => {
-                self.alloc.release(&mut c.blocks);
+                release(&mut self.alloc, &mut c.blocks, &mut c.packed);
                 Ok(())
             }
             None if on_disk => Ok(()),
@@ -348,7 +368,7 @@ impl Scheduler {
     pub(crate) fn fail_running(&mut self, why: &str) {
         for mut s in std::mem::take(&mut self.running) {
             s.send(EngineEvent::Error(EngineError::Internal(why.into())));
-            self.alloc.release(&mut s.blocks);
+            release(&mut self.alloc, &mut s.blocks, &mut s.packed);
         }
     }
 
@@ -371,7 +391,7 @@ impl Scheduler {
         };
         if let Some(mut c) = self.sessions.remove(&id) {
             self.spill(&id, &c);
-            self.alloc.release(&mut c.blocks);
+            release(&mut self.alloc, &mut c.blocks, &mut c.packed);
             self.evictions += 1;
             tracing::debug!(session = %id, "evicted idle session cache");
         }
@@ -385,9 +405,19 @@ impl Scheduler {
         };
         let (bs, n) = (self.config.block_size, c.tokens.len());
         let kv = &self.kv;
-        let blocks = n.div_ceil(bs);
-        let stored = disk.spill(id.clone(), c.tokens.clone(), blocks, |i, out| {
-            kv.save_block(c.blocks[i], bs.min(n - i * bs), out)
+        // The packed blocks whole, then the table's other blocks.
+        let (packed, trimmed) = (
+            c.packed.len(),
+            c.blocks.iter().take_while(|&&b| b == NO_BLOCK).count(),
+        );
+        let records = packed + n.div_ceil(bs) - trimmed;
+        let stored = disk.spill(id.clone(), c.tokens.clone(), packed, records, |i, out| {
+            if i < packed {
+                kv.save_block(c.packed[i], bs, out)
+            } else {
+                let j = trimmed + i - packed;
+                kv.save_block(c.blocks[j], bs.min(n - j * bs), out)
+            }
         });
         if !stored {
             tracing::debug!(session = %id, "session cache too large for the disk tier");
@@ -398,36 +428,49 @@ impl Scheduler {
     /// (at most), if that is worth more than `than` tokens found elsewhere and memory allows.
     fn restore(&mut self, id: &SessionId, want: &[u32], than: usize) -> Option<SessionCache> {
         let bs = self.config.block_size;
-        let common = {
-            let tokens = self.disk.as_ref()?.tokens(id)?;
-            tokens.iter().zip(want).take_while(|(a, b)| a == b).count()
+        let (common, packed) = {
+            let disk = self.disk.as_ref()?;
+            let tokens = disk.tokens(id)?;
+            let common = tokens.iter().zip(want).take_while(|(a, b)| a == b).count();
+            (common, disk.packed(id)?)
         };
-        if common <= than {
+        if common <= than || !self.resumable(packed, common) {
             return None;
         }
-        let need = common.div_ceil(bs);
+        let trimmed = packed * self.pack_per();
+        let need = packed + common.div_ceil(bs) - trimmed;
         while self.alloc.free() < need && self.evict_one_idle(None) {}
-        let mut blocks = Vec::new();
+        let mut fresh = Vec::new();
         // Evictions above may have spilled other sessions and pushed this one out.
-        if !self.disk.as_ref()?.contains(id) || !self.alloc.grow(&mut blocks, common, bs) {
-            self.alloc.release(&mut blocks);
+        if !self.disk.as_ref()?.contains(id) || !self.alloc.grow(&mut fresh, need * bs, bs) {
+            self.alloc.release(&mut fresh);
             return None;
         }
         let crate::kv::Spilled {
             mut tokens,
             blocks: bytes,
+            ..
         } = self.disk.as_mut()?.take(id)?;
         let stored = tokens.len();
-        for (i, (&b, bytes)) in blocks.iter().zip(&bytes).enumerate() {
-            self.kv.load_block(b, bs.min(stored - i * bs), bytes);
+        let blocks: Vec<BlockId> = std::iter::repeat_n(NO_BLOCK, trimmed)
+            .chain(fresh[packed..].iter().copied())
+            .collect();
+        for (i, (&b, bytes)) in fresh.iter().zip(&bytes).enumerate() {
+            let n = match i.checked_sub(packed) {
+                None => bs,
+                Some(j) => bs.min(stored - (trimmed + j) * bs),
+            };
+            self.kv.load_block(b, n, bytes);
         }
         drop(bytes);
         tokens.truncate(common);
         self.disk_restores += 1;
         let last_used = self.tick();
+        fresh.truncate(packed);
         Some(SessionCache {
             tokens,
             blocks,
+            packed: fresh,
             last_used,
         })
     }
@@ -468,13 +511,14 @@ impl Scheduler {
                 let cache = SessionCache {
                     tokens: std::mem::take(&mut s.tokens),
                     blocks: std::mem::take(&mut s.blocks),
+                    packed: std::mem::take(&mut s.packed),
                     last_used,
                 };
                 if let Some(mut old) = self.sessions.insert(id, cache) {
-                    self.alloc.release(&mut old.blocks);
+                    release(&mut self.alloc, &mut old.blocks, &mut old.packed);
                 }
             }
-            None => self.alloc.release(&mut s.blocks),
+            None => release(&mut self.alloc, &mut s.blocks, &mut s.packed),
         }
     }
 
@@ -548,7 +592,7 @@ impl Scheduler {
             }
             // Nothing runs and no idle session is left: only this request's own prefix holds
             // memory. Start it cold rather than wait forever.
-            self.alloc.release(&mut s.blocks);
+            release(&mut self.alloc, &mut s.blocks, &mut s.packed);
             s.kv_len = 0;
             if self.alloc.free() < need_tokens.div_ceil(bs) {
                 return Placement::TooBig(need_tokens);
@@ -602,7 +646,13 @@ impl Scheduler {
                 .zip(&s.tokens)
                 .take_while(|(a, b)| a == b)
                 .count();
-            common.min(limit)
+            let at = common.min(limit);
+            // Too far back into packed history: the sliding layers' rows are gone.
+            if self.resumable(c.packed.len(), at) {
+                at
+            } else {
+                0
+            }
         });
         // A restore may have reclaimed cached blocks: look again.
         let hits = if hits.is_empty() {
@@ -615,6 +665,7 @@ impl Scheduler {
             Some(mut c) if from_session > 0 && from_session >= hits.len() * bs => {
                 self.alloc.truncate(&mut c.blocks, from_session, bs);
                 s.blocks = c.blocks;
+                s.packed = c.packed;
                 s.kv_len = from_session;
             }
             cache => {
@@ -623,7 +674,7 @@ impl Scheduler {
                     self.alloc.share(b);
                 }
                 if let Some(mut c) = cache {
-                    self.alloc.release(&mut c.blocks);
+                    release(&mut self.alloc, &mut c.blocks, &mut c.packed);
                 }
                 s.kv_len = hits.len() * bs;
                 s.blocks = hits;
@@ -642,13 +693,14 @@ impl Scheduler {
                 let cache = SessionCache {
                     tokens: s.tokens[..s.kv_len].to_vec(),
                     blocks: std::mem::take(&mut s.blocks),
+                    packed: std::mem::take(&mut s.packed),
                     last_used,
                 };
                 if let Some(mut old) = self.sessions.insert(id.clone(), cache) {
-                    self.alloc.release(&mut old.blocks);
+                    release(&mut self.alloc, &mut old.blocks, &mut old.packed);
                 }
             }
-            _ => self.alloc.release(&mut s.blocks),
+            _ => release(&mut self.alloc, &mut s.blocks, &mut s.packed),
         }
         s.kv_len = 0;
         s.hashes.clear();
@@ -661,10 +713,60 @@ impl Scheduler {
         while (s.hashes.len() + 1) * bs <= s.kv_len {
             let i = s.hashes.len();
             let parent = s.hashes.last().copied().unwrap_or(ROOT_HASH);
-            let h = self
-                .alloc
-                .register(s.blocks[i], parent, &s.tokens[i * bs..(i + 1) * bs]);
+            let tokens = &s.tokens[i * bs..(i + 1) * bs];
+            let h = match s.blocks[i] {
+                // Packed away: only the chain goes on.
+                NO_BLOCK => chain_hash(parent, tokens),
+                b => self.alloc.register(b, parent, tokens),
+            };
             s.hashes.push(h);
+        }
+    }
+
+    /// Table blocks per packed block (1 when nothing is packed).
+    fn pack_per(&self) -> usize {
+        self.kv.packing().map_or(1, |p| p.per)
+    }
+
+    /// Whether a cache with `packed` packed blocks can take its next token at position `at`: the
+    /// sliding layers must still hold every position that token sees.
+    fn resumable(&self, packed: usize, at: usize) -> bool {
+        let window = self.model.config.sliding_window.unwrap_or(usize::MAX);
+        packed == 0
+            || at + 1 >= (packed * self.pack_per() * self.config.block_size).saturating_add(window)
+    }
+
+    /// Packs the oldest blocks of `running[ix]` that its sliding layers can no longer see, a
+    /// group of [`Packing::per`] blocks at a time, keeping `kv_window_margin` more positions
+    /// whole so that rewinding that far (regenerating a reply) still resumes from the cache.
+    /// Packing reads the blocks and drops the table's references; blocks in the prefix cache stay
+    /// there for others.
+    fn trim(&mut self, ix: usize) {
+        let (Some(margin), Some(window)) = (
+            self.config.kv_window_margin,
+            self.model.config.sliding_window,
+        ) else {
+            return;
+        };
+        if self.kv.packing().is_none() {
+            return;
+        }
+        let (bs, per) = (self.config.block_size, self.pack_per());
+        let s = &mut self.running[ix];
+        // The first position whose sliding rows must stay, after a rewind of up to `margin`.
+        let keep_from = (s.kv_len + 1).saturating_sub(window.saturating_add(margin));
+        let groups = keep_from / (per * bs);
+        while s.packed.len() < groups && s.hashes.len() >= (s.packed.len() + 1) * per {
+            let Some(dst) = self.alloc.take_one() else {
+                return;
+            };
+            let g = s.packed.len();
+            let src = &mut s.blocks[g * per..(g + 1) * per];
+            self.kv.pack(src, dst);
+            for b in src.iter_mut() {
+                self.alloc.unref(std::mem::replace(b, NO_BLOCK));
+            }
+            s.packed.push(dst);
         }
     }
 
@@ -672,7 +774,7 @@ impl Scheduler {
     fn preempt_youngest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
         let mut s = self.running.remove(i);
-        self.alloc.release(&mut s.blocks);
+        release(&mut self.alloc, &mut s.blocks, &mut s.packed);
         s.kv_len = 0;
         s.hashes.clear();
         s.preempted = true;
@@ -751,6 +853,7 @@ impl Scheduler {
                     tokens: &s.tokens[s.kv_len..s.kv_len + n],
                     start_pos: s.kv_len,
                     blocks: &s.blocks,
+                    packed: &s.packed,
                     want_logits: s.kv_len + n == s.tokens.len(),
                 }
             })
@@ -786,6 +889,7 @@ impl Scheduler {
         for (&ix, &(_, n)) in order.iter().zip(&plan) {
             self.running[ix].kv_len += n;
             self.register_full_blocks(ix);
+            self.trim(ix);
         }
         // Sample every sequence that produced logits, in parallel (262k-wide rows).
         let vocab = self.info.vocab_size;

@@ -48,13 +48,17 @@ fn submit(s: &mut Scheduler, id: u64, p: Vec<u32>, n: u32, session: Option<&str>
     rx
 }
 
-/// Every block table the scheduler holds.
+/// Every block table the scheduler holds, packed blocks too.
 fn tables(s: &Scheduler) -> Vec<&[BlockId]> {
     s.running
         .iter()
         .chain(&s.waiting)
-        .map(|q| q.blocks.as_slice())
-        .chain(s.sessions.values().map(|c| c.blocks.as_slice()))
+        .flat_map(|q| [q.blocks.as_slice(), q.packed.as_slice()])
+        .chain(
+            s.sessions
+                .values()
+                .flat_map(|c| [c.blocks.as_slice(), c.packed.as_slice()]),
+        )
         .collect()
 }
 
@@ -98,8 +102,23 @@ fn contents(s: &Scheduler, blocks: &[BlockId]) -> Vec<(Vec<f32>, Vec<f32>)> {
         .collect()
 }
 
+/// Every layer of every position kept: the reference the packed history must match.
+fn unpacked() -> EngineConfig {
+    EngineConfig {
+        kv_window_margin: None,
+        ..Default::default()
+    }
+}
+
+fn packing(margin: usize) -> EngineConfig {
+    EngineConfig {
+        kv_window_margin: Some(margin),
+        ..Default::default()
+    }
+}
+
 fn cold(model: &Arc<Model>, p: Vec<u32>, n: u32) -> Vec<u32> {
-    let mut s = Scheduler::new(model.clone(), EngineConfig::default()).unwrap();
+    let mut s = Scheduler::new(model.clone(), unpacked()).unwrap();
     let mut rx = submit(&mut s, 1, p, n, None);
     drain(&mut s, |_| {});
     outcome(&mut rx).1
@@ -217,7 +236,8 @@ fn under_memory_pressure_eviction_never_frees_a_referenced_block() {
     drain(&mut s, |s| {
         for q in &s.running {
             // Every block a running sequence reads is referenced (never free, never cached).
-            assert!(q.blocks.iter().all(|&b| s.alloc.refs(b) > 0));
+            let held = q.blocks.iter().chain(&q.packed).filter(|&&b| b != NO_BLOCK);
+            assert!(held.into_iter().all(|&b| s.alloc.refs(b) > 0));
         }
     });
     assert!(s.preemptions > 0 || s.evictions > 0);
@@ -225,4 +245,107 @@ fn under_memory_pressure_eviction_never_frees_a_referenced_block() {
         let (_, tokens) = outcome(&mut rx);
         assert_eq!(tokens, cold(&model, p, 30));
     }
+}
+
+// The tiny model slides a 16-token window in layers 0, 1, 3 and 4; layers 2 and 5 are global, so
+// three blocks' global layers pack into one block.
+
+#[test]
+fn packed_history_answers_like_the_full_history_in_fewer_blocks() {
+    let model = tiny();
+    let run = |config: EngineConfig| {
+        let mut s = Scheduler::new(model.clone(), config).unwrap();
+        let first = prompt(300, 5);
+        let mut a = submit(&mut s, 1, first.clone(), 60, Some("s"));
+        drain(&mut s, |_| {});
+        let (_, reply) = outcome(&mut a);
+        let held = s.alloc.used();
+        let packed = s.sessions[&SessionId::from("s")].packed.len();
+        let mut second = first;
+        second.extend(&reply);
+        second.extend(prompt(20, 6));
+        let mut b = submit(&mut s, 2, second, 30, Some("s"));
+        drain(&mut s, |_| {});
+        let (cached, reply2) = outcome(&mut b);
+        (reply, held, packed, cached, reply2)
+    };
+    let full = run(unpacked());
+    let packed = run(packing(8));
+    // 359 positions: 23 blocks whole; packed, positions below 336 (21 blocks) become 7 packed
+    // blocks, and 2 blocks stay whole.
+    assert_eq!((full.1, full.2), (23, 0));
+    assert_eq!((packed.1, packed.2), (9, 7));
+    assert_eq!(packed.0, full.0, "first reply");
+    assert_eq!(
+        (packed.3, full.3),
+        (359, 359),
+        "the second turn resumes from the cache"
+    );
+    assert_eq!(packed.4, full.4, "second reply");
+}
+
+#[test]
+fn rewinds_within_the_margin_resume_and_deeper_ones_recompute_the_same_answer() {
+    let model = tiny();
+    let mut s = Scheduler::new(model.clone(), packing(48)).unwrap();
+    let first = prompt(300, 8);
+    let mut a = submit(&mut s, 1, first.clone(), 40, Some("s"));
+    drain(&mut s, |_| {});
+    let (_, reply) = outcome(&mut a);
+    assert_eq!(s.sessions[&SessionId::from("s")].packed.len(), 5);
+    // Regenerating the reply rewinds 40 tokens, within the 48-token margin.
+    let mut b = submit(&mut s, 2, first.clone(), 40, Some("s"));
+    drain(&mut s, |_| {});
+    assert_eq!(outcome(&mut b), (299, reply));
+    // An edit at token 100 is inside the packed history: the session cache cannot serve it, but
+    // the blocks packing let go are still in the prefix cache.
+    let mut edited = first[..100].to_vec();
+    edited.extend(prompt(30, 9));
+    let mut c = submit(&mut s, 3, edited.clone(), 20, Some("s"));
+    drain(&mut s, |_| {});
+    let (cached, tokens) = outcome(&mut c);
+    assert_eq!(cached, 96);
+    assert_eq!(tokens, cold(&model, edited, 20));
+}
+
+#[test]
+fn a_packed_session_spills_to_disk_and_comes_back_whole() {
+    let model = tiny();
+    let c = &model.config;
+    let block_bytes =
+        KvStore::block_bytes(c.num_layers, BS, c.kv_dim(), c.head_dim, KvDtype::default());
+    let dir = std::env::temp_dir().join(format!("hearth-sched-disk-{}", std::process::id()));
+    let mut s = Scheduler::new(
+        model.clone(),
+        EngineConfig {
+            // Two idle packed sessions (9 blocks each) and a third one's prefill (19 blocks) do
+            // not fit: the oldest goes to disk.
+            kv_budget_bytes: 30 * block_bytes,
+            kv_disk: Some(crate::engine::DiskConfig {
+                dir: dir.clone(),
+                bytes: 100 * block_bytes as u64,
+            }),
+            ..packing(8)
+        },
+    )
+    .unwrap();
+    let mut history = Vec::new();
+    for (i, name) in ["a", "b", "c"].into_iter().enumerate() {
+        let p = prompt(300, 40 + i as u32);
+        let mut rx = submit(&mut s, i as u64, p.clone(), 4, Some(name));
+        drain(&mut s, |_| {});
+        history.push((p, outcome(&mut rx).1));
+    }
+    assert_eq!(s.stats().disk_sessions, 1);
+    let (p, reply) = &history[0];
+    let mut turn2 = p.clone();
+    turn2.extend(reply);
+    turn2.extend(prompt(10, 49));
+    let mut rx = submit(&mut s, 10, turn2.clone(), 8, Some("a"));
+    drain(&mut s, |_| {});
+    let (cached, tokens) = outcome(&mut rx);
+    assert_eq!(s.stats().disk_restores, 1);
+    assert_eq!(cached, 303, "every computed position came back");
+    assert_eq!(tokens, cold(&model, turn2, 8));
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -26,6 +26,10 @@ pub struct EngineConfig {
     pub kv_dtype: KvDtype,
     /// Where idle sessions evicted from memory go instead of being dropped; `None`: nowhere.
     pub kv_disk: Option<DiskConfig>,
+    /// Positions beyond the sliding window whose sliding-layer K/V are kept, so that rewinding a
+    /// session that far (regenerating its last reply) resumes from its cache; older positions
+    /// keep only their global layers (packed). `None` keeps every layer of every position.
+    pub kv_window_margin: Option<usize>,
 }
 
 /// The disk tier's file location and size.
@@ -34,6 +38,10 @@ pub struct DiskConfig {
     pub dir: std::path::PathBuf,
     pub bytes: u64,
 }
+
+/// Default of [`EngineConfig::kv_window_margin`]: a regenerated reply of up to this many tokens
+/// (with its turn markers) resumes from the session cache.
+pub const DEFAULT_WINDOW_MARGIN: usize = 512;
 
 impl Default for EngineConfig {
     fn default() -> Self {
@@ -46,6 +54,7 @@ impl Default for EngineConfig {
             command_queue: 4096,
             kv_dtype: KvDtype::default(),
             kv_disk: None,
+            kv_window_margin: Some(DEFAULT_WINDOW_MARGIN),
         }
     }
 }

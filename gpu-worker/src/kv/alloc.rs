@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 
-use super::BlockId;
+use super::{BlockId, NO_BLOCK};
 
 /// Parent hash of a sequence's first block.
 pub const ROOT_HASH: u64 = 0x6865_6172_7468_6b76;
@@ -164,12 +164,14 @@ impl BlockAllocator {
     }
 
     /// Shrinks `table` to the blocks needed for `tokens` tokens, releasing the rest (the last
-    /// block first, so a chain's tail is reclaimed before its head).
+    /// block first, so a chain's tail is reclaimed before its head). [`NO_BLOCK`] entries hold
+    /// nothing and are just dropped.
     pub fn truncate(&mut self, table: &mut Vec<BlockId>, tokens: usize, block_size: usize) {
         let keep = tokens.div_ceil(block_size);
         while table.len() > keep {
-            if let Some(b) = table.pop() {
-                self.unref(b);
+            match table.pop() {
+                Some(NO_BLOCK) | None => {}
+                Some(b) => self.unref(b),
             }
         }
     }
@@ -232,7 +234,7 @@ impl BlockAllocator {
     pub fn audit<'a>(&self, tables: impl IntoIterator<Item = &'a [BlockId]>) -> Result<(), String> {
         let mut held = vec![0u32; self.total];
         for t in tables {
-            for &b in t {
+            for &b in t.iter().filter(|&&b| b != NO_BLOCK) {
                 held[b as usize] += 1;
             }
         }

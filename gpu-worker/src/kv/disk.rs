@@ -71,6 +71,8 @@ impl Drop for Mapping {
 #[derive(Debug)]
 struct Entry {
     tokens: Vec<u32>,
+    /// Leading slots that hold packed blocks (see [`super::Packing`]).
+    packed: usize,
     slots: Vec<u32>,
     stamp: u64,
 }
@@ -79,6 +81,8 @@ struct Entry {
 #[derive(Debug)]
 pub struct Spilled<'a> {
     pub tokens: Vec<u32>,
+    /// Leading blocks that are packed blocks.
+    pub packed: usize,
     pub blocks: Vec<&'a [u8]>,
 }
 
@@ -149,12 +153,13 @@ impl DiskTier {
     }
 
     /// Stores a session: `tokens`, and `blocks` whose bytes `fill(i, out)` writes for block `i`
-    /// (exactly `slot_bytes` or fewer). Drops the oldest sessions for room; false when the
-    /// session does not fit even in an empty tier.
+    /// (exactly `slot_bytes` or fewer), the first `packed` of them packed blocks. Drops the
+    /// oldest sessions for room; false when the session does not fit even in an empty tier.
     pub fn spill(
         &mut self,
         id: SessionId,
         tokens: Vec<u32>,
+        packed: usize,
         blocks: usize,
         mut fill: impl FnMut(usize, &mut Vec<u8>),
     ) -> bool {
@@ -192,6 +197,7 @@ impl DiskTier {
             id,
             Entry {
                 tokens,
+                packed,
                 slots,
                 stamp: self.clock,
             },
@@ -204,6 +210,11 @@ impl DiskTier {
         self.entries.get(id).map(|e| e.tokens.as_slice())
     }
 
+    /// How many of a spilled session's leading blocks are packed blocks.
+    pub fn packed(&self, id: &SessionId) -> Option<usize> {
+        self.entries.get(id).map(|e| e.packed)
+    }
+
     /// Takes a session out of the tier; its slots are free again once the returned view (which
     /// borrows the tier) is dropped.
     pub fn take(&mut self, id: &SessionId) -> Option<Spilled<'_>> {
@@ -213,6 +224,7 @@ impl DiskTier {
         let sb = self.slot_bytes;
         Some(Spilled {
             tokens: e.tokens,
+            packed: e.packed,
             blocks: e
                 .slots
                 .iter()
@@ -242,16 +254,16 @@ mod tests {
         let mut t = DiskTier::create(&dir, 4 * 8, 8).unwrap();
         assert_eq!(t.slots_total(), 4);
         let fill = |tag: u8| move |i: usize, out: &mut Vec<u8>| out.extend([tag + i as u8; 8]);
-        assert!(t.spill(SessionId::from("a"), vec![1, 2, 3], 2, fill(10)));
-        assert!(t.spill(SessionId::from("b"), vec![4], 2, fill(20)));
+        assert!(t.spill(SessionId::from("a"), vec![1, 2, 3], 0, 2, fill(10)));
+        assert!(t.spill(SessionId::from("b"), vec![4], 1, 2, fill(20)));
         assert_eq!((t.sessions(), t.slots_used()), (2, 4));
         // A third session needs room: the oldest ("a") goes.
-        assert!(t.spill(SessionId::from("c"), vec![5, 6], 1, fill(30)));
+        assert!(t.spill(SessionId::from("c"), vec![5, 6], 0, 1, fill(30)));
         assert!(!t.contains(&SessionId::from("a")));
         assert_eq!(t.dropped, 1);
-        assert!(!t.spill(SessionId::from("huge"), vec![], 5, fill(0)));
+        assert!(!t.spill(SessionId::from("huge"), vec![], 0, 5, fill(0)));
         let b = t.take(&SessionId::from("b")).unwrap();
-        assert_eq!(b.tokens, vec![4]);
+        assert_eq!((b.tokens.as_slice(), b.packed), (&[4][..], 1));
         assert_eq!(b.blocks, vec![&[20u8; 8][..], &[21u8; 8][..]]);
         drop(b);
         assert_eq!(t.slots_used(), 1);

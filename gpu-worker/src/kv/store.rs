@@ -117,6 +117,24 @@ impl Slab {
         }
     }
 
+    /// Copies `n` slots from `src` in `from` to `dst` in `self` (another layer's slab, same shape).
+    fn copy_from(&mut self, from: &Slab, src: usize, dst: usize, n: usize, d: usize, heads: usize) {
+        match (self, from) {
+            (Self::F32(t), Self::F32(f)) => {
+                t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d])
+            }
+            (Self::F16(t), Self::F16(f)) => {
+                t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d])
+            }
+            (Self::Int8(t, ts), Self::Int8(f, fs)) => {
+                t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d]);
+                ts[dst * heads..(dst + n) * heads]
+                    .copy_from_slice(&fs[src * heads..(src + n) * heads]);
+            }
+            _ => unreachable!("every slab of a store has the store's element type"),
+        }
+    }
+
     /// Copies the first `n` slots of block `src` to block `dst` (blocks of `bs` slots).
     fn copy_block(&mut self, src: usize, dst: usize, n: usize, bs: usize, d: usize, heads: usize) {
         let (s, t, len) = (src * bs * d, dst * bs * d, n * d);
@@ -167,6 +185,46 @@ impl Slab {
     }
 }
 
+/// How the global (full-attention) layers of old positions are kept once the sliding-window
+/// layers no longer need them: the rows of `per` consecutive table blocks, global layers only,
+/// packed into one block. Sub-block `j`'s global layer `i` lives in that block's storage layer
+/// `j * globals.len() + i`, so a packed block holds `per` blocks' worth of history in the space
+/// of one.
+#[derive(Clone, Debug)]
+pub struct Packing {
+    pub per: usize,
+    globals: Vec<usize>,
+    /// Each layer's index among the global layers.
+    index: Vec<Option<usize>>,
+}
+
+impl Packing {
+    /// The packing for a model whose global layers are `globals` (of `num_layers`); `None` when
+    /// it would save nothing (no sliding layers, or fewer than two blocks' worth fit in one).
+    pub fn new(num_layers: usize, globals: Vec<usize>) -> Option<Self> {
+        if globals.is_empty() || globals.iter().any(|&l| l >= num_layers) {
+            return None;
+        }
+        let per = num_layers / globals.len();
+        let mut index = vec![None; num_layers];
+        for (i, &l) in globals.iter().enumerate() {
+            index[l] = Some(i);
+        }
+        (per >= 2).then_some(Self {
+            per,
+            globals,
+            index,
+        })
+    }
+
+    /// Storage layer of global layer `layer` for sub-block `sub`.
+    #[inline]
+    fn storage_layer(&self, layer: usize, sub: usize) -> usize {
+        let i = self.index[layer].expect("packed history is read only by global layers");
+        sub * self.globals.len() + i
+    }
+}
+
 /// Paged K/V vectors for every layer.
 #[derive(Debug)]
 pub struct KvStore {
@@ -175,6 +233,7 @@ pub struct KvStore {
     pub head_dim: usize,
     pub num_blocks: usize,
     pub dtype: KvDtype,
+    packing: Option<Packing>,
     k: Vec<Slab>,
     v: Vec<Slab>,
 }
@@ -196,6 +255,7 @@ impl KvStore {
             head_dim,
             num_blocks,
             dtype,
+            packing: None,
             k: (0..num_layers)
                 .map(|_| Slab::new(dtype, slots, kv_dim, heads))
                 .collect(),
@@ -218,6 +278,46 @@ impl KvStore {
 
     fn heads(&self) -> usize {
         self.kv_dim / self.head_dim
+    }
+
+    /// Enables [`KvStore::pack`] with `packing`.
+    pub fn with_packing(mut self, packing: Option<Packing>) -> Self {
+        self.packing = packing;
+        self
+    }
+
+    pub fn packing(&self) -> Option<&Packing> {
+        self.packing.as_ref()
+    }
+
+    /// Packs the global layers of blocks `src` (at most `per` of them, in table order) into the
+    /// fresh block `dst`. Reads `src` only, so shared and registered blocks can be packed.
+    pub fn pack(&mut self, src: &[BlockId], dst: BlockId) {
+        let Some(p) = self.packing.clone() else {
+            return;
+        };
+        debug_assert!(src.len() <= p.per && !src.contains(&dst));
+        let (bs, d, heads) = (self.block_size, self.kv_dim, self.heads());
+        for (sub, &b) in src.iter().enumerate() {
+            for &layer in &p.globals {
+                let to = p.storage_layer(layer, sub);
+                let (from_slot, to_slot) = (b as usize * bs, dst as usize * bs);
+                for slabs in [&mut self.k, &mut self.v] {
+                    if to == layer {
+                        slabs[to].copy_block(b as usize, dst as usize, bs, bs, d, heads);
+                    } else {
+                        let (a, c) = if to < layer {
+                            let (lo, hi) = slabs.split_at_mut(layer);
+                            (&mut lo[to], &hi[0])
+                        } else {
+                            let (lo, hi) = slabs.split_at_mut(to);
+                            (&mut hi[0], &lo[layer])
+                        };
+                        a.copy_from(c, from_slot, to_slot, bs, d, heads);
+                    }
+                }
+            }
+        }
     }
 
     #[inline]
@@ -253,6 +353,34 @@ impl KvStore {
             }
             o
         })
+    }
+
+    /// Where the rows of `layer` for every position in `range` are stored, in order: (storage
+    /// layer, slot). Positions below `packed.len() * per` blocks are read from the packed blocks
+    /// (global layers only); the rest through `blocks`.
+    pub fn rows<'a>(
+        &'a self,
+        layer: usize,
+        blocks: &'a [BlockId],
+        packed: &'a [BlockId],
+        range: std::ops::RangeInclusive<usize>,
+    ) -> impl Iterator<Item = (usize, usize)> + 'a {
+        let bs = self.block_size;
+        let (first, last) = (*range.start(), *range.end());
+        let per = self.packing.as_ref().map_or(1, |p| p.per);
+        let split = (packed.len() * per * bs).clamp(first, last + 1);
+        let head = (first..split).map(move |pos| {
+            let (i, off) = (pos / bs, pos % bs);
+            let p = self
+                .packing
+                .as_ref()
+                .expect("packed blocks without packing");
+            (
+                p.storage_layer(layer, i % per),
+                packed[i / per] as usize * bs + off,
+            )
+        });
+        head.chain(self.slots(blocks, split..=last).map(move |s| (layer, s)))
     }
 
     /// KV head `g` of the key in `slot` of `layer`, as f32 (`buf` holds at least `head_dim`).
@@ -413,5 +541,48 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn packed_blocks_read_back_the_global_layers_exactly() {
+        use crate::kv::NO_BLOCK;
+        for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Int8] {
+            // Four layers, 1 and 3 global: two blocks of two positions pack into one block.
+            let packing = Packing::new(4, vec![1, 3]);
+            assert_eq!(packing.as_ref().map(|p| p.per), Some(2));
+            let mut s = KvStore::new(4, 5, 2, 4, 2, dtype).with_packing(packing);
+            let table = [0, 1, 2];
+            for layer in 0..4 {
+                for pos in 0..6 {
+                    let k: Vec<f32> = (0..4)
+                        .map(|i| ((layer * 31 + pos * 7 + i) % 13) as f32 - 6.0)
+                        .collect();
+                    let v: Vec<f32> = k.iter().map(|x| x * 0.5 + 1.0).collect();
+                    s.write(layer, &table, pos, &k, &v);
+                }
+            }
+            let rows = |s: &KvStore, layer, blocks: &[BlockId], packed: &[BlockId]| {
+                let mut buf = [0f32; 2];
+                s.rows(layer, blocks, packed, 0..=5)
+                    .map(|(at, slot)| {
+                        let mut kv = Vec::new();
+                        for g in 0..2 {
+                            kv.extend_from_slice(s.key(at, slot, g, &mut buf));
+                            kv.extend_from_slice(s.value(at, slot, g, &mut buf));
+                        }
+                        kv
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let before = [rows(&s, 1, &table, &[]), rows(&s, 3, &table, &[])];
+            s.pack(&table[..2], 4);
+            // The source blocks are only read; the packed table reads the same rows.
+            assert_eq!(rows(&s, 1, &table, &[]), before[0], "{dtype:?}");
+            let packed_table = [NO_BLOCK, NO_BLOCK, 2];
+            assert_eq!(rows(&s, 1, &packed_table, &[4]), before[0], "{dtype:?}");
+            assert_eq!(rows(&s, 3, &packed_table, &[4]), before[1], "{dtype:?}");
+        }
+        assert!(Packing::new(4, vec![]).is_none(), "no global layer");
+        assert!(Packing::new(3, vec![0, 1]).is_none(), "nothing to save");
     }
 }

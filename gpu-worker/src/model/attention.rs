@@ -1,8 +1,8 @@
 //! Attention of each sequence's new tokens over its own paged KV cache.
 //!
 //! Work is split into (sequence, KV head, 64-token query slice) tasks run across the kernel pool.
-//! Keys and values are read through the sequence's block table (in place when stored as f32,
-//! converted head by head when compact). Each query row is
+//! Keys and values are read through the sequence's block table, and its packed blocks for old
+//! positions of global layers (in place when stored as f32, converted head by head when compact). Each query row is
 //! computed on its own, over exactly the keys its position can see and in position order, so a
 //! token's result never depends on how its sequence was batched, chunked, cached or recomputed
 //! (a general matrix product would change its summation order with shape). The heads sharing a
@@ -98,8 +98,11 @@ fn token(
     scores.resize(group * len, 0.0);
     let mut max = vec![f32::NEG_INFINITY; group];
     let mut buf = vec![0f32; hd];
-    for (jj, slot) in kv.slots(ch.blocks, keys.clone()).enumerate() {
-        let key = kv.key(layer, slot, g, &mut buf);
+    for (jj, (at, slot)) in kv
+        .rows(layer, ch.blocks, ch.packed, keys.clone())
+        .enumerate()
+    {
+        let key = kv.key(at, slot, g, &mut buf);
         for (h, q) in qrows.chunks_exact(hd).enumerate() {
             let mut v = ops::dot(q, key) * scale;
             if let Some(cap) = c.attn_logit_softcap {
@@ -118,8 +121,8 @@ fn token(
         }
         inv[h] = 1.0 / sum;
     }
-    for (jj, slot) in kv.slots(ch.blocks, keys).enumerate() {
-        let value = kv.value(layer, slot, g, &mut buf);
+    for (jj, (at, slot)) in kv.rows(layer, ch.blocks, ch.packed, keys).enumerate() {
+        let value = kv.value(at, slot, g, &mut buf);
         for (h, o) in out.chunks_exact_mut(hd).enumerate() {
             ops::axpy(o, scores[h * len + jj] * inv[h], value);
         }

@@ -104,8 +104,11 @@ pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     /// Position of `tokens[0]`; the sequence's cache holds positions `0..start_pos`.
     pub start_pos: usize,
-    /// Must cover `start_pos + tokens.len()` positions.
+    /// Must cover `start_pos + tokens.len()` positions; leading entries may be
+    /// [`crate::kv::NO_BLOCK`], their global layers held by `packed`.
     pub blocks: &'a [BlockId],
+    /// Packed global-layer blocks of the table's leading positions (see [`crate::kv::Packing`]).
+    pub packed: &'a [BlockId],
     pub want_logits: bool,
 }
 

@@ -58,6 +58,11 @@ pub struct ServeConfig {
         default_value = "data/kv-tier"
     )]
     pub kv_disk_dir: PathBuf,
+    /// Positions past the sliding window whose sliding-layer K/V stay in memory, so regenerating
+    /// a reply up to this long resumes from the session's cache; older positions keep only the
+    /// global layers (for Gemma 3, a sixth of the memory). `off` keeps every layer.
+    #[arg(long, env = "HEARTH_WORKER_KV_WINDOW_MARGIN", default_value = "512", value_parser = parse_margin)]
+    pub kv_window_margin: WindowMargin,
     /// Most sequences decoded in one engine step.
     #[arg(long, env = "HEARTH_WORKER_MAX_BATCH", default_value_t = 64)]
     pub max_batch: usize,
@@ -185,6 +190,7 @@ impl ServeConfig {
             max_waiting: self.max_waiting,
             prefill_chunk: self.prefill_chunk,
             kv_dtype: self.kv_dtype,
+            kv_window_margin: self.kv_window_margin.0,
             // Room for every waiting request plus the cancels and drops that accompany them.
             command_queue: self.max_waiting * 2 + 64,
             ..EngineConfig::default()
@@ -248,6 +254,20 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok(bytes as u64)
 }
 
+/// `--kv-window-margin`: a token count, or `off`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WindowMargin(pub Option<usize>);
+
+fn parse_margin(s: &str) -> Result<WindowMargin, String> {
+    match s.trim() {
+        "off" => Ok(WindowMargin(None)),
+        n => n
+            .parse()
+            .map(|n| WindowMargin(Some(n)))
+            .map_err(|_| format!("`{s}` is not a token count or `off`")),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,5 +284,13 @@ mod tests {
             let err = parse_bytes(bad).expect_err(bad);
             assert!(err.contains(&format!("`{bad}`")), "{err}");
         }
+    }
+
+    #[test]
+    fn the_window_margin_is_a_count_or_off() {
+        assert_eq!(parse_margin("512"), Ok(WindowMargin(Some(512))));
+        assert_eq!(parse_margin("off"), Ok(WindowMargin(None)));
+        let err = parse_margin("-1").unwrap_err();
+        assert!(err.contains("`-1`") && err.contains("`off`"), "{err}");
     }
 }
