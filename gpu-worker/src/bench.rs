@@ -129,14 +129,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         rss_loaded >> 20
     ));
     let vocab = model.config.vocab_size;
-    let engine = Engine::start(
-        model.clone(),
-        EngineConfig {
-            kv_budget_bytes: o.kv_budget_mb << 20,
-            kv_dtype: o.kv_dtype,
-            ..Default::default()
-        },
-    )?;
+    let engine = start_engine(&model, o)?;
     let h = engine.handle();
     let mut id = 0u64;
     let mut next = || {
@@ -305,20 +298,25 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     }))
 }
 
-/// The KV memory one idle session of `--warm-tokens` tokens holds, as configured (element type,
-/// sliding-window packing), against every layer of every position in f32 (the engine before f16
-/// K/V and packing).
-fn warm_sessions(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
-    use crate::kv::KvStore;
-    let (n, c) = (o.warm_tokens, &model.config);
-    let engine = Engine::start(
+/// An engine with the benchmark's KV budget and element type, other settings at their defaults.
+fn start_engine(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Engine> {
+    Ok(Engine::start(
         model.clone(),
         EngineConfig {
             kv_budget_bytes: o.kv_budget_mb << 20,
             kv_dtype: o.kv_dtype,
             ..Default::default()
         },
-    )?;
+    )?)
+}
+
+/// The KV memory one idle session of `--warm-tokens` tokens holds, as configured (element type,
+/// sliding-window packing), against every layer of every position in f32 (the engine before f16
+/// K/V and packing).
+fn warm_sessions(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
+    use crate::kv::KvStore;
+    let (n, c) = (o.warm_tokens, &model.config);
+    let engine = start_engine(model, o)?;
     let h = engine.handle();
     let bs = h.model_info().block_size;
     let t = Instant::now();
