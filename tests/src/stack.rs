@@ -455,6 +455,21 @@ pub fn signal(child: &Child, sig: i32) {
     assert_eq!(rc, 0, "kill({}, {sig})", child.id());
 }
 
+/// An OpenAI chat completion (`body`, not streamed) that must succeed; its JSON reply.
+pub async fn chat_completion(
+    addr: SocketAddr,
+    key: &str,
+    body: &serde_json::Value,
+) -> serde_json::Value {
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(key))
+        .json(body)
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()
+}
+
 /// Creates an empty session for `key`'s user; its id.
 pub async fn new_session(addr: SocketAddr, key: &str) -> String {
     let r = Req::new("POST", "/v1/sessions")

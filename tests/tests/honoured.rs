@@ -5,7 +5,7 @@
 use std::net::SocketAddr;
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{new_session, Db, Stack};
+use hearth_e2e::stack::{chat_completion, new_session, Db, Stack};
 use serde_json::{json, Value};
 
 async fn completion(addr: SocketAddr, key: &str, extra: Value) -> Value {
@@ -14,13 +14,7 @@ async fn completion(addr: SocketAddr, key: &str, extra: Value) -> Value {
     for (k, v) in extra.as_object().expect("object") {
         body[k] = v.clone();
     }
-    let r = Req::new("POST", "/v1/chat/completions")
-        .key(Some(key))
-        .json(&body)
-        .send(addr)
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()
+    chat_completion(addr, key, &body).await
 }
 
 fn content(v: &Value) -> String {

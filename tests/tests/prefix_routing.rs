@@ -2,7 +2,9 @@
 //! it from that worker's prefix cache.
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{serving_worker, slow_spec, worker_in_flight, worker_metric, Db, Stack};
+use hearth_e2e::stack::{
+    chat_completion, serving_worker, slow_spec, worker_in_flight, worker_metric, Db, Stack,
+};
 use serde_json::{json, Value};
 
 #[tokio::test]
@@ -16,13 +18,7 @@ async fn a_resent_conversation_returns_to_the_worker_holding_its_prefix() {
     let turn = |messages: Vec<Value>| async move {
         let body =
             json!({"model": "tiny", "messages": messages, "max_tokens": 4, "ignore_eos": true});
-        let r = Req::new("POST", "/v1/chat/completions")
-            .key(Some(key))
-            .json(&body)
-            .send(addr)
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        r.json()
+        chat_completion(addr, key, &body).await
     };
     // Turn one: both workers idle, the first takes it.
     let one = turn(messages.clone()).await;

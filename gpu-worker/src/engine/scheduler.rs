@@ -400,16 +400,14 @@ impl Scheduler {
 
     /// Copies an evicted session cache to the disk tier, if there is one.
     fn spill(&mut self, id: &SessionId, c: &SessionCache) {
+        let per = self.pack_per();
         let (Some(disk), false) = (self.disk.as_mut(), c.tokens.is_empty()) else {
             return;
         };
         let (bs, n) = (self.config.block_size, c.tokens.len());
         let kv = &self.kv;
         // The packed blocks whole, then the table's other blocks.
-        let (packed, trimmed) = (
-            c.packed.len(),
-            c.blocks.iter().take_while(|&&b| b == NO_BLOCK).count(),
-        );
+        let (packed, trimmed) = (c.packed.len(), c.packed.len() * per);
         let records = packed + n.div_ceil(bs) - trimmed;
         let stored = disk.spill(id.clone(), c.tokens.clone(), packed, records, |i, out| {
             if i < packed {

@@ -117,6 +117,12 @@ fn packing(margin: usize) -> EngineConfig {
     }
 }
 
+/// Bytes of one KV block of `model` at the default element type.
+fn block_bytes(model: &Model) -> usize {
+    let c = &model.config;
+    KvStore::block_bytes(c.num_layers, BS, c.kv_dim(), c.head_dim, KvDtype::default())
+}
+
 fn cold(model: &Arc<Model>, p: Vec<u32>, n: u32) -> Vec<u32> {
     let mut s = Scheduler::new(model.clone(), unpacked()).unwrap();
     let mut rx = submit(&mut s, 1, p, n, None);
@@ -210,9 +216,7 @@ fn rewinding_a_session_into_a_registered_block_copies_it_first() {
 #[test]
 fn under_memory_pressure_eviction_never_frees_a_referenced_block() {
     let model = tiny();
-    let c = &model.config;
-    let block_bytes =
-        KvStore::block_bytes(c.num_layers, BS, c.kv_dim(), c.head_dim, KvDtype::default());
+    let block_bytes = block_bytes(&model);
     let mut s = Scheduler::new(
         model.clone(),
         EngineConfig {
@@ -311,9 +315,7 @@ fn rewinds_within_the_margin_resume_and_deeper_ones_recompute_the_same_answer() 
 #[test]
 fn a_packed_session_spills_to_disk_and_comes_back_whole() {
     let model = tiny();
-    let c = &model.config;
-    let block_bytes =
-        KvStore::block_bytes(c.num_layers, BS, c.kv_dim(), c.head_dim, KvDtype::default());
+    let block_bytes = block_bytes(&model);
     let dir = std::env::temp_dir().join(format!("hearth-sched-disk-{}", std::process::id()));
     let mut s = Scheduler::new(
         model.clone(),

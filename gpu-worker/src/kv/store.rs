@@ -293,11 +293,11 @@ impl KvStore {
     /// Packs the global layers of blocks `src` (at most `per` of them, in table order) into the
     /// fresh block `dst`. Reads `src` only, so shared and registered blocks can be packed.
     pub fn pack(&mut self, src: &[BlockId], dst: BlockId) {
-        let Some(p) = self.packing.clone() else {
+        let Some(p) = &self.packing else {
             return;
         };
         debug_assert!(src.len() <= p.per && !src.contains(&dst));
-        let (bs, d, heads) = (self.block_size, self.kv_dim, self.heads());
+        let (bs, d, heads) = (self.block_size, self.kv_dim, self.kv_dim / self.head_dim);
         for (sub, &b) in src.iter().enumerate() {
             for &layer in &p.globals {
                 let to = p.storage_layer(layer, sub);
