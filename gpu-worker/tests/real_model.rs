@@ -114,14 +114,20 @@ fn the_real_model_continues_a_sentence_with_coherent_english() {
     assert_eq!(batched[0].tokens, out.tokens);
 }
 
-/// f16 K/V (the default) against f32 K/V, teacher-forced over 1,000 positions of a fixed English
-/// text (`tests/data/accuracy-text.md`, a past README; on another README version f16 measured
-/// 98.4 % within the tie, so the margin is thin). At 99 % of positions the f16 run's greedy token must be f32's, or tie with it within
-/// 0.1 (f32 logits): where the model is torn between two tokens, rounding may pick either.
-/// Exact agreement is printed and must stay above 94 % (measured: 96.0 %, and 99.3 % within the
-/// tie). int8 K/V (`--kv-dtype int8`) does not pass: 92.8 % exact, 96.0 % within the tie.
+/// f16 K/V (the default) and int8 K/V (`--kv-dtype int8`: a scale per 32 values, keys balanced
+/// by the layer's norm weights) against f32 K/V, teacher-forced over 1,000 positions of a fixed
+/// English text (`tests/data/accuracy-text.md`, a past README). At 99 % of positions each run's
+/// greedy token must be f32's, or tie with it within 0.1 (f32 logits): where the model is torn
+/// between two tokens, rounding may pick either. Exact agreement is printed and must stay above
+/// 94 %. Measured: f16 96.0 % exact, 99.3 % within the tie; int8 96.5 % and 99.0 %.
+///
+/// The margin is thin for both, and the count moves by several positions with any change to the
+/// rounding. On two other texts (README.md as of 2026-11-23 and the design notes) f16 measured
+/// 98.4 % and 99.1 % within the tie, int8 98.2 % and 98.4 %: over all 3,000 positions, f16 98.9 %
+/// and int8 98.5 % within the tie, 96.1 % and 95.9 % exact. Before the 32-value groups and the key balance, int8 (one scale per head row)
+/// measured 93.2 % and 96.6 %.
 #[test]
-fn f16_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() {
+fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() {
     use hearth_worker::kv::{KvDtype, KvStore};
     use hearth_worker::model::SeqChunk;
     const POSITIONS: usize = 1000;
@@ -143,7 +149,8 @@ fn f16_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() 
             c.kv_dim(),
             c.head_dim,
             dtype,
-        );
+        )
+        .with_key_balance(model.key_balance());
         let chunk = SeqChunk {
             tokens: &ids,
             start_pos: 0,
@@ -162,8 +169,7 @@ fn f16_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() 
         .filter(|(r, &t)| r[0].0 == t)
         .count();
     assert!(right > POSITIONS / 4, "f32 predicted only {right} tokens");
-    {
-        let dtype = KvDtype::F16;
+    for dtype in [KvDtype::F16, KvDtype::Int8] {
         let got = top(dtype);
         let exact = got
             .iter()

@@ -220,7 +220,8 @@ impl Scheduler {
             c.head_dim,
             config.kv_dtype,
         )
-        .with_packing(packing);
+        .with_packing(packing)
+        .with_key_balance(model.key_balance());
         let disk = match &config.kv_disk {
             Some(d) => Some(
                 DiskTier::create(&d.dir, d.bytes, kv.saved_bytes(config.block_size)).map_err(

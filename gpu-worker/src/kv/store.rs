@@ -1,6 +1,6 @@
 //! Paged K/V storage: one slab per layer for K and one for V, indexed through block tables.
 //!
-//! Rows are stored as f32, f16, or int8 with one f32 scale per (position, KV head). Slabs are
+//! Rows are stored as f32, f16, or int8 with one f16 scale per group of [`INT8_GROUP`] values. Slabs are
 //! allocated zeroed (the OS maps pages lazily, so an idle worker's resident memory grows only with
 //! the blocks actually written). Readers get each head's row as f32, converted into a scratch
 //! buffer when the storage is compact; the conversion is exact and deterministic, so a token's K/V
@@ -16,17 +16,33 @@ pub enum KvDtype {
     F32,
     #[default]
     F16,
-    /// int8 with one f32 scale per position and KV head (symmetric, max-abs).
+    /// int8 with one f16 scale per [`INT8_GROUP`] consecutive values of a head (symmetric,
+    /// max-abs).
     Int8,
 }
 
+/// Values sharing one int8 scale, as in GGUF's Q8_0. A scale per whole head row lets one large
+/// channel coarsen all the others; a group of 32 keeps the rounding error near each group's own
+/// magnitude for 2 bytes per 32 values.
+pub const INT8_GROUP: usize = 32;
+
+/// Values per int8 scale for heads of `head_dim` (a whole head when it is not a multiple of
+/// [`INT8_GROUP`]).
+fn scale_group(head_dim: usize) -> usize {
+    if head_dim.is_multiple_of(INT8_GROUP) {
+        INT8_GROUP
+    } else {
+        head_dim
+    }
+}
+
 impl KvDtype {
-    /// Bytes of one stored row of `kv_dim` values made of `kv_heads` heads.
-    pub fn row_bytes(self, kv_dim: usize, kv_heads: usize) -> usize {
+    /// Bytes of one stored row of `kv_dim` values made of heads of `head_dim`.
+    pub fn row_bytes(self, kv_dim: usize, head_dim: usize) -> usize {
         match self {
             Self::F32 => kv_dim * 4,
             Self::F16 => kv_dim * 2,
-            Self::Int8 => kv_dim + kv_heads * 4,
+            Self::Int8 => kv_dim + kv_dim / scale_group(head_dim) * 2,
         }
     }
 
@@ -52,20 +68,22 @@ fn slab<T: Clone + Default>(len: usize) -> Vec<T> {
 enum Slab {
     F32(Vec<f32>),
     F16(Vec<f16>),
-    /// Values, and one scale per (slot, head).
-    Int8(Vec<i8>, Vec<f32>),
+    /// Values, and one scale per (slot, group of a head's values).
+    Int8(Vec<i8>, Vec<f16>),
 }
 
 impl Slab {
-    fn new(dtype: KvDtype, slots: usize, kv_dim: usize, heads: usize) -> Self {
+    /// A slab of `slots` rows of `kv_dim` values, with `groups` int8 scales per row.
+    fn new(dtype: KvDtype, slots: usize, kv_dim: usize, groups: usize) -> Self {
         match dtype {
             KvDtype::F32 => Self::F32(slab(slots * kv_dim)),
             KvDtype::F16 => Self::F16(slab(slots * kv_dim)),
-            KvDtype::Int8 => Self::Int8(slab(slots * kv_dim), slab(slots * heads)),
+            KvDtype::Int8 => Self::Int8(slab(slots * kv_dim), slab(slots * groups)),
         }
     }
 
-    fn write(&mut self, slot: usize, row: &[f32], hd: usize) {
+    /// Stores `row` in `slot`; int8 rows are stored times `balance` (per channel of a head).
+    fn write(&mut self, slot: usize, row: &[f32], groups: usize, balance: Option<&[f32]>) {
         let d = row.len();
         let o = slot * d;
         match self {
@@ -75,13 +93,29 @@ impl Slab {
                 v[o..o + d].convert_from_f32_slice(row);
             }
             Self::Int8(v, scales) => {
-                let heads = d / hd;
-                for (h, x) in row.chunks_exact(hd).enumerate() {
+                let gs = d / groups;
+                let balanced: Vec<f32>;
+                let row = match balance {
+                    Some(a) => {
+                        balanced = row
+                            .iter()
+                            .zip(a.iter().cycle())
+                            .map(|(x, a)| x * a)
+                            .collect();
+                        &balanced[..]
+                    }
+                    None => row,
+                };
+                let dst = v[o..o + d].chunks_exact_mut(gs);
+                let scales = &mut scales[slot * groups..(slot + 1) * groups];
+                for ((x, q), scale) in row.chunks_exact(gs).zip(dst).zip(scales) {
                     let max = x.iter().fold(0f32, |m, &a| m.max(a.abs()));
-                    let scale = if max > 0.0 { max / 127.0 } else { 1.0 };
-                    let inv = 1.0 / scale;
-                    scales[slot * heads + h] = scale;
-                    for (q, &a) in v[o + h * hd..o + (h + 1) * hd].iter_mut().zip(x) {
+                    // Quantize against the stored (rounded) scale, so reading back multiplies
+                    // by exactly the scale the values were divided by.
+                    *scale = f16::from_f32(max / 127.0);
+                    let s = scale.to_f32();
+                    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+                    for (q, &a) in q.iter_mut().zip(x) {
                         *q = (a * inv).round().clamp(-127.0, 127.0) as i8;
                     }
                 }
@@ -91,12 +125,15 @@ impl Slab {
 
     /// Head `g` of the row in `slot`, as f32 (in `buf` unless stored as f32).
     #[inline]
+    #[allow(clippy::too_many_arguments)]
     fn head<'a>(
         &'a self,
         slot: usize,
         g: usize,
         d: usize,
         hd: usize,
+        groups: usize,
+        unbalance: Option<&[f32]>,
         buf: &'a mut [f32],
     ) -> &'a [f32] {
         let o = slot * d + g * hd;
@@ -108,9 +145,21 @@ impl Slab {
                 &buf[..hd]
             }
             Self::Int8(v, scales) => {
-                let s = scales[slot * (d / hd) + g];
-                for (b, &q) in buf[..hd].iter_mut().zip(&v[o..o + hd]) {
-                    *b = f32::from(q) * s;
+                let gs = d / groups;
+                let first = slot * groups + g * hd / gs;
+                let rows = buf[..hd]
+                    .chunks_exact_mut(gs)
+                    .zip(v[o..o + hd].chunks_exact(gs));
+                for ((b, q), s) in rows.zip(&scales[first..first + hd / gs]) {
+                    let s = s.to_f32();
+                    for (b, &q) in b.iter_mut().zip(q) {
+                        *b = f32::from(q) * s;
+                    }
+                }
+                if let Some(inv) = unbalance {
+                    for (b, i) in buf[..hd].iter_mut().zip(inv) {
+                        *b *= i;
+                    }
                 }
                 &buf[..hd]
             }
@@ -118,7 +167,15 @@ impl Slab {
     }
 
     /// Copies `n` slots from `src` in `from` to `dst` in `self` (another layer's slab, same shape).
-    fn copy_from(&mut self, from: &Slab, src: usize, dst: usize, n: usize, d: usize, heads: usize) {
+    fn copy_from(
+        &mut self,
+        from: &Slab,
+        src: usize,
+        dst: usize,
+        n: usize,
+        d: usize,
+        groups: usize,
+    ) {
         match (self, from) {
             (Self::F32(t), Self::F32(f)) => {
                 t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d])
@@ -128,29 +185,29 @@ impl Slab {
             }
             (Self::Int8(t, ts), Self::Int8(f, fs)) => {
                 t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d]);
-                ts[dst * heads..(dst + n) * heads]
-                    .copy_from_slice(&fs[src * heads..(src + n) * heads]);
+                ts[dst * groups..(dst + n) * groups]
+                    .copy_from_slice(&fs[src * groups..(src + n) * groups]);
             }
             _ => unreachable!("every slab of a store has the store's element type"),
         }
     }
 
     /// Copies the first `n` slots of block `src` to block `dst` (blocks of `bs` slots).
-    fn copy_block(&mut self, src: usize, dst: usize, n: usize, bs: usize, d: usize, heads: usize) {
+    fn copy_block(&mut self, src: usize, dst: usize, n: usize, bs: usize, d: usize, groups: usize) {
         let (s, t, len) = (src * bs * d, dst * bs * d, n * d);
         match self {
             Self::F32(v) => v.copy_within(s..s + len, t),
             Self::F16(v) => v.copy_within(s..s + len, t),
             Self::Int8(v, scales) => {
                 v.copy_within(s..s + len, t);
-                let (s, t, len) = (src * bs * heads, dst * bs * heads, n * heads);
+                let (s, t, len) = (src * bs * groups, dst * bs * groups, n * groups);
                 scales.copy_within(s..s + len, t);
             }
         }
     }
 
     /// The raw bytes of `n` slots from `slot` on, appended to `out` (for the disk tier).
-    fn save(&self, slot: usize, n: usize, d: usize, heads: usize, out: &mut Vec<u8>) {
+    fn save(&self, slot: usize, n: usize, d: usize, groups: usize, out: &mut Vec<u8>) {
         fn bytes<T: Copy>(v: &[T]) -> &[u8] {
             // SAFETY: f32, f16 and i8 are plain data without padding; any byte is a valid u8.
             unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
@@ -160,13 +217,13 @@ impl Slab {
             Self::F16(v) => out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d])),
             Self::Int8(v, s) => {
                 out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d]));
-                out.extend_from_slice(bytes(&s[slot * heads..(slot + n) * heads]));
+                out.extend_from_slice(bytes(&s[slot * groups..(slot + n) * groups]));
             }
         }
     }
 
     /// Restores what [`Slab::save`] wrote for `n` slots from `slot` on; returns the bytes read.
-    fn load(&mut self, slot: usize, n: usize, d: usize, heads: usize, src: &[u8]) -> usize {
+    fn load(&mut self, slot: usize, n: usize, d: usize, groups: usize, src: &[u8]) -> usize {
         fn fill<T: Copy>(dst: &mut [T], src: &[u8]) -> usize {
             let len = std::mem::size_of_val(dst);
             // SAFETY: as in `save`; every bit pattern is a valid f32, f16 or i8.
@@ -179,7 +236,7 @@ impl Slab {
             Self::F16(v) => fill(&mut v[slot * d..(slot + n) * d], src),
             Self::Int8(v, s) => {
                 let a = fill(&mut v[slot * d..(slot + n) * d], src);
-                a + fill(&mut s[slot * heads..(slot + n) * heads], &src[a..])
+                a + fill(&mut s[slot * groups..(slot + n) * groups], &src[a..])
             }
         }
     }
@@ -234,6 +291,8 @@ pub struct KvStore {
     pub num_blocks: usize,
     pub dtype: KvDtype,
     packing: Option<Packing>,
+    /// Per layer, the int8 key factors of [`KvStore::with_key_balance`] and their reciprocals.
+    key_balance: Vec<(Vec<f32>, Vec<f32>)>,
     k: Vec<Slab>,
     v: Vec<Slab>,
 }
@@ -248,7 +307,7 @@ impl KvStore {
         dtype: KvDtype,
     ) -> Self {
         let slots = num_blocks * block_size;
-        let heads = kv_dim / head_dim;
+        let groups = kv_dim / scale_group(head_dim);
         Self {
             block_size,
             kv_dim,
@@ -256,11 +315,12 @@ impl KvStore {
             num_blocks,
             dtype,
             packing: None,
+            key_balance: Vec::new(),
             k: (0..num_layers)
-                .map(|_| Slab::new(dtype, slots, kv_dim, heads))
+                .map(|_| Slab::new(dtype, slots, kv_dim, groups))
                 .collect(),
             v: (0..num_layers)
-                .map(|_| Slab::new(dtype, slots, kv_dim, heads))
+                .map(|_| Slab::new(dtype, slots, kv_dim, groups))
                 .collect(),
         }
     }
@@ -273,16 +333,41 @@ impl KvStore {
         head_dim: usize,
         dtype: KvDtype,
     ) -> usize {
-        2 * num_layers * block_size * dtype.row_bytes(kv_dim, kv_dim / head_dim)
+        2 * num_layers * block_size * dtype.row_bytes(kv_dim, head_dim)
     }
 
     fn heads(&self) -> usize {
         self.kv_dim / self.head_dim
     }
 
+    /// int8 scales per row.
+    fn groups(&self) -> usize {
+        self.kv_dim / scale_group(self.head_dim)
+    }
+
     /// Enables [`KvStore::pack`] with `packing`.
     pub fn with_packing(mut self, packing: Option<Packing>) -> Self {
         self.packing = packing;
+        self
+    }
+
+    /// Int8 keys are stored times `balance[layer]` (one factor per channel of a head; see
+    /// [`crate::model::key_balance`]) and divided by it when read. Ignored for other element
+    /// types, or when the factors do not fit the layers.
+    pub fn with_key_balance(mut self, balance: Option<Vec<Vec<f32>>>) -> Self {
+        let fits = |b: &Vec<Vec<f32>>| {
+            b.len() == self.k.len() && b.iter().all(|a| a.len() == self.head_dim)
+        };
+        self.key_balance = match balance {
+            Some(b) if self.dtype == KvDtype::Int8 && fits(&b) => b
+                .into_iter()
+                .map(|a| {
+                    let inv = a.iter().map(|x| 1.0 / x).collect();
+                    (a, inv)
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
         self
     }
 
@@ -297,14 +382,14 @@ impl KvStore {
             return;
         };
         debug_assert!(src.len() <= p.per && !src.contains(&dst));
-        let (bs, d, heads) = (self.block_size, self.kv_dim, self.kv_dim / self.head_dim);
+        let (bs, d, groups) = (self.block_size, self.kv_dim, self.groups());
         for (sub, &b) in src.iter().enumerate() {
             for &layer in &p.globals {
                 let to = p.storage_layer(layer, sub);
                 let (from_slot, to_slot) = (b as usize * bs, dst as usize * bs);
                 for slabs in [&mut self.k, &mut self.v] {
                     if to == layer {
-                        slabs[to].copy_block(b as usize, dst as usize, bs, bs, d, heads);
+                        slabs[to].copy_block(b as usize, dst as usize, bs, bs, d, groups);
                     } else {
                         let (a, c) = if to < layer {
                             let (lo, hi) = slabs.split_at_mut(layer);
@@ -313,7 +398,7 @@ impl KvStore {
                             let (lo, hi) = slabs.split_at_mut(to);
                             (&mut hi[0], &lo[layer])
                         };
-                        a.copy_from(c, from_slot, to_slot, bs, d, heads);
+                        a.copy_from(c, from_slot, to_slot, bs, d, groups);
                     }
                 }
             }
@@ -328,9 +413,10 @@ impl KvStore {
     /// Stores the K and V vectors of the token at `pos`.
     pub fn write(&mut self, layer: usize, blocks: &[BlockId], pos: usize, k: &[f32], v: &[f32]) {
         let s = self.slot(blocks, pos);
-        let hd = self.head_dim;
-        self.k[layer].write(s, k, hd);
-        self.v[layer].write(s, v, hd);
+        let groups = self.groups();
+        let balance = self.key_balance.get(layer).map(|(a, _)| a.as_slice());
+        self.k[layer].write(s, k, groups, balance);
+        self.v[layer].write(s, v, groups, None);
     }
 
     /// The storage slots of every position in `range`, in order. Walks the block table without a
@@ -383,10 +469,26 @@ impl KvStore {
         head.chain(self.slots(blocks, split..=last).map(move |s| (layer, s)))
     }
 
-    /// KV head `g` of the key in `slot` of `layer`, as f32 (`buf` holds at least `head_dim`).
+    /// KV head `g` of layer `layer`'s key stored at `(at, slot)` (a storage layer and slot from
+    /// [`KvStore::rows`]), as f32 (`buf` holds at least `head_dim`).
     #[inline]
-    pub fn key<'a>(&'a self, layer: usize, slot: usize, g: usize, buf: &'a mut [f32]) -> &'a [f32] {
-        self.k[layer].head(slot, g, self.kv_dim, self.head_dim, buf)
+    pub fn key<'a>(
+        &'a self,
+        layer: usize,
+        (at, slot): (usize, usize),
+        g: usize,
+        buf: &'a mut [f32],
+    ) -> &'a [f32] {
+        let unbalance = self.key_balance.get(layer).map(|(_, inv)| inv.as_slice());
+        self.k[at].head(
+            slot,
+            g,
+            self.kv_dim,
+            self.head_dim,
+            self.groups(),
+            unbalance,
+            buf,
+        )
     }
 
     /// KV head `g` of the value in `slot` of `layer`, as f32.
@@ -398,7 +500,15 @@ impl KvStore {
         g: usize,
         buf: &'a mut [f32],
     ) -> &'a [f32] {
-        self.v[layer].head(slot, g, self.kv_dim, self.head_dim, buf)
+        self.v[layer].head(
+            slot,
+            g,
+            self.kv_dim,
+            self.head_dim,
+            self.groups(),
+            None,
+            buf,
+        )
     }
 
     /// K and V of the token at `pos` (all KV heads) as f32.
@@ -411,7 +521,7 @@ impl KvStore {
             Vec::with_capacity(self.kv_dim),
         );
         for g in 0..self.heads() {
-            k.extend_from_slice(self.key(layer, s, g, &mut buf));
+            k.extend_from_slice(self.key(layer, (layer, s), g, &mut buf));
             v.extend_from_slice(self.value(layer, s, g, &mut buf));
         }
         (k, v)
@@ -420,33 +530,33 @@ impl KvStore {
     /// Copies the first `n` positions of block `src` into block `dst`, every layer (copy-on-write
     /// of a block that must not be written).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId, n: usize) {
-        let (bs, d, heads) = (self.block_size, self.kv_dim, self.heads());
+        let (bs, d, groups) = (self.block_size, self.kv_dim, self.groups());
         for s in self.k.iter_mut().chain(self.v.iter_mut()) {
-            s.copy_block(src as usize, dst as usize, n, bs, d, heads);
+            s.copy_block(src as usize, dst as usize, n, bs, d, groups);
         }
     }
 
     /// Appends the stored bytes of block `b`'s first `n` positions, every layer, to `out`.
     pub fn save_block(&self, b: BlockId, n: usize, out: &mut Vec<u8>) {
-        let (d, heads) = (self.kv_dim, self.heads());
+        let (d, groups) = (self.kv_dim, self.groups());
         let slot = b as usize * self.block_size;
         for s in self.k.iter().chain(self.v.iter()) {
-            s.save(slot, n, d, heads, out);
+            s.save(slot, n, d, groups, out);
         }
     }
 
     /// Bytes [`KvStore::save_block`] writes for `n` positions.
     pub fn saved_bytes(&self, n: usize) -> usize {
-        2 * self.k.len() * n * self.dtype.row_bytes(self.kv_dim, self.heads())
+        2 * self.k.len() * n * self.dtype.row_bytes(self.kv_dim, self.head_dim)
     }
 
     /// Restores block `b`'s first `n` positions from bytes written by [`KvStore::save_block`].
     pub fn load_block(&mut self, b: BlockId, n: usize, src: &[u8]) {
-        let (d, heads) = (self.kv_dim, self.heads());
+        let (d, groups) = (self.kv_dim, self.groups());
         let slot = b as usize * self.block_size;
         let mut at = 0;
         for s in self.k.iter_mut().chain(self.v.iter_mut()) {
-            at += s.load(slot, n, d, heads, &src[at..]);
+            at += s.load(slot, n, d, groups, &src[at..]);
         }
     }
 }
@@ -472,7 +582,7 @@ mod tests {
         let mut buf = [0f32; 3];
         let walked: Vec<f32> = s
             .slots(&blocks, 1..=3)
-            .map(|o| s.key(1, o, 0, &mut buf)[0])
+            .map(|o| s.key(1, (1, o), 0, &mut buf)[0])
             .collect();
         assert_eq!(walked, [1.0, 2.0, 3.0]);
         // Layer 0 untouched.
@@ -481,7 +591,8 @@ mod tests {
 
     #[test]
     fn compact_rows_round_trip_within_their_precision() {
-        // Two KV heads of 4 with very different magnitudes: int8 scales are per head.
+        // Two KV heads of 4 with very different magnitudes: heads this short take one int8 scale
+        // each.
         let k = [0.5, -1.25, 3.0, 0.001, 100.0, -50.0, 25.0, 0.0];
         let v = [-0.3, 0.2, 0.1, 0.0, 7.0, 7.5, -8.0, 1.0];
         for (dtype, tol) in [
@@ -505,6 +616,74 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn int8_scales_cover_groups_of_32_values_so_one_large_channel_does_not_coarsen_the_rest() {
+        // One head of 64: a single large value in the first group, small ones everywhere else.
+        let k: Vec<f32> = (0..64)
+            .map(|i| {
+                if i == 3 {
+                    40.0
+                } else {
+                    ((i * 7) % 11) as f32 * 0.01 - 0.05
+                }
+            })
+            .collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        let mut s = KvStore::new(1, 1, 1, 64, 64, KvDtype::Int8);
+        s.write(0, &[0], 0, &k, &v);
+        let (rk, rv) = s.read(0, &[0], 0);
+        for (row, want) in [(&rk, &k), (&rv, &v)] {
+            for (i, (got, want)) in row.iter().zip(want.iter()).enumerate() {
+                // Half a step of the group's own scale (and the f16 rounding of that scale).
+                let group_max = if i < 32 { 40.0 } else { 0.05 };
+                assert!(
+                    (got - want).abs() <= group_max / 127.0 * 0.501,
+                    "value {i}: {got} vs {want}"
+                );
+            }
+        }
+        // 64 values and two f16 scales per head row.
+        assert_eq!(KvDtype::Int8.row_bytes(64, 64), 68);
+        assert_eq!(s.saved_bytes(1), 2 * 68);
+    }
+
+    #[test]
+    fn balanced_int8_keys_read_back_unbalanced_with_finer_steps_where_the_factor_is_large() {
+        // One head of 64, two layers; layer 1 balanced: channel 0 (and its RoPE partner 32) ×8.
+        let mut a = vec![1f32; 64];
+        (a[0], a[32]) = (8.0, 8.0);
+        let k: Vec<f32> = (0..64)
+            .map(|i| match i {
+                0 => 0.1037,
+                5 => 2.0,
+                _ => 0.013 * i as f32 - 0.4,
+            })
+            .collect();
+        let v = k.clone();
+        let store = |dtype| {
+            let mut s = KvStore::new(2, 1, 2, 64, 64, dtype)
+                .with_key_balance(Some(vec![vec![1.0; 64], a.clone()]));
+            for layer in 0..2 {
+                s.write(layer, &[0], 0, &k, &v);
+            }
+            s
+        };
+        let s = store(KvDtype::Int8);
+        let (plain, balanced) = (s.read(0, &[0], 0), s.read(1, &[0], 0));
+        // Values are read back unbalanced, and the values are not balanced at all.
+        assert_eq!(plain.1, balanced.1);
+        let err = |r: &[f32], i: usize| (r[i] - k[i]).abs();
+        for i in 0..64 {
+            assert!(err(&balanced.0, i) <= 2.0 / 127.0 * 0.501, "channel {i}");
+        }
+        // Channel 0's step is an eighth of what the group's largest key (2.0) gives it unbalanced.
+        assert!(err(&plain.0, 0) > 1e-3, "{}", err(&plain.0, 0));
+        assert!(err(&balanced.0, 0) <= 2.0 / 127.0 / 8.0 * 0.501);
+        // Other element types ignore the factors.
+        let f16 = store(KvDtype::F16);
+        assert_eq!(f16.read(1, &[0], 0), f16.read(0, &[0], 0));
     }
 
     #[test]
@@ -567,7 +746,7 @@ mod tests {
                     .map(|(at, slot)| {
                         let mut kv = Vec::new();
                         for g in 0..2 {
-                            kv.extend_from_slice(s.key(at, slot, g, &mut buf));
+                            kv.extend_from_slice(s.key(layer, (at, slot), g, &mut buf));
                             kv.extend_from_slice(s.value(at, slot, g, &mut buf));
                         }
                         kv

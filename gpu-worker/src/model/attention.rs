@@ -102,7 +102,7 @@ fn token(
         .rows(layer, ch.blocks, ch.packed, keys.clone())
         .enumerate()
     {
-        let key = kv.key(at, slot, g, &mut buf);
+        let key = kv.key(layer, (at, slot), g, &mut buf);
         for (h, q) in qrows.chunks_exact(hd).enumerate() {
             let mut v = ops::dot(q, key) * scale;
             if let Some(cap) = c.attn_logit_softcap {

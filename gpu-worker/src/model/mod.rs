@@ -141,6 +141,14 @@ impl Model {
         }
     }
 
+    /// [`key_balance`] for every layer, when every layer has query and key norms.
+    pub fn key_balance(&self) -> Option<Vec<Vec<f32>>> {
+        self.layers
+            .iter()
+            .map(|l| key_balance(l.q_norm.as_ref()?, l.k_norm.as_ref()?))
+            .collect()
+    }
+
     /// Bytes of weights held.
     pub fn weights_bytes(&self) -> usize {
         let emb = match &self.embedding {
@@ -330,5 +338,55 @@ impl Model {
         }
 
         Ok(x)
+    }
+}
+
+/// Per-channel factors for int8 keys, one per channel of a head: the store quantizes `k * a` and
+/// divides by `a` when it reads the key back. The norms make some key channels large where queries
+/// are small, and the reverse; one group scale must cover the largest key, while the error a key
+/// channel adds to a score grows with its query. `a = sqrt(|w_q| / |w_k|)`, from the layer's query
+/// and key norm weights, gives the channels where queries are large the finer steps. The two
+/// halves of a head that RoPE rotates together share a factor. `None` without usable norms.
+pub fn key_balance(q: &[f32], k: &[f32]) -> Option<Vec<f32>> {
+    let n = q.len();
+    if n != k.len() || !n.is_multiple_of(2) {
+        return None;
+    }
+    let half = n / 2;
+    // Channels whose weight is (near) zero are zero on that side whatever the factor.
+    let floor = |w: &[f32]| w.iter().fold(0f32, |m, x| m.max(x.abs())) * 1e-3;
+    let (fq, fk) = (floor(q), floor(k));
+    if fq == 0.0 || fk == 0.0 {
+        return None;
+    }
+    let mut a = vec![1f32; n];
+    for i in 0..half {
+        let pair = |w: &[f32], f: f32| w[i].abs().max(w[i + half].abs()).max(f);
+        let f = (pair(q, fq) / pair(k, fk)).sqrt();
+        a[i] = f;
+        a[i + half] = f;
+    }
+    Some(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_balance_brings_both_sides_of_each_rope_pair_to_one_magnitude() {
+        let hd = 8;
+        let q_w: Vec<f32> = vec![0.5, 4.0, 1.0, 0.0, 2.0, 0.25, 1.0, 3.0];
+        let k_w: Vec<f32> = vec![8.0, 0.5, 1.0, 2.0, 0.1, 1.0, 0.0, 2.0];
+        let a = key_balance(&q_w, &k_w).unwrap();
+        // Each RoPE pair's largest weight is now the same on both sides.
+        for i in 0..hd / 2 {
+            let m = |w: &[f32], d: bool| {
+                let f = |j: usize| if d { w[j] / a[j] } else { w[j] * a[j] };
+                f(i).abs().max(f(i + hd / 2).abs())
+            };
+            assert!((m(&q_w, true) - m(&k_w, false)).abs() < 1e-5, "pair {i}");
+        }
+        assert_eq!(key_balance(&q_w, &k_w[..4]), None, "lengths differ");
     }
 }
