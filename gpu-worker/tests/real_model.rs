@@ -124,8 +124,8 @@ fn the_real_model_continues_a_sentence_with_coherent_english() {
 /// The margin is thin for both, and the count moves by several positions with any change to the
 /// rounding. On two other texts (README.md as of 2026-11-23 and the design notes) f16 measured
 /// 98.4 % and 99.1 % within the tie, int8 98.2 % and 98.4 %: over all 3,000 positions, f16 98.9 %
-/// and int8 98.5 % within the tie, 96.1 % and 95.9 % exact. Before the 32-value groups and the key balance, int8 (one scale per head row)
-/// measured 93.2 % and 96.6 %.
+/// and int8 98.5 % within the tie, 96.1 % and 95.9 % exact. Before the 32-value groups and the
+/// key balance, int8 (one scale per head row) measured 93.2 % and 96.6 % on this test's text.
 #[test]
 fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() {
     use hearth_worker::kv::{KvDtype, KvStore};
