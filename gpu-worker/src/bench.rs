@@ -230,14 +230,16 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
                 hist.extend(&r.tokens);
             }
         }
-        // Without reuse the turn's whole history is prefilled; the cost does not depend on how
-        // many sessions exist, so a few suffice.
+        // Without reuse the turn's whole history is prefilled: prompts of the same length that
+        // nothing has cached (the last turns' own prompts would be served by the prefix cache).
+        // The cost does not depend on how many sessions exist, so a few suffice.
         progress("multi-turn: reuse off");
         let mut cold = Vec::new();
-        for p in last_turn_prompts.iter().take(4) {
+        for (i, p) in last_turn_prompts.iter().take(4).enumerate() {
+            let fresh = tokens(p.len(), (90_000 + sessions * 10 + i) as u64, vocab);
             let t = Instant::now();
             cold.push(
-                run(h.submit(req(next(), p.clone(), 1, None))?, t)
+                run(h.submit(req(next(), fresh, 1, None))?, t)
                     .ttft
                     .as_secs_f64()
                     * 1e3,
