@@ -94,29 +94,19 @@ impl Slab {
             }
             Self::Int8(v, scales) => {
                 let gs = d / groups;
-                let balanced: Vec<f32>;
-                let row = match balance {
-                    Some(a) => {
-                        balanced = row
-                            .iter()
-                            .zip(a.iter().cycle())
-                            .map(|(x, a)| x * a)
-                            .collect();
-                        &balanced[..]
-                    }
-                    None => row,
-                };
                 let dst = v[o..o + d].chunks_exact_mut(gs);
                 let scales = &mut scales[slot * groups..(slot + 1) * groups];
-                for ((x, q), scale) in row.chunks_exact(gs).zip(dst).zip(scales) {
-                    let max = x.iter().fold(0f32, |m, &a| m.max(a.abs()));
+                for (gi, ((x, q), scale)) in row.chunks_exact(gs).zip(dst).zip(scales).enumerate() {
+                    // This group's channels of the head (groups never straddle heads).
+                    let factor = |j: usize| balance.map_or(1.0, |a| a[(gi * gs + j) % a.len()]);
+                    let max = (0..gs).fold(0f32, |m, j| m.max((x[j] * factor(j)).abs()));
                     // Quantize against the stored (rounded) scale, so reading back multiplies
                     // by exactly the scale the values were divided by.
                     *scale = f16::from_f32(max / 127.0);
                     let s = scale.to_f32();
                     let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
-                    for (q, &a) in q.iter_mut().zip(x) {
-                        *q = (a * inv).round().clamp(-127.0, 127.0) as i8;
+                    for (j, q) in q.iter_mut().enumerate() {
+                        *q = (x[j] * factor(j) * inv).round().clamp(-127.0, 127.0) as i8;
                     }
                 }
             }
