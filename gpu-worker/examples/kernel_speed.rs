@@ -1,34 +1,55 @@
-//! Throughput of the 8-bit matmul kernel at the output projection's shape (262144 x 640), for
-//! several batch sizes: `cargo run --release -p hearth-worker --example kernel_speed`.
+//! Throughput of the 8-bit matmul kernel: the output projection's shape (262144 x 640) at several
+//! batch sizes, then Gemma 3 270M's layer shapes at one row (decode) and 512 rows (prefill):
+//! `cargo run --release -p hearth-worker --example kernel_speed`.
 #![allow(clippy::print_stdout)]
 
 use hearth_worker::kernels::{matmul_q8, quantize_activations, Q8Matrix};
 use std::time::Instant;
 
-fn main() {
-    let (rows, cols) = (262_144usize, 640usize);
+fn matrix(rows: usize, cols: usize) -> Q8Matrix {
     let w: Vec<f32> = (0..rows * cols)
         .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
         .collect();
-    let w = Q8Matrix::quantize(rows, cols, &w);
+    Q8Matrix::quantize(rows, cols, &w)
+}
+
+/// Seconds per call of `w · x` for `m` activation rows, averaged over calls worth `macs` in all.
+fn time(w: &Q8Matrix, m: usize, macs: usize) -> f64 {
+    let x: Vec<f32> = (0..m * w.cols)
+        .map(|i| ((i * 31) % 17) as f32 / 8.0 - 1.0)
+        .collect();
+    let xq = quantize_activations(&x, m, w.cols);
+    let mut out = vec![0f32; m * w.rows];
+    matmul_q8(w, &xq, &mut out);
+    let iters = (macs / (w.rows * w.cols * m)).max(2);
+    let t = Instant::now();
+    for _ in 0..iters {
+        matmul_q8(w, &xq, &mut out);
+    }
+    t.elapsed().as_secs_f64() / iters as f64
+}
+
+fn main() {
+    let w = matrix(262_144, 640);
     for m in [1usize, 4, 16, 64] {
-        let x: Vec<f32> = (0..m * cols)
-            .map(|i| ((i * 31) % 17) as f32 / 8.0 - 1.0)
-            .collect();
-        let xq = quantize_activations(&x, m, cols);
-        let mut out = vec![0f32; m * rows];
-        matmul_q8(&w, &xq, &mut out);
-        let iters = (64 / m).max(2);
-        let t = Instant::now();
-        for _ in 0..iters {
-            matmul_q8(&w, &xq, &mut out);
-        }
-        let s = t.elapsed().as_secs_f64() / iters as f64;
+        let s = time(&w, m, 64 * 262_144 * 640);
         println!(
-            "m={m:3}: {:7.2} ms/call  {:6.1} GMAC/s  {:5.1} GB/s of weights",
+            "output 262144x640, m={m:3}: {:7.2} ms/call  {:6.1} GMAC/s  {:5.1} GB/s of weights",
             s * 1e3,
-            (rows * cols * m) as f64 / s / 1e9,
+            (w.rows * w.cols * m) as f64 / s / 1e9,
             w.size_in_bytes() as f64 / s / 1e9
         );
+    }
+    // Fused QKV, fused gate/up, down, attention output.
+    for (rows, cols) in [(1536usize, 640usize), (4096, 640), (640, 2048), (640, 1024)] {
+        let w = matrix(rows, cols);
+        for m in [1usize, 512] {
+            let s = time(&w, m, 20_000_000_000);
+            println!(
+                "layer {rows}x{cols}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
+                s * 1e3,
+                (rows * cols * m) as f64 / s / 1e9,
+            );
+        }
     }
 }

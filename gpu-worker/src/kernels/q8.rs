@@ -137,11 +137,12 @@ impl Q8Matrix {
         Ok(())
     }
 
-    /// From GGUF Q8_0 blocks: `f16 d, i8 qs[32]` (34 bytes).
+    /// From GGUF Q8_0 blocks: `f16 d, i8 qs[32]` (34 bytes). Values stay in `[-127, 127]`, as
+    /// the kernels need: GGUF's quantizer never writes `-128`, and one in a file is read as `-127`.
     pub fn from_q8_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
         Self::from_blocks("Q8_0", rows, cols, data, 34, |b, out| {
             for (o, &v) in out.iter_mut().zip(&b[2..]) {
-                *o = v as i8;
+                *o = (v as i8).max(-127);
             }
             f16::from_le_bytes([b[0], b[1]]).to_f32()
         })

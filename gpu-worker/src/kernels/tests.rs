@@ -121,9 +121,44 @@ fn malformed_block_data_is_an_error_not_a_panic() {
 }
 
 #[test]
+fn a_q8_0_value_of_minus_128_is_read_as_minus_127_on_every_path() {
+    // GGUF's quantizer never writes -128, but a file may hold it; the AVX2 kernel cannot take it.
+    let mut block = vec![0u8; 34];
+    block[..2].copy_from_slice(&half::f16::from_f32(0.5).to_le_bytes());
+    for (j, b) in block[2..].iter_mut().enumerate() {
+        *b = if j % 2 == 0 { 0x80 } else { 100 };
+    }
+    let w = Q8Matrix::from_q8_0(1, 32, &block).unwrap();
+    assert_eq!(w.qs[0], -127);
+    let x = quantize_activations(&noise(32, 3), 1, 32);
+    let want: f32 = (0..32)
+        .map(|j| {
+            let wv = if j % 2 == 0 { -127.0 } else { 100.0 };
+            0.5 * wv * x.scales[0] * x.qs[j] as f32
+        })
+        .sum();
+    for isa in all_isas() {
+        let mut got = [0f32];
+        matmul_q8_with(isa, &w, &x, &mut got);
+        assert!(
+            (got[0] - want).abs() <= 1e-4 * (1.0 + want.abs()),
+            "{isa:?}: {} vs {want}",
+            got[0]
+        );
+    }
+}
+
+#[test]
 fn simd_paths_match_the_scalar_reference_including_odd_block_counts() {
-    // 96 columns: an odd number of blocks exercises the AVX-512 path's single-block tail.
-    for (rows, cols, m) in [(37, 128, 6), (19, 96, 5), (8, 32, 4), (5, 160, 1)] {
+    // 96 columns: an odd number of blocks exercises the AVX-512 path's single-block tail; 4096
+    // columns and 37 rows make the AVX2 path take its activation rows in several cache blocks.
+    for (rows, cols, m) in [
+        (37, 128, 6),
+        (19, 96, 5),
+        (8, 32, 4),
+        (5, 160, 1),
+        (9, 4096, 37),
+    ] {
         let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 9));
         let x = quantize_activations(&noise(m * cols, 10), m, cols);
         let mut reference = vec![0f32; m * rows];

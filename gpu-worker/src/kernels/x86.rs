@@ -16,10 +16,23 @@ use super::q8::{ActQ8, Q8Matrix, QK};
 const PREFETCH_BYTES: usize = 4096;
 
 /// AVX2: `vpmaddubsw` + `vpmaddwd` per 32-value block.
+///
+/// The unsigned side of `vpmaddubsw` is `|x|`, made once per activation block and shared by every
+/// weight row of the tile, and the weights take `x`'s signs (`vpsignb`). Per weight block and
+/// activation row that leaves six vector operations: sign, multiply-add twice, convert, scale,
+/// fused multiply-add. Pointers are taken once per tile, so the inner loop does no bounds checks.
+/// Weights must lie in `[-127, 127]` (a `-128` would keep its sign under `vpsignb`); every
+/// constructor of [`Q8Matrix`] guarantees it.
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
 pub(super) mod avx2 {
     use super::{ActQ8, Q8Matrix, PREFETCH_BYTES, QK};
     use std::arch::x86_64::*;
+
+    /// Weight rows per tile.
+    const R: usize = 4;
+    /// Activation rows per tile when there are several: 4 × 2 accumulators, with `|x|`, the
+    /// weights and temporaries, stay within AVX2's 16 vector registers.
+    const A: usize = 2;
 
     #[target_feature(enable = "avx2,fma")]
     #[inline]
@@ -32,74 +45,105 @@ pub(super) mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// Sum of the 32 products of one weight block (`|w|`, sign applied to `x`) as 8 lanes.
+    /// One tile: `RT` weight rows from `wq` (scales `ws`) against `AT` activation rows from `xq`
+    /// (scales `xs`), rows `k` values (`bpr` blocks) apart; results go to `out[a * n + i]`.
+    ///
+    /// # Safety
+    /// Every row the tile touches must be in bounds of its buffer, and `out[a * n + i]` too.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    fn dot_block(aw: __m256i, sx: __m256i) -> __m256i {
-        _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1))
-    }
-
-    /// `R` weight rows from `r`, `A` activation rows from `m`.
-    #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn tile<const R: usize, const A: usize>(
-        w: &Q8Matrix,
-        x: &ActQ8,
-        r: usize,
-        m: usize,
-        out: &mut [f32],
+    #[allow(clippy::too_many_arguments)] // A tile is addressed by these raw parts.
+    unsafe fn tile<const RT: usize, const AT: usize>(
+        wq: *const i8,
+        ws: *const f32,
+        xq: *const i8,
+        xs: *const f32,
+        k: usize,
+        bpr: usize,
+        out: *mut f32,
+        n: usize,
     ) {
-        let k = w.cols;
-        let bpr = k / QK;
-        let mut acc = [[_mm256_setzero_ps(); A]; R];
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); AT]; RT];
         for b in 0..bpr {
-            let mut xv = [_mm256_setzero_si256(); A];
-            let mut xs = [0f32; A];
-            for a in 0..A {
-                // SAFETY: row m + a < x.rows and block b < bpr, so the 32 bytes are in bounds.
-                xv[a] = unsafe {
-                    _mm256_loadu_si256(x.qs.as_ptr().add((m + a) * k + b * QK) as *const __m256i)
-                };
-                xs[a] = x.scales[(m + a) * bpr + b];
+            let mut ax = [_mm256_setzero_si256(); AT];
+            let mut xsv = [_mm256_setzero_ps(); AT];
+            for a in 0..AT {
+                // SAFETY: activation row a and block b are in bounds (caller).
+                unsafe {
+                    let xv = _mm256_loadu_si256(xq.add(a * k + b * QK) as *const __m256i);
+                    ax[a] = _mm256_abs_epi8(xv);
+                    xsv[a] = _mm256_broadcast_ss(&*xs.add(a * bpr + b));
+                }
             }
-            for i in 0..R {
-                let at = w.qs.as_ptr().wrapping_add((r + i) * k + b * QK);
+            for i in 0..RT {
+                let at = wq.wrapping_add(i * k + b * QK);
                 // A hint only: it never faults, so an address past the matrix is harmless.
                 _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                // SAFETY: row r + i < w.rows, block b < bpr.
-                let wv = unsafe { _mm256_loadu_si256(at as *const __m256i) };
-                let aw = _mm256_sign_epi8(wv, wv);
-                let ws = w.scales[(r + i) * bpr + b];
-                for a in 0..A {
-                    let sx = _mm256_sign_epi8(xv[a], wv);
-                    let p = _mm256_cvtepi32_ps(dot_block(aw, sx));
-                    acc[i][a] = _mm256_fmadd_ps(p, _mm256_set1_ps(ws * xs[a]), acc[i][a]);
+                // SAFETY: weight row i and block b are in bounds (caller).
+                let (wv, wsv) = unsafe {
+                    (
+                        _mm256_loadu_si256(at as *const __m256i),
+                        _mm256_broadcast_ss(&*ws.add(i * bpr + b)),
+                    )
+                };
+                for a in 0..AT {
+                    // SAFETY: as above (reloaded from L1 rather than held in a register).
+                    let xv =
+                        unsafe { _mm256_loadu_si256(xq.add(a * k + b * QK) as *const __m256i) };
+                    let sw = _mm256_sign_epi8(wv, xv);
+                    let d = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[a], sw), ones);
+                    acc[i][a] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(d),
+                        _mm256_mul_ps(wsv, xsv[a]),
+                        acc[i][a],
+                    );
                 }
             }
         }
-        for i in 0..R {
-            for a in 0..A {
-                out[(m + a) * w.rows + r + i] = hsum(acc[i][a]);
+        for i in 0..RT {
+            for a in 0..AT {
+                // SAFETY: in bounds (caller).
+                unsafe { *out.add(a * n + i) = hsum(acc[i][a]) };
             }
         }
     }
 
+    /// Weight rows `r .. r + RT` against activation rows `m0..m1`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn rows<const R: usize>(w: &Q8Matrix, x: &ActQ8, r: usize, out: &mut [f32]) {
-        let mut m = 0;
-        while m + 4 <= x.rows {
-            // SAFETY: bounds as documented on `tile`.
-            unsafe { tile::<R, 4>(w, x, r, m, out) };
-            m += 4;
-        }
-        while m < x.rows {
-            // SAFETY: as above.
-            unsafe { tile::<R, 1>(w, x, r, m, out) };
-            m += 1;
+    unsafe fn rows<const RT: usize>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        r: usize,
+        (m0, m1): (usize, usize),
+        out: &mut [f32],
+    ) {
+        let (k, bpr, n) = (w.cols, w.cols / QK, w.rows);
+        let (wq, ws) = (w.qs.as_ptr(), w.scales.as_ptr());
+        let (xq, xs) = (x.qs.as_ptr(), x.scales.as_ptr());
+        let o = out.as_mut_ptr();
+        // SAFETY (all calls): r + RT <= w.rows and m1 <= x.rows (caller), so every row read is in
+        // bounds; out holds x.rows × w.rows values (asserted by `matmul_rows`).
+        unsafe {
+            let (wq, ws) = (wq.add(r * k), ws.add(r * bpr));
+            let mut m = m0;
+            while m + A <= m1 {
+                let (xq, xs, o) = (xq.add(m * k), xs.add(m * bpr), o.add(m * n + r));
+                tile::<RT, A>(wq, ws, xq, xs, k, bpr, o, n);
+                m += A;
+            }
+            while m < m1 {
+                let (xq, xs, o) = (xq.add(m * k), xs.add(m * bpr), o.add(m * n + r));
+                tile::<RT, 1>(wq, ws, xq, xs, k, bpr, o, n);
+                m += 1;
+            }
         }
     }
 
     /// Output columns `r0..r1` for every activation row.
+    ///
+    /// Activation rows are taken `ROW_BLOCK` at a time, so a prefill's rows stay in L2 while the
+    /// task's weight rows pass over them, instead of streaming from memory once per weight tile.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
@@ -107,16 +151,25 @@ pub(super) mod avx2 {
     pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
         assert!(out.len() >= x.rows * w.rows);
-        let mut r = r0;
-        while r + 4 <= r1 {
-            // SAFETY: r + 3 < r1 <= w.rows.
-            unsafe { rows::<4>(w, x, r, out) };
-            r += 4;
-        }
-        while r < r1 {
-            // SAFETY: r < r1 <= w.rows.
-            unsafe { rows::<1>(w, x, r, out) };
-            r += 1;
+        assert!(w.qs.len() >= w.rows * w.cols && w.scales.len() >= w.rows * w.cols / QK);
+        assert!(x.qs.len() >= x.rows * x.cols && x.scales.len() >= x.rows * x.cols / QK);
+        // About 64 KiB of activations per block.
+        let block = (65_536 / w.cols).max(A).next_multiple_of(A);
+        let mut m0 = 0;
+        while m0 < x.rows {
+            let ms = (m0, (m0 + block).min(x.rows));
+            let mut r = r0;
+            while r + R <= r1 {
+                // SAFETY: r + R <= r1 <= w.rows, ms.1 <= x.rows.
+                unsafe { rows::<R>(w, x, r, ms, out) };
+                r += R;
+            }
+            while r < r1 {
+                // SAFETY: r < r1 <= w.rows, ms.1 <= x.rows.
+                unsafe { rows::<1>(w, x, r, ms, out) };
+                r += 1;
+            }
+            m0 = ms.1;
         }
     }
 }
