@@ -200,3 +200,126 @@ fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_position
         );
     }
 }
+
+/// Hearth's forward pass against llama.cpp, an independent implementation of the same GGUF:
+/// `data/golden-llama-cpp.json` holds llama.cpp's 64 greedy tokens, with its two best tokens and
+/// their log probabilities, after 16 Gemma-formatted prompts (16, 746 and 2,256 tokens, then
+/// thirteen of 100-250): 1,024 positions (regenerate with `bash tests/anchor/golden.sh`). The two
+/// longer prompts pass the 512-token sliding window, so a wrong window, RoPE base or norm shows.
+///
+/// Teacher-forced on llama.cpp's tokens, Hearth's greedy choice is compared with llama.cpp's at
+/// each position. The formats differ: llama.cpp multiplies the k-quant matrices (Q4_K, Q6_K)
+/// natively, Hearth re-quantizes them to 8-bit blocks, which moves logits slightly. So, as for the
+/// compact KV test, where llama.cpp is torn (the token Hearth picks is one of llama.cpp's two best
+/// and within `TIE` of its best in log probability) either pick passes. Over the 1,024 positions at
+/// least 99 % must agree within the tie and 96 % exactly, and each of the three named prompts
+/// (short, 700, 2000) exactly at 60 of its 64. Measured on AVX2 (2026-11-24): 1,002 of 1,024
+/// exact (97.9 %), 1,019 within the tie (99.5 %); the named prompts 62, 63 and 64 of 64. Every
+/// disagreement is at a position where llama.cpp's best log probability is below -1 and its top
+/// two are within 0.5: free-running greedy decoding matches llama.cpp's until the first such
+/// near-tie, and can part there.
+/// The prompts' token ids are Hearth's own chat template and tokenizer, checked against
+/// llama.cpp's.
+#[test]
+fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions() {
+    use hearth_shared::chat::{render, Message, Role};
+    use hearth_worker::kv::{KvDtype, KvStore};
+    use hearth_worker::model::SeqChunk;
+    const TIE: f32 = 0.25;
+    let tok = Tokenizer::from_file(&require("gemma-3-tokenizer.json")).unwrap();
+    let model = load_gguf(&require("gemma-3-270m-q4_k_m.gguf")).unwrap();
+    let golden: serde_json::Value =
+        serde_json::from_str(include_str!("data/golden-llama-cpp.json")).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let c = &model.config;
+    let (mut positions, mut exact, mut within) = (0, 0, 0);
+    for case in golden["cases"].as_array().unwrap() {
+        let name = case["name"].as_str().unwrap();
+        let prompt = ids(&case["prompt_ids"]);
+        let greedy = ids(&case["greedy_ids"]);
+        assert_eq!(greedy.len(), 64);
+        let user = case["prompt"]
+            .as_str()
+            .unwrap()
+            .strip_prefix("<start_of_turn>user\n")
+            .and_then(|p| p.strip_suffix("<end_of_turn>\n<start_of_turn>model\n"))
+            .unwrap();
+        let ours = render(&tok, &[Message::new(Role::User, user)], 8192).unwrap();
+        assert_eq!(ours.tokens, prompt, "{name}: chat template and tokenizer");
+
+        let n = prompt.len();
+        let mut all = prompt.clone();
+        all.extend(&greedy);
+        let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
+        let mut kv = KvStore::new(
+            c.num_layers,
+            blocks.len(),
+            16,
+            c.kv_dim(),
+            c.head_dim,
+            KvDtype::F16,
+        )
+        .with_key_balance(model.key_balance());
+        let chunk = |tokens, start_pos, want_logits| SeqChunk {
+            tokens,
+            start_pos,
+            blocks: &blocks,
+            packed: &[],
+            want_logits,
+        };
+        model
+            .forward(&[chunk(&all[..n - 1], 0, false)], &mut kv)
+            .unwrap();
+        // Prediction j follows all[n - 1 + j]: llama.cpp chose greedy[j] there.
+        let top = model
+            .forward_top_k(chunk(&all[n - 1..n + 63], n - 1, true), &mut kv, 1)
+            .unwrap();
+        let mut case_exact = 0;
+        for (j, (ours, &want)) in top.iter().zip(&greedy).enumerate() {
+            let pick = ours[0].0;
+            // llama.cpp's two best: [[id, log probability], ...].
+            let llama: Vec<(u32, f32)> = case["top2"][j]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| (t[0].as_u64().unwrap() as u32, t[1].as_f64().unwrap() as f32))
+                .collect();
+            assert_eq!(llama[0].0, want, "{name}: golden data out of order");
+            positions += 1;
+            if pick == want {
+                case_exact += 1;
+                within += 1;
+                continue;
+            }
+            let tie = llama
+                .iter()
+                .any(|&(id, lp)| id == pick && lp >= llama[0].1 - TIE);
+            within += usize::from(tie);
+            eprintln!(
+                "{name}: position {j}: Hearth picks {pick}, llama.cpp {want} (its two best: \
+                 {llama:?}){}",
+                if tie { ", a tie" } else { "" }
+            );
+        }
+        exact += case_exact;
+        eprintln!("{name} ({n} prompt tokens): llama.cpp's greedy token at {case_exact}/64");
+        if ["short", "700", "2000"].contains(&name) {
+            assert!(case_exact >= 60, "{name}: {case_exact}/64");
+        }
+    }
+    eprintln!(
+        "all: llama.cpp's greedy token at {exact}/{positions} positions, within a {TIE} tie at {within}/{positions}"
+    );
+    assert_eq!(positions, 1024);
+    assert!(
+        within * 100 >= positions * 99,
+        "{within}/{positions} within the tie"
+    );
+    assert!(exact * 100 >= positions * 96, "{exact}/{positions} exact");
+}
