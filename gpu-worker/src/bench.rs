@@ -30,6 +30,13 @@ pub struct BenchOptions {
     /// Tokens generated per sequence in the batched runs.
     #[arg(long, default_value_t = 64)]
     pub batch_tokens: u32,
+    /// Sequences decoding while a prompt of `--prefill-tokens` arrives (the interference run:
+    /// their inter-token gaps before and during its prefill); 0 skips it.
+    #[arg(long, default_value_t = 8)]
+    pub interference_streams: usize,
+    /// The engine's `--prefill-share` (prompt work per step beside decoding sequences).
+    #[arg(long, default_value_t = 2.0)]
+    pub prefill_share: f64,
     /// Interleaved session counts for the multi-turn runs.
     #[arg(long, default_value = "1,32", value_delimiter = ',')]
     pub sessions: Vec<usize>,
@@ -202,6 +209,12 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         }));
     }
 
+    let interference = if o.interference_streams > 0 {
+        Some(interference(&h, o, vocab, &mut next)?)
+    } else {
+        None
+    };
+
     let mut multi = Vec::new();
     for &sessions in &o.sessions {
         progress(&format!(
@@ -286,6 +299,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "prefill": { "prompt_tokens": o.prefill_tokens, "tok_s": prefill_tok_s },
         "decode_single_stream_tok_s": decode_tok_s,
         "batched_decode": batched,
+        "prefill_interference": interference,
         "multi_turn": multi,
         "warm_sessions": warm,
         "disk_tier": disk,
@@ -300,6 +314,104 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     }))
 }
 
+/// What a long prompt arriving does to sequences already decoding: `interference_streams`
+/// sequences decode; once each has streamed 8 tokens a `prefill_tokens` prompt arrives. Reports
+/// their inter-token gaps before it arrived and while it was prefilled (until its first token),
+/// and its time to first token.
+fn interference(
+    h: &crate::engine::EngineHandle,
+    o: &BenchOptions,
+    vocab: usize,
+    next: &mut impl FnMut() -> u64,
+) -> anyhow::Result<Value> {
+    let n = o.interference_streams;
+    progress(&format!(
+        "interference: {n} decoding, a {}-token prompt arrives",
+        o.prefill_tokens
+    ));
+    let streams: Vec<_> = (0..n)
+        .map(|i| {
+            h.submit(req(
+                next(),
+                tokens(16, 500 + i as u64, vocab),
+                100_000,
+                None,
+            ))
+        })
+        .collect::<Result<_, _>>()?;
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (arrival, first) = std::thread::scope(|scope| -> anyhow::Result<_> {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|mut s| {
+                let (tx, stop) = (tx.clone(), &stop);
+                scope.spawn(move || {
+                    let mut times = Vec::new();
+                    while let Some(e) = s.blocking_recv() {
+                        match e {
+                            EngineEvent::Token { .. } => {
+                                times.push(Instant::now());
+                                if times.len() == 8 {
+                                    let _ = tx.send(());
+                                }
+                                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                                    break;
+                                }
+                            }
+                            EngineEvent::Finished { .. } | EngineEvent::Error(_) => break,
+                            EngineEvent::Started { .. } => {}
+                        }
+                    }
+                    times
+                })
+            })
+            .collect();
+        drop(tx);
+        for _ in 0..n {
+            rx.recv()?;
+        }
+        let arrival = Instant::now();
+        let long = run(
+            h.submit(req(next(), tokens(o.prefill_tokens, 7, vocab), 1, None))?,
+            arrival,
+        );
+        let first = arrival + long.ttft;
+        // One more gap after the prefill, then the decoding streams are dropped (cancelled).
+        std::thread::sleep(Duration::from_millis(200));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let times: Vec<Vec<Instant>> = readers.into_iter().filter_map(|r| r.join().ok()).collect();
+        Ok(((arrival, first, long.ttft), times))
+    })?;
+    let ((arrival, done, ttft), times) = (arrival, first);
+    let (mut before, mut during) = (Vec::new(), Vec::new());
+    for t in &times {
+        for w in t.windows(2) {
+            let gap = (w[1] - w[0]).as_secs_f64() * 1e3;
+            if w[1] <= arrival {
+                before.push(gap);
+            } else if w[0] < done {
+                during.push(gap);
+            }
+        }
+    }
+    let p50 = percentile(&mut before, 0.5);
+    let worst = percentile(&mut during, 1.0);
+    progress(&format!(
+        "interference: gaps {p50:.0} ms before, up to {worst:.0} ms during; TTFT {:.0} ms",
+        ttft.as_secs_f64() * 1e3
+    ));
+    Ok(json!({
+        "decoding_streams": n,
+        "prompt_tokens": o.prefill_tokens,
+        "itl_ms_before_p50": p50,
+        "itl_ms_during_p50": percentile(&mut during, 0.5),
+        "itl_ms_during_max": worst,
+        "max_over_p50_before": worst / p50.max(1e-9),
+        "prompt_ttft_ms": ttft.as_secs_f64() * 1e3,
+    }))
+}
+
 /// An engine with the benchmark's KV budget and element type, other settings at their defaults.
 fn start_engine(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Engine> {
     Ok(Engine::start(
@@ -307,6 +419,7 @@ fn start_engine(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Engine> 
         EngineConfig {
             kv_budget_bytes: o.kv_budget_mb << 20,
             kv_dtype: o.kv_dtype,
+            prefill_share: o.prefill_share,
             ..Default::default()
         },
     )?)

@@ -139,10 +139,17 @@ impl Seq {
     }
 }
 
+/// Fewest prompt tokens a step with decoding sequences prefills (when prompts wait), so a prompt
+/// arriving beside one or two streams is not cut into tiny steps.
+const MIN_PREFILL_WITH_DECODES: usize = 32;
+
 #[derive(Debug)]
 pub struct Scheduler {
     model: Arc<Model>,
     config: EngineConfig,
+    /// One decoding sequence's share of a step (layers and output projection) in prompt tokens'
+    /// work (layers only): `1 + vocabulary × width / layer multiply-adds per token`.
+    decode_cost: f64,
     info: ModelInfo,
     alloc: BlockAllocator,
     kv: KvStore,
@@ -172,6 +179,12 @@ impl Scheduler {
             return Err(EngineError::Internal(
                 "block_size, max_batch and prefill_chunk must be positive".into(),
             ));
+        }
+        if !(config.prefill_share.is_finite() && config.prefill_share >= 0.0) {
+            return Err(EngineError::Internal(format!(
+                "prefill_share must be a number of at least 0, not {}",
+                config.prefill_share
+            )));
         }
         let block_bytes = KvStore::block_bytes(
             c.num_layers,
@@ -230,11 +243,18 @@ impl Scheduler {
             ),
             None => None,
         };
+        let q_dim = c.num_heads * c.head_dim;
+        let layer_macs = c.num_layers
+            * (c.hidden_size * (q_dim + 2 * c.kv_dim())
+                + q_dim * c.hidden_size
+                + 3 * c.hidden_size * c.ffn_size);
+        let decode_cost = 1.0 + (c.vocab_size * c.hidden_size) as f64 / layer_macs.max(1) as f64;
         Ok(Self {
             kv,
             alloc: BlockAllocator::new(num_blocks),
             model,
             config,
+            decode_cost,
             info,
             waiting: Vec::new(),
             running: Vec::new(),
@@ -784,6 +804,21 @@ impl Scheduler {
         Some(id)
     }
 
+    /// Prompt tokens a step may prefill beside `decoding` decoding sequences: `prefill_chunk`
+    /// when none decode (or `prefill_share` is 0), else `prefill_share` times their work (at least
+    /// `MIN_PREFILL_WITH_DECODES`), never more than `prefill_chunk`. A step with a prefill then
+    /// takes about `1 + prefill_share` times a decode-only step.
+    pub(crate) fn prefill_budget(&self, decoding: usize) -> usize {
+        let share = self.config.prefill_share;
+        if decoding == 0 || share <= 0.0 {
+            return self.config.prefill_chunk;
+        }
+        let share = (share * decoding as f64 * self.decode_cost).ceil() as usize;
+        share
+            .max(MIN_PREFILL_WITH_DECODES)
+            .min(self.config.prefill_chunk)
+    }
+
     /// One engine step. Returns what the forward pass ran, or `None` when there was nothing to do.
     pub fn step(&mut self) -> Option<StepSummary> {
         self.reap_cancelled();
@@ -794,7 +829,12 @@ impl Scheduler {
         let bs = self.config.block_size;
         // Oldest first: they get blocks first, and the youngest are preempted if memory runs out.
         self.running.sort_by_key(|s| s.arrived);
-        let mut prefill_budget = self.config.prefill_chunk;
+        let mut prefill_budget = self.prefill_budget(
+            self.running
+                .iter()
+                .filter(|s| s.tokens.len() - s.kv_len == 1)
+                .count(),
+        );
         let mut plan: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len());
         let mut i = 0;
         while i < self.running.len() {

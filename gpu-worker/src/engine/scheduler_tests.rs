@@ -351,3 +351,45 @@ fn a_packed_session_spills_to_disk_and_comes_back_whole() {
     assert_eq!(tokens, cold(&model, turn2, 8));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_prompt_arriving_beside_decoding_sequences_is_prefilled_in_shares_and_answers_as_cold() {
+    let model = tiny();
+    let long = prompt(400, 9);
+    let want = cold(&model, long.clone(), 4);
+    let mut s = Scheduler::new(model, unpacked()).unwrap();
+    let mut decoding: Vec<Events> = (0..4)
+        .map(|i| submit(&mut s, 1 + i, prompt(8, i as u32), 40, None))
+        .collect();
+    // Every stream has its prompt in and decodes.
+    while s.running.len() < 4 || s.running.iter().any(|q| q.tokens.len() - q.kv_len > 1) {
+        s.step();
+    }
+    let budget = s.prefill_budget(4);
+    assert!(
+        budget < 400,
+        "a share of {budget} tokens would not split the prompt"
+    );
+    let mut rx = submit(&mut s, 10, long, 4, None);
+    let mut prefill_steps = 0;
+    while let Some(summary) = s.step() {
+        audit(&s);
+        if summary.prefill_tokens > 0 {
+            prefill_steps += 1;
+            // Decoding sequences stream on in every step of the prefill.
+            assert_eq!(summary.decode_seqs, 4, "step {prefill_steps}");
+            assert!(
+                summary.prefill_tokens <= budget,
+                "{summary:?} over {budget}"
+            );
+        } else if prefill_steps > 0 {
+            break;
+        }
+    }
+    assert_eq!(prefill_steps, 400usize.div_ceil(budget));
+    drain(&mut s, audit);
+    assert_eq!(outcome(&mut rx).1, want);
+    for rx in &mut decoding {
+        assert_eq!(outcome(rx).1.len(), 40);
+    }
+}

@@ -20,6 +20,10 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled per step across all sequences, so decoding sequences keep streaming
     /// while a long prompt is processed.
     pub prefill_chunk: usize,
+    /// While sequences decode, a step prefills at most this many times their work in prompt
+    /// tokens (at least 32, at most `prefill_chunk`), so their replies keep streaming while a long
+    /// prompt is prefilled over several steps. 0: `prefill_chunk` in every step.
+    pub prefill_share: f64,
     /// Capacity of the command channel to the engine thread.
     pub command_queue: usize,
     /// Element type of stored K/V.
@@ -51,6 +55,7 @@ impl Default for EngineConfig {
             max_batch: 64,
             max_waiting: 1024,
             prefill_chunk: 512,
+            prefill_share: 2.0,
             command_queue: 4096,
             kv_dtype: KvDtype::default(),
             kv_disk: None,

@@ -72,6 +72,12 @@ pub struct ServeConfig {
     /// Prompt tokens prefilled per engine step across all sequences.
     #[arg(long, env = "HEARTH_WORKER_PREFILL_CHUNK", default_value_t = 512)]
     pub prefill_chunk: usize,
+    /// While sequences decode, a step prefills at most this many times their work in prompt
+    /// tokens (at least 32): a step with a prefill then takes about (1 + this) times a decode-only
+    /// step, so replies keep streaming while a long prompt arrives, at the cost of that prompt's
+    /// time to first token. 0 prefills up to --prefill-chunk in every step.
+    #[arg(long, env = "HEARTH_WORKER_PREFILL_SHARE", default_value_t = 2.0)]
+    pub prefill_share: f64,
     /// Seconds a SIGTERM waits for in-flight sequences before cancelling them.
     #[arg(long, env = "HEARTH_WORKER_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
     pub drain_timeout_secs: u64,
@@ -163,6 +169,12 @@ impl ServeConfig {
         if self.prefill_chunk == 0 {
             return Err(invalid("--prefill-chunk", "must be at least 1"));
         }
+        if !(self.prefill_share.is_finite() && (0.0..=1000.0).contains(&self.prefill_share)) {
+            return Err(invalid(
+                "--prefill-share",
+                format!("{} is not a number between 0 and 1000", self.prefill_share),
+            ));
+        }
         if self.kv_budget == 0 {
             return Err(invalid("--kv-budget", "must be more than 0 bytes"));
         }
@@ -189,6 +201,7 @@ impl ServeConfig {
             max_batch: self.max_batch,
             max_waiting: self.max_waiting,
             prefill_chunk: self.prefill_chunk,
+            prefill_share: self.prefill_share,
             kv_dtype: self.kv_dtype,
             kv_window_margin: self.kv_window_margin.0,
             // Room for every waiting request plus the cancels and drops that accompany them.
