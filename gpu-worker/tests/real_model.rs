@@ -30,6 +30,17 @@ fn require(name: &str) -> PathBuf {
     p
 }
 
+/// A KV store of `blocks` 16-token blocks for `model`, as the engine makes one.
+fn kv_store(
+    model: &hearth_worker::model::Model,
+    blocks: usize,
+    dtype: hearth_worker::kv::KvDtype,
+) -> hearth_worker::kv::KvStore {
+    let c = &model.config;
+    hearth_worker::kv::KvStore::new(c.num_layers, blocks, 16, c.kv_dim(), c.head_dim, dtype)
+        .with_key_balance(model.key_balance())
+}
+
 #[test]
 fn the_real_model_continues_a_sentence_with_coherent_english() {
     let tok = Tokenizer::from_file(&require("gemma-3-tokenizer.json")).unwrap();
@@ -128,7 +139,7 @@ fn the_real_model_continues_a_sentence_with_coherent_english() {
 /// key balance, int8 (one scale per head row) measured 93.2 % and 96.6 % on this test's text.
 #[test]
 fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_positions() {
-    use hearth_worker::kv::{KvDtype, KvStore};
+    use hearth_worker::kv::KvDtype;
     use hearth_worker::model::SeqChunk;
     const POSITIONS: usize = 1000;
     const TIE: f32 = 0.1;
@@ -139,18 +150,9 @@ fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_position
     ids.extend(tok.encode(include_str!("data/accuracy-text.md")).unwrap());
     assert!(ids.len() >= POSITIONS, "only {} tokens of text", ids.len());
     ids.truncate(POSITIONS);
-    let c = &model.config;
     let blocks: Vec<u32> = (0..POSITIONS.div_ceil(16) as u32).collect();
     let top = |dtype| {
-        let mut kv = KvStore::new(
-            c.num_layers,
-            blocks.len(),
-            16,
-            c.kv_dim(),
-            c.head_dim,
-            dtype,
-        )
-        .with_key_balance(model.key_balance());
+        let mut kv = kv_store(&model, blocks.len(), dtype);
         let chunk = SeqChunk {
             tokens: &ids,
             start_pos: 0,
@@ -223,7 +225,7 @@ fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_position
 #[test]
 fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions() {
     use hearth_shared::chat::{render, Message, Role};
-    use hearth_worker::kv::{KvDtype, KvStore};
+    use hearth_worker::kv::KvDtype;
     use hearth_worker::model::SeqChunk;
     const TIE: f32 = 0.25;
     let tok = Tokenizer::from_file(&require("gemma-3-tokenizer.json")).unwrap();
@@ -237,7 +239,6 @@ fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    let c = &model.config;
     let (mut positions, mut exact, mut within) = (0, 0, 0);
     for case in golden["cases"].as_array().unwrap() {
         let name = case["name"].as_str().unwrap();
@@ -257,15 +258,7 @@ fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions
         let mut all = prompt.clone();
         all.extend(&greedy);
         let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
-        let mut kv = KvStore::new(
-            c.num_layers,
-            blocks.len(),
-            16,
-            c.kv_dim(),
-            c.head_dim,
-            KvDtype::F16,
-        )
-        .with_key_balance(model.key_balance());
+        let mut kv = kv_store(&model, blocks.len(), KvDtype::F16);
         let chunk = |tokens, start_pos, want_logits| SeqChunk {
             tokens,
             start_pos,
