@@ -211,6 +211,9 @@ async fn start_local_worker(args: &ServeArgs) -> anyhow::Result<LocalWorker> {
 
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()> {
+    // The recorder first: the worker pool records `hearth_workers_ready` only when readiness
+    // changes, and a change recorded before the recorder exists would be lost for good.
+    let metrics = crate::telemetry::handle();
     let auth = match args.auth {
         AuthArg::Keys => AuthMode::Keys,
         AuthArg::None => {
@@ -330,7 +333,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             max_sessions_per_user: args.max_sessions_per_user,
             max_messages_per_session: args.max_messages_per_session.max(2),
         },
-        metrics: crate::telemetry::handle(),
+        metrics,
     };
     let listener =
         bind(args.listen).with_context(|| format!("--listen {}: cannot bind", args.listen))?;
