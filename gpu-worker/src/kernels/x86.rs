@@ -1,10 +1,12 @@
-//! x86-64 SIMD kernels. Each 32-value block is one 256-bit vector; a tile of 4 weight rows and up
-//! to 4 activation rows keeps 16 accumulators in registers, so each weight block is loaded once
-//! per 4 activation rows and each activation block once per 4 weight rows.
+//! x86-64 SIMD kernels. Each 32-value block is one 256-bit vector; a tile of several weight rows
+//! and activation rows keeps its accumulators in registers, so each weight block is loaded once
+//! per tile of activation rows and each activation block once per tile of weight rows (AVX2:
+//! 4 × 2; AVX-512 VNNI: 4 × 4).
 //!
-//! Signed×signed 8-bit products use the usual trick: `|w|` (unsigned) times `x` with `w`'s sign,
-//! fed to `vpmaddubsw`+`vpmaddwd` (AVX2) or `vpdpbusd` (AVX-512 VNNI, where one 512-bit vector
-//! holds two blocks and a per-half scale vector applies both blocks' scales at once).
+//! Signed×signed 8-bit products go through an unsigned×signed instruction: AVX2 multiplies `|x|`
+//! by `w` with `x`'s sign (`vpmaddubsw`+`vpmaddwd`); AVX-512 VNNI flips the weights to unsigned
+//! and corrects with the activations' block sums (`vpdpbusd`, one 512-bit vector holding two
+//! blocks and a per-half scale vector applying both blocks' scales at once).
 
 use super::q8::{ActQ8, Q8Matrix, QK};
 
@@ -30,8 +32,8 @@ pub(super) mod avx2 {
 
     /// Weight rows per tile.
     const R: usize = 4;
-    /// Activation rows per tile when there are several: 4 × 2 accumulators, with `|x|`, the
-    /// weights and temporaries, stay within AVX2's 16 vector registers.
+    /// Activation rows per tile when there are several: 4 × 2 accumulators leave room in AVX2's 16
+    /// vector registers for `|x|`, the weights and temporaries (4 × 4 spilled accumulators).
     const A: usize = 2;
 
     #[target_feature(enable = "avx2,fma")]
@@ -142,7 +144,7 @@ pub(super) mod avx2 {
 
     /// Output columns `r0..r1` for every activation row.
     ///
-    /// Activation rows are taken `ROW_BLOCK` at a time, so a prefill's rows stay in L2 while the
+    /// Activation rows are taken about 64 KiB at a time, so a prefill's rows stay in L2 while the
     /// task's weight rows pass over them, instead of streaming from memory once per weight tile.
     ///
     /// # Safety
@@ -150,11 +152,13 @@ pub(super) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
-        assert!(out.len() >= x.rows * w.rows);
-        assert!(w.qs.len() >= w.rows * w.cols && w.scales.len() >= w.rows * w.cols / QK);
-        assert!(x.qs.len() >= x.rows * x.cols && x.scales.len() >= x.rows * x.cols / QK);
+        // The fields are public: check every length the raw reads below rely on, overflow included.
+        let len = |a: usize, b: usize| a.checked_mul(b).expect("matrix size overflows usize");
+        assert!(out.len() >= len(x.rows, w.rows));
+        assert!(w.qs.len() >= len(w.rows, w.cols) && w.scales.len() >= len(w.rows, w.cols) / QK);
+        assert!(x.qs.len() >= len(x.rows, x.cols) && x.scales.len() >= len(x.rows, x.cols) / QK);
         // About 64 KiB of activations per block.
-        let block = (65_536 / w.cols).max(A).next_multiple_of(A);
+        let block = (65_536 / w.cols.max(1)).max(A).next_multiple_of(A);
         let mut m0 = 0;
         while m0 < x.rows {
             let ms = (m0, (m0 + block).min(x.rows));
