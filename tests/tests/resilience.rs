@@ -1,7 +1,7 @@
 //! Failure modes of a running stack that must neither lose nor hang a reply: a worker that stops
 //! answering, a worker that drains with a reply longer than its deadline, queued clients that go
-//! away, a stream resumed at or past its end, a session deleted while it replies, and requests
-//! that other sites make to a server running without keys.
+//! away, a user whose requests fill the queue, a stream resumed at or past its end, a session
+//! deleted while it replies, and requests that other sites make to a server running without keys.
 //!
 //! Most workers here run in scripted mode (one token per tick, no model), so how long a reply
 //! lasts is set by the test rather than by how busy the machine is.
@@ -127,8 +127,13 @@ async fn a_drained_worker_s_reply_fails_over_and_finishes_with_length() {
 /// An OpenAI completion request written on a raw connection, left open; dropping the stream
 /// is a client that goes away.
 async fn queued_client(addr: SocketAddr, key: &str) -> TcpStream {
+    raw_completion(addr, key, 3).await
+}
+
+/// A streamed OpenAI completion of `max_tokens` tokens written on a raw connection, left open.
+async fn raw_completion(addr: SocketAddr, key: &str, max_tokens: u32) -> TcpStream {
     let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": 3, "stream": true})
+                      "max_tokens": max_tokens, "ignore_eos": true, "stream": true})
     .to_string();
     let head = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {key}\r\n\
@@ -201,6 +206,97 @@ async fn clients_that_leave_the_queue_give_their_places_back() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(metric(s.addr(), "hearth_queue_depth").await, 0.0);
     drop(busy);
+    s.finish().await;
+}
+
+/// Time to the first token of a streamed one-token OpenAI completion, and that it succeeded:
+/// until the first event after the role chunk (the scripted worker echoes the prompt, whose
+/// first token is a marker with no text, so that event is the finish chunk).
+async fn ttft(addr: SocketAddr, key: &str) -> Duration {
+    let started = Instant::now();
+    let mut sse = Req::new("POST", "/v1/chat/completions")
+        .key(Some(key))
+        .json(
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 1, "ignore_eos": true, "stream": true}),
+        )
+        .events(addr)
+        .await;
+    assert_eq!(
+        sse.status, 200,
+        "refused while another user filled the queue"
+    );
+    loop {
+        let e = sse.next().await.expect("the stream ended before a token");
+        let delta = &e.json()["choices"][0]["delta"];
+        if delta.get("role").is_none() {
+            let took = started.elapsed();
+            let rest = sse.rest().await;
+            assert!(rest.iter().any(|e| e.data == "[DONE]"), "{e:?} {rest:?}");
+            return took;
+        }
+    }
+}
+
+fn p50(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
+    // One worker that takes 4 requests at a time from hearth, and a queue of 100: alice's 200
+    // requests fill both, and 96 are refused. Each of her replies holds a place for about 0.8 s,
+    // so her queue lasts about 20 s.
+    let s = Stack::scripted(
+        "fairness",
+        Db::Sqlite,
+        1,
+        40,
+        &[
+            "--worker-capacity",
+            "4",
+            "--max-queue",
+            "100",
+            "--queue-timeout-secs",
+            "120",
+        ],
+    )
+    .await;
+    let (alice, bob) = (s.key("alice").await, s.key("bob").await);
+    let mut alone = Vec::new();
+    for _ in 0..5 {
+        alone.push(ttft(s.addr(), &bob).await);
+    }
+    let mut flood = Vec::new();
+    for _ in 0..200 {
+        flood.push(raw_completion(s.addr(), &alice, 20).await);
+    }
+    let wait = Duration::from_secs(30);
+    let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 100.0).await;
+    assert_eq!(
+        depth, 100.0,
+        "alice's requests should fill the queue: {depth}"
+    );
+    let mut busy = Vec::new();
+    for _ in 0..5 {
+        busy.push(ttft(s.addr(), &bob).await);
+    }
+    let depth = metric(s.addr(), "hearth_queue_depth").await;
+    let (alone, busy) = (p50(alone), p50(busy));
+    println!(
+        "bob's TTFT p50: {alone:?} alone, {busy:?} beside alice's 200 requests ({depth} still queued)"
+    );
+    // Without a shared queue bob is refused (alice holds every place); without fair order he
+    // waits behind her queue (about 20 s). Fairly, he waits for one of her replies to end.
+    assert!(depth >= 60.0, "alice's queue should still be long: {depth}");
+    assert!(
+        busy < Duration::from_secs(3),
+        "bob waited {busy:?} behind alice's queue"
+    );
+    drop(flood);
+    let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 0.0).await;
+    assert_eq!(depth, 0.0);
     s.finish().await;
 }
 

@@ -399,7 +399,11 @@ where
     Fut: std::future::Future<Output = Result<(Option<String>, String), ApiError>>,
 {
     let (prompt, max_new) = plan(s, convo, opts.max_tokens).await?;
-    let lease = s.generator.pool.admit(Some(session_id), &[]).await?;
+    let lease = s
+        .generator
+        .pool
+        .admit(&caller.user.id, Some(session_id), &[])
+        .await?;
     let (user_message_id, message_id) = store_turn().await?;
     let live = Live::new(TurnIds {
         session_id: session_id.to_string(),

@@ -234,7 +234,7 @@ pub async fn completions(
     let lease = s
         .generator
         .pool
-        .admit_prefix(&crate::workers::prefix_keys(&prompt))
+        .admit_prefix(&caller.user.id, &crate::workers::prefix_keys(&prompt))
         .await?;
     let model = s.model_name();
     let _ = req.model;

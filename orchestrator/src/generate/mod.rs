@@ -201,7 +201,7 @@ impl Generator {
                 Some(l) => l,
                 None => {
                     let admitted = tokio::select! {
-                        a = self.pool.admit(job.cache_session.as_deref(), &failed) => a,
+                        a = self.pool.admit(&job.user_id, job.cache_session.as_deref(), &failed) => a,
                         () = live.stopped() => return Ending::Finished(FinishReason::Cancelled),
                     };
                     match admitted {

@@ -11,6 +11,13 @@
 //! ready worker with the fewest requests in flight. Each worker takes at most `capacity`
 //! requests at a time from this orchestrator; when every worker is full, requests wait in a
 //! bounded queue (`max_queue`, `queue_timeout`) and are then refused, never piled up.
+//!
+//! The queue is fair between users: room that frees up goes to the waiting request whose user
+//! holds the fewest workers' places, and among equals to the one that came first, so one user
+//! with many requests in flight cannot keep another waiting behind them. When the queue is
+//! full, a user with fewer waiting requests than the user with the most takes that user's
+//! newest place (that request is refused as if the queue had been full for it), so the queue
+//! too is shared rather than taken by whoever filled it first.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -212,9 +219,33 @@ pub struct WorkerPool {
     slots: Vec<Arc<WorkerSlot>>,
     affinity: Affinity,
     config: PoolConfig,
-    /// Woken when a worker gets room or becomes ready.
+    /// Woken when a worker gets room or becomes ready, or a waiting request leaves the queue.
     room: Notify,
-    queued: AtomicUsize,
+    fair: Mutex<Fair>,
+}
+
+/// The queue and the places each user holds, which order it.
+#[derive(Debug, Default)]
+struct Fair {
+    next_ticket: u64,
+    waiting: Vec<Waiter>,
+    /// Workers' places (leases) held per user.
+    held: HashMap<String, usize>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    ticket: u64,
+    user: String,
+    preferred: Option<String>,
+    exclude: Vec<String>,
+}
+
+impl Fair {
+    /// Queue order: fewest places held by the user first, then arrival.
+    fn rank(&self, user: &str, ticket: u64) -> (usize, u64) {
+        (self.held.get(user).copied().unwrap_or(0), ticket)
+    }
 }
 
 /// A worker chosen for one request; it counts as in flight there until dropped.
@@ -223,6 +254,7 @@ pub struct Lease {
     slot: Arc<WorkerSlot>,
     conn: Arc<WorkerConnection>,
     pool: Arc<WorkerPool>,
+    user: String,
 }
 
 impl Lease {
@@ -243,6 +275,15 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.slot.in_flight.fetch_sub(1, Ordering::SeqCst);
+        {
+            let mut fair = self.pool.fair();
+            if let Some(n) = fair.held.get_mut(&self.user) {
+                *n -= 1;
+                if *n == 0 {
+                    fair.held.remove(&self.user);
+                }
+            }
+        }
         self.pool.room.notify_waiters();
     }
 }
@@ -250,24 +291,77 @@ impl Drop for Lease {
 /// One place in the bounded queue, held while a request waits for room.
 struct QueuePlace<'a> {
     pool: &'a WorkerPool,
+    ticket: u64,
 }
 
 impl<'a> QueuePlace<'a> {
-    fn take(pool: &'a WorkerPool) -> Option<Self> {
-        if pool.queued.fetch_add(1, Ordering::SeqCst) >= pool.config.max_queue {
-            pool.queued.fetch_sub(1, Ordering::SeqCst);
-            return None;
+    /// A place for `user`'s request, if the queue has one or `user` may take one from the
+    /// user with the most waiting requests.
+    fn take(
+        pool: &'a WorkerPool,
+        user: &str,
+        preferred: Option<&str>,
+        exclude: &[String],
+    ) -> Option<Self> {
+        let mut fair = pool.fair();
+        if fair.waiting.len() >= pool.config.max_queue {
+            let mut counts: HashMap<&str, usize> = HashMap::new();
+            for w in &fair.waiting {
+                *counts.entry(w.user.as_str()).or_default() += 1;
+            }
+            let mine = counts.get(user).copied().unwrap_or(0);
+            let (most, theirs) = counts
+                .into_iter()
+                .max_by_key(|&(u, n)| (n, std::cmp::Reverse(u)))?;
+            if mine + 1 >= theirs {
+                return None;
+            }
+            let most = most.to_string();
+            let newest = fair
+                .waiting
+                .iter()
+                .rposition(|w| w.user == most)
+                .expect("the user with the most waiting requests has one");
+            fair.waiting.remove(newest);
+            metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
+            // The request that lost its place learns it when it next looks.
+            pool.room.notify_waiters();
         }
+        let ticket = fair.next_ticket;
+        fair.next_ticket += 1;
+        fair.waiting.push(Waiter {
+            ticket,
+            user: user.to_string(),
+            preferred: preferred.map(str::to_string),
+            exclude: exclude.to_vec(),
+        });
         metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
-        Some(Self { pool })
+        Some(Self { pool, ticket })
     }
 }
 
 impl Drop for QueuePlace<'_> {
     fn drop(&mut self) {
-        self.pool.queued.fetch_sub(1, Ordering::SeqCst);
-        metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
+        let mut fair = self.pool.fair();
+        if let Some(i) = fair.waiting.iter().position(|w| w.ticket == self.ticket) {
+            fair.waiting.remove(i);
+            metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
+            drop(fair);
+            // Whoever it kept waiting may go now.
+            self.pool.room.notify_waiters();
+        }
     }
+}
+
+/// Where a request stands in the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// No request ranked before it could take a place now.
+    Next,
+    /// One ranked before it could, and goes first.
+    Behind,
+    /// A request of a user with fewer waiting took its place.
+    Bumped,
 }
 
 enum Pick {
@@ -297,7 +391,7 @@ impl WorkerPool {
             affinity,
             config,
             room: Notify::new(),
-            queued: AtomicUsize::new(0),
+            fair: Mutex::new(Fair::default()),
         });
         for slot in &pool.slots {
             tokio::spawn(poll(Arc::downgrade(&pool), slot.clone()));
@@ -367,11 +461,17 @@ impl WorkerPool {
         while calls.join_next().await.is_some() {}
     }
 
-    /// Chooses a worker for a stateless request with the affinity keys `keys` (from
+    /// Chooses a worker for `user`'s stateless request with the affinity keys `keys` (from
     /// [`prefix_keys`]): the worker that served the longest of them, unless it is overloaded.
-    pub async fn admit_prefix(self: &Arc<Self>, keys: &[String]) -> Result<Lease, PoolError> {
+    pub async fn admit_prefix(
+        self: &Arc<Self>,
+        user: &str,
+        keys: &[String],
+    ) -> Result<Lease, PoolError> {
         let preferred = self.affinity.get_last(keys).await;
-        let lease = self.admit_preferring(preferred.as_deref(), &[]).await?;
+        let lease = self
+            .admit_preferring(user, preferred.as_deref(), &[])
+            .await?;
         // Every key, the longer ones being new: the next turn finds the longest.
         for k in keys {
             self.affinity.set(k, lease.addr()).await;
@@ -379,10 +479,11 @@ impl WorkerPool {
         Ok(lease)
     }
 
-    /// Chooses a worker for a request of `session` (if any), skipping `exclude`. Waits in the
-    /// bounded queue when every worker is full.
+    /// Chooses a worker for `user`'s request of `session` (if any), skipping `exclude`. Waits
+    /// in the bounded queue when every worker is full.
     pub async fn admit(
         self: &Arc<Self>,
+        user: &str,
         session: Option<&str>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
@@ -390,7 +491,9 @@ impl WorkerPool {
             Some(s) => self.affinity.get(s).await,
             None => None,
         };
-        let lease = self.admit_preferring(preferred.as_deref(), exclude).await?;
+        let lease = self
+            .admit_preferring(user, preferred.as_deref(), exclude)
+            .await?;
         if let Some(s) = session {
             if preferred.as_deref() != Some(lease.addr()) {
                 self.affinity.set(s, lease.addr()).await;
@@ -401,14 +504,24 @@ impl WorkerPool {
 
     async fn admit_preferring(
         self: &Arc<Self>,
+        user: &str,
         preferred: Option<&str>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
         let started = Instant::now();
-        let lease = match self.pick(preferred, exclude) {
-            Pick::Got(l) => l,
-            Pick::NoneReady => return Err(PoolError::NoWorker),
-            Pick::Full => self.wait_for_room(preferred, exclude).await?,
+        // A request that no waiting one ranks before takes room at once; otherwise it queues.
+        let behind = {
+            let fair = self.fair();
+            let mine = fair.rank(user, u64::MAX);
+            self.someone_ahead(&fair, mine)
+        };
+        let lease = match behind {
+            true => self.wait_for_room(user, preferred, exclude).await?,
+            false => match self.pick(user, preferred, exclude) {
+                Pick::Got(l) => l,
+                Pick::NoneReady => return Err(PoolError::NoWorker),
+                Pick::Full => self.wait_for_room(user, preferred, exclude).await?,
+            },
         };
         telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
         Ok(lease)
@@ -416,12 +529,13 @@ impl WorkerPool {
 
     async fn wait_for_room(
         self: &Arc<Self>,
+        user: &str,
         preferred: Option<&str>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
         // The place in the queue is given back when this future ends in any way, including
         // being dropped while it waits (a client that goes away, a stop).
-        let Some(_place) = QueuePlace::take(self) else {
+        let Some(place) = QueuePlace::take(self, user, preferred, exclude) else {
             return Err(PoolError::Full);
         };
         let deadline = Instant::now() + self.config.queue_timeout;
@@ -429,10 +543,14 @@ impl WorkerPool {
             let notified = self.room.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            match self.pick(preferred, exclude) {
-                Pick::Got(l) => return Ok(l),
-                Pick::NoneReady => return Err(PoolError::NoWorker),
-                Pick::Full => {}
+            match self.turn(place.ticket) {
+                Turn::Bumped => return Err(PoolError::Full),
+                Turn::Behind => {}
+                Turn::Next => match self.pick(user, preferred, exclude) {
+                    Pick::Got(l) => return Ok(l),
+                    Pick::NoneReady => return Err(PoolError::NoWorker),
+                    Pick::Full => {}
+                },
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(PoolError::Full);
@@ -440,12 +558,52 @@ impl WorkerPool {
         }
     }
 
-    /// Requests waiting for room now.
-    pub fn queued(&self) -> usize {
-        self.queued.load(Ordering::SeqCst)
+    fn fair(&self) -> std::sync::MutexGuard<'_, Fair> {
+        self.fair.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn pick(self: &Arc<Self>, preferred: Option<&str>, exclude: &[String]) -> Pick {
+    /// Whether a waiting request ranked before `rank` could take a worker's place now.
+    fn someone_ahead(&self, fair: &Fair, rank: (usize, u64)) -> bool {
+        // Most waiting requests ask for the same workers: try each distinct ask once.
+        let mut asked: Vec<(Option<&str>, &[String], bool)> = Vec::new();
+        fair.waiting
+            .iter()
+            .filter(|w| fair.rank(&w.user, w.ticket) < rank)
+            .any(|w| {
+                let ask = (w.preferred.as_deref(), w.exclude.as_slice());
+                if let Some(&(_, _, able)) = asked.iter().find(|a| (a.0, a.1) == ask) {
+                    return able;
+                }
+                let able = self.choose(ask.0, ask.1).is_ok();
+                asked.push((ask.0, ask.1, able));
+                able
+            })
+    }
+
+    fn turn(&self, ticket: u64) -> Turn {
+        let fair = self.fair();
+        let Some(me) = fair.waiting.iter().find(|w| w.ticket == ticket) else {
+            return Turn::Bumped;
+        };
+        let mine = fair.rank(&me.user, me.ticket);
+        if self.someone_ahead(&fair, mine) {
+            Turn::Behind
+        } else {
+            Turn::Next
+        }
+    }
+
+    /// Requests waiting for room now.
+    pub fn queued(&self) -> usize {
+        self.fair().waiting.len()
+    }
+
+    /// The worker a request would get now, without taking its place.
+    fn choose(
+        &self,
+        preferred: Option<&str>,
+        exclude: &[String],
+    ) -> Result<(Arc<WorkerSlot>, Arc<WorkerConnection>), Pick> {
         let cap = self.config.per_worker_capacity;
         let candidates: Vec<(&Arc<WorkerSlot>, Arc<WorkerConnection>)> = self
             .slots
@@ -454,7 +612,7 @@ impl WorkerPool {
             .filter_map(|s| s.conn().map(|c| (s, c)))
             .collect();
         if candidates.is_empty() {
-            return Pick::NoneReady;
+            return Err(Pick::NoneReady);
         }
         let load = |s: &WorkerSlot| s.in_flight.load(Ordering::SeqCst);
         // The session's worker, unless it is overloaded.
@@ -469,16 +627,26 @@ impl WorkerPool {
                 .filter(|(s, _)| load(s) < s.capacity(cap))
                 .min_by_key(|(s, _)| load(s))
         });
-        let Some((slot, conn)) = chosen else {
-            return Pick::Full;
+        match chosen {
+            Some((slot, conn)) => Ok(((*slot).clone(), conn.clone())),
+            None => Err(Pick::Full),
+        }
+    }
+
+    fn pick(self: &Arc<Self>, user: &str, preferred: Option<&str>, exclude: &[String]) -> Pick {
+        let (slot, conn) = match self.choose(preferred, exclude) {
+            Ok(c) => c,
+            Err(p) => return p,
         };
         // Claim a place; a race with another request can overshoot by one, never more than
         // the callers racing.
         slot.in_flight.fetch_add(1, Ordering::SeqCst);
+        *self.fair().held.entry(user.to_string()).or_default() += 1;
         Pick::Got(Lease {
-            slot: (*slot).clone(),
-            conn: conn.clone(),
+            slot,
+            conn,
             pool: self.clone(),
+            user: user.to_string(),
         })
     }
 }
@@ -606,6 +774,65 @@ mod tests {
         assert_eq!(k3[0], k1[0], "the first 16 tokens are the same");
         assert_ne!(k3[1], k1[1]);
         assert!(prefix_keys(&turn1[..16]).is_empty());
+    }
+
+    fn pool(max_queue: usize) -> Arc<WorkerPool> {
+        WorkerPool::start(
+            &[],
+            Affinity::Local(Default::default()),
+            PoolConfig {
+                max_queue,
+                ..PoolConfig::default()
+            },
+        )
+    }
+
+    fn users(pool: &WorkerPool) -> Vec<String> {
+        pool.fair().waiting.iter().map(|w| w.user.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_is_shared_a_user_with_fewer_waiting_takes_the_newest_place_of_the_most() {
+        let p = pool(4);
+        let alice: Vec<_> = (0..4)
+            .map(|_| QueuePlace::take(&p, "alice", None, &[]).expect("room"))
+            .collect();
+        assert!(QueuePlace::take(&p, "alice", None, &[]).is_none(), "full");
+        let bob1 = QueuePlace::take(&p, "bob", None, &[]).expect("bob takes a place");
+        assert_eq!(users(&p), ["alice", "alice", "alice", "bob"]);
+        assert_eq!(
+            p.turn(alice[3].ticket),
+            Turn::Bumped,
+            "alice's newest lost it"
+        );
+        assert_eq!(p.turn(alice[0].ticket), Turn::Next);
+        let bob2 = QueuePlace::take(&p, "bob", None, &[]).expect("bob again");
+        assert_eq!(p.turn(alice[2].ticket), Turn::Bumped);
+        // Two each: nobody takes from anybody any more.
+        assert!(QueuePlace::take(&p, "bob", None, &[]).is_none());
+        assert!(QueuePlace::take(&p, "alice", None, &[]).is_none());
+        assert_eq!(p.queued(), 4);
+        // A bumped place that is dropped gives nothing back twice; a real one frees a place.
+        drop(alice);
+        assert_eq!(users(&p), ["bob", "bob"]);
+        drop((bob1, bob2));
+        assert_eq!(p.queued(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_queue_ranks_users_by_the_places_they_hold_then_by_arrival() {
+        let p = pool(8);
+        let a1 = QueuePlace::take(&p, "alice", None, &[]).expect("room");
+        let b1 = QueuePlace::take(&p, "bob", None, &[]).expect("room");
+        let mut fair = p.fair();
+        assert!(fair.rank("alice", a1.ticket) < fair.rank("bob", b1.ticket));
+        // Alice holds two workers' places, Bob none: Bob goes first although he came later.
+        fair.held.insert("alice".to_string(), 2);
+        assert!(fair.rank("bob", b1.ticket) < fair.rank("alice", a1.ticket));
+        drop(fair);
+        // With no worker ready, nobody can take a place, so nobody stands in anyone's way.
+        assert_eq!(p.turn(a1.ticket), Turn::Next);
+        assert_eq!(p.turn(b1.ticket), Turn::Next);
     }
 
     #[tokio::test]
