@@ -61,6 +61,10 @@ pub struct BenchOptions {
     /// KV budget in MiB.
     #[arg(long, env = "HEARTH_KV_BUDGET_MB", default_value_t = 4096)]
     pub kv_budget_mb: usize,
+    /// Draft tokens of the speculation runs (the engine's `--spec-tokens`); 0 skips them. The
+    /// other measurements run without speculation, like llama-bench.
+    #[arg(long, default_value_t = 4)]
+    pub spec_tokens: usize,
 }
 
 /// Deterministic "ordinary" token ids (clear of the special tokens at the start of the vocabulary).
@@ -275,6 +279,11 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
 
     let stats = h.stats();
     drop(engine);
+    let speculation = if o.spec_tokens > 0 {
+        Some(speculation(&model, o)?)
+    } else {
+        None
+    };
     let warm = if o.warm_tokens > 0 {
         Some(warm_sessions(&model, o)?)
     } else {
@@ -301,6 +310,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "batched_decode": batched,
         "prefill_interference": interference,
         "multi_turn": multi,
+        "speculation": speculation,
         "warm_sessions": warm,
         "disk_tier": disk,
         "engine": {
@@ -412,17 +422,75 @@ fn interference(
     }))
 }
 
-/// An engine with the benchmark's KV budget and element type, other settings at their defaults.
+/// An engine with the benchmark's KV budget and element type, no speculation, other settings at
+/// their defaults.
 fn start_engine(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Engine> {
+    start_engine_speculating(model, o, 0)
+}
+
+fn start_engine_speculating(
+    model: &Arc<Model>,
+    o: &BenchOptions,
+    spec_tokens: usize,
+) -> anyhow::Result<Engine> {
     Ok(Engine::start(
         model.clone(),
         EngineConfig {
             kv_budget_bytes: o.kv_budget_mb << 20,
             kv_dtype: o.kv_dtype,
             prefill_share: o.prefill_share,
+            spec_tokens,
             ..Default::default()
         },
     )?)
+}
+
+/// Single-stream greedy decode of `--decode-tokens` without and with speculation by prompt
+/// lookup, on two prompts: 16 arbitrary tokens (what the plain decode run measures; drafts come
+/// only from the reply repeating itself), and a 256-token passage followed by its first 32
+/// tokens again (a reply that quotes or edits its prompt: the model goes on copying).
+fn speculation(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
+    let vocab = model.config.vocab_size;
+    let passage = tokens(256, 7000, vocab);
+    let mut quoting = passage.clone();
+    quoting.extend_from_slice(&passage[..32]);
+    let prompts = [("arbitrary", tokens(16, 3, vocab)), ("quoting", quoting)];
+    let mut out = Vec::new();
+    for (name, prompt) in &prompts {
+        let mut row = json!({ "prompt": name, "prompt_tokens": prompt.len() });
+        let mut replies = Vec::new();
+        for spec in [0, o.spec_tokens] {
+            let engine = start_engine_speculating(model, o, spec)?;
+            let h = engine.handle();
+            // Warm-up, then the measured run.
+            run(
+                h.submit(req(1, tokens(32, 1, vocab), 4, None))?,
+                Instant::now(),
+            );
+            let t = Instant::now();
+            let r = run(h.submit(req(2, prompt.clone(), o.decode_tokens, None))?, t);
+            let tok_s = (r.tokens.len() - 1) as f64 / (r.total - r.ttft).as_secs_f64();
+            let stats = h.stats();
+            progress(&format!(
+                "speculation {spec}, {name} prompt: {tok_s:.1} tok/s, drafted {}, kept {}",
+                stats.spec_draft_tokens, stats.spec_accepted_tokens
+            ));
+            let key = if spec == 0 { "off" } else { "on" };
+            row[key] = json!({
+                "decode_tok_s": tok_s,
+                "draft_tokens": stats.spec_draft_tokens,
+                "accepted_tokens": stats.spec_accepted_tokens,
+            });
+            replies.push(r.tokens);
+        }
+        row["same_reply"] = json!(replies[0] == replies[1]);
+        row["speedup"] = json!(
+            row["on"]["decode_tok_s"].as_f64().unwrap_or(0.0)
+                / row["off"]["decode_tok_s"].as_f64().unwrap_or(1.0).max(1e-9)
+        );
+        out.push(row);
+    }
+    Ok(json!({ "spec_tokens": o.spec_tokens, "runs": out }))
 }
 
 /// The KV memory one idle session of `--warm-tokens` tokens holds, as configured (element type,

@@ -30,6 +30,8 @@ pub const SESSION_EVICTIONS: &str = "hearth_worker_session_evictions_total";
 pub const PREEMPTIONS: &str = "hearth_worker_preemptions_total";
 pub const PREFIX_CACHE_QUERIES: &str = "hearth_worker_prefix_cache_queries_tokens_total";
 pub const PREFIX_CACHE_HITS: &str = "hearth_worker_prefix_cache_hits_tokens_total";
+pub const SPEC_DRAFT: &str = "hearth_worker_spec_draft_tokens_total";
+pub const SPEC_ACCEPTED: &str = "hearth_worker_spec_accepted_tokens_total";
 pub const DEVICE_MEMORY_USED: &str = "hearth_worker_device_memory_used_bytes";
 pub const DEVICE_MEMORY_TOTAL: &str = "hearth_worker_device_memory_total_bytes";
 pub const READY: &str = "hearth_worker_ready";
@@ -62,7 +64,7 @@ fn describe() {
     describe_counter!(PREFILL_TOKENS, "Prompt tokens run through the model");
     describe_counter!(
         DECODE_TOKENS,
-        "Tokens decoded (one per sequence per decode step)"
+        "Tokens decoded (one per sequence per decode step, plus speculative draft tokens kept)"
     );
     describe_gauge!(RUNNING, "Sequences in the running batch");
     describe_gauge!(WAITING, "Requests waiting for admission");
@@ -89,6 +91,14 @@ fn describe() {
         PREFIX_CACHE_HITS,
         "Prompt tokens served from cached KV instead of prefilled"
     );
+    describe_counter!(
+        SPEC_DRAFT,
+        "Speculative decoding: draft tokens (prompt lookup) verified by the model"
+    );
+    describe_counter!(
+        SPEC_ACCEPTED,
+        "Speculative decoding: draft tokens accepted (acceptance rate: over the draft total)"
+    );
     describe_gauge!(
         DEVICE_MEMORY_USED,
         metrics::Unit::Bytes,
@@ -109,7 +119,7 @@ pub fn record_step(summary: &StepSummary, elapsed: Duration, max_batch: usize) {
     gauge!(BATCH_UTILIZATION).set(batch as f64 / max_batch.max(1) as f64);
     histogram!(STEP_DURATION, "phase" => summary.phase()).record(elapsed.as_secs_f64());
     counter!(PREFILL_TOKENS).increment(summary.prefill_tokens as u64);
-    counter!(DECODE_TOKENS).increment(summary.decode_seqs as u64);
+    counter!(DECODE_TOKENS).increment(summary.decode_tokens as u64);
 }
 
 /// Device memory as the worker reports it.
@@ -134,6 +144,8 @@ pub fn refresh(stats: &EngineStats, kv_block_bytes: usize, in_flight: usize, mem
     counter!(PREEMPTIONS).absolute(stats.preemptions as u64);
     counter!(PREFIX_CACHE_QUERIES).absolute(stats.prefix_cache_queries_tokens as u64);
     counter!(PREFIX_CACHE_HITS).absolute(stats.prefix_cache_hits_tokens as u64);
+    counter!(SPEC_DRAFT).absolute(stats.spec_draft_tokens as u64);
+    counter!(SPEC_ACCEPTED).absolute(stats.spec_accepted_tokens as u64);
     gauge!(DEVICE_MEMORY_USED).set(memory.used_bytes as f64);
     gauge!(DEVICE_MEMORY_TOTAL).set(memory.total_bytes as f64);
 }

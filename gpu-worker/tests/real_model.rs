@@ -158,7 +158,7 @@ fn compact_kv_picks_the_same_next_token_as_f32_kv_at_99_percent_of_1000_position
             start_pos: 0,
             blocks: &blocks,
             packed: &[],
-            want_logits: true,
+            logit_rows: 1,
         };
         model.forward_top_k(chunk, &mut kv, 8).unwrap()
     };
@@ -259,19 +259,19 @@ fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions
         all.extend(&greedy);
         let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
         let mut kv = kv_store(&model, blocks.len(), KvDtype::F16);
-        let chunk = |tokens, start_pos, want_logits| SeqChunk {
+        let chunk = |tokens, start_pos, logit_rows| SeqChunk {
             tokens,
             start_pos,
             blocks: &blocks,
             packed: &[],
-            want_logits,
+            logit_rows,
         };
         model
-            .forward(&[chunk(&all[..n - 1], 0, false)], &mut kv)
+            .forward(&[chunk(&all[..n - 1], 0, 0)], &mut kv)
             .unwrap();
         // Prediction j follows all[n - 1 + j]: llama.cpp chose greedy[j] there.
         let top = model
-            .forward_top_k(chunk(&all[n - 1..n + 63], n - 1, true), &mut kv, 1)
+            .forward_top_k(chunk(&all[n - 1..n + 63], n - 1, 1), &mut kv, 1)
             .unwrap();
         let mut case_exact = 0;
         for (j, (ours, &want)) in top.iter().zip(&greedy).enumerate() {

@@ -128,6 +128,8 @@ async fn info_health_and_a_streamed_generation() {
         "hearth_worker_device_memory_total_bytes",
         "hearth_worker_prefix_cache_queries_tokens_total",
         "hearth_worker_prefix_cache_hits_tokens_total",
+        "hearth_worker_spec_draft_tokens_total",
+        "hearth_worker_spec_accepted_tokens_total",
     ] {
         assert!(text.contains(name), "/metrics lacks {name}:\n{text}");
     }
@@ -140,7 +142,7 @@ async fn info_health_and_a_streamed_generation() {
         common::worker::metric(&w, "hearth_worker_prefix_cache_hits_tokens_total").await,
         Some(0.0)
     );
-    // 23 decode steps after the prompt's prefill (the last step is recorded just after the
+    // 23 tokens decoded after the prompt's prefill (the last step is recorded just after the
     // request's last event goes out, so allow it a moment).
     let mut decoded = None;
     for _ in 0..100 {

@@ -7,6 +7,7 @@
 //! request at the next engine step.
 
 mod error;
+pub mod lookup;
 mod scheduler;
 mod scripted;
 mod types;
@@ -67,6 +68,8 @@ pub(crate) struct SharedStats {
     pub steps: AtomicUsize,
     pub prefix_queries: AtomicUsize,
     pub prefix_hits: AtomicUsize,
+    pub spec_drafted: AtomicUsize,
+    pub spec_accepted: AtomicUsize,
 }
 
 /// A cloneable handle to the engine thread.
@@ -272,6 +275,8 @@ impl EngineHandle {
             steps: l(&s.steps),
             prefix_cache_queries_tokens: l(&s.prefix_queries),
             prefix_cache_hits_tokens: l(&s.prefix_hits),
+            spec_draft_tokens: l(&s.spec_drafted),
+            spec_accepted_tokens: l(&s.spec_accepted),
         }
     }
 }
@@ -373,4 +378,10 @@ fn publish(sched: &Scheduler, stats: &SharedStats) {
     stats
         .prefix_hits
         .store(s.prefix_cache_hits_tokens, Ordering::Relaxed);
+    stats
+        .spec_drafted
+        .store(s.spec_draft_tokens, Ordering::Relaxed);
+    stats
+        .spec_accepted
+        .store(s.spec_accepted_tokens, Ordering::Relaxed);
 }

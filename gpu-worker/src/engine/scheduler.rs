@@ -13,6 +13,7 @@ use std::time::Instant;
 use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
 use std::sync::Mutex;
 
+use super::lookup;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
@@ -33,6 +34,8 @@ pub struct StepSummary {
     /// Sequences that ran a chunk of prompt (or recompute after preemption).
     pub prefill_seqs: usize,
     pub prefill_tokens: usize,
+    /// Tokens the decoding sequences produced: one each, plus the draft tokens kept.
+    pub decode_tokens: usize,
 }
 
 impl StepSummary {
@@ -95,6 +98,11 @@ struct Seq {
     max_new: usize,
     stop_ids: Vec<u32>,
     sampler: Sampler,
+    /// Draft tokens at the end of `tokens` this step verifies (speculative decoding); 0 between
+    /// steps.
+    draft: usize,
+    /// Most draft tokens for its next step (see [`verify`]).
+    draft_cap: usize,
     cached_tokens: usize,
     events: EventSender,
     arrived: Instant,
@@ -165,6 +173,8 @@ pub struct Scheduler {
     /// Prompt tokens looked up in the cache at admission, and those found there.
     prefix_queries: usize,
     prefix_hits: usize,
+    spec_drafted: usize,
+    spec_accepted: usize,
     /// Highest request id enqueued so far; see `early_cancels`.
     max_id_seen: u64,
     /// Cancels that overtook their request (they travel on another channel). Only ids above
@@ -266,6 +276,8 @@ impl Scheduler {
             preemptions: 0,
             prefix_queries: 0,
             prefix_hits: 0,
+            spec_drafted: 0,
+            spec_accepted: 0,
             max_id_seen: 0,
             early_cancels: HashSet::new(),
         })
@@ -294,6 +306,8 @@ impl Scheduler {
             steps: 0,
             prefix_cache_queries_tokens: self.prefix_queries,
             prefix_cache_hits_tokens: self.prefix_hits,
+            spec_draft_tokens: self.spec_drafted,
+            spec_accepted_tokens: self.spec_accepted,
         }
     }
 
@@ -338,6 +352,8 @@ impl Scheduler {
             max_new,
             stop_ids,
             sampler: Sampler::continuing(inner.params, inner.sampled_before),
+            draft: 0,
+            draft_cap: self.config.spec_tokens,
             cached_tokens: 0,
             events,
             arrived,
@@ -793,6 +809,8 @@ impl Scheduler {
     fn preempt_youngest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
         let mut s = self.running.remove(i);
+        s.tokens.truncate(s.tokens.len() - s.draft);
+        s.draft = 0;
         release(&mut self.alloc, &mut s.blocks, &mut s.packed);
         s.kv_len = 0;
         s.hashes.clear();
@@ -829,12 +847,17 @@ impl Scheduler {
         let bs = self.config.block_size;
         // Oldest first: they get blocks first, and the youngest are preempted if memory runs out.
         self.running.sort_by_key(|s| s.arrived);
-        let mut prefill_budget = self.prefill_budget(
-            self.running
-                .iter()
-                .filter(|s| s.tokens.len() - s.kv_len == 1)
-                .count(),
-        );
+        let decoding = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() - s.kv_len == 1)
+            .count();
+        let prefilling = self.running.len() > decoding;
+        let mut prefill_budget = self.prefill_budget(decoding);
+        // Drafts only where verifying them is nearly free (see `EngineConfig::spec_max_batch`).
+        let speculate =
+            self.config.spec_tokens > 0 && !prefilling && decoding <= self.config.spec_max_batch;
+        let ctx = self.info.context_length;
         let mut plan: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len());
         let mut i = 0;
         while i < self.running.len() {
@@ -849,6 +872,25 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
+            if speculate && pending == 1 {
+                // Never past the reply's length or the context: every draft token kept is a
+                // token emitted, and its position is written.
+                let room = (s.max_new - s.generated)
+                    .saturating_sub(1)
+                    .min(ctx.saturating_sub(s.tokens.len() + 1));
+                let draft = lookup::draft(&s.tokens, s.draft_cap.min(room)).to_vec();
+                let want = s.kv_len + 1 + draft.len();
+                // A draft takes free blocks or none: it never evicts or preempts anything.
+                if !draft.is_empty() && self.alloc.grow(&mut self.running[i].blocks, want, bs) {
+                    let s = &mut self.running[i];
+                    s.draft = draft.len();
+                    s.tokens.extend(draft);
+                    plan.push((s.id, 1 + s.draft));
+                    i += 1;
+                    continue;
+                }
+            }
+            let s = &self.running[i];
             let want = s.kv_len + n;
             let id = s.id;
             let mut ok = true;
@@ -888,16 +930,17 @@ impl Scheduler {
             .zip(&plan)
             .map(|(&ix, &(_, n))| {
                 let s = &self.running[ix];
+                let ends = s.kv_len + n == s.tokens.len();
                 SeqChunk {
                     tokens: &s.tokens[s.kv_len..s.kv_len + n],
                     start_pos: s.kv_len,
                     blocks: &s.blocks,
                     packed: &s.packed,
-                    want_logits: s.kv_len + n == s.tokens.len(),
+                    logit_rows: if ends { 1 + s.draft } else { 0 },
                 }
             })
             .collect();
-        let wants: Vec<bool> = chunks.iter().map(|c| c.want_logits).collect();
+        let rows: Vec<usize> = chunks.iter().map(|c| c.logit_rows).collect();
         // Shared and registered blocks are immutable; only a table's own fresh blocks take writes.
         debug_assert!(chunks.iter().all(|c| {
             let (first, last) = (c.start_pos / bs, (c.start_pos + c.tokens.len() - 1) / bs);
@@ -907,9 +950,11 @@ impl Scheduler {
         }));
         let mut summary = StepSummary::default();
         for c in &chunks {
-            // A one-token chunk that yields logits is a decode (or a prompt's very last token).
-            if c.tokens.len() == 1 && c.want_logits {
+            // A chunk that yields logits for each of its tokens is a decode (with its draft), or a
+            // prompt's very last token.
+            if c.logit_rows == c.tokens.len() {
                 summary.decode_seqs += 1;
+                summary.decode_tokens += 1;
             } else {
                 summary.prefill_seqs += 1;
                 summary.prefill_tokens += c.tokens.len();
@@ -921,82 +966,61 @@ impl Scheduler {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
+                for s in &mut self.running {
+                    s.tokens.truncate(s.tokens.len() - s.draft);
+                    s.draft = 0;
+                }
                 self.fail_running(&e.to_string());
                 return Some(summary);
             }
         };
+        // Positions now in the cache; a draft's count only once it is verified.
         for (&ix, &(_, n)) in order.iter().zip(&plan) {
-            self.running[ix].kv_len += n;
+            let s = &mut self.running[ix];
+            s.kv_len += n - s.draft;
+        }
+        // Every sequence's rows of logits; plain ones are sampled in parallel (262k-wide rows),
+        // drafts verified one row after another.
+        let vocab = self.info.vocab_size;
+        let mut plain: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut drafted: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut logits = logits;
+        let mut rest: &mut [f32] = &mut logits;
+        for (&ix, &r) in order.iter().zip(&rows) {
+            if r == 0 {
+                continue;
+            }
+            let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r * vocab);
+            rest = tail;
+            if self.running[ix].draft > 0 {
+                drafted.push((ix, mine));
+            } else {
+                plain.push((ix, mine));
+            }
+        }
+        let picks = sample_rows(&mut self.running, plain);
+        let mut finished = Vec::new();
+        for (ix, token, logprob) in picks {
+            if let Some(r) = emit(&mut self.running[ix], token, logprob, ctx) {
+                finished.push((self.running[ix].id, r));
+            }
+        }
+        for (ix, rows) in drafted {
+            let most = self.config.spec_tokens;
+            let (accepted, drafted, end) = verify(&mut self.running[ix], rows, vocab, ctx, most);
+            self.spec_drafted += drafted;
+            self.spec_accepted += accepted;
+            summary.decode_tokens += accepted;
+            if let Some(r) = end {
+                finished.push((self.running[ix].id, r));
+            }
+        }
+        for (&ix, _) in order.iter().zip(&plan) {
+            let s = &mut self.running[ix];
+            // Blocks grown for draft tokens that were not kept go back.
+            self.alloc.truncate(&mut s.blocks, s.tokens.len(), bs);
             self.register_full_blocks(ix);
             self.trim(ix);
-        }
-        // Sample every sequence that produced logits, in parallel (262k-wide rows).
-        let vocab = self.info.vocab_size;
-        let mut samplers: Vec<(usize, &mut [f32])> = Vec::new();
-        let mut rows = logits;
-        {
-            let mut rest: &mut [f32] = &mut rows;
-            for (&ix, &w) in order.iter().zip(&wants) {
-                if w {
-                    let (row, tail) = rest.split_at_mut(vocab);
-                    samplers.push((ix, row));
-                    rest = tail;
-                }
-            }
-        }
-        let picks: Vec<(usize, u32, f32)> = {
-            let running = &mut self.running;
-            let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
-            let work: Vec<(usize, &mut Seq, &mut [f32])> = samplers
-                .into_iter()
-                .filter_map(|(ix, row)| {
-                    seqs.get_mut(ix)
-                        .and_then(Option::take)
-                        .map(|s| (ix, s, row))
-                })
-                .collect();
-            // On the kernel pool, whose helpers are already awake: handing this to another pool
-            // would leave a spinning helper competing with it for the cores.
-            let work: Vec<Mutex<(usize, &mut Seq, &mut [f32])>> =
-                work.into_iter().map(Mutex::new).collect();
-            let picks: Vec<Mutex<(usize, u32, f32)>> =
-                work.iter().map(|_| Mutex::new((0, 0, 0.0))).collect();
-            SpinPool::global().run(work.len(), &|i| {
-                if let (Ok(mut w), Ok(mut p)) = (work[i].lock(), picks[i].lock()) {
-                    let (ix, s, row) = &mut *w;
-                    let (t, lp) = s.sampler.sample(row, &s.tokens);
-                    *p = (*ix, t, lp);
-                }
-            });
-            picks
-                .into_iter()
-                .filter_map(|p| p.into_inner().ok())
-                .collect()
-        };
-        let mut finished = Vec::new();
-        let ctx = self.info.context_length;
-        for (ix, token, logprob) in picks {
-            let s = &mut self.running[ix];
-            s.tokens.push(token);
-            s.generated += 1;
-            if s.first_token.is_none() {
-                s.first_token = Some(Instant::now());
-            }
-            let reason = if s.stop_ids.contains(&token) {
-                Some(FinishReason::Stop)
-            } else {
-                s.send(EngineEvent::Token { id: token, logprob });
-                if s.generated >= s.max_new {
-                    Some(FinishReason::Length)
-                } else if s.tokens.len() >= ctx {
-                    Some(FinishReason::ContextFull)
-                } else {
-                    None
-                }
-            };
-            if let Some(r) = reason {
-                finished.push((s.id, r));
-            }
         }
         for (id, reason) in finished {
             if let Some(ix) = self.running.iter().position(|s| s.id == id) {
@@ -1007,6 +1031,88 @@ impl Scheduler {
         }
         Some(summary)
     }
+}
+
+/// Samples one token from each row, in parallel on the kernel pool (whose helpers are already
+/// awake: handing this to another pool would leave a spinning helper competing for the cores).
+fn sample_rows(running: &mut [Seq], rows: Vec<(usize, &mut [f32])>) -> Vec<(usize, u32, f32)> {
+    let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
+    let work: Vec<Mutex<(usize, &mut Seq, &mut [f32])>> = rows
+        .into_iter()
+        .filter_map(|(ix, row)| {
+            seqs.get_mut(ix)
+                .and_then(Option::take)
+                .map(|s| Mutex::new((ix, s, row)))
+        })
+        .collect();
+    let picks: Vec<Mutex<(usize, u32, f32)>> =
+        work.iter().map(|_| Mutex::new((0, 0, 0.0))).collect();
+    SpinPool::global().run(work.len(), &|i| {
+        if let (Ok(mut w), Ok(mut p)) = (work[i].lock(), picks[i].lock()) {
+            let (ix, s, row) = &mut *w;
+            let (t, lp) = s.sampler.sample(row, &s.tokens);
+            *p = (*ix, t, lp);
+        }
+    });
+    picks
+        .into_iter()
+        .filter_map(|p| p.into_inner().ok())
+        .collect()
+}
+
+/// Appends a sampled token to `s` and streams it; the reason it ends, if it does.
+fn emit(s: &mut Seq, token: u32, logprob: f32, ctx: usize) -> Option<FinishReason> {
+    s.tokens.push(token);
+    s.generated += 1;
+    if s.first_token.is_none() {
+        s.first_token = Some(Instant::now());
+    }
+    if s.stop_ids.contains(&token) {
+        return Some(FinishReason::Stop);
+    }
+    s.send(EngineEvent::Token { id: token, logprob });
+    if s.generated >= s.max_new {
+        Some(FinishReason::Length)
+    } else if s.tokens.len() >= ctx {
+        Some(FinishReason::ContextFull)
+    } else {
+        None
+    }
+}
+
+/// Verifies the draft at the end of `s.tokens` against `rows` (logits after its last real token
+/// and after each draft token): picks each token exactly as a step of its own would have (the
+/// same logits, history and sampler, one random draw per token when sampling) and keeps draft
+/// tokens while they equal the pick. Every token emitted is thus drawn from the model's own
+/// distribution, and a seeded reply is the same token for token with or without drafts; a draft
+/// only decides whether the next row's logits, computed after the draft token, can be used. Returns the draft tokens kept,
+/// those drafted, and the reason the sequence ends, if it does. Its next draft may be one token
+/// longer than what it kept (at most `most`), so a sequence whose drafts keep failing risks one
+/// row a step, and one whose drafts hold risks more.
+fn verify(
+    s: &mut Seq,
+    rows: &mut [f32],
+    vocab: usize,
+    ctx: usize,
+    most: usize,
+) -> (usize, usize, Option<FinishReason>) {
+    let drafted = s.draft;
+    let draft = s.tokens.split_off(s.tokens.len() - drafted);
+    s.draft = 0;
+    let mut kept = 0;
+    let mut end = None;
+    for (j, row) in rows.chunks_exact_mut(vocab).enumerate() {
+        let (token, logprob) = s.sampler.sample(row, &s.tokens);
+        end = emit(s, token, logprob, ctx);
+        if end.is_some() || draft.get(j) != Some(&token) {
+            break;
+        }
+        // The draft token at this position was the pick: its K/V, written this step, stands.
+        kept += 1;
+        s.kv_len += 1;
+    }
+    s.draft_cap = (kept + 1).min(most).max(1);
+    (kept, drafted, end)
 }
 
 #[cfg(test)]

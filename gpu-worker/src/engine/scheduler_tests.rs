@@ -393,3 +393,73 @@ fn a_prompt_arriving_beside_decoding_sequences_is_prefilled_in_shares_and_answer
         assert_eq!(outcome(rx).1.len(), 40);
     }
 }
+
+#[test]
+fn speculative_drafts_change_no_reply_greedy_or_seeded_and_leave_the_cache_exact() {
+    let model = tiny();
+    // A prompt that repeats itself, so lookups find drafts from the first step.
+    let mut looping = prompt(24, 5);
+    looping.extend_from_within(..);
+    looping.extend_from_within(..20);
+    let run = |spec_tokens: usize| {
+        let mut s = Scheduler::new(
+            model.clone(),
+            EngineConfig {
+                spec_tokens,
+                ..unpacked()
+            },
+        )
+        .unwrap();
+        let mut a = submit(&mut s, 1, looping.clone(), 70, Some("s"));
+        // Seeded sampling: the same draws in the same order, so the same reply.
+        let mut r = GenerateRequest::new(2, looping[4..].to_vec(), 70);
+        r.ignore_eos = true;
+        r.params = hearth_shared::SamplingParams {
+            temperature: 0.8,
+            seed: Some(11),
+            ..Default::default()
+        };
+        let (tx, mut b) = mpsc::unbounded_channel();
+        s.enqueue(validate(r, &s.model_info()).unwrap(), tx);
+        // `drain` audits the block bookkeeping after every step: blocks grown for a draft that
+        // was cut short must be given back.
+        let mut steps = 0;
+        drain(&mut s, |s| {
+            steps += 1;
+            for q in &s.running {
+                assert_eq!(q.draft, 0);
+                assert!(
+                    q.blocks.len() <= q.tokens.len().div_ceil(BS),
+                    "draft blocks kept"
+                );
+            }
+        });
+        let (a1, b1) = (outcome(&mut a).1, outcome(&mut b).1);
+        // The session's next turn resumes from the K/V the drafted steps left behind.
+        let mut next = looping.clone();
+        next.extend(&a1);
+        next.extend(prompt(6, 7));
+        let mut c = submit(&mut s, 3, next, 40, Some("s"));
+        drain(&mut s, |_| steps += 1);
+        let (cached, c1) = outcome(&mut c);
+        assert_eq!(
+            cached,
+            looping.len() + a1.len() - 1,
+            "the session cache was kept"
+        );
+        (a1, b1, c1, steps, s.stats())
+    };
+    let (a0, b0, c0, steps0, off) = run(0);
+    let (a1, b1, c1, steps1, on) = run(4);
+    assert_eq!(a1, a0, "a drafted reply differs from the plain one");
+    assert_eq!(b1, b0, "a drafted seeded reply differs from the plain one");
+    assert_eq!(c1, c0, "a turn after drafted steps differs");
+    assert_eq!((off.spec_draft_tokens, off.spec_accepted_tokens), (0, 0));
+    println!(
+        "drafted {} tokens, kept {}; {steps1} steps against {steps0}",
+        on.spec_draft_tokens, on.spec_accepted_tokens
+    );
+    assert!(on.spec_accepted_tokens > 0, "no draft was kept: {on:?}");
+    assert!(on.spec_accepted_tokens <= on.spec_draft_tokens);
+    assert!(steps1 < steps0, "kept drafts should save steps");
+}

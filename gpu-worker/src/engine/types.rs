@@ -34,6 +34,13 @@ pub struct EngineConfig {
     /// session that far (regenerating its last reply) resumes from its cache; older positions
     /// keep only their global layers (packed). `None` keeps every layer of every position.
     pub kv_window_margin: Option<usize>,
+    /// Speculative decoding by prompt lookup: most draft tokens verified beside a sequence's
+    /// next token in one step (see `lookup`); 0 turns it off.
+    pub spec_tokens: usize,
+    /// Drafts are only tried in steps with at most this many decoding sequences and no prompt
+    /// being prefilled: there a step is bound by reading the weights, so verifying a few more
+    /// rows is nearly free. In larger batches it is bound by arithmetic and would not pay.
+    pub spec_max_batch: usize,
 }
 
 /// The disk tier's file location and size.
@@ -60,6 +67,8 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::default(),
             kv_disk: None,
             kv_window_margin: Some(DEFAULT_WINDOW_MARGIN),
+            spec_tokens: 4,
+            spec_max_batch: 2,
         }
     }
 }
@@ -213,4 +222,8 @@ pub struct EngineStats {
     pub prefix_cache_queries_tokens: usize,
     /// Of those, tokens served from cached KV instead of being prefilled.
     pub prefix_cache_hits_tokens: usize,
+    /// Speculative decoding: draft tokens verified, and those accepted (emitted without a step
+    /// of their own).
+    pub spec_draft_tokens: usize,
+    pub spec_accepted_tokens: usize,
 }

@@ -109,7 +109,9 @@ pub struct SeqChunk<'a> {
     pub blocks: &'a [BlockId],
     /// Packed global-layer blocks of the table's leading positions (see [`crate::kv::Packing`]).
     pub packed: &'a [BlockId],
-    pub want_logits: bool,
+    /// Logits wanted for this many of the chunk's last positions: 0 for a prompt chunk that is
+    /// not the prompt's end, 1 to sample the next token, more to verify a speculative draft.
+    pub logit_rows: usize,
 }
 
 impl Model {
@@ -169,7 +171,8 @@ impl Model {
         emb + layers + if tied { 0 } else { self.output.size_in_bytes() }
     }
 
-    /// Runs one step; returns `vocab_size` logits for each chunk with `want_logits`, in order.
+    /// Runs one step; returns `vocab_size` logits for each of every chunk's last `logit_rows`
+    /// positions, in order.
     pub fn forward(
         &self,
         chunks: &[SeqChunk<'_>],
@@ -178,14 +181,13 @@ impl Model {
         let c = &self.config;
         let h = c.hidden_size;
         let x = self.hidden(chunks, kv)?;
-        // Only the last row of chunks that sample needs the (expensive) output projection.
+        // Only the rows that sample need the (expensive) output projection.
         let mut last = Vec::new();
         let mut end = 0;
         for ch in chunks {
             end += ch.tokens.len();
-            if ch.want_logits {
-                last.extend_from_slice(&x[(end - 1) * h..end * h]);
-            }
+            let rows = ch.logit_rows.min(ch.tokens.len());
+            last.extend_from_slice(&x[(end - rows) * h..end * h]);
         }
         self.logits(last)
     }

@@ -78,6 +78,15 @@ pub struct ServeConfig {
     /// time to first token. 0 prefills up to --prefill-chunk in every step.
     #[arg(long, env = "HEARTH_WORKER_PREFILL_SHARE", default_value_t = 2.0)]
     pub prefill_share: f64,
+    /// Speculative decoding by prompt lookup: most draft tokens (runs of the prompt or reply
+    /// that repeat) verified beside a sequence's next token in one step; 0 turns it off. The
+    /// output is the same either way (seeded sampling included).
+    #[arg(long, env = "HEARTH_WORKER_SPEC_TOKENS", default_value_t = 4)]
+    pub spec_tokens: usize,
+    /// Drafts are tried only in steps with at most this many decoding sequences and no prompt
+    /// being prefilled (where a step is bound by reading the weights, not by arithmetic).
+    #[arg(long, env = "HEARTH_WORKER_SPEC_MAX_BATCH", default_value_t = 2)]
+    pub spec_max_batch: usize,
     /// Seconds a SIGTERM waits for in-flight sequences before cancelling them.
     #[arg(long, env = "HEARTH_WORKER_DRAIN_TIMEOUT_SECS", default_value_t = 30)]
     pub drain_timeout_secs: u64,
@@ -175,6 +184,12 @@ impl ServeConfig {
                 format!("{} is not a number between 0 and 1000", self.prefill_share),
             ));
         }
+        if self.spec_tokens > 64 {
+            return Err(invalid(
+                "--spec-tokens",
+                format!("{} is more than 64 draft tokens", self.spec_tokens),
+            ));
+        }
         if self.kv_budget == 0 {
             return Err(invalid("--kv-budget", "must be more than 0 bytes"));
         }
@@ -202,6 +217,8 @@ impl ServeConfig {
             max_waiting: self.max_waiting,
             prefill_chunk: self.prefill_chunk,
             prefill_share: self.prefill_share,
+            spec_tokens: self.spec_tokens,
+            spec_max_batch: self.spec_max_batch,
             kv_dtype: self.kv_dtype,
             kv_window_margin: self.kv_window_margin.0,
             // Room for every waiting request plus the cancels and drops that accompany them.
