@@ -17,34 +17,12 @@ cd "$(dirname "$0")/../.."
 levels="${LEVELS:-1,16,64}" tokens="${TOKENS:-128}" words="${INPUT_WORDS:-128}"
 out="${OUT:-target/anchor/full-stack}" threads="${THREADS:-$(nproc)}"
 hearth_port="${HEARTH_PORT:-18080}" llama_port="${LLAMA_PORT:-18081}"
-models="${HEARTH_MODELS_DIR:-$HOME/.cache/hearth/models}"
-gguf="$models/gemma-3-270m-q4_k_m.gguf"
-
-bash scripts/fetch-model.sh >&2
-cargo build --release -p hearth-worker -p hearth-orchestrator -p hearth-e2e --bins >&2
-llama_bin="$(bash tests/anchor/llama-cpp.sh)"
+source tests/anchor/common.sh
 mkdir -p "$out"
-data="$(mktemp -d)"
 server=""
-cleanup() {
-  [[ -n "$server" ]] && kill "$server" 2>/dev/null || true
-  wait 2>/dev/null || true
-  rm -rf "$data"
-}
-trap cleanup EXIT
-
-wait_http() { # url
-  for _ in $(seq 1 300); do
-    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
-    sleep 0.5
-  done
-  echo "full-stack.sh: $1 did not come up" >&2
-  return 1
-}
 
 stop_server() {
-  kill "$server" 2>/dev/null || true
-  wait "$server" 2>/dev/null || true
+  stop "$server"
   server=""
 }
 
@@ -69,8 +47,8 @@ poisson() { # name url
 }
 
 HEARTH_DATA_DIR="$data" HEARTH_LISTEN="127.0.0.1:$hearth_port" HEARTH_MODELS_DIR="$models" \
-  ./target/release/hearth >"$out/hearth.log" 2>&1 &
-server=$!
+  serve "$out/hearth.log" ./target/release/hearth
+server=$served
 wait_http "http://127.0.0.1:$hearth_port/readyz"
 for c in "${level_list[@]}"; do bench hearth "http://127.0.0.1:$hearth_port" "$c"; done
 poisson hearth "http://127.0.0.1:$hearth_port"
@@ -82,9 +60,9 @@ for c in "${level_list[@]}"; do
   slots="$(slots_for "$c")"
   if [[ "$slots" != "$running_slots" ]]; then
     [[ -n "$server" ]] && stop_server
-    "$llama_bin/llama-server" -m "$gguf" --host 127.0.0.1 --port "$llama_port" -np "$slots" \
-      -c $((slots * 2048)) -t "$threads" >"$out/llama-server-np$slots.log" 2>&1 &
-    server=$!
+    serve "$out/llama-server-np$slots.log" "$llama_bin/llama-server" -m "$gguf" \
+      --host 127.0.0.1 --port "$llama_port" -np "$slots" -c $((slots * 2048)) -t "$threads"
+    server=$served
     running_slots="$slots"
     wait_http "http://127.0.0.1:$llama_port/health"
   fi
@@ -92,16 +70,16 @@ for c in "${level_list[@]}"; do
 done
 if [[ -n "$rate" && "$running_slots" != 16 ]]; then
   [[ -n "$server" ]] && stop_server
-  "$llama_bin/llama-server" -m "$gguf" --host 127.0.0.1 --port "$llama_port" -np 16 \
-    -c $((16 * 2048)) -t "$threads" >"$out/llama-server-np16.log" 2>&1 &
-  server=$!
+  serve "$out/llama-server-np16.log" "$llama_bin/llama-server" -m "$gguf" --host 127.0.0.1 \
+    --port "$llama_port" -np 16 -c $((16 * 2048)) -t "$threads"
+  server=$served
   wait_http "http://127.0.0.1:$llama_port/health"
 fi
 poisson llama-server "http://127.0.0.1:$llama_port"
 stop_server
 
 python3 - "$out" "$levels" "$rate" <<'PY'
-import json, os, sys
+import json, sys
 out, levels, rate = sys.argv[1], [int(c) for c in sys.argv[2].split(",")], sys.argv[3]
 def row(name, c):
     return json.load(open(f"{out}/{name}-c{c}.json"))["results"][0]

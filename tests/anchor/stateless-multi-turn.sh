@@ -15,30 +15,8 @@ cd "$(dirname "$0")/../.."
 sessions="${SESSIONS:-32}" turns="${TURNS:-8}" clients="${CLIENTS:-4}" tokens="${TOKENS:-64}"
 slots="${SLOTS:-16}" out="${OUT:-target/anchor/stateless}" threads="${THREADS:-$(nproc)}"
 hearth_port="${HEARTH_PORT:-18080}" llama_port="${LLAMA_PORT:-18081}"
-models="${HEARTH_MODELS_DIR:-$HOME/.cache/hearth/models}"
-gguf="$models/gemma-3-270m-q4_k_m.gguf"
-
-bash scripts/fetch-model.sh >&2
-cargo build --release -p hearth-worker -p hearth-orchestrator -p hearth-e2e --bins >&2
-llama_bin="$(bash tests/anchor/llama-cpp.sh)"
+source tests/anchor/common.sh
 mkdir -p "$out"
-data="$(mktemp -d)"
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
-  wait 2>/dev/null || true
-  rm -rf "$data"
-}
-trap cleanup EXIT
-
-wait_http() { # url
-  for _ in $(seq 1 300); do
-    curl -fsS -o /dev/null "$1" 2>/dev/null && return 0
-    sleep 0.5
-  done
-  echo "stateless-multi-turn.sh: $1 did not come up" >&2
-  return 1
-}
 
 bench() { # name url
   ./target/release/hearth-bench --url "$2" --api openai --workload multi-turn \
@@ -47,16 +25,13 @@ bench() { # name url
 }
 
 HEARTH_DATA_DIR="$data" HEARTH_LISTEN="127.0.0.1:$hearth_port" HEARTH_MODELS_DIR="$models" \
-  ./target/release/hearth >"$out/hearth.log" 2>&1 &
-pids+=($!)
+  serve "$out/hearth.log" ./target/release/hearth
 wait_http "http://127.0.0.1:$hearth_port/readyz"
 bench hearth "http://127.0.0.1:$hearth_port"
-kill "${pids[0]}"
-wait "${pids[0]}" 2>/dev/null || true
+stop "$served"
 
-"$llama_bin/llama-server" -m "$gguf" --host 127.0.0.1 --port "$llama_port" -np "$slots" \
-  -c $((slots * 4096)) -t "$threads" >"$out/llama-server.log" 2>&1 &
-pids+=($!)
+serve "$out/llama-server.log" "$llama_bin/llama-server" -m "$gguf" --host 127.0.0.1 \
+  --port "$llama_port" -np "$slots" -c $((slots * 4096)) -t "$threads"
 wait_http "http://127.0.0.1:$llama_port/health"
 bench llama-server "http://127.0.0.1:$llama_port"
 

@@ -350,38 +350,22 @@ fn handle_command(sched: &mut Scheduler, cmd: Command, stats: &SharedStats) -> b
 
 fn publish(sched: &Scheduler, stats: &SharedStats) {
     let s = sched.stats();
-    stats.running.store(s.running, Ordering::Relaxed);
-    stats.waiting.store(s.waiting, Ordering::Relaxed);
-    stats.blocks_used.store(s.kv_blocks_used, Ordering::Relaxed);
-    stats
-        .blocks_total
-        .store(s.kv_blocks_total, Ordering::Relaxed);
-    stats
-        .blocks_cached
-        .store(s.kv_blocks_cached, Ordering::Relaxed);
-    stats
-        .cached_sessions
-        .store(s.cached_sessions, Ordering::Relaxed);
-    stats
-        .disk_sessions
-        .store(s.disk_sessions, Ordering::Relaxed);
-    stats
-        .disk_restores
-        .store(s.disk_restores, Ordering::Relaxed);
-    stats
-        .evictions
-        .store(s.session_evictions, Ordering::Relaxed);
-    stats.preemptions.store(s.preemptions, Ordering::Relaxed);
-    stats
-        .prefix_queries
-        .store(s.prefix_cache_queries_tokens, Ordering::Relaxed);
-    stats
-        .prefix_hits
-        .store(s.prefix_cache_hits_tokens, Ordering::Relaxed);
-    stats
-        .spec_drafted
-        .store(s.spec_draft_tokens, Ordering::Relaxed);
-    stats
-        .spec_accepted
-        .store(s.spec_accepted_tokens, Ordering::Relaxed);
+    for (counter, value) in [
+        (&stats.running, s.running),
+        (&stats.waiting, s.waiting),
+        (&stats.blocks_used, s.kv_blocks_used),
+        (&stats.blocks_total, s.kv_blocks_total),
+        (&stats.blocks_cached, s.kv_blocks_cached),
+        (&stats.cached_sessions, s.cached_sessions),
+        (&stats.disk_sessions, s.disk_sessions),
+        (&stats.disk_restores, s.disk_restores),
+        (&stats.evictions, s.session_evictions),
+        (&stats.preemptions, s.preemptions),
+        (&stats.prefix_queries, s.prefix_cache_queries_tokens),
+        (&stats.prefix_hits, s.prefix_cache_hits_tokens),
+        (&stats.spec_drafted, s.spec_draft_tokens),
+        (&stats.spec_accepted, s.spec_accepted_tokens),
+    ] {
+        counter.store(value, Ordering::Relaxed);
+    }
 }
