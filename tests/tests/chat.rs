@@ -536,9 +536,27 @@ async fn a_reply_cut_off_by_an_orchestrator_crash_is_marked_error_after_restart(
     let k = s.key("alice").await;
     let sid = new_session(&s, &k, json!({})).await;
     let mut sse = post_turn(&s, &k, &sid, long_turn("Talk")).await;
-    let (_, streamed) = read_tokens(&mut sse, 300).await;
+    // Read on (so the stream never backs up) until a save of the reply's progress shows; the
+    // crash must cut a reply that has progress to keep, however fast the worker decodes.
+    let (mut seen, _) = read_tokens(&mut sse, 20).await;
+    for _ in 0..200 {
+        let reply = &messages(&s, &k, &sid).await[1];
+        if reply["content"].as_str().is_some_and(|c| !c.is_empty()) {
+            break;
+        }
+        for _ in 0..5 {
+            let e = sse.next().await.expect("stream ended early");
+            assert_ne!(
+                e.event, "message_end",
+                "the reply finished before a save showed"
+            );
+            seen.push(e);
+        }
+    }
     s.hearth.kill();
-    drop(sse);
+    // What was already on its way to the client was streamed too.
+    seen.extend(sse.rest().await);
+    let streamed = fold(&seen).text;
     let args = Stack::args(
         &s.assets,
         &s.db_url,
