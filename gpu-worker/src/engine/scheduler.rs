@@ -116,6 +116,12 @@ struct Seq {
 }
 
 impl Seq {
+    /// Takes back an unverified draft (a step that will not verify it).
+    fn drop_draft(&mut self) {
+        self.tokens.truncate(self.tokens.len() - self.draft);
+        self.draft = 0;
+    }
+
     fn send(&self, e: EngineEvent) {
         // A closed receiver is noticed (and the sequence cancelled) at the next step.
         let _ = self.events.send(e);
@@ -809,8 +815,7 @@ impl Scheduler {
     fn preempt_youngest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
         let mut s = self.running.remove(i);
-        s.tokens.truncate(s.tokens.len() - s.draft);
-        s.draft = 0;
+        s.drop_draft();
         release(&mut self.alloc, &mut s.blocks, &mut s.packed);
         s.kv_len = 0;
         s.hashes.clear();
@@ -966,10 +971,7 @@ impl Scheduler {
             Ok(l) => l,
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
-                for s in &mut self.running {
-                    s.tokens.truncate(s.tokens.len() - s.draft);
-                    s.draft = 0;
-                }
+                self.running.iter_mut().for_each(Seq::drop_draft);
                 self.fail_running(&e.to_string());
                 return Some(summary);
             }
@@ -983,7 +985,7 @@ impl Scheduler {
         // drafts verified one row after another.
         let vocab = self.info.vocab_size;
         let mut plain: Vec<(usize, &mut [f32])> = Vec::new();
-        let mut drafted: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut drafts: Vec<(usize, &mut [f32])> = Vec::new();
         let mut logits = logits;
         let mut rest: &mut [f32] = &mut logits;
         for (&ix, &r) in order.iter().zip(&rows) {
@@ -993,7 +995,7 @@ impl Scheduler {
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r * vocab);
             rest = tail;
             if self.running[ix].draft > 0 {
-                drafted.push((ix, mine));
+                drafts.push((ix, mine));
             } else {
                 plain.push((ix, mine));
             }
@@ -1005,8 +1007,8 @@ impl Scheduler {
                 finished.push((self.running[ix].id, r));
             }
         }
-        for (ix, rows) in drafted {
-            let most = self.config.spec_tokens;
+        let most = self.config.spec_tokens;
+        for (ix, rows) in drafts {
             let (accepted, drafted, end) = verify(&mut self.running[ix], rows, vocab, ctx, most);
             self.spec_drafted += drafted;
             self.spec_accepted += accepted;
