@@ -141,6 +141,13 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     ));
     let vocab = model.config.vocab_size;
     let engine = start_engine(&model, o)?;
+    // With the engine started, its KV budget reserved and nothing run yet: a worker at idle.
+    let rss_idle = crate::device::rss_bytes();
+    progress(&format!(
+        "engine started ({} MiB KV budget), rss {} MB",
+        o.kv_budget_mb,
+        rss_idle >> 20
+    ));
     let h = engine.handle();
     let mut id = 0u64;
     let mut next = || {
@@ -303,7 +310,8 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "threads": rayon::current_num_threads(),
         "load_s": load_s,
         "rss_mb_before_load": rss_before >> 20,
-        "rss_mb_loaded_idle": rss_loaded >> 20,
+        "rss_mb_loaded": rss_loaded >> 20,
+        "rss_mb_engine_idle": rss_idle >> 20,
         "weights_mb": model.weights_bytes() >> 20,
         "prefill": { "prompt_tokens": o.prefill_tokens, "tok_s": prefill_tok_s },
         "decode_single_stream_tok_s": decode_tok_s,

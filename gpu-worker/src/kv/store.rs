@@ -1,10 +1,11 @@
 //! Paged K/V storage: one slab per layer for K and one for V, indexed through block tables.
 //!
-//! Rows are stored as f32, f16, or int8 with one f16 scale per group of [`INT8_GROUP`] values. Slabs are
-//! allocated zeroed (the OS maps pages lazily, so an idle worker's resident memory grows only with
-//! the blocks actually written). Readers get each head's row as f32, converted into a scratch
-//! buffer when the storage is compact; the conversion is exact and deterministic, so a token's K/V
-//! reads back the same however it was batched, chunked or cached.
+//! Rows are stored as f32, f16, or int8 with one f16 scale per group of [`INT8_KEY_GROUP`] key
+//! values or [`INT8_VALUE_GROUP`] value values. Slabs are allocated zeroed (the OS maps pages
+//! lazily, so an idle worker's resident memory grows only with the blocks actually written).
+//! Readers get each head's row as f32, converted into a scratch buffer when the storage is
+//! compact; the conversion is exact and deterministic, so a token's K/V reads back the same
+//! however it was batched, chunked or cached.
 
 use half::f16;
 
@@ -16,33 +17,42 @@ pub enum KvDtype {
     F32,
     #[default]
     F16,
-    /// int8 with one f16 scale per [`INT8_GROUP`] consecutive values of a head (symmetric,
-    /// max-abs).
+    /// int8 with one f16 scale per [`INT8_KEY_GROUP`] consecutive key values of a head and one
+    /// per [`INT8_VALUE_GROUP`] value values (symmetric, max-abs).
     Int8,
 }
 
-/// Values sharing one int8 scale, as in GGUF's Q8_0. A scale per whole head row lets one large
-/// channel coarsen all the others; a group of 32 keeps the rounding error near each group's own
-/// magnitude for 2 bytes per 32 values.
-pub const INT8_GROUP: usize = 32;
+/// Key values sharing one int8 scale, as in GGUF's Q8_0. A scale per whole head row lets one
+/// large channel coarsen all the others; a group of 32 keeps the rounding error near each
+/// group's own magnitude for 2 bytes per 32 values.
+pub const INT8_KEY_GROUP: usize = 32;
 
-/// Values per int8 scale for heads of `head_dim` (a whole head when it is not a multiple of
-/// [`INT8_GROUP`]).
-fn scale_group(head_dim: usize) -> usize {
-    if head_dim.is_multiple_of(INT8_GROUP) {
-        INT8_GROUP
-    } else {
-        head_dim
-    }
+/// Value values sharing one int8 scale. A key's rounding error moves its score, and through the
+/// softmax every weight; a value's error only enters the output weighted by its position's
+/// share, and averages out over the positions attention spreads across. So values take groups
+/// twice as long: 2 bytes per 64 values.
+pub const INT8_VALUE_GROUP: usize = 64;
+
+/// Values per int8 scale for heads of `head_dim`, aiming at `want`: the first of `want` and
+/// [`INT8_KEY_GROUP`] that divides the head, else the whole head.
+fn scale_group(head_dim: usize, want: usize) -> usize {
+    [want, INT8_KEY_GROUP]
+        .into_iter()
+        .find(|&g| head_dim.is_multiple_of(g))
+        .unwrap_or(head_dim)
 }
 
 impl KvDtype {
-    /// Bytes of one stored row of `kv_dim` values made of heads of `head_dim`.
-    pub fn row_bytes(self, kv_dim: usize, head_dim: usize) -> usize {
+    /// Bytes of one position's K row and V row of `kv_dim` values each, made of heads of
+    /// `head_dim`.
+    pub fn kv_row_bytes(self, kv_dim: usize, head_dim: usize) -> usize {
         match self {
-            Self::F32 => kv_dim * 4,
-            Self::F16 => kv_dim * 2,
-            Self::Int8 => kv_dim + kv_dim / scale_group(head_dim) * 2,
+            Self::F32 => 2 * kv_dim * 4,
+            Self::F16 => 2 * kv_dim * 2,
+            Self::Int8 => [INT8_KEY_GROUP, INT8_VALUE_GROUP]
+                .map(|g| kv_dim + kv_dim / scale_group(head_dim, g) * 2)
+                .iter()
+                .sum(),
         }
     }
 
@@ -55,12 +65,37 @@ impl KvDtype {
     }
 }
 
+/// Element types whose all-zero bytes are the value zero.
+///
+/// # Safety
+/// Implementors must be plain data for which every byte being 0 is a valid value.
+unsafe trait Zeroed: Copy {}
+// SAFETY: zero bytes are 0.0, +0.0 (binary16) and 0.
+unsafe impl Zeroed for f32 {}
+unsafe impl Zeroed for f16 {}
+unsafe impl Zeroed for i8 {}
+
 /// A zeroed, lazily backed slab (huge pages where possible: fewer faults as blocks are first
 /// written, fewer TLB misses when attention walks a long history).
-fn slab<T: Clone + Default>(len: usize) -> Vec<T> {
-    let v = vec![T::default(); len];
-    crate::kernels::advise_huge_pages(v.as_ptr() as usize, len * std::mem::size_of::<T>());
-    v
+///
+/// Allocated with `alloc_zeroed`, so the OS hands out zero pages on first write and an idle
+/// worker's resident memory is the blocks it used, not its budget. (`vec![x; n]` takes that path
+/// only for types the standard library knows are zero; for `f16` it wrote every element, which
+/// made a 2 GiB budget 2 GiB resident at start.)
+fn slab<T: Zeroed>(len: usize) -> Vec<T> {
+    let layout = std::alloc::Layout::array::<T>(len).expect("KV slab size overflows");
+    if layout.size() == 0 {
+        return Vec::new();
+    }
+    // SAFETY: the layout has a non-zero size; a null result is handled below.
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) }.cast::<T>();
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    crate::kernels::advise_huge_pages(ptr as usize, layout.size());
+    // SAFETY: `ptr` was allocated by the global allocator with the layout of `len` values of `T`,
+    // and all-zero bytes are a valid `T` (the `Zeroed` contract), so all `len` are initialized.
+    unsafe { Vec::from_raw_parts(ptr, len, len) }
 }
 
 /// One layer's K or V rows.
@@ -68,22 +103,30 @@ fn slab<T: Clone + Default>(len: usize) -> Vec<T> {
 enum Slab {
     F32(Vec<f32>),
     F16(Vec<f16>),
-    /// Values, and one scale per (slot, group of a head's values).
-    Int8(Vec<i8>, Vec<f16>),
+    /// Values, and one scale per (slot, group of `group` consecutive values of a head).
+    Int8 {
+        q: Vec<i8>,
+        scales: Vec<f16>,
+        group: usize,
+    },
 }
 
 impl Slab {
-    /// A slab of `slots` rows of `kv_dim` values, with `groups` int8 scales per row.
-    fn new(dtype: KvDtype, slots: usize, kv_dim: usize, groups: usize) -> Self {
+    /// A slab of `slots` rows of `kv_dim` values; int8 rows take one scale per `group` values.
+    fn new(dtype: KvDtype, slots: usize, kv_dim: usize, group: usize) -> Self {
         match dtype {
             KvDtype::F32 => Self::F32(slab(slots * kv_dim)),
             KvDtype::F16 => Self::F16(slab(slots * kv_dim)),
-            KvDtype::Int8 => Self::Int8(slab(slots * kv_dim), slab(slots * groups)),
+            KvDtype::Int8 => Self::Int8 {
+                q: slab(slots * kv_dim),
+                scales: slab(slots * kv_dim / group),
+                group,
+            },
         }
     }
 
     /// Stores `row` in `slot`; int8 rows are stored times `balance` (per channel of a head).
-    fn write(&mut self, slot: usize, row: &[f32], groups: usize, balance: Option<&[f32]>) {
+    fn write(&mut self, slot: usize, row: &[f32], balance: Option<&[f32]>) {
         let d = row.len();
         let o = slot * d;
         match self {
@@ -92,9 +135,9 @@ impl Slab {
                 use half::slice::HalfFloatSliceExt;
                 v[o..o + d].convert_from_f32_slice(row);
             }
-            Self::Int8(v, scales) => {
-                let gs = d / groups;
-                let dst = v[o..o + d].chunks_exact_mut(gs);
+            Self::Int8 { q, scales, group } => {
+                let (gs, groups) = (*group, d / *group);
+                let dst = q[o..o + d].chunks_exact_mut(gs);
                 let scales = &mut scales[slot * groups..(slot + 1) * groups];
                 for (gi, ((x, q), scale)) in row.chunks_exact(gs).zip(dst).zip(scales).enumerate() {
                     // This group's channels of the head (groups never straddle heads).
@@ -115,31 +158,44 @@ impl Slab {
 
     /// Head `g` of the row in `slot`, as f32 (in `buf` unless stored as f32).
     #[inline]
-    #[allow(clippy::too_many_arguments)]
     fn head<'a>(
         &'a self,
         slot: usize,
         g: usize,
-        d: usize,
-        hd: usize,
-        groups: usize,
+        (d, hd): (usize, usize),
         unbalance: Option<&[f32]>,
         buf: &'a mut [f32],
     ) -> &'a [f32] {
-        let o = slot * d + g * hd;
         match self {
-            Self::F32(v) => &v[o..o + hd],
-            Self::F16(v) => {
-                use half::slice::HalfFloatSliceExt;
-                v[o..o + hd].convert_to_f32_slice(&mut buf[..hd]);
+            Self::F32(v) => &v[slot * d + g * hd..slot * d + (g + 1) * hd],
+            _ => {
+                self.head_into(slot, g, (d, hd), unbalance, &mut buf[..hd]);
                 &buf[..hd]
             }
-            Self::Int8(v, scales) => {
-                let gs = d / groups;
-                let first = slot * groups + g * hd / gs;
-                let rows = buf[..hd]
-                    .chunks_exact_mut(gs)
-                    .zip(v[o..o + hd].chunks_exact(gs));
+        }
+    }
+
+    /// Head `g` of the row in `slot`, as f32 into `dst` (`head_dim` values).
+    #[inline]
+    fn head_into(
+        &self,
+        slot: usize,
+        g: usize,
+        (d, hd): (usize, usize),
+        unbalance: Option<&[f32]>,
+        dst: &mut [f32],
+    ) {
+        let o = slot * d + g * hd;
+        match self {
+            Self::F32(v) => dst.copy_from_slice(&v[o..o + hd]),
+            Self::F16(v) => {
+                use half::slice::HalfFloatSliceExt;
+                v[o..o + hd].convert_to_f32_slice(dst);
+            }
+            Self::Int8 { q, scales, group } => {
+                let gs = *group;
+                let first = o / gs;
+                let rows = dst.chunks_exact_mut(gs).zip(q[o..o + hd].chunks_exact(gs));
                 for ((b, q), s) in rows.zip(&scales[first..first + hd / gs]) {
                     let s = s.to_f32();
                     for (b, &q) in b.iter_mut().zip(q) {
@@ -147,25 +203,16 @@ impl Slab {
                     }
                 }
                 if let Some(inv) = unbalance {
-                    for (b, i) in buf[..hd].iter_mut().zip(inv) {
+                    for (b, i) in dst.iter_mut().zip(inv) {
                         *b *= i;
                     }
                 }
-                &buf[..hd]
             }
         }
     }
 
     /// Copies `n` slots from `src` in `from` to `dst` in `self` (another layer's slab, same shape).
-    fn copy_from(
-        &mut self,
-        from: &Slab,
-        src: usize,
-        dst: usize,
-        n: usize,
-        d: usize,
-        groups: usize,
-    ) {
+    fn copy_from(&mut self, from: &Slab, src: usize, dst: usize, n: usize, d: usize) {
         match (self, from) {
             (Self::F32(t), Self::F32(f)) => {
                 t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d])
@@ -173,7 +220,17 @@ impl Slab {
             (Self::F16(t), Self::F16(f)) => {
                 t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d])
             }
-            (Self::Int8(t, ts), Self::Int8(f, fs)) => {
+            (
+                Self::Int8 {
+                    q: t,
+                    scales: ts,
+                    group,
+                },
+                Self::Int8 {
+                    q: f, scales: fs, ..
+                },
+            ) => {
+                let groups = d / *group;
                 t[dst * d..(dst + n) * d].copy_from_slice(&f[src * d..(src + n) * d]);
                 ts[dst * groups..(dst + n) * groups]
                     .copy_from_slice(&fs[src * groups..(src + n) * groups]);
@@ -183,37 +240,38 @@ impl Slab {
     }
 
     /// Copies the first `n` slots of block `src` to block `dst` (blocks of `bs` slots).
-    fn copy_block(&mut self, src: usize, dst: usize, n: usize, bs: usize, d: usize, groups: usize) {
+    fn copy_block(&mut self, src: usize, dst: usize, n: usize, bs: usize, d: usize) {
         let (s, t, len) = (src * bs * d, dst * bs * d, n * d);
         match self {
             Self::F32(v) => v.copy_within(s..s + len, t),
             Self::F16(v) => v.copy_within(s..s + len, t),
-            Self::Int8(v, scales) => {
-                v.copy_within(s..s + len, t);
-                let (s, t, len) = (src * bs * groups, dst * bs * groups, n * groups);
+            Self::Int8 { q, scales, group } => {
+                q.copy_within(s..s + len, t);
+                let (s, t, len) = (s / *group, t / *group, len / *group);
                 scales.copy_within(s..s + len, t);
             }
         }
     }
 
     /// The raw bytes of `n` slots from `slot` on, appended to `out` (for the disk tier).
-    fn save(&self, slot: usize, n: usize, d: usize, groups: usize, out: &mut Vec<u8>) {
+    fn save(&self, slot: usize, n: usize, d: usize, out: &mut Vec<u8>) {
         fn bytes<T: Copy>(v: &[T]) -> &[u8] {
             // SAFETY: f32, f16 and i8 are plain data without padding; any byte is a valid u8.
             unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
         }
+        let (a, b) = (slot * d, (slot + n) * d);
         match self {
-            Self::F32(v) => out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d])),
-            Self::F16(v) => out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d])),
-            Self::Int8(v, s) => {
-                out.extend_from_slice(bytes(&v[slot * d..(slot + n) * d]));
-                out.extend_from_slice(bytes(&s[slot * groups..(slot + n) * groups]));
+            Self::F32(v) => out.extend_from_slice(bytes(&v[a..b])),
+            Self::F16(v) => out.extend_from_slice(bytes(&v[a..b])),
+            Self::Int8 { q, scales, group } => {
+                out.extend_from_slice(bytes(&q[a..b]));
+                out.extend_from_slice(bytes(&scales[a / group..b / group]));
             }
         }
     }
 
     /// Restores what [`Slab::save`] wrote for `n` slots from `slot` on; returns the bytes read.
-    fn load(&mut self, slot: usize, n: usize, d: usize, groups: usize, src: &[u8]) -> usize {
+    fn load(&mut self, slot: usize, n: usize, d: usize, src: &[u8]) -> usize {
         fn fill<T: Copy>(dst: &mut [T], src: &[u8]) -> usize {
             let len = std::mem::size_of_val(dst);
             // SAFETY: as in `save`; every bit pattern is a valid f32, f16 or i8.
@@ -221,12 +279,13 @@ impl Slab {
             d.copy_from_slice(&src[..len]);
             len
         }
+        let (a, b) = (slot * d, (slot + n) * d);
         match self {
-            Self::F32(v) => fill(&mut v[slot * d..(slot + n) * d], src),
-            Self::F16(v) => fill(&mut v[slot * d..(slot + n) * d], src),
-            Self::Int8(v, s) => {
-                let a = fill(&mut v[slot * d..(slot + n) * d], src);
-                a + fill(&mut s[slot * groups..(slot + n) * groups], &src[a..])
+            Self::F32(v) => fill(&mut v[a..b], src),
+            Self::F16(v) => fill(&mut v[a..b], src),
+            Self::Int8 { q, scales, group } => {
+                let read = fill(&mut q[a..b], src);
+                read + fill(&mut scales[a / *group..b / *group], &src[read..])
             }
         }
     }
@@ -297,7 +356,10 @@ impl KvStore {
         dtype: KvDtype,
     ) -> Self {
         let slots = num_blocks * block_size;
-        let groups = kv_dim / scale_group(head_dim);
+        let (kg, vg) = (
+            scale_group(head_dim, INT8_KEY_GROUP),
+            scale_group(head_dim, INT8_VALUE_GROUP),
+        );
         Self {
             block_size,
             kv_dim,
@@ -307,10 +369,10 @@ impl KvStore {
             packing: None,
             key_balance: Vec::new(),
             k: (0..num_layers)
-                .map(|_| Slab::new(dtype, slots, kv_dim, groups))
+                .map(|_| Slab::new(dtype, slots, kv_dim, kg))
                 .collect(),
             v: (0..num_layers)
-                .map(|_| Slab::new(dtype, slots, kv_dim, groups))
+                .map(|_| Slab::new(dtype, slots, kv_dim, vg))
                 .collect(),
         }
     }
@@ -323,16 +385,11 @@ impl KvStore {
         head_dim: usize,
         dtype: KvDtype,
     ) -> usize {
-        2 * num_layers * block_size * dtype.row_bytes(kv_dim, head_dim)
+        num_layers * block_size * dtype.kv_row_bytes(kv_dim, head_dim)
     }
 
     fn heads(&self) -> usize {
         self.kv_dim / self.head_dim
-    }
-
-    /// int8 scales per row.
-    fn groups(&self) -> usize {
-        self.kv_dim / scale_group(self.head_dim)
     }
 
     /// Enables [`KvStore::pack`] with `packing`.
@@ -372,14 +429,14 @@ impl KvStore {
             return;
         };
         debug_assert!(src.len() <= p.per && !src.contains(&dst));
-        let (bs, d, groups) = (self.block_size, self.kv_dim, self.groups());
+        let (bs, d) = (self.block_size, self.kv_dim);
         for (sub, &b) in src.iter().enumerate() {
             for &layer in &p.globals {
                 let to = p.storage_layer(layer, sub);
                 let (from_slot, to_slot) = (b as usize * bs, dst as usize * bs);
                 for slabs in [&mut self.k, &mut self.v] {
                     if to == layer {
-                        slabs[to].copy_block(b as usize, dst as usize, bs, bs, d, groups);
+                        slabs[to].copy_block(b as usize, dst as usize, bs, bs, d);
                     } else {
                         let (a, c) = if to < layer {
                             let (lo, hi) = slabs.split_at_mut(layer);
@@ -388,7 +445,7 @@ impl KvStore {
                             let (lo, hi) = slabs.split_at_mut(to);
                             (&mut hi[0], &lo[layer])
                         };
-                        a.copy_from(c, from_slot, to_slot, bs, d, groups);
+                        a.copy_from(c, from_slot, to_slot, bs, d);
                     }
                 }
             }
@@ -403,10 +460,9 @@ impl KvStore {
     /// Stores the K and V vectors of the token at `pos`.
     pub fn write(&mut self, layer: usize, blocks: &[BlockId], pos: usize, k: &[f32], v: &[f32]) {
         let s = self.slot(blocks, pos);
-        let groups = self.groups();
         let balance = self.key_balance.get(layer).map(|(a, _)| a.as_slice());
-        self.k[layer].write(s, k, groups, balance);
-        self.v[layer].write(s, v, groups, None);
+        self.k[layer].write(s, k, balance);
+        self.v[layer].write(s, v, None);
     }
 
     /// The storage slots of every position in `range`, in order. Walks the block table without a
@@ -470,15 +526,20 @@ impl KvStore {
         buf: &'a mut [f32],
     ) -> &'a [f32] {
         let unbalance = self.key_balance.get(layer).map(|(_, inv)| inv.as_slice());
-        self.k[at].head(
-            slot,
-            g,
-            self.kv_dim,
-            self.head_dim,
-            self.groups(),
-            unbalance,
-            buf,
-        )
+        self.k[at].head(slot, g, (self.kv_dim, self.head_dim), unbalance, buf)
+    }
+
+    /// As [`KvStore::key`], always converted into `dst` (`head_dim` values).
+    #[inline]
+    pub fn key_into(&self, layer: usize, (at, slot): (usize, usize), g: usize, dst: &mut [f32]) {
+        let unbalance = self.key_balance.get(layer).map(|(_, inv)| inv.as_slice());
+        self.k[at].head_into(slot, g, (self.kv_dim, self.head_dim), unbalance, dst)
+    }
+
+    /// As [`KvStore::value`], always converted into `dst` (`head_dim` values).
+    #[inline]
+    pub fn value_into(&self, layer: usize, slot: usize, g: usize, dst: &mut [f32]) {
+        self.v[layer].head_into(slot, g, (self.kv_dim, self.head_dim), None, dst)
     }
 
     /// KV head `g` of the value in `slot` of `layer`, as f32.
@@ -490,15 +551,7 @@ impl KvStore {
         g: usize,
         buf: &'a mut [f32],
     ) -> &'a [f32] {
-        self.v[layer].head(
-            slot,
-            g,
-            self.kv_dim,
-            self.head_dim,
-            self.groups(),
-            None,
-            buf,
-        )
+        self.v[layer].head(slot, g, (self.kv_dim, self.head_dim), None, buf)
     }
 
     /// K and V of the token at `pos` (all KV heads) as f32.
@@ -520,33 +573,31 @@ impl KvStore {
     /// Copies the first `n` positions of block `src` into block `dst`, every layer (copy-on-write
     /// of a block that must not be written).
     pub fn copy_block(&mut self, src: BlockId, dst: BlockId, n: usize) {
-        let (bs, d, groups) = (self.block_size, self.kv_dim, self.groups());
+        let (bs, d) = (self.block_size, self.kv_dim);
         for s in self.k.iter_mut().chain(self.v.iter_mut()) {
-            s.copy_block(src as usize, dst as usize, n, bs, d, groups);
+            s.copy_block(src as usize, dst as usize, n, bs, d);
         }
     }
 
     /// Appends the stored bytes of block `b`'s first `n` positions, every layer, to `out`.
     pub fn save_block(&self, b: BlockId, n: usize, out: &mut Vec<u8>) {
-        let (d, groups) = (self.kv_dim, self.groups());
         let slot = b as usize * self.block_size;
         for s in self.k.iter().chain(self.v.iter()) {
-            s.save(slot, n, d, groups, out);
+            s.save(slot, n, self.kv_dim, out);
         }
     }
 
     /// Bytes [`KvStore::save_block`] writes for `n` positions.
     pub fn saved_bytes(&self, n: usize) -> usize {
-        2 * self.k.len() * n * self.dtype.row_bytes(self.kv_dim, self.head_dim)
+        self.k.len() * n * self.dtype.kv_row_bytes(self.kv_dim, self.head_dim)
     }
 
     /// Restores block `b`'s first `n` positions from bytes written by [`KvStore::save_block`].
     pub fn load_block(&mut self, b: BlockId, n: usize, src: &[u8]) {
-        let (d, groups) = (self.kv_dim, self.groups());
         let slot = b as usize * self.block_size;
         let mut at = 0;
         for s in self.k.iter_mut().chain(self.v.iter_mut()) {
-            at += s.load(slot, n, d, groups, &src[at..]);
+            at += s.load(slot, n, self.kv_dim, &src[at..]);
         }
     }
 }
@@ -554,6 +605,44 @@ impl KvStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Pages of `v` the process has resident (`mincore`).
+    #[cfg(target_os = "linux")]
+    fn resident_bytes<T>(v: &[T]) -> usize {
+        let page = 4096;
+        let start = (v.as_ptr() as usize) & !(page - 1);
+        let end = v.as_ptr() as usize + std::mem::size_of_val(v);
+        let mut map = vec![0u8; (end - start).div_ceil(page)];
+        // SAFETY: the range covers one live allocation (rounded out to whole pages, which belong
+        // to the same mapping), and `map` has one byte per page.
+        let rc =
+            unsafe { libc::mincore(start as *mut libc::c_void, end - start, map.as_mut_ptr()) };
+        assert_eq!(rc, 0, "mincore: {}", std::io::Error::last_os_error());
+        map.iter().filter(|&&b| b & 1 == 1).count() * page
+    }
+
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn slabs_are_resident_only_where_written() {
+        // 512 MiB of each element type: an untouched slab must not cost memory, or a worker's
+        // idle resident size would be its whole KV budget.
+        let n = 256 << 20;
+        let f16s = slab::<f16>(n);
+        let i8s = slab::<i8>(2 * n);
+        let f32s = slab::<f32>(n / 2);
+        for (name, bytes) in [
+            ("f16", resident_bytes(&f16s)),
+            ("i8", resident_bytes(&i8s)),
+            ("f32", resident_bytes(&f32s)),
+        ] {
+            assert!(bytes < 8 << 20, "{name}: {} MiB resident", bytes >> 20);
+        }
+        assert!(f16s.iter().step_by(4099).all(|v| *v == f16::ZERO));
+        let mut s = KvStore::new(2, 1 << 14, 16, 256, 256, KvDtype::F16);
+        s.write(1, &[7], 3, &[1.0; 256], &[2.0; 256]);
+        assert_eq!(s.read(1, &[7], 3), (vec![1.0; 256], vec![2.0; 256]));
+        assert_eq!(s.read(1, &[7], 4), (vec![0.0; 256], vec![0.0; 256]));
+    }
 
     #[test]
     fn store_reads_back_what_was_written_through_the_table() {
@@ -609,9 +698,10 @@ mod tests {
     }
 
     #[test]
-    fn int8_scales_cover_groups_of_32_values_so_one_large_channel_does_not_coarsen_the_rest() {
-        // One head of 64: a single large value in the first group, small ones everywhere else.
-        let k: Vec<f32> = (0..64)
+    fn int8_scales_cover_groups_of_32_keys_and_64_values_so_one_large_channel_does_not_coarsen_the_rest(
+    ) {
+        // One head of 128: a single large value in the first group, small ones everywhere else.
+        let k: Vec<f32> = (0..128)
             .map(|i| {
                 if i == 3 {
                     40.0
@@ -621,22 +711,26 @@ mod tests {
             })
             .collect();
         let v: Vec<f32> = k.iter().map(|x| -x).collect();
-        let mut s = KvStore::new(1, 1, 1, 64, 64, KvDtype::Int8);
+        let mut s = KvStore::new(1, 1, 1, 128, 128, KvDtype::Int8);
         s.write(0, &[0], 0, &k, &v);
         let (rk, rv) = s.read(0, &[0], 0);
-        for (row, want) in [(&rk, &k), (&rv, &v)] {
+        for (row, want, group) in [(&rk, &k, 32), (&rv, &v, 64)] {
             for (i, (got, want)) in row.iter().zip(want.iter()).enumerate() {
                 // Half a step of the group's own scale (and the f16 rounding of that scale).
-                let group_max = if i < 32 { 40.0 } else { 0.05 };
+                let group_max = if i < group { 40.0 } else { 0.05 };
                 assert!(
                     (got - want).abs() <= group_max / 127.0 * 0.501,
-                    "value {i}: {got} vs {want}"
+                    "value {i} of a group of {group}: {got} vs {want}"
                 );
             }
         }
-        // 64 values and two f16 scales per head row.
-        assert_eq!(KvDtype::Int8.row_bytes(64, 64), 68);
-        assert_eq!(s.saved_bytes(1), 2 * 68);
+        // 128 keys with four f16 scales, 128 values with two.
+        assert_eq!(KvDtype::Int8.kv_row_bytes(128, 128), 136 + 132);
+        assert_eq!(s.saved_bytes(1), 136 + 132);
+        // Heads that 64 does not divide give values the keys' groups; heads that 32 does not
+        // divide take one scale per head.
+        assert_eq!(KvDtype::Int8.kv_row_bytes(96, 96), 2 * (96 + 3 * 2));
+        assert_eq!(KvDtype::Int8.kv_row_bytes(8, 4), 2 * (8 + 2 * 2));
     }
 
     #[test]

@@ -44,8 +44,8 @@ pub struct ServeConfig {
     /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`).
     #[arg(long, env = "HEARTH_WORKER_KV_BUDGET", default_value = "2GiB", value_parser = parse_bytes)]
     pub kv_budget: u64,
-    /// Element type of stored K/V: `f16` (default), `int8` (an f16 scale per 32 values; about half
-    /// the bytes of f16) or `f32`.
+    /// Element type of stored K/V: `f16` (default), `int8` (an f16 scale per 32 keys or 64 values;
+    /// about half the bytes of f16) or `f32`.
     #[arg(long, env = "HEARTH_WORKER_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
     pub kv_dtype: KvDtype,
     /// Disk tier for idle sessions evicted from memory, in GB (10^9 bytes); 0 turns it off.
