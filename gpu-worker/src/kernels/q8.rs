@@ -309,15 +309,42 @@ pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut Ac
     a.qs.resize(rows * cols, 0);
     a.scales.resize(rows * cols / QK, 0.0);
     a.sums.resize(rows * cols / QK, 0);
-    for (i, (src, dst)) in x
-        .chunks_exact(QK)
-        .zip(a.qs.chunks_exact_mut(QK))
-        .enumerate()
-    {
-        a.scales[i] = quantize_block(src, dst);
-        a.sums[i] = dst.iter().map(|&v| v as i32).sum();
+    let quantize = |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [i32]| {
+        let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK));
+        for ((src, dst), (scale, sum)) in blocks.zip(scales.iter_mut().zip(sums.iter_mut())) {
+            *scale = quantize_block(src, dst);
+            *sum = dst.iter().map(|&v| v as i32).sum();
+        }
+    };
+    // A prefill's activations (hundreds of rows) are split across the kernel pool: quantizing
+    // them on one thread left the others idle for several percent of a prefill.
+    let pool = super::SpinPool::global();
+    let tasks = (x.len() / PARALLEL_QUANTIZE_VALUES).min(pool.threads());
+    if tasks < 2 {
+        quantize(x, &mut a.qs, &mut a.scales, &mut a.sums);
+        return;
     }
+    let per = rows.div_ceil(tasks) * cols;
+    let parts: Vec<_> = x
+        .chunks(per)
+        .zip(a.qs.chunks_mut(per))
+        .zip(
+            a.scales
+                .chunks_mut(per / QK)
+                .zip(a.sums.chunks_mut(per / QK)),
+        )
+        .map(|((x, qs), (scales, sums))| std::sync::Mutex::new((x, qs, scales, sums)))
+        .collect();
+    pool.run(parts.len(), &|t| {
+        if let Ok(mut part) = parts[t].lock() {
+            let (x, qs, scales, sums) = &mut *part;
+            quantize(x, qs, scales, sums);
+        }
+    });
 }
+
+/// Activation values from which [`quantize_activations`] splits the work across threads.
+const PARALLEL_QUANTIZE_VALUES: usize = 1 << 16;
 
 /// Reference kernel: output columns `r0..r1` of every activation row.
 pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {

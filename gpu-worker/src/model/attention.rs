@@ -1,12 +1,14 @@
 //! Attention of each sequence's new tokens over its own paged KV cache.
 //!
-//! Work is split into (sequence, KV head, 64-token query slice) tasks run across the kernel pool.
+//! Work is split into (sequence, KV head, slice of query tokens) tasks run across the kernel pool.
 //! Keys and values are read through the sequence's block table, and its packed blocks for old
-//! positions of global layers (in place when stored as f32, converted head by head when compact). Each query row is
-//! computed on its own, over exactly the keys its position can see and in position order, so a
-//! token's result never depends on how its sequence was batched, chunked, cached or recomputed
-//! (a general matrix product would change its summation order with shape). The heads sharing a
-//! KV head are scored together, so each key and value row is read once per token, not per head.
+//! positions of global layers, a tile of [`KEY_TILE`] positions at a time: converted to f32 once
+//! per slice (when stored compact) and used by every query row of the slice, so a prefill does not
+//! re-read and re-convert its whole history per row. Each query row is still computed on its own,
+//! over exactly the keys its position can see and in position order, so a token's result never
+//! depends on how its sequence was batched, chunked, cached or recomputed (a general matrix
+//! product would change its summation order with shape). The heads sharing a KV head are scored
+//! together, so each key and value row is read once per tile, not per head.
 
 use std::sync::Mutex;
 
@@ -14,8 +16,12 @@ use super::{ops, GemmaConfig, SeqChunk};
 use crate::kernels::SpinPool;
 use crate::kv::KvStore;
 
-/// Query tokens per task.
+/// Query tokens per task, at most.
 const SLICE_TOKENS: usize = 64;
+/// Key positions converted to f32 together (32 KiB of Gemma 3 head rows: an L1's worth).
+const KEY_TILE: usize = 32;
+/// Scores a task may hold (4 MiB): long histories take fewer query rows per slice.
+const SCORE_BUDGET: usize = 1 << 20;
 
 /// Attention for every chunk into `out` (`tokens × heads × head_dim`, rows in chunk order);
 /// `q` has the same layout.
@@ -37,37 +43,36 @@ pub(super) fn attention(
         offsets.push(t);
         t += ch.tokens.len();
     }
-    // (chunk, KV head, first token of the slice)
-    let tasks: Vec<(usize, usize, usize)> = chunks
+    // (chunk, KV head, first token of the slice, end of the slice)
+    let tasks: Vec<(usize, usize, usize, usize)> = chunks
         .iter()
         .enumerate()
         .flat_map(|(ci, ch)| {
+            let n = ch.tokens.len();
+            let span = window.map_or(ch.start_pos + n, |w| {
+                (w + SLICE_TOKENS).min(ch.start_pos + n)
+            });
+            let slice = (SCORE_BUDGET / (group * span).max(1)).clamp(1, SLICE_TOKENS);
             (0..c.num_kv_heads).flat_map(move |g| {
-                (0..ch.tokens.len())
-                    .step_by(SLICE_TOKENS)
-                    .map(move |t0| (ci, g, t0))
+                (0..n)
+                    .step_by(slice)
+                    .map(move |t0| (ci, g, t0, (t0 + slice).min(n)))
             })
         })
         .collect();
     let results: Vec<Mutex<Vec<f32>>> = tasks.iter().map(|_| Mutex::new(Vec::new())).collect();
     SpinPool::global().run(tasks.len(), &|ti| {
-        let (ci, g, t0) = tasks[ti];
-        let ch = &chunks[ci];
-        let t1 = (t0 + SLICE_TOKENS).min(ch.tokens.len());
-        let mut res = vec![0f32; (t1 - t0) * group * hd];
-        let mut scores = Vec::new();
-        for (i, o) in (t0..t1).zip(res.chunks_exact_mut(group * hd)) {
+        let (ci, g, t0, t1) = tasks[ti];
+        let qrows = |i: usize| {
             let row = offsets[ci] + i;
-            let qrows = &q[(row * nh + g * group) * hd..(row * nh + (g + 1) * group) * hd];
-            let p = ch.start_pos + i;
-            let lo = window.map_or(0, |w| (p + 1).saturating_sub(w));
-            token(c, layer, kv, ch, g, qrows, lo..=p, &mut scores, o);
-        }
+            &q[(row * nh + g * group) * hd..(row * nh + (g + 1) * group) * hd]
+        };
+        let res = slice(c, layer, kv, &chunks[ci], g, window, (t0, t1), qrows);
         if let Ok(mut slot) = results[ti].lock() {
             *slot = res;
         }
     });
-    for (&(ci, g, t0), res) in tasks.iter().zip(results) {
+    for (&(ci, g, t0, _), res) in tasks.iter().zip(results) {
         let res = res.into_inner().unwrap_or_default();
         for (i, rows) in res.chunks_exact(group * hd).enumerate() {
             let dst = ((offsets[ci] + t0 + i) * nh + g * group) * hd;
@@ -76,55 +81,103 @@ pub(super) fn attention(
     }
 }
 
-/// The output of the heads in `qrows` (those sharing KV head `g`) for one token that sees the
-/// key positions `keys`.
+/// The output of the heads sharing KV head `g` for the chunk's tokens `t0..t1` (`qrows(i)`: token
+/// `i`'s query heads), each over the positions it sees: from its window's start (or 0) to itself.
+/// Rows are `group × head_dim` values per token.
 #[allow(clippy::too_many_arguments)]
-fn token(
+fn slice<'q>(
     c: &GemmaConfig,
     layer: usize,
     kv: &KvStore,
     ch: &SeqChunk<'_>,
     g: usize,
-    qrows: &[f32],
-    keys: std::ops::RangeInclusive<usize>,
-    scores: &mut Vec<f32>,
-    out: &mut [f32],
-) {
+    window: Option<usize>,
+    (t0, t1): (usize, usize),
+    qrows: impl Fn(usize) -> &'q [f32],
+) -> Vec<f32> {
     let hd = c.head_dim;
-    let group = qrows.len() / hd;
+    let group = c.num_heads / c.num_kv_heads;
     let scale = 1.0 / c.query_pre_attn_scalar.sqrt();
-    let len = keys.end() + 1 - keys.start();
-    scores.clear();
-    scores.resize(group * len, 0.0);
-    let mut max = vec![f32::NEG_INFINITY; group];
-    let mut buf = vec![0f32; hd];
-    for (jj, (at, slot)) in kv
-        .rows(layer, ch.blocks, ch.packed, keys.clone())
-        .enumerate()
-    {
-        let key = kv.key(layer, (at, slot), g, &mut buf);
-        for (h, q) in qrows.chunks_exact(hd).enumerate() {
-            let mut v = ops::dot(q, key) * scale;
-            if let Some(cap) = c.attn_logit_softcap {
-                v = (v / cap).tanh() * cap;
+    let rows = t1 - t0;
+    // Row r (token t0 + r) sees positions first(r)..=last(r); both grow with r.
+    let last = |r: usize| ch.start_pos + t0 + r;
+    let first = |r: usize| window.map_or(0, |w| (last(r) + 1).saturating_sub(w));
+    let (lo, hi) = (first(0), last(rows - 1));
+    let span = hi + 1 - lo;
+    // The rows that see position `j`, among those of a tile.
+    let seeing = |j: usize| {
+        let r0 = j.saturating_sub(ch.start_pos + t0);
+        let r1 = window.map_or(rows, |w| {
+            rows.min((j + w).saturating_sub(ch.start_pos + t0))
+        });
+        r0..r1.max(r0)
+    };
+    // scores[(r * group + h) * span + (j - lo)]
+    let mut scores = vec![0f32; rows * group * span];
+    let mut max = vec![f32::NEG_INFINITY; rows * group];
+    let mut tile = vec![0f32; KEY_TILE * hd];
+
+    let mut locs = kv.rows(layer, ch.blocks, ch.packed, lo..=hi);
+    let mut j0 = lo;
+    while j0 <= hi {
+        let n = KEY_TILE.min(hi + 1 - j0);
+        for (dst, loc) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
+            kv.key_into(layer, loc, g, dst);
+        }
+        for (jj, key) in tile.chunks_exact(hd).take(n).enumerate() {
+            let j = j0 + jj;
+            for r in seeing(j) {
+                for (h, q) in qrows(t0 + r).chunks_exact(hd).enumerate() {
+                    let mut v = ops::dot(q, key) * scale;
+                    if let Some(cap) = c.attn_logit_softcap {
+                        v = (v / cap).tanh() * cap;
+                    }
+                    let at = r * group + h;
+                    scores[at * span + j - lo] = v;
+                    max[at] = max[at].max(v);
+                }
             }
-            scores[h * len + jj] = v;
-            max[h] = max[h].max(v);
+        }
+        j0 += n;
+    }
+
+    // Softmax weights, each row over exactly its own positions.
+    for r in 0..rows {
+        let (a, b) = (first(r) - lo, last(r) - lo);
+        for h in 0..group {
+            let at = r * group + h;
+            let row = &mut scores[at * span + a..=at * span + b];
+            let mut sum = 0.0;
+            for v in row.iter_mut() {
+                *v = ops::exp(*v - max[at]);
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            row.iter_mut().for_each(|v| *v *= inv);
         }
     }
-    let mut inv = vec![0f32; group];
-    for h in 0..group {
-        let mut sum = 0.0;
-        for v in &mut scores[h * len..(h + 1) * len] {
-            *v = ops::exp(*v - max[h]);
-            sum += *v;
+
+    let mut out = vec![0f32; rows * group * hd];
+    let mut locs = kv.rows(layer, ch.blocks, ch.packed, lo..=hi);
+    let mut j0 = lo;
+    while j0 <= hi {
+        let n = KEY_TILE.min(hi + 1 - j0);
+        for (dst, (at, slot)) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
+            kv.value_into(at, slot, g, dst);
         }
-        inv[h] = 1.0 / sum;
-    }
-    for (jj, (at, slot)) in kv.rows(layer, ch.blocks, ch.packed, keys).enumerate() {
-        let value = kv.value(at, slot, g, &mut buf);
-        for (h, o) in out.chunks_exact_mut(hd).enumerate() {
-            ops::axpy(o, scores[h * len + jj] * inv[h], value);
+        for r in 0..rows {
+            let visible = first(r).max(j0)..=last(r).min(j0 + n - 1);
+            for j in visible {
+                let value = &tile[(j - j0) * hd..(j - j0 + 1) * hd];
+                for (h, o) in out[r * group * hd..(r + 1) * group * hd]
+                    .chunks_exact_mut(hd)
+                    .enumerate()
+                {
+                    ops::axpy(o, scores[(r * group + h) * span + j - lo], value);
+                }
+            }
         }
+        j0 += n;
     }
+    out
 }
