@@ -104,14 +104,6 @@ fn slice<'q>(
     let first = |r: usize| window.map_or(0, |w| (last(r) + 1).saturating_sub(w));
     let (lo, hi) = (first(0), last(rows - 1));
     let span = hi + 1 - lo;
-    // The rows that see position `j`, among those of a tile.
-    let seeing = |j: usize| {
-        let r0 = j.saturating_sub(ch.start_pos + t0);
-        let r1 = window.map_or(rows, |w| {
-            rows.min((j + w).saturating_sub(ch.start_pos + t0))
-        });
-        r0..r1.max(r0)
-    };
     // scores[(r * group + h) * span + (j - lo)]
     let mut scores = vec![0f32; rows * group * span];
     let mut max = vec![f32::NEG_INFINITY; rows * group];
@@ -119,16 +111,19 @@ fn slice<'q>(
 
     let mut locs = kv.rows(layer, ch.blocks, ch.packed, lo..=hi);
     let mut j0 = lo;
+    let mut row_scores = vec![0f32; group];
     while j0 <= hi {
         let n = KEY_TILE.min(hi + 1 - j0);
         for (dst, loc) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
             kv.key_into(layer, loc, g, dst);
         }
-        for (jj, key) in tile.chunks_exact(hd).take(n).enumerate() {
-            let j = j0 + jj;
-            for r in seeing(j) {
-                for (h, q) in qrows(t0 + r).chunks_exact(hd).enumerate() {
-                    let mut v = ops::dot(q, key) * scale;
+        for r in 0..rows {
+            let q = qrows(t0 + r);
+            for j in first(r).max(j0)..=last(r).min(j0 + n - 1) {
+                let key = &tile[(j - j0) * hd..(j - j0 + 1) * hd];
+                dots(q, key, &mut row_scores);
+                for (h, &d) in row_scores.iter().enumerate() {
+                    let mut v = d * scale;
                     if let Some(cap) = c.attn_logit_softcap {
                         v = (v / cap).tanh() * cap;
                     }
@@ -166,18 +161,150 @@ fn slice<'q>(
             kv.value_into(at, slot, g, dst);
         }
         for r in 0..rows {
-            let visible = first(r).max(j0)..=last(r).min(j0 + n - 1);
-            for j in visible {
-                let value = &tile[(j - j0) * hd..(j - j0 + 1) * hd];
-                for (h, o) in out[r * group * hd..(r + 1) * group * hd]
-                    .chunks_exact_mut(hd)
-                    .enumerate()
-                {
-                    ops::axpy(o, scores[(r * group + h) * span + j - lo], value);
-                }
+            let (a, b) = (first(r).max(j0), last(r).min(j0 + n - 1));
+            if a > b {
+                continue;
             }
+            let values = &tile[(a - j0) * hd..(b + 1 - j0) * hd];
+            let o = &mut out[r * group * hd..(r + 1) * group * hd];
+            let weights = &scores[r * group * span..(r + 1) * group * span];
+            accumulate(o, values, weights, span, a - lo);
         }
         j0 += n;
     }
     out
+}
+
+/// Lanes of the attention kernels' accumulators (one 512-bit or two 256-bit vectors).
+const LANES: usize = 16;
+
+/// `out[i] = q_i · key` for each of the `out.len()` rows `q_i` of `qs` (`key.len()` values each).
+///
+/// Every product is accumulated the same way, lane by lane with fused multiply-adds and then a
+/// fixed reduction, whichever rows it is computed beside, so a score never depends on how many
+/// heads or tokens were computed together. Four rows at a time share each load of the key and
+/// keep four independent accumulator chains in flight.
+fn dots(qs: &[f32], key: &[f32], out: &mut [f32]) {
+    let hd = key.len();
+    let mut i = 0;
+    while i + 4 <= out.len() {
+        out[i..i + 4].copy_from_slice(&dots_n::<4>(&qs[i * hd..(i + 4) * hd], key));
+        i += 4;
+    }
+    while i < out.len() {
+        out[i] = dots_n::<1>(&qs[i * hd..(i + 1) * hd], key)[0];
+        i += 1;
+    }
+}
+
+#[inline(always)]
+fn dots_n<const N: usize>(qs: &[f32], key: &[f32]) -> [f32; N] {
+    let hd = key.len();
+    let full = hd - hd % LANES;
+    let mut acc = [[0f32; LANES]; N];
+    for (c, k) in key[..full].chunks_exact(LANES).enumerate() {
+        for (i, acc) in acc.iter_mut().enumerate() {
+            let q = &qs[i * hd + c * LANES..i * hd + (c + 1) * LANES];
+            for l in 0..LANES {
+                acc[l] = q[l].mul_add(k[l], acc[l]);
+            }
+        }
+    }
+    let mut out = [0f32; N];
+    for (i, (o, acc)) in out.iter_mut().zip(&acc).enumerate() {
+        let mut s = reduce(acc);
+        for c in full..hd {
+            s = qs[i * hd + c].mul_add(key[c], s);
+        }
+        *o = s;
+    }
+    out
+}
+
+/// The sum of 16 lanes, pairwise in a fixed order.
+#[inline(always)]
+fn reduce(a: &[f32; LANES]) -> f32 {
+    let mut v = *a;
+    let mut w = LANES / 2;
+    while w > 0 {
+        for l in 0..w {
+            v[l] += v[l + w];
+        }
+        w /= 2;
+    }
+    v[0]
+}
+
+/// `o_h += Σ_j weights[h * stride + at + j] · values_j` for each head row `o_h` of `o`, over the
+/// value rows of `values` in order.
+///
+/// Each output value receives its terms one by one in position order (fused multiply-adds), as
+/// a row-by-row loop would, so the result does not depend on how positions were tiled; the
+/// accumulators stay in registers across the tile and each value row is loaded once for up to
+/// four heads.
+fn accumulate(o: &mut [f32], values: &[f32], weights: &[f32], stride: usize, at: usize) {
+    let hd = o.len() / (weights.len() / stride);
+    let heads = o.len() / hd;
+    let mut h = 0;
+    while h + 4 <= heads {
+        accumulate_n::<4>(
+            &mut o[h * hd..(h + 4) * hd],
+            values,
+            &weights[h * stride..],
+            stride,
+            at,
+        );
+        h += 4;
+    }
+    while h < heads {
+        accumulate_n::<1>(
+            &mut o[h * hd..(h + 1) * hd],
+            values,
+            &weights[h * stride..],
+            stride,
+            at,
+        );
+        h += 1;
+    }
+}
+
+#[inline(always)]
+fn accumulate_n<const N: usize>(
+    o: &mut [f32],
+    values: &[f32],
+    weights: &[f32],
+    stride: usize,
+    at: usize,
+) {
+    let hd = o.len() / N;
+    let n = values.len() / hd;
+    let w = |h: usize, j: usize| weights[h * stride + at + j];
+    let full = hd - hd % LANES;
+    for c in (0..full).step_by(LANES) {
+        let mut acc = [[0f32; LANES]; N];
+        for (h, acc) in acc.iter_mut().enumerate() {
+            acc.copy_from_slice(&o[h * hd + c..h * hd + c + LANES]);
+        }
+        for (j, v) in values.chunks_exact(hd).enumerate() {
+            let v = &v[c..c + LANES];
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let wj = w(h, j);
+                for l in 0..LANES {
+                    acc[l] = wj.mul_add(v[l], acc[l]);
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            o[h * hd + c..h * hd + c + LANES].copy_from_slice(acc);
+        }
+    }
+    for c in full..hd {
+        for h in 0..N {
+            let mut s = o[h * hd + c];
+            for j in 0..n {
+                s = w(h, j).mul_add(values[j * hd + c], s);
+            }
+            o[h * hd + c] = s;
+        }
+    }
 }

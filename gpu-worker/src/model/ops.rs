@@ -37,14 +37,6 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     s
 }
 
-/// `out += w * v`.
-#[inline]
-pub fn axpy(out: &mut [f32], w: f32, v: &[f32]) {
-    for (o, &x) in out.iter_mut().zip(v) {
-        *o += w * x;
-    }
-}
-
 /// `e^x` to within a few ulp, in plain arithmetic that LLVM vectorizes (libm's `expf` is a call
 /// per element, and the forward pass and sampler take tens of millions of exponentials).
 #[inline(always)]
