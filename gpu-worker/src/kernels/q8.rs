@@ -269,15 +269,26 @@ impl Q8Matrix {
 /// Symmetric round-to-nearest(-even) into `[-127, 127]`; returns the scale. Written branch-free
 /// so it vectorizes: activations of every layer pass through it on every step.
 fn quantize_block(src: &[f32], dst: &mut [i8]) -> f32 {
-    let mut amax = 0f32;
-    for &v in src {
+    // Lane-wise maxima, then across lanes: a shape LLVM turns into vector max and compare
+    // instructions (a running scalar maximum stays scalar).
+    let mut lanes = [0f32; 16];
+    for chunk in src.chunks_exact(16) {
+        for (m, &v) in lanes.iter_mut().zip(chunk) {
+            let a = v.abs();
+            *m = if a > *m { a } else { *m };
+        }
+    }
+    let mut amax = lanes.iter().fold(0f32, |m, &a| if a > m { a } else { m });
+    for &v in src.chunks_exact(16).remainder() {
         let a = v.abs();
         amax = if a > amax { a } else { amax };
     }
     let d = amax / 127.0;
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     for (o, &v) in dst.iter_mut().zip(src) {
-        *o = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+        // Clamped to ±127 first, so the i32 conversion saturates nowhere and the narrowing is
+        // exact; through i32 it vectorizes (a saturating float-to-i8 conversion does not).
+        *o = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i32 as i8;
     }
     d
 }
