@@ -175,3 +175,22 @@ fn simd_paths_match_the_scalar_reference_including_odd_block_counts() {
         }
     }
 }
+
+#[test]
+fn activations_quantized_across_the_pool_match_rows_quantized_alone() {
+    // 300 × 640 values: enough to be split across the kernel pool's threads.
+    let (rows, cols) = (300, 640);
+    let x = noise(rows * cols, 5);
+    let all = quantize_activations(&x, rows, cols);
+    let bpr = cols / QK;
+    for r in [0, 1, 149, 150, 151, 298, 299] {
+        let one = quantize_activations(&x[r * cols..(r + 1) * cols], 1, cols);
+        assert_eq!(&all.qs[r * cols..(r + 1) * cols], &one.qs[..], "row {r}");
+        assert_eq!(
+            &all.scales[r * bpr..(r + 1) * bpr],
+            &one.scales[..],
+            "row {r}"
+        );
+        assert_eq!(&all.sums[r * bpr..(r + 1) * bpr], &one.sums[..], "row {r}");
+    }
+}

@@ -291,21 +291,23 @@ pub(super) mod vnni512 {
         }
     }
 
+    /// Weight rows `r .. r + R` against activation rows `m0..m1`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn rows<const R: usize>(
         w: &Q8Matrix,
         x: &ActQ8,
         px: &Prepared,
         r: usize,
+        (m0, m1): (usize, usize),
         out: &mut [f32],
     ) {
-        let mut m = 0;
-        while m + 4 <= x.rows {
+        let mut m = m0;
+        while m + 4 <= m1 {
             // SAFETY: bounds as documented on `tile`.
             unsafe { tile::<R, 4>(w, x, px, r, m, out) };
             m += 4;
         }
-        while m < x.rows {
+        while m < m1 {
             // SAFETY: as above.
             unsafe { tile::<R, 1>(w, x, px, r, m, out) };
             m += 1;
@@ -324,16 +326,25 @@ pub(super) mod vnni512 {
             "activation block sums missing"
         );
         let px = prepare(x);
-        let mut r = r0;
-        while r + 4 <= r1 {
-            // SAFETY: r + 3 < r1 <= w.rows.
-            unsafe { rows::<4>(w, x, &px, r, out) };
-            r += 4;
-        }
-        while r < r1 {
-            // SAFETY: r < r1 <= w.rows.
-            unsafe { rows::<1>(w, x, &px, r, out) };
-            r += 1;
+        // Activation rows are taken about 64 KiB at a time (with their prepared scales and
+        // corrections, three times that), so they stay in L2 while the task's weight rows pass
+        // over them, instead of streaming a prefill's whole input from L3 once per weight tile.
+        let block = (65_536 / w.cols.max(1)).max(4).next_multiple_of(4);
+        let mut m0 = 0;
+        while m0 < x.rows {
+            let ms = (m0, (m0 + block).min(x.rows));
+            let mut r = r0;
+            while r + 4 <= r1 {
+                // SAFETY: r + 3 < r1 <= w.rows, ms.1 <= x.rows.
+                unsafe { rows::<4>(w, x, &px, r, ms, out) };
+                r += 4;
+            }
+            while r < r1 {
+                // SAFETY: r < r1 <= w.rows, ms.1 <= x.rows.
+                unsafe { rows::<1>(w, x, &px, r, ms, out) };
+                r += 1;
+            }
+            m0 = ms.1;
         }
     }
 }
