@@ -115,6 +115,9 @@ pub struct ServeArgs {
     /// A client has this long from the first byte of a request to the end of its header.
     #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     pub header_timeout_secs: u64,
+    /// A request's body must arrive within this long of its header, or it is answered 408.
+    #[arg(long, env = "HEARTH_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_timeout_secs: u64,
     /// Open HTTP connections at most; more wait in the listen backlog [default: the open-files
     /// limit less 512].
     #[arg(long, env = "HEARTH_MAX_CONNECTIONS")]
@@ -332,6 +335,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             web_dir: args.web_dir.clone(),
             max_sessions_per_user: args.max_sessions_per_user,
             max_messages_per_session: args.max_messages_per_session.max(2),
+            body_timeout: Duration::from_secs(args.body_timeout_secs.max(1)),
         },
         metrics,
     };

@@ -576,6 +576,75 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_does_not_arrive_in_time_gets_408_and_stores_nothing() {
+    use tokio::io::AsyncReadExt;
+    let s = Stack::scripted(
+        "body-timeout",
+        Db::Sqlite,
+        1,
+        40,
+        &["--body-timeout-secs", "1"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let body = json!({"content": "half a question", "max_tokens": 3, "stream": false}).to_string();
+    let head = format!(
+        "POST /v1/sessions/{sid}/messages HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {k}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    // The header and half the body, then nothing: answered 408 after the body deadline.
+    let mut c = TcpStream::connect(s.addr()).await.expect("connect");
+    c.write_all(head.as_bytes()).await.expect("write");
+    c.write_all(&body.as_bytes()[..body.len() / 2])
+        .await
+        .expect("write");
+    let started = Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(15), c.read_to_end(&mut answer)).await;
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        read.is_ok(),
+        "no answer 15 s after a stalled body: {answer:?}"
+    );
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("\"body_timeout\""), "{answer}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "answered before the deadline: {:?}",
+        started.elapsed()
+    );
+    println!(
+        "a stalled body was answered 408 after {:?}",
+        started.elapsed()
+    );
+    assert!(
+        history(s.addr(), &k, &sid).await.is_empty(),
+        "nothing stored"
+    );
+    // A body that arrives in pieces, all within the deadline, is served.
+    let mut c = TcpStream::connect(s.addr()).await.expect("connect");
+    c.write_all(head.as_bytes()).await.expect("write");
+    for piece in body.as_bytes().chunks(body.len() / 4 + 1) {
+        c.write_all(piece).await.expect("write");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut answer = vec![0u8; 12];
+    tokio::time::timeout(Duration::from_secs(15), c.read_exact(&mut answer))
+        .await
+        .expect("no answer")
+        .expect("read");
+    assert_eq!(
+        &answer,
+        b"HTTP/1.1 200",
+        "{}",
+        String::from_utf8_lossy(&answer)
+    );
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_history_and_session_caps_answer_422_and_change_nothing() {
     let s = Stack::scripted(
         "caps",

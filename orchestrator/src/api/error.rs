@@ -37,6 +37,9 @@ pub enum ApiError {
     Conflict(String),
     #[error("request body too large")]
     PayloadTooLarge,
+    /// The body did not arrive within this many seconds of the header.
+    #[error("the request body did not arrive within {0} s")]
+    BodyTimeout(u64),
     #[error("{0}")]
     RateLimited(crate::limits::Limited),
     #[error("the service is unavailable: {0}")]
@@ -58,6 +61,7 @@ impl ApiError {
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
             Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -77,6 +81,7 @@ impl ApiError {
             Self::MethodNotAllowed => "invalid_request_error",
             Self::Conflict(_) => "conflict_error",
             Self::PayloadTooLarge => "request_too_large",
+            Self::BodyTimeout(_) => "request_timeout",
             Self::RateLimited(_) => "rate_limit_error",
             Self::Unavailable(_) => "service_unavailable",
             Self::Internal(_) => "internal_error",
@@ -95,6 +100,7 @@ impl ApiError {
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge => "body_too_large",
+            Self::BodyTimeout(_) => "body_timeout",
             Self::RateLimited(_) => "rate_limit_exceeded",
             Self::Unavailable(_) => "unavailable",
             Self::Internal(_) => "internal",

@@ -61,6 +61,8 @@ pub struct ApiOptions {
     pub max_sessions_per_user: u64,
     /// Messages one session may hold; a longer conversation continues in a new session.
     pub max_messages_per_session: usize,
+    /// Time a request's body may take to arrive, from the end of its header.
+    pub body_timeout: std::time::Duration,
 }
 
 impl Default for ApiOptions {
@@ -73,6 +75,7 @@ impl Default for ApiOptions {
             web_dir: PathBuf::from(DEFAULT_WEB_DIR),
             max_sessions_per_user: 10_000,
             max_messages_per_session: 10_000,
+            body_timeout: std::time::Duration::from_secs(30),
         }
     }
 }
@@ -100,6 +103,7 @@ pub enum AuthMode {
 
 pub fn router(state: AppState) -> Router {
     let open = matches!(state.auth, AuthMode::Disabled(_));
+    let body_timeout = state.options.body_timeout;
     let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
@@ -109,7 +113,10 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES));
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            read_body_within(body_timeout, req, next)
+        }));
     // Without keys, anything that can reach the port is the user: refuse requests that a web
     // page on another site made through a name that resolves to this machine (DNS rebinding).
     let router = if open {
@@ -120,6 +127,35 @@ pub fn router(state: AppState) -> Router {
     router
         .layer(axum::middleware::from_fn(crate::telemetry::count_requests))
         .with_state(state)
+}
+
+/// Reads a request's whole body within `deadline` of its header, or answers 408 (and one over
+/// [`MAX_BODY_BYTES`] 413) before any handler runs. The accept loop bounds the header's arrival;
+/// without this a client could send a header and then its body a byte at a time, or never,
+/// and hold a connection and a task for as long as it liked. Bodies here are small JSON
+/// documents, so buffering them first costs nothing a handler would not pay.
+async fn read_body_within(
+    deadline: std::time::Duration,
+    req: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let (parts, body) = req.into_parts();
+    match tokio::time::timeout(deadline, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
+        Ok(Ok(bytes)) => {
+            next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
+                .await
+        }
+        Ok(Err(e)) => {
+            let e = e.into_inner();
+            if e.is::<http_body_util::LengthLimitError>() {
+                ApiError::PayloadTooLarge.into_response()
+            } else {
+                ApiError::BadRequest(format!("the request body could not be read: {e}"))
+                    .into_response()
+            }
+        }
+        Err(_) => ApiError::BodyTimeout(deadline.as_secs()).into_response(),
+    }
 }
 
 /// Whether `host` (a `Host` header or an origin's authority, port allowed) names this machine:
