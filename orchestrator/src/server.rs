@@ -16,7 +16,7 @@ use crate::api::{router, ApiOptions, AppState, AuthMode};
 use crate::bus::StopBus;
 use crate::generate::{Generator, Streams};
 use crate::limits::{connect_redis, Limiter};
-use crate::storage::{now_ms, Store};
+use crate::storage::Store;
 use crate::workers::{Affinity, BatchConfig, PoolConfig, WorkerPool};
 
 /// The local user every request acts as when auth is off.
@@ -95,8 +95,9 @@ pub struct ServeArgs {
     #[arg(long, env = "HEARTH_CANCEL_ON_DISCONNECT")]
     pub cancel_on_disconnect: bool,
     /// A `streaming` reply not written for this long belongs to an orchestrator that died and
-    /// is marked `error` (checked at start-up and periodically). Live replies are written at
-    /// least every 5 s, so with replicas sharing a database keep this well above that.
+    /// is marked `error` (checked from start-up on, periodically). Measured on this process's own
+    /// clock as time without a save, so replicas' clocks need not agree. Live replies are
+    /// written at least every 5 s, so with replicas sharing a database keep this well above that.
     #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]
     pub orphan_after_secs: u64,
     /// The statically exported web UI (`make run` builds it) served at `/`.
@@ -266,13 +267,13 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
     // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
     // Only stale ones: another replica's live replies are saved at least every few seconds.
     let orphan_after = Duration::from_secs(args.orphan_after_secs);
-    sweep_orphans(&store, orphan_after).await;
     let sweeper = tokio::spawn({
         let store = store.clone();
+        let mut sweep = OrphanSweep::new(orphan_after);
         async move {
             loop {
-                tokio::time::sleep((orphan_after / 2).max(Duration::from_secs(1))).await;
-                sweep_orphans(&store, orphan_after).await;
+                sweep.run(&store).await;
+                tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
             }
         }
     });
@@ -412,15 +413,64 @@ fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
     socket.listen(LISTEN_BACKLOG)
 }
 
-async fn sweep_orphans(store: &Arc<dyn Store>, orphan_after: Duration) {
-    let stale_before = now_ms() - orphan_after.as_millis() as i64;
-    match store.fail_interrupted(stale_before).await {
-        Ok(0) => {}
-        Ok(n) => tracing::warn!(
-            messages = n,
-            "replies interrupted by an orchestrator restart are marked as errors"
-        ),
-        Err(e) => tracing::warn!(error = %e, "could not check for interrupted replies"),
+/// Finds replies left `streaming` by an orchestrator that died, without comparing clocks.
+///
+/// A live reply is saved every few seconds, and each save writes a new `updated_at`, whatever
+/// the clock of the replica that writes it. So a reply is orphaned when its `updated_at` has not
+/// changed for `orphan_after` of this process's own monotonic time. Comparing the stored time
+/// with this replica's wall clock instead would fail another replica's live replies whenever
+/// the two clocks differ by more than `orphan_after`.
+struct OrphanSweep {
+    orphan_after: Duration,
+    /// Each streaming reply's `updated_at` when last seen, and since when it has not changed.
+    seen: std::collections::HashMap<String, (i64, std::time::Instant)>,
+}
+
+impl OrphanSweep {
+    fn new(orphan_after: Duration) -> Self {
+        Self {
+            orphan_after,
+            seen: Default::default(),
+        }
+    }
+
+    async fn run(&mut self, store: &Arc<dyn Store>) {
+        let replies = match store.streaming_replies().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not check for interrupted replies");
+                return;
+            }
+        };
+        let now = std::time::Instant::now();
+        let mut seen = std::collections::HashMap::with_capacity(replies.len());
+        let mut failed = 0;
+        for (id, at) in replies {
+            let since = match self.seen.get(&id) {
+                Some(&(last, since)) if last == at => since,
+                _ => now,
+            };
+            if now.duration_since(since) < self.orphan_after {
+                seen.insert(id, (at, since));
+                continue;
+            }
+            match store.fail_interrupted(&id, at).await {
+                Ok(true) => failed += 1,
+                // Saved since it was read: alive after all; the next sweep sees the new time.
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not mark an interrupted reply");
+                    seen.insert(id, (at, since));
+                }
+            }
+        }
+        self.seen = seen;
+        if failed > 0 {
+            tracing::warn!(
+                messages = failed,
+                "replies left streaming by a stopped orchestrator are marked as errors"
+            );
+        }
     }
 }
 

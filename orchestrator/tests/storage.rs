@@ -2,8 +2,8 @@
 //! `TEST_DATABASE_URL`, default the local server). A missing PostgreSQL fails the test.
 
 use hearth_orchestrator::storage::{
-    now_ms, Completion, MessageStatus, NewApiKey, NewSession, Role, SessionPatch, SessionQuery,
-    SqlStore, Store, StoreError,
+    Completion, MessageStatus, NewApiKey, NewSession, Role, SessionPatch, SessionQuery, SqlStore,
+    Store, StoreError,
 };
 
 use hearth_e2e::pg::PgDatabase;
@@ -359,23 +359,40 @@ async fn turns_suite(s: &SqlStore) {
     s.save_progress(&t2.assistant.id, "Partial ans")
         .await
         .expect("progress");
-    // A reply written to after the cut-off belongs to a live orchestrator: left alone.
-    let before_progress = now_ms() - 60_000;
-    assert_eq!(
-        s.fail_interrupted(before_progress).await.expect("recent"),
-        0
+    // The sweep lists it with the time of its last save, and fails it only if no save has
+    // landed since (a save in between means a live orchestrator: left alone).
+    let streaming = s.streaming_replies().await.expect("streaming");
+    let seen = streaming
+        .iter()
+        .find(|(id, _)| *id == t2.assistant.id)
+        .map(|&(_, at)| at)
+        .expect("the reply is listed as streaming");
+    assert!(
+        !s.fail_interrupted(&t2.assistant.id, seen - 1)
+            .await
+            .expect("saved since"),
+        "a reply saved after it was seen is left alone"
     );
-    assert_eq!(s.fail_interrupted(now_ms() + 1).await.expect("recover"), 1);
+    assert!(s
+        .fail_interrupted(&t2.assistant.id, seen)
+        .await
+        .expect("recover"));
     let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
     assert_eq!(msgs[3].status, MessageStatus::Error);
     assert_eq!(msgs[3].content, "Partial ans");
     assert_eq!(msgs[3].finish_reason.as_deref(), Some("interrupted"));
-    assert_eq!(
-        s.fail_interrupted(now_ms() + 1)
+    assert!(
+        !s.streaming_replies()
             .await
-            .expect("nothing left"),
-        0
+            .expect("streaming")
+            .iter()
+            .any(|(id, _)| *id == t2.assistant.id),
+        "nothing left streaming"
     );
+    assert!(!s
+        .fail_interrupted(&t2.assistant.id, seen)
+        .await
+        .expect("already failed"));
 
     // Regenerate: the last reply is replaced by a new placeholder at the same place.
     let again = s

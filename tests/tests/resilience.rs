@@ -575,6 +575,79 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
     s.finish().await;
 }
 
+/// Another replica's live reply, saved by a machine whose clock is an hour behind this one's:
+/// the orphan sweep must leave it alone while the saves continue (its stored times are an hour
+/// "old" by this replica's clock), and fail it once they stop, keeping its text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_clocks() {
+    use hearth_orchestrator::storage::{now_ms, Store};
+    let s = Stack::scripted(
+        "orphan_clock",
+        Db::Postgres,
+        1,
+        40,
+        &["--orphan-after-secs", "2"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let user = s
+        .store
+        .user_by_name("alice")
+        .await
+        .expect("user")
+        .expect("alice exists");
+    // The other replica starts a turn through the same database.
+    let turn = s
+        .store
+        .begin_turn(&user.id, &sid, "hello from another replica")
+        .await
+        .expect("turn");
+    let id = turn.assistant.id;
+    let db = sqlx::AnyPool::connect(&s.db_url).await.expect("database");
+    let behind = now_ms() - 3_600_000;
+    let status = || async {
+        let h = history(s.addr(), &k, &sid).await;
+        (h[1]["status"].clone(), h[1]["content"].clone())
+    };
+    // Its progress saves, every 400 ms for 6 s (three times --orphan-after-secs), stamped by
+    // its lagging clock.
+    let mut last_save = Instant::now();
+    for i in 0..15i64 {
+        sqlx::query("UPDATE messages SET content = $1, updated_at = $2 WHERE id = $3")
+            .bind(format!("part {i}"))
+            .bind(behind + i * 400)
+            .bind(&id)
+            .execute(&db)
+            .await
+            .expect("save");
+        last_save = Instant::now();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(
+            status().await.0,
+            "streaming",
+            "a reply saved 400 ms ago was failed as an orphan"
+        );
+    }
+    // The replica dies: no more saves. Failed within --orphan-after-secs and a sweep or two.
+    let (st, content) = loop {
+        let (st, content) = status().await;
+        if st != "streaming" || last_save.elapsed() > Duration::from_secs(15) {
+            break (st, content);
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let after = last_save.elapsed();
+    println!("an abandoned reply was failed {after:?} after its last save");
+    assert_eq!(st, "error", "an abandoned reply is failed");
+    assert_eq!(content, "part 14", "and keeps its text");
+    assert!(
+        after >= Duration::from_millis(1900),
+        "failed before --orphan-after-secs had passed: {after:?}"
+    );
+    s.finish().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_does_not_arrive_in_time_gets_408_and_stores_nothing() {
     use tokio::io::AsyncReadExt;

@@ -108,8 +108,11 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()>;
     /// The reply's final state.
     async fn finish_message(&self, message_id: &str, done: &Completion) -> StoreResult<()>;
-    /// Replies left `streaming` by an orchestrator that died become `error`, keeping their
-    /// text. Only those not written since `stale_before_ms`: live replies are saved every few
-    /// seconds, so another replica's work in progress is left alone.
-    async fn fail_interrupted(&self, stale_before_ms: i64) -> StoreResult<u64>;
+    /// Every reply in `streaming` state: its id and its `updated_at` as last written, by
+    /// whichever replica's clock (the orphan sweep compares it only with itself).
+    async fn streaming_replies(&self) -> StoreResult<Vec<(String, i64)>>;
+    /// A reply left `streaming` by an orchestrator that died becomes `error` / `interrupted`,
+    /// keeping its text: only if it is still `streaming` with `updated_at` equal to `seen`, so a
+    /// save that landed since (the reply is alive) leaves it alone. Returns whether it changed.
+    async fn fail_interrupted(&self, message_id: &str, seen: i64) -> StoreResult<bool>;
 }

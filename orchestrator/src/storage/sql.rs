@@ -810,17 +810,33 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn fail_interrupted(&self, stale_before_ms: i64) -> StoreResult<u64> {
+    async fn streaming_replies(&self) -> StoreResult<Vec<(String, i64)>> {
+        let rows = sqlx::query("SELECT id, updated_at FROM messages WHERE status = 'streaming'")
+            .fetch_all(&self.pool)
+            .await
+            .map_err(db_err)?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get("id").map_err(db_err)?,
+                    r.try_get("updated_at").map_err(db_err)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn fail_interrupted(&self, message_id: &str, seen: i64) -> StoreResult<bool> {
         let done = sqlx::query(
             "UPDATE messages SET status = 'error', \
              finish_reason = COALESCE(finish_reason, 'interrupted'), updated_at = $1 \
-             WHERE status = 'streaming' AND updated_at < $2",
+             WHERE id = $2 AND status = 'streaming' AND updated_at = $3",
         )
         .bind(now_ms())
-        .bind(stale_before_ms)
+        .bind(message_id)
+        .bind(seen)
         .execute(&self.pool)
         .await
         .map_err(db_err)?;
-        Ok(done.rows_affected())
+        Ok(done.rows_affected() == 1)
     }
 }
