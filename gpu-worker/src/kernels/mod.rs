@@ -94,6 +94,10 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
     }
     let per_task = n.div_ceil(tasks).next_multiple_of(4);
     let tasks = n.div_ceil(per_task);
+    // The VNNI kernel's per-activation vectors, made once here rather than by every task.
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only for the VNNI kernel, which `detect_isa` (or the caller, in tests) checked.
+    let prepared = (isa == Isa::Avx512Vnni).then(|| unsafe { x86::vnni512::prepare(x) });
     pool.run(tasks, &|t| {
         let r0 = t * per_task;
         let r1 = (r0 + per_task).min(n);
@@ -107,7 +111,10 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
             Isa::Avx2 => unsafe { x86::avx2::matmul_rows(w, x, r0, r1, out) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: as above.
-            Isa::Avx512Vnni => unsafe { x86::vnni512::matmul_rows(w, x, r0, r1, out) },
+            Isa::Avx512Vnni => unsafe {
+                let px = prepared.as_ref().expect("prepared above for this kernel");
+                x86::vnni512::matmul_rows(w, x, px, r0, r1, out)
+            },
         }
     });
 }

@@ -197,14 +197,20 @@ pub(super) mod vnni512 {
     }
 
     /// Per activation row and block pair: `[s0; 8] ++ [s1; 8]` scales and the correction start.
-    struct Prepared {
+    /// Built once per product and shared by every task of it.
+    pub(in crate::kernels) struct Prepared {
         scales: Vec<__m512>,
         corr: Vec<__m512i>,
         pairs: usize,
     }
 
     #[target_feature(enable = "avx512f")]
-    fn prepare(x: &ActQ8) -> Prepared {
+    pub(in crate::kernels) fn prepare(x: &ActQ8) -> Prepared {
+        assert_eq!(
+            x.sums.len(),
+            x.scales.len(),
+            "activation block sums missing"
+        );
         let bpr = x.cols / QK;
         let pairs = bpr / 2;
         let mut scales = Vec::with_capacity(x.rows * pairs);
@@ -317,15 +323,21 @@ pub(super) mod vnni512 {
     /// # Safety
     /// The CPU must support AVX-512 F, BW and VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+    pub unsafe fn matmul_rows(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        px: &Prepared,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+    ) {
         assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
         assert!(out.len() >= x.rows * w.rows);
         assert_eq!(
-            x.sums.len(),
-            x.scales.len(),
-            "activation block sums missing"
+            px.scales.len(),
+            x.rows * px.pairs,
+            "activations prepared for another matrix"
         );
-        let px = prepare(x);
         // Activation rows are taken about 64 KiB at a time (with their prepared scales and
         // corrections, three times that), so they stay in L2 while the task's weight rows pass
         // over them, instead of streaming a prefill's whole input from L3 once per weight tile.
@@ -336,12 +348,12 @@ pub(super) mod vnni512 {
             let mut r = r0;
             while r + 4 <= r1 {
                 // SAFETY: r + 3 < r1 <= w.rows, ms.1 <= x.rows.
-                unsafe { rows::<4>(w, x, &px, r, ms, out) };
+                unsafe { rows::<4>(w, x, px, r, ms, out) };
                 r += 4;
             }
             while r < r1 {
                 // SAFETY: r < r1 <= w.rows, ms.1 <= x.rows.
-                unsafe { rows::<1>(w, x, &px, r, ms, out) };
+                unsafe { rows::<1>(w, x, px, r, ms, out) };
                 r += 1;
             }
             m0 = ms.1;

@@ -156,28 +156,9 @@ impl Slab {
         }
     }
 
-    /// Head `g` of the row in `slot`, as f32 (in `buf` unless stored as f32).
-    #[inline]
-    fn head<'a>(
-        &'a self,
-        slot: usize,
-        g: usize,
-        (d, hd): (usize, usize),
-        unbalance: Option<&[f32]>,
-        buf: &'a mut [f32],
-    ) -> &'a [f32] {
-        match self {
-            Self::F32(v) => &v[slot * d + g * hd..slot * d + (g + 1) * hd],
-            _ => {
-                self.head_into(slot, g, (d, hd), unbalance, &mut buf[..hd]);
-                &buf[..hd]
-            }
-        }
-    }
-
     /// Head `g` of the row in `slot`, as f32 into `dst` (`head_dim` values).
     #[inline]
-    fn head_into(
+    fn head(
         &self,
         slot: usize,
         g: usize,
@@ -516,56 +497,27 @@ impl KvStore {
     }
 
     /// KV head `g` of layer `layer`'s key stored at `(at, slot)` (a storage layer and slot from
-    /// [`KvStore::rows`]), as f32 (`buf` holds at least `head_dim`).
+    /// [`KvStore::rows`]), as f32 into `dst` (`head_dim` values).
     #[inline]
-    pub fn key<'a>(
-        &'a self,
-        layer: usize,
-        (at, slot): (usize, usize),
-        g: usize,
-        buf: &'a mut [f32],
-    ) -> &'a [f32] {
+    pub fn key(&self, layer: usize, (at, slot): (usize, usize), g: usize, dst: &mut [f32]) {
         let unbalance = self.key_balance.get(layer).map(|(_, inv)| inv.as_slice());
-        self.k[at].head(slot, g, (self.kv_dim, self.head_dim), unbalance, buf)
+        self.k[at].head(slot, g, (self.kv_dim, self.head_dim), unbalance, dst)
     }
 
-    /// As [`KvStore::key`], always converted into `dst` (`head_dim` values).
+    /// KV head `g` of the value in `slot` of `layer`, as f32 into `dst` (`head_dim` values).
     #[inline]
-    pub fn key_into(&self, layer: usize, (at, slot): (usize, usize), g: usize, dst: &mut [f32]) {
-        let unbalance = self.key_balance.get(layer).map(|(_, inv)| inv.as_slice());
-        self.k[at].head_into(slot, g, (self.kv_dim, self.head_dim), unbalance, dst)
-    }
-
-    /// As [`KvStore::value`], always converted into `dst` (`head_dim` values).
-    #[inline]
-    pub fn value_into(&self, layer: usize, slot: usize, g: usize, dst: &mut [f32]) {
-        self.v[layer].head_into(slot, g, (self.kv_dim, self.head_dim), None, dst)
-    }
-
-    /// KV head `g` of the value in `slot` of `layer`, as f32.
-    #[inline]
-    pub fn value<'a>(
-        &'a self,
-        layer: usize,
-        slot: usize,
-        g: usize,
-        buf: &'a mut [f32],
-    ) -> &'a [f32] {
-        self.v[layer].head(slot, g, (self.kv_dim, self.head_dim), None, buf)
+    pub fn value(&self, layer: usize, slot: usize, g: usize, dst: &mut [f32]) {
+        self.v[layer].head(slot, g, (self.kv_dim, self.head_dim), None, dst)
     }
 
     /// K and V of the token at `pos` (all KV heads) as f32.
     pub fn read(&self, layer: usize, blocks: &[BlockId], pos: usize) -> (Vec<f32>, Vec<f32>) {
         let s = self.slot(blocks, pos);
         let hd = self.head_dim;
-        let mut buf = vec![0f32; hd];
-        let (mut k, mut v) = (
-            Vec::with_capacity(self.kv_dim),
-            Vec::with_capacity(self.kv_dim),
-        );
+        let (mut k, mut v) = (vec![0f32; self.kv_dim], vec![0f32; self.kv_dim]);
         for g in 0..self.heads() {
-            k.extend_from_slice(self.key(layer, (layer, s), g, &mut buf));
-            v.extend_from_slice(self.value(layer, s, g, &mut buf));
+            self.key(layer, (layer, s), g, &mut k[g * hd..(g + 1) * hd]);
+            self.value(layer, s, g, &mut v[g * hd..(g + 1) * hd]);
         }
         (k, v)
     }
@@ -661,7 +613,10 @@ mod tests {
         let mut buf = [0f32; 3];
         let walked: Vec<f32> = s
             .slots(&blocks, 1..=3)
-            .map(|o| s.key(1, (1, o), 0, &mut buf)[0])
+            .map(|o| {
+                s.key(1, (1, o), 0, &mut buf);
+                buf[0]
+            })
             .collect();
         assert_eq!(walked, [1.0, 2.0, 3.0]);
         // Layer 0 untouched.
@@ -830,8 +785,10 @@ mod tests {
                     .map(|(at, slot)| {
                         let mut kv = Vec::new();
                         for g in 0..2 {
-                            kv.extend_from_slice(s.key(layer, (at, slot), g, &mut buf));
-                            kv.extend_from_slice(s.value(at, slot, g, &mut buf));
+                            s.key(layer, (at, slot), g, &mut buf);
+                            kv.extend_from_slice(&buf);
+                            s.value(at, slot, g, &mut buf);
+                            kv.extend_from_slice(&buf);
                         }
                         kv
                     })

@@ -2,9 +2,9 @@
 //!
 //! Work is split into (sequence, KV head, slice of query tokens) tasks run across the kernel pool.
 //! Keys and values are read through the sequence's block table, and its packed blocks for old
-//! positions of global layers, a tile of [`KEY_TILE`] positions at a time: converted to f32 once
-//! per slice (when stored compact) and used by every query row of the slice, so a prefill does not
-//! re-read and re-convert its whole history per row. Each query row is still computed on its own,
+//! positions of global layers, a tile of [`KEY_TILE`] positions at a time: read into f32 once
+//! per slice (converted when stored compact) and used by every query row of the slice, so a
+//! prefill does not re-read and re-convert its whole history per row. Each query row is still computed on its own,
 //! over exactly the keys its position can see and in position order, so a token's result never
 //! depends on how its sequence was batched, chunked, cached or recomputed (a general matrix
 //! product would change its summation order with shape). The heads sharing a KV head are scored
@@ -115,7 +115,7 @@ fn slice<'q>(
     while j0 <= hi {
         let n = KEY_TILE.min(hi + 1 - j0);
         for (dst, loc) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
-            kv.key_into(layer, loc, g, dst);
+            kv.key(layer, loc, g, dst);
         }
         for r in 0..rows {
             let q = qrows(t0 + r);
@@ -158,7 +158,7 @@ fn slice<'q>(
     while j0 <= hi {
         let n = KEY_TILE.min(hi + 1 - j0);
         for (dst, (at, slot)) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
-            kv.value_into(at, slot, g, dst);
+            kv.value(at, slot, g, dst);
         }
         for r in 0..rows {
             let (a, b) = (first(r).max(j0), last(r).min(j0 + n - 1));
