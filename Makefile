@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -67,6 +67,12 @@ bench-stateless: fetch-model
 
 fmt:
 	$(CARGO) fmt --all
+
+## Regenerate the committed OpenAPI document from the API's types, and the web UI's types from it.
+openapi:
+	$(CARGO) run -q -p hearth-orchestrator -- openapi > orchestrator/openapi.json
+	bash scripts/build-web.sh --deps
+	cd web && npm run api-types
 
 ## Type-check the worker with candle's CUDA backend (nvcc from PyPI; ~10 min; needs no GPU).
 check-cuda:

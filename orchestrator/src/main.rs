@@ -41,6 +41,8 @@ enum Command {
         #[command(subcommand)]
         action: KeysCommand,
     },
+    /// Print the API's OpenAPI 3.1 document (what `/openapi.json` serves) and exit.
+    Openapi,
 }
 
 #[derive(Subcommand, Debug)]
@@ -94,6 +96,12 @@ fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(Command::Openapi) = cli.command {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", hearth_orchestrator::api::openapi_json())?;
+        return Ok(());
+    }
     let Some(Command::Keys { action }) = cli.command else {
         let store = std::sync::Arc::new(open_store(&cli.db).await?);
         let result = serve(cli.serve, store.clone()).await;

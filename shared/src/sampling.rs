@@ -3,17 +3,24 @@
 use serde::{Deserialize, Serialize};
 
 /// How the next token is chosen. `temperature == 0` means greedy (argmax).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The ranges in its schema are the ones [`SamplingParams::validate`] enforces.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct SamplingParams {
+    /// 0 is greedy (argmax).
+    #[schema(minimum = 0, maximum = 100, default = 0)]
     pub temperature: f32,
     /// Keep only the `top_k` most likely tokens; 0 disables.
+    #[schema(default = 0)]
     pub top_k: u32,
     /// Keep the smallest set of tokens whose probability mass reaches `top_p`; 1 disables.
+    #[schema(exclusive_minimum = 0, maximum = 1, default = 1)]
     pub top_p: f32,
     /// Drop tokens whose probability is below `min_p` times the most likely one; 0 disables.
+    #[schema(minimum = 0, maximum = 1, default = 0)]
     pub min_p: f32,
     /// Divides positive logits (multiplies negative ones) of tokens already seen; 1 disables.
+    #[schema(exclusive_minimum = 0, maximum = 10, default = 1)]
     pub repetition_penalty: f32,
     /// Seed for the request's own RNG: the same seed, prompt and parameters give the same output.
     pub seed: Option<u64>,

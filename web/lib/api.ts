@@ -1,15 +1,9 @@
 // The public HTTP API, on the page's own origin. One place adds the API key and turns error
 // responses into ApiError (status, message, Retry-After).
 
-import type { ApiMessage, SamplingParams, Session, SessionPage } from "./types";
+import type { ApiMessage, ErrorBody, Session, SessionFields, SessionPage } from "./types";
 
-/** The session fields a client sets on create or PATCH (`null` clears one). */
-export interface SessionFields {
-  title?: string;
-  system_prompt?: string | null;
-  params?: SamplingParams | null;
-  max_tokens?: number | null;
-}
+export type { SessionFields };
 
 const KEY_STORAGE = "hearth.apiKey";
 
@@ -54,7 +48,7 @@ export function setUnauthorizedHandler(f: ((hadKey: boolean) => void) | null) {
 export async function errorFrom(r: Response): Promise<ApiError> {
   let message = `${r.status} ${r.statusText}`;
   try {
-    const body = (await r.json()) as { error?: { message?: string } };
+    const body = (await r.json()) as Partial<ErrorBody>;
     if (body.error?.message) message = body.error.message;
   } catch {
     // not JSON: keep the status line

@@ -1,7 +1,7 @@
 // The message list of the open session and how streamed events change it. Pure: the
 // component feeds it actions, the unit tests do the same.
 
-import type { ApiMessage, MessageStatus, Role } from "./types";
+import type { ApiMessage, MessageStart, MessageStatus, ReplyEnd, ReplyFailed, Role, TokenText } from "./types";
 import type { SseEvent } from "./sse";
 
 export interface ChatMessage {
@@ -131,7 +131,8 @@ function applyEvent(state: ChatState, ev: SseEvent): ChatState {
   let messages = state.messages;
   switch (ev.event) {
     case "message_start": {
-      const userId = str(d.user_message_id);
+      const start = d as Partial<MessageStart>;
+      const userId = str(start.user_message_id);
       if (userId) {
         messages = messages.map((m) => (m.pending && m.id === LOCAL_USER ? { ...m, id: userId, pending: false } : m));
       }
@@ -140,19 +141,21 @@ function applyEvent(state: ChatState, ev: SseEvent): ChatState {
       break;
     }
     case "token": {
-      const text = str(d.text) ?? "";
+      const token = d as Partial<TokenText>;
+      const text = str(token.text) ?? "";
       messages = updateReply(messages, mid, (m) => ({ ...m, id: mid, content: m.content + text, pending: false }));
       break;
     }
     case "message_end": {
-      const usage = (d.usage ?? {}) as Record<string, unknown>;
-      const timings = (d.timings ?? {}) as Record<string, unknown>;
+      const end = d as Partial<ReplyEnd>;
+      const usage: Partial<ReplyEnd["usage"]> = end.usage ?? {};
+      const timings: Partial<ReplyEnd["timings"]> = end.timings ?? {};
       messages = updateReply(messages, mid, (m) => ({
         ...m,
         id: mid,
         pending: false,
-        status: (str(d.status) as MessageStatus | null) ?? "complete",
-        finishReason: str(d.finish_reason),
+        status: (str(end.status) as MessageStatus | null) ?? "complete",
+        finishReason: str(end.finish_reason),
         promptTokens: num(usage.prompt_tokens),
         cachedTokens: num(usage.cached_tokens),
         completionTokens: num(usage.completion_tokens),
@@ -163,13 +166,14 @@ function applyEvent(state: ChatState, ev: SseEvent): ChatState {
       break;
     }
     case "error": {
+      const failed = d as Partial<ReplyFailed>;
       messages = updateReply(messages, mid, (m) => ({
         ...m,
         id: mid,
         pending: false,
         status: "error",
-        content: str(d.content) ?? m.content,
-        error: str(d.message) ?? "the reply failed",
+        content: str(failed.content) ?? m.content,
+        error: str(failed.message) ?? "the reply failed",
       }));
       nextLive.ended = true;
       break;

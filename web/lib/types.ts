@@ -1,46 +1,23 @@
-// Shapes of the public API (README "Orchestrator"). Timestamps are Unix milliseconds.
+// Shapes of the public API, generated from the server's OpenAPI document
+// (orchestrator/openapi.json → lib/api-schema.d.ts, `npm run api-types`; `make openapi` regenerates
+// both). `npm run typecheck` fails when the generated file is out of date, so a change to the
+// server's types that this UI does not follow fails its build. Timestamps are Unix milliseconds.
 
-export type Role = "user" | "assistant";
-export type MessageStatus = "complete" | "streaming" | "stopped" | "error";
+import type { components } from "./api-schema";
 
-export interface ApiMessage {
-  id: string;
-  seq: number;
-  role: Role;
-  content: string;
-  status: MessageStatus;
-  finish_reason: string | null;
-  prompt_tokens: number | null;
-  cached_tokens: number | null;
-  completion_tokens: number | null;
-  ttft_ms: number | null;
-  duration_ms: number | null;
-  worker: string | null;
-  created_at: number;
-  updated_at: number;
-}
+type Schemas = components["schemas"];
 
-export interface SamplingParams {
-  temperature?: number;
-  top_k?: number;
-  top_p?: number;
-  min_p?: number;
-  repetition_penalty?: number;
-  seed?: number | null;
-}
-
-export interface Session {
-  id: string;
-  title: string;
-  system_prompt: string | null;
-  params: SamplingParams | null;
-  /** Default reply length for the session's turns (server default when null). */
-  max_tokens: number | null;
-  created_at: number;
-  updated_at: number;
-}
-
-export interface SessionPage {
-  data: Session[];
-  next_cursor: string | null;
-}
+export type Role = Schemas["Role"];
+export type MessageStatus = Schemas["MessageStatus"];
+export type ApiMessage = Schemas["Message"];
+export type SamplingParams = Schemas["SamplingParams"];
+export type Session = Schemas["Session"];
+export type SessionPage = Schemas["SessionPage"];
+/** The session fields a client sets on PATCH (`null` clears one); create takes the same. */
+export type SessionFields = Schemas["UpdateSession"];
+/** The data of the native stream's events. */
+export type MessageStart = Schemas["MessageStart"];
+export type TokenText = Schemas["TokenText"];
+export type ReplyEnd = Schemas["ReplyEnd"];
+export type ReplyFailed = Schemas["ReplyFailed"];
+export type ErrorBody = Schemas["ErrorBody"];

@@ -18,10 +18,10 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use hearth_shared::chat::{render, ChatError, Message as ChatMessage, Role as ChatRole};
 use hearth_shared::SamplingParams;
-use serde::Deserialize;
-use serde_json::json;
+use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
+use utoipa::ToSchema;
 
 use super::{ApiError, AppState, Caller, ValidJson, ValidPath};
 use crate::generate::{Job, Live, Outcome, Reservation, RunEvent, TurnIds};
@@ -30,24 +30,35 @@ use crate::storage::{Message, MessageStatus, Role, Session};
 /// Largest message a user may post.
 pub const MAX_CONTENT_BYTES: usize = 256 << 10;
 const MAX_STOPS: usize = 16;
-const MAX_STOP_BYTES: usize = 256;
+const MAX_STOP_CHARS: usize = 256;
 
 /// Options shared by every generation request.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TurnBody {
-    /// The new user message (or an edited one's new text; not for regenerate).
+    /// The new user message, or an edited one's new text: required there, up to 256 KiB, not
+    /// blank. Refused on regenerate.
     #[serde(default)]
+    #[schema(min_length = 1)]
     pub content: Option<String>,
+    /// This turn's sampling parameters; the session's defaults when absent.
     #[serde(default)]
     pub params: Option<SamplingParams>,
-    /// `false`: answer with the finished message as JSON.
+    /// `false`: answer with the finished message as JSON instead of Server-Sent Events.
     #[serde(default)]
+    #[schema(default = true)]
     pub stream: Option<bool>,
+    /// Longest reply: at least 1 and less than the model's context; the session's default, else
+    /// the server's, when absent.
     #[serde(default)]
+    #[schema(minimum = 1)]
     pub max_tokens: Option<u32>,
+    /// Up to 16 strings of 1 to 256 characters; the reply ends before the first one it would
+    /// print.
     #[serde(default)]
+    #[schema(value_type = Option<super::openapi::StopList>)]
     pub stop: Option<Vec<String>>,
+    /// Generate `max_tokens` even past the model's end of turn.
     #[serde(default)]
     pub ignore_eos: bool,
 }
@@ -68,9 +79,9 @@ pub fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ApiErr
         )));
     }
     for s in &stop {
-        if s.is_empty() || s.len() > MAX_STOP_BYTES {
+        if s.is_empty() || s.chars().count() > MAX_STOP_CHARS {
             return Err(ApiError::Validation(format!(
-                "{field}: each stop string must be 1 to {MAX_STOP_BYTES} bytes"
+                "{field}: each stop string must be 1 to {MAX_STOP_CHARS} characters"
             )));
         }
     }
@@ -187,6 +198,20 @@ fn check_id(id: &str) -> Result<(), ApiError> {
     super::sessions::check_id(id)
 }
 
+/// Posts a user message and generates the reply: Server-Sent Events (`message_start`,
+/// `token`…, then `message_end` or `error`), or with `"stream": false` the finished reply. Both
+/// messages are stored before generation starts, and the reply is saved as it streams.
+#[utoipa::path(post, path = "/v1/sessions/{id}/messages", operation_id = "postMessage", tag = "generation", params(super::SessionPath),
+    request_body = TurnBody,
+    responses(
+        (status = 200, description = "The reply", content(
+            (super::openapi::ReplyEvent = "text/event-stream"),
+            (TurnReply = "application/json"),
+        )),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 409, description = "The session already has a reply running", body = super::ErrorBody),
+        (status = 422, description = "A field is out of range, or the session is full", body = super::ErrorBody),
+    ))]
 pub async fn post_message(
     State(s): State<AppState>,
     caller: Caller,
@@ -221,6 +246,18 @@ pub async fn post_message(
     .await
 }
 
+/// Answers the last user message again, replacing the last reply.
+#[utoipa::path(post, path = "/v1/sessions/{id}/regenerate", operation_id = "regenerate", tag = "generation", params(super::SessionPath),
+    request_body = TurnBody,
+    responses(
+        (status = 200, description = "The new reply", content(
+            (super::openapi::ReplyEvent = "text/event-stream"),
+            (TurnReply = "application/json"),
+        )),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 409, description = "A reply is running, or there is no reply to regenerate", body = super::ErrorBody),
+        (status = 422, description = "A field is out of range", body = super::ErrorBody),
+    ))]
 pub async fn regenerate(
     State(s): State<AppState>,
     caller: Caller,
@@ -269,6 +306,19 @@ pub async fn regenerate(
 /// message's content and drops everything after it, in the same transaction that stores the new
 /// reply's placeholder, then answers like a new turn. The worker's cache of the session rewinds
 /// to the prefix the edit left unchanged by itself.
+#[utoipa::path(post, path = "/v1/sessions/{id}/messages/{message_id}/edit", operation_id = "editMessage", tag = "generation",
+    params(super::SessionPath,
+        ("message_id" = String, Path, pattern = "^[0-9a-f]{32}$", description = "The user message to edit")),
+    request_body = TurnBody,
+    responses(
+        (status = 200, description = "The reply to the edited message", content(
+            (super::openapi::ReplyEvent = "text/event-stream"),
+            (TurnReply = "application/json"),
+        )),
+        (status = 404, description = "No such session or message", body = super::ErrorBody),
+        (status = 409, description = "The session already has a reply running", body = super::ErrorBody),
+        (status = 422, description = "A field is out of range, or the message is not a user message", body = super::ErrorBody),
+    ))]
 pub async fn edit(
     State(s): State<AppState>,
     caller: Caller,
@@ -486,7 +536,7 @@ async fn respond(
             .await
             .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
         drop(guard);
-        return Ok(Json(message_json(&live.ids, &outcome)).into_response());
+        return Ok(Json(TurnReply::new(&live.ids, &outcome)).into_response());
     }
     Ok(sse(native_events(
         live,
@@ -523,61 +573,141 @@ fn native_events(
         let _keep = &guard;
         let event = Event::default().id(format!("{}:{}", ids.message_id, n + 1));
         Ok(match e {
-            RunEvent::Begin => event.event("message_start").data(
-                json!({
-                    "session_id": ids.session_id,
-                    "message_id": ids.message_id,
-                    "user_message_id": ids.user_message_id,
-                })
-                .to_string(),
-            ),
-            RunEvent::Text(t) => event.event("token").data(json!({ "text": t }).to_string()),
+            RunEvent::Begin => event.event("message_start").data(event_data(&ids)),
+            RunEvent::Text(text) => event.event("token").data(event_data(&TokenText { text })),
             RunEvent::End(o) => match &o.error {
-                Some((kind, message)) => event.event("error").data(
-                    json!({
-                        "error_type": kind,
-                        "message": message,
-                        "message_id": ids.message_id,
-                        "content": o.content,
-                    })
-                    .to_string(),
-                ),
+                Some((kind, message)) => event.event("error").data(event_data(&ReplyFailed {
+                    error_type: kind.clone(),
+                    message: message.clone(),
+                    message_id: ids.message_id.clone(),
+                    content: o.content.clone(),
+                })),
                 None => event
                     .event("message_end")
-                    .data(end_json(&ids, &o).to_string()),
+                    .data(event_data(&ReplyEnd::new(&ids, &o))),
             },
         })
     })
 }
 
-fn end_json(ids: &TurnIds, o: &Outcome) -> serde_json::Value {
-    json!({
-        "message_id": ids.message_id,
-        "status": o.status,
-        "finish_reason": o.finish_reason,
-        "usage": {
-            "prompt_tokens": o.prompt_tokens,
-            "cached_tokens": o.cached_tokens,
-            "completion_tokens": o.completion_tokens,
-        },
-        "timings": {"ttft_ms": o.ttft_ms, "duration_ms": o.duration_ms},
-        "worker": o.worker,
-    })
+/// A reply's token counts.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplyUsage {
+    pub prompt_tokens: u64,
+    /// Prompt tokens the worker already held in its cache.
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
 }
 
-fn message_json(ids: &TurnIds, o: &Outcome) -> serde_json::Value {
-    let mut v = end_json(ids, o);
-    v["session_id"] = json!(ids.session_id);
-    v["user_message_id"] = json!(ids.user_message_id);
-    v["content"] = json!(o.content);
-    if let Some((kind, message)) = &o.error {
-        v["error"] = json!({"error_type": kind, "message": message});
+/// A reply's timings, in milliseconds from the request's arrival.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplyTimings {
+    /// Until the first token (`null` when none came).
+    #[schema(required = true)]
+    pub ttft_ms: Option<u64>,
+    pub duration_ms: u64,
+}
+
+/// How a reply ended: the SSE `message_end` event's data.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplyEnd {
+    pub message_id: String,
+    pub status: MessageStatus,
+    /// `stop` (end of turn or a stop string), `length`, `context_full`, `cancelled` (stopped),
+    /// or an error's kind.
+    pub finish_reason: String,
+    pub usage: ReplyUsage,
+    pub timings: ReplyTimings,
+    /// The worker that finished the reply.
+    #[schema(required = true)]
+    pub worker: Option<String>,
+}
+
+impl ReplyEnd {
+    fn new(ids: &TurnIds, o: &Outcome) -> Self {
+        Self {
+            message_id: ids.message_id.clone(),
+            status: o.status,
+            finish_reason: o.finish_reason.clone(),
+            usage: ReplyUsage {
+                prompt_tokens: o.prompt_tokens,
+                cached_tokens: o.cached_tokens,
+                completion_tokens: o.completion_tokens,
+            },
+            timings: ReplyTimings {
+                ttft_ms: o.ttft_ms,
+                duration_ms: o.duration_ms,
+            },
+            worker: o.worker.clone(),
+        }
     }
-    v
+}
+
+/// A reply that ended in an error: the SSE `error` event's data. What it said before the error
+/// is kept.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplyFailed {
+    pub error_type: String,
+    pub message: String,
+    pub message_id: String,
+    pub content: String,
+}
+
+/// The SSE `token` event's data.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TokenText {
+    pub text: String,
+}
+
+/// Why a finished reply failed.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ReplyError {
+    pub error_type: String,
+    pub message: String,
+}
+
+/// A finished reply, as a turn with `"stream": false` answers.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TurnReply {
+    #[serde(flatten)]
+    pub end: ReplyEnd,
+    pub session_id: String,
+    /// The user message the reply answers.
+    #[schema(required = true)]
+    pub user_message_id: Option<String>,
+    pub content: String,
+    /// Present when the reply ended in an error.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<ReplyError>,
+}
+
+impl TurnReply {
+    fn new(ids: &TurnIds, o: &Outcome) -> Self {
+        Self {
+            end: ReplyEnd::new(ids, o),
+            session_id: ids.session_id.clone(),
+            user_message_id: ids.user_message_id.clone(),
+            content: o.content.clone(),
+            error: o.error.as_ref().map(|(kind, message)| ReplyError {
+                error_type: kind.clone(),
+                message: message.clone(),
+            }),
+        }
+    }
+}
+
+fn event_data<T: Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_default()
 }
 
 /// `GET /v1/sessions/{id}/stream`: the session's running (or just finished) reply, from the
 /// event after `Last-Event-ID` (or from its start).
+#[utoipa::path(get, path = "/v1/sessions/{id}/stream", operation_id = "resumeStream", tag = "generation", params(super::SessionPath,
+        ("Last-Event-ID" = Option<String>, Header, description = "The last event received (`<message id>:<n>`); the stream continues after it")),
+    responses(
+        (status = 200, description = "The reply's events (`message_start`, `token`, `message_end` or `error`)", content_type = "text/event-stream", body = super::openapi::ReplyEvent),
+        (status = 404, description = "No such session, or no reply running or just finished", body = super::ErrorBody),
+    ))]
 pub async fn resume(
     State(s): State<AppState>,
     caller: Caller,
@@ -601,14 +731,36 @@ pub async fn resume(
     Ok(sse(native_events(live, from, false)))
 }
 
+/// What a stop did.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct StopResult {
+    /// Whether a running reply was stopped (and stored as `stopped`).
+    pub stopped: bool,
+    /// The reply as stored once it ended, when there was one running.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message: Option<Message>,
+}
+
+impl StopResult {
+    const NOTHING: Self = Self {
+        stopped: false,
+        message: None,
+    };
+}
+
 /// `POST /v1/sessions/{id}/stop`: cancels the running reply (on the worker within one engine
 /// step) and answers once it is stored as `stopped`, with the stored message. A reply running
 /// on another replica is stopped through Redis.
+#[utoipa::path(post, path = "/v1/sessions/{id}/stop", operation_id = "stopReply", tag = "generation", params(super::SessionPath),
+    responses(
+        (status = 200, description = "The stopped reply, or `stopped: false` when none was running", body = StopResult),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+    ))]
 pub async fn stop(
     State(s): State<AppState>,
     caller: Caller,
     ValidPath(id): ValidPath<String>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<StopResult>, ApiError> {
     check_id(&id)?;
     s.store.get_session(&caller.user.id, &id).await?;
     s.generator.limiter.admit_stop(&caller.quota).await?;
@@ -621,7 +773,7 @@ pub async fn stop(
     } else {
         let last = s.store.list_messages(&caller.user.id, &id).await?.pop();
         let (Some(bus), Some(reply)) = (&s.generator.stop_bus, last.filter(streaming)) else {
-            return Ok(Json(json!({"stopped": false})));
+            return Ok(Json(StopResult::NOTHING));
         };
         if !bus.publish(&id).await {
             return Err(ApiError::Unavailable(
@@ -637,10 +789,10 @@ pub async fn stop(
     loop {
         let m = s.store.get_message(&caller.user.id, &id, &reply_id).await?;
         if !streaming(&m) {
-            return Ok(Json(json!({
-                "stopped": m.status == MessageStatus::Stopped,
-                "message": m,
-            })));
+            return Ok(Json(StopResult {
+                stopped: m.status == MessageStatus::Stopped,
+                message: Some(m),
+            }));
         }
         if Instant::now() + pause >= deadline {
             break;
@@ -648,5 +800,5 @@ pub async fn stop(
         tokio::time::sleep(pause).await;
         pause = (pause * 2).min(Duration::from_millis(500));
     }
-    Ok(Json(json!({"stopped": false})))
+    Ok(Json(StopResult::NOTHING))
 }

@@ -5,9 +5,28 @@
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use crate::storage::StoreError;
+
+/// Every error's body (OpenAI's shape).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ErrorDetail {
+    /// For people: names the problem (and the field, for a bad value).
+    pub message: String,
+    /// Stable, for programs: `invalid_request_error`, `authentication_error`, `not_found_error`,
+    /// `rate_limit_error`, …
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// Stable, for programs: `invalid_value`, `invalid_json`, `not_found`, `body_timeout`, …
+    pub code: String,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -125,9 +144,13 @@ impl IntoResponse for ApiError {
         if let Self::Internal(detail) = &self {
             tracing::error!(%detail, "internal error");
         }
-        let body = json!({
-            "error": {"message": self.to_string(), "type": self.error_type(), "code": self.code()}
-        });
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.error_type().to_string(),
+                code: self.code().to_string(),
+            },
+        };
         let mut response = (status, axum::Json(body)).into_response();
         if let Self::RateLimited(l) = &self {
             response.headers_mut().insert(

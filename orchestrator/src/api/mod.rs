@@ -4,15 +4,18 @@
 //! - [`chat`]: generation on the native API (post, regenerate, stop, resume; SSE or JSON);
 //! - [`openai`]: `/v1/chat/completions` and `/v1/models`;
 //! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`;
+//! - [`openapi`]: the API's OpenAPI 3.1 document at `/openapi.json`;
 //! - [`web`]: the web UI's static files at `/` (every path the API does not claim).
 
 mod chat;
 mod error;
 mod openai;
+mod openapi;
 mod sessions;
 mod web;
 
-pub use error::ApiError;
+pub use error::{ApiError, ErrorBody};
+pub use openapi::{document as openapi_document, json as openapi_json};
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -108,6 +111,7 @@ pub fn router(state: AppState) -> Router {
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(render_metrics))
+        .route("/openapi.json", get(openapi::serve))
         .merge(sessions::routes())
         .route("/v1/chat/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
@@ -228,6 +232,16 @@ async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
 async fn render_metrics(State(s): State<AppState>) -> Response {
     let text = crate::telemetry::render(s.metrics.as_ref());
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The `{id}` of the session routes.
+#[derive(Debug, utoipa::IntoParams)]
+#[into_params(parameter_in = Path)]
+#[allow(dead_code)] // documents the path; handlers take it as `ValidPath<String>`
+struct SessionPath {
+    /// A session id, as `POST /v1/sessions` returned it.
+    #[param(pattern = "^[0-9a-f]{32}$")]
+    id: String,
 }
 
 /// The authenticated user of a request and the limits that apply to it.

@@ -13,38 +13,51 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
 use hearth_shared::SamplingParams;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use tokio_stream::StreamExt;
+use utoipa::ToSchema;
 
 use super::chat::{check_content, check_params, check_stops, plan, sse};
 use super::{ApiError, AppState, Caller, ValidJson};
 use crate::generate::{Job, Live, Outcome, RunEvent, TurnIds};
 use crate::storage::MessageStatus;
 
-#[derive(Debug, Deserialize)]
+/// OpenAI's chat completion request. Fields that do not change the output (`user`,
+/// `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
+#[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
     #[serde(default)]
     model: Option<String>,
+    #[schema(min_items = 1)]
     messages: Vec<InMessage>,
     #[serde(default)]
     stream: bool,
     #[serde(default)]
     stream_options: Option<StreamOptions>,
+    /// Longest reply: at least 1 and less than the model's context.
     #[serde(default)]
+    #[schema(minimum = 1)]
     max_tokens: Option<u32>,
+    /// Takes precedence over `max_tokens`.
     #[serde(default)]
+    #[schema(minimum = 1)]
     max_completion_tokens: Option<u32>,
+    /// OpenAI's default, 1, when absent; 0 is greedy.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 100)]
     temperature: Option<f32>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     top_p: Option<f32>,
     #[serde(default)]
     top_k: Option<u32>,
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 1)]
     min_p: Option<f32>,
     #[serde(default)]
+    #[schema(exclusive_minimum = 0, maximum = 10)]
     repetition_penalty: Option<f32>,
     #[serde(default)]
     seed: Option<u64>,
@@ -53,48 +66,60 @@ pub struct ChatRequest {
     /// Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`.
     #[serde(default)]
     ignore_eos: bool,
+    /// Only 1.
     #[serde(default)]
+    #[schema(minimum = 1, maximum = 1)]
     n: Option<u32>,
+    /// Only 0.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 0)]
     frequency_penalty: Option<f32>,
+    /// Only 0.
     #[serde(default)]
+    #[schema(minimum = 0, maximum = 0)]
     presence_penalty: Option<f32>,
+    /// Only `false`.
     #[serde(default)]
     logprobs: Option<bool>,
+    /// Refused unless `null`: tool calling is not supported.
     #[serde(default)]
     tools: Option<Value>,
+    /// Only `{"type": "text"}`.
     #[serde(default)]
     response_format: Option<Value>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 struct StreamOptions {
     #[serde(default)]
     include_usage: bool,
 }
 
+/// One stop string or up to 16, each of 1 to 256 characters.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
-enum StopField {
+pub(super) enum StopField {
     One(String),
     Many(Vec<String>),
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 struct InMessage {
+    #[schema(value_type = String, pattern = "^(system|developer|user|assistant)$")]
     role: String,
     #[serde(default)]
     content: Option<Content>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(untagged)]
 enum Content {
     Text(String),
     Parts(Vec<Part>),
 }
 
-#[derive(Debug, Deserialize)]
+/// A content part; only `text` parts are supported.
+#[derive(Debug, Deserialize, ToSchema)]
 struct Part {
     #[serde(rename = "type")]
     kind: String,
@@ -206,6 +231,17 @@ impl ChatRequest {
     }
 }
 
+/// OpenAI-compatible chat completion, streaming (Server-Sent Events of
+/// `chat.completion.chunk`, then `[DONE]`) or not. Stateless: nothing is stored, and a client
+/// that goes away cancels its generation.
+#[utoipa::path(post, path = "/v1/chat/completions", operation_id = "createChatCompletion", tag = "openai", request_body = ChatRequest,
+    responses(
+        (status = 200, description = "The completion", content(
+            (ChatCompletion = "application/json"),
+            (super::openapi::CompletionEvent = "text/event-stream"),
+        )),
+        (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = super::ErrorBody),
+    ))]
 pub async fn completions(
     State(s): State<AppState>,
     caller: Caller,
@@ -266,19 +302,22 @@ pub async fn completions(
         if let Some((kind, message)) = &outcome.error {
             return Err(generation_error(kind, message));
         }
-        return Ok(Json(json!({
-            "id": id,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": outcome.content},
-                "logprobs": null,
-                "finish_reason": finish_reason(&outcome),
+        return Ok(Json(ChatCompletion {
+            id,
+            object: "chat.completion".into(),
+            created,
+            model,
+            choices: vec![CompletionChoice {
+                index: 0,
+                message: AssistantMessage {
+                    role: "assistant".into(),
+                    content: outcome.content.clone(),
+                },
+                logprobs: None,
+                finish_reason: finish_reason(&outcome).into(),
             }],
-            "usage": usage(&outcome),
-        }))
+            usage: Usage::of(&outcome),
+        })
         .into_response());
     }
     let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
@@ -308,7 +347,7 @@ pub async fn completions(
                         if include_usage {
                             let mut u = chunk(json!({}), Value::Null);
                             u["choices"] = json!([]);
-                            u["usage"] = usage(&o);
+                            u["usage"] = json!(Usage::of(&o));
                             yield data(u);
                         }
                     }
@@ -343,13 +382,62 @@ fn finish_reason(o: &Outcome) -> &'static str {
     }
 }
 
-fn usage(o: &Outcome) -> Value {
-    json!({
-        "prompt_tokens": o.prompt_tokens,
-        "completion_tokens": o.completion_tokens,
-        "total_tokens": o.prompt_tokens + o.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
-    })
+/// A finished chat completion.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatCompletion {
+    pub id: String,
+    /// `chat.completion`
+    pub object: String,
+    /// Unix seconds.
+    pub created: i64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    /// Always `null`.
+    #[schema(value_type = Option<Object>, required = true)]
+    pub logprobs: Option<Value>,
+    /// `stop` or `length`.
+    pub finish_reason: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AssistantMessage {
+    /// `assistant`
+    pub role: String,
+    pub content: String,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+    pub total_tokens: u64,
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens the worker already held in its cache.
+    pub cached_tokens: u64,
+}
+
+impl Usage {
+    fn of(o: &Outcome) -> Self {
+        Self {
+            prompt_tokens: o.prompt_tokens,
+            completion_tokens: o.completion_tokens,
+            total_tokens: o.prompt_tokens + o.completion_tokens,
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: o.cached_tokens,
+            },
+        }
+    }
 }
 
 fn generation_error(kind: &str, message: &str) -> ApiError {
@@ -359,16 +447,39 @@ fn generation_error(kind: &str, message: &str) -> ApiError {
     }
 }
 
-pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<Value> {
+/// The served models.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelList {
+    /// `list`
+    pub object: String,
+    pub data: Vec<ModelCard>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelCard {
+    pub id: String,
+    /// `model`
+    pub object: String,
+    pub created: i64,
+    pub owned_by: String,
+    /// The model's context in tokens, once a worker has reported it.
+    #[schema(required = true)]
+    pub max_model_len: Option<u64>,
+}
+
+/// The served model (the one every worker runs).
+#[utoipa::path(get, path = "/v1/models", operation_id = "listModels", tag = "openai",
+    responses((status = 200, description = "The served model", body = ModelList)))]
+pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelList> {
     let info = s.generator.pool.info();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.model_name(),
-            "object": "model",
-            "created": 0,
-            "owned_by": "hearth",
-            "max_model_len": info.map(|i| i.context_length),
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: s.model_name(),
+            object: "model".into(),
+            created: 0,
+            owned_by: "hearth".into(),
+            max_model_len: info.map(|i| i.context_length as u64),
         }],
-    }))
+    })
 }

@@ -6,8 +6,8 @@ use axum::http::StatusCode;
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use hearth_shared::SamplingParams;
-use serde::{Deserialize, Deserializer};
-use serde_json::{json, Value};
+use serde::{Deserialize, Deserializer, Serialize};
+use utoipa::{IntoParams, ToSchema};
 
 use super::{created, ApiError, AppState, Caller, ValidJson, ValidPath, ValidQuery};
 use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
@@ -37,16 +37,22 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}/stream", get(super::chat::resume))
 }
 
-#[derive(Debug, Deserialize)]
+/// A new session; every field is optional.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct CreateBody {
+pub(super) struct CreateSession {
+    /// Up to 200 characters, trimmed; "New chat" when empty.
     #[serde(default)]
     title: Option<String>,
+    /// Up to 64 KiB.
     #[serde(default)]
     system_prompt: Option<String>,
     #[serde(default)]
     params: Option<SamplingParams>,
+    /// Default reply length for the session's turns: at least 1, and less than the model's
+    /// context.
     #[serde(default)]
+    #[schema(minimum = 1)]
     max_tokens: Option<u32>,
 }
 
@@ -59,9 +65,10 @@ where
     Option::<T>::deserialize(d).map(Some)
 }
 
-#[derive(Debug, Deserialize)]
+/// Fields to change: an absent field is left as it is, `null` clears it.
+#[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
-struct PatchBody {
+pub(super) struct UpdateSession {
     #[serde(default)]
     title: Option<String>,
     #[serde(default, deserialize_with = "present")]
@@ -69,15 +76,21 @@ struct PatchBody {
     #[serde(default, deserialize_with = "present")]
     params: Option<Option<SamplingParams>>,
     #[serde(default, deserialize_with = "present")]
+    #[schema(minimum = 1)]
     max_tokens: Option<Option<u32>>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Deserialize, IntoParams)]
 #[serde(deny_unknown_fields)]
-struct ListParams {
+#[into_params(parameter_in = Query)]
+pub(super) struct ListParams {
+    /// Page size, 1 to 100 (default 20).
+    #[param(minimum = 1, maximum = 100)]
     limit: Option<u32>,
+    /// Only sessions whose title contains this (up to 200 bytes).
     q: Option<String>,
     /// The previous page's `next_cursor`.
+    #[param(pattern = "^-?[0-9]+_[0-9a-f]{32}$")]
     before: Option<String>,
 }
 
@@ -112,7 +125,7 @@ fn check_system(s: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn check_params(p: SamplingParams) -> Result<Value, ApiError> {
+fn check_params(p: SamplingParams) -> Result<serde_json::Value, ApiError> {
     p.validate()
         .map_err(|e| ApiError::Validation(format!("params.{}: {}", e.field, e.reason)))?;
     serde_json::to_value(p).map_err(|e| ApiError::Internal(e.to_string()))
@@ -150,10 +163,32 @@ pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
     }
 }
 
-async fn create(
+/// One page of the caller's sessions, newest first.
+#[derive(Debug, Serialize, ToSchema)]
+pub(super) struct SessionPage {
+    data: Vec<Session>,
+    /// Pass as `before` for the next page; `null` on the last one.
+    #[schema(required = true)]
+    next_cursor: Option<String>,
+}
+
+/// A session's messages, oldest first.
+#[derive(Debug, Serialize, ToSchema)]
+pub(super) struct MessageList {
+    data: Vec<Message>,
+}
+
+/// Creates a session for the caller.
+#[utoipa::path(post, path = "/v1/sessions", operation_id = "createSession", tag = "sessions",
+    request_body = CreateSession,
+    responses(
+        (status = 201, description = "The new session", body = Session),
+        (status = 422, description = "A field is out of range, or the caller has the most sessions a user may keep", body = super::ErrorBody),
+    ))]
+pub(super) async fn create(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
-    ValidJson(body): ValidJson<CreateBody>,
+    ValidJson(body): ValidJson<CreateSession>,
 ) -> Result<(StatusCode, Json<Session>), ApiError> {
     let title = check_title(body.title.as_deref().unwrap_or(""))?;
     if let Some(sys) = &body.system_prompt {
@@ -193,11 +228,17 @@ async fn create(
     Ok(created(session))
 }
 
-async fn list(
+/// The caller's sessions, newest first, a page at a time.
+#[utoipa::path(get, path = "/v1/sessions", operation_id = "listSessions", tag = "sessions", params(ListParams),
+    responses(
+        (status = 200, description = "One page", body = SessionPage),
+        (status = 422, description = "A parameter is out of range or not a cursor from this API", body = super::ErrorBody),
+    ))]
+pub(super) async fn list(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
     ValidQuery(p): ValidQuery<ListParams>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<SessionPage>, ApiError> {
     let limit = p.limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
         return Err(ApiError::Validation(format!(
@@ -234,10 +275,19 @@ async fn list(
     let next = (page.len() == limit as usize)
         .then(|| page.last().map(|l| format!("{}_{}", l.updated_at, l.id)))
         .flatten();
-    Ok(Json(json!({"data": page, "next_cursor": next})))
+    Ok(Json(SessionPage {
+        data: page,
+        next_cursor: next,
+    }))
 }
 
-async fn fetch(
+/// One of the caller's sessions.
+#[utoipa::path(get, path = "/v1/sessions/{id}", operation_id = "getSession", tag = "sessions", params(super::SessionPath),
+    responses(
+        (status = 200, description = "The session", body = Session),
+        (status = 404, description = "No such session (another user's is not found either)", body = super::ErrorBody),
+    ))]
+pub(super) async fn fetch(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
@@ -246,11 +296,19 @@ async fn fetch(
     Ok(Json(s.store.get_session(&user.id, &id).await?))
 }
 
-async fn update(
+/// Changes a session's title, system prompt or defaults.
+#[utoipa::path(patch, path = "/v1/sessions/{id}", operation_id = "updateSession", tag = "sessions", params(super::SessionPath),
+    request_body = UpdateSession,
+    responses(
+        (status = 200, description = "The changed session", body = Session),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 422, description = "A field is out of range", body = super::ErrorBody),
+    ))]
+pub(super) async fn update(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
-    ValidJson(body): ValidJson<PatchBody>,
+    ValidJson(body): ValidJson<UpdateSession>,
 ) -> Result<Json<Session>, ApiError> {
     check_id(&id)?;
     let title = body.title.as_deref().map(check_title).transpose()?;
@@ -276,7 +334,14 @@ async fn update(
     Ok(Json(s.store.update_session(&user.id, &id, patch).await?))
 }
 
-async fn remove(
+/// Deletes a session and its messages, stops its running reply and frees its cache on the
+/// workers.
+#[utoipa::path(delete, path = "/v1/sessions/{id}", operation_id = "deleteSession", tag = "sessions", params(super::SessionPath),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+    ))]
+pub(super) async fn remove(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
@@ -303,12 +368,19 @@ async fn remove(
     Ok(StatusCode::NO_CONTENT)
 }
 
-async fn messages(
+/// A session's stored messages, oldest first (a reply still streaming included, with what it
+/// has said so far).
+#[utoipa::path(get, path = "/v1/sessions/{id}/messages", operation_id = "listMessages", tag = "sessions", params(super::SessionPath),
+    responses(
+        (status = 200, description = "Every message", body = MessageList),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+    ))]
+pub(super) async fn messages(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
     ValidPath(id): ValidPath<String>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<MessageList>, ApiError> {
     check_id(&id)?;
     let data: Vec<Message> = s.store.list_messages(&user.id, &id).await?;
-    Ok(Json(json!({"data": data})))
+    Ok(Json(MessageList { data }))
 }

@@ -35,10 +35,13 @@ pub enum RunEvent {
     End(Box<Outcome>),
 }
 
-/// Ids that name a stored turn; empty for stateless (OpenAI) requests.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+/// Ids that name a stored turn; empty for stateless (OpenAI) requests. On the native API it is
+/// the SSE `message_start` event's data.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[schema(as = MessageStart)]
 pub struct TurnIds {
     pub session_id: String,
+    #[schema(required = true)]
     pub user_message_id: Option<String>,
     pub message_id: String,
 }

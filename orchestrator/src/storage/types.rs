@@ -32,14 +32,19 @@ pub struct ApiKey {
     pub revoked_at: Option<i64>,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// A chat session. Timestamps are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Session {
+    #[schema(pattern = "^[0-9a-f]{32}$")]
     pub id: String,
     pub title: String,
+    #[schema(required = true)]
     pub system_prompt: Option<String>,
     /// Default sampling parameters (JSON object), if the session has any.
+    #[schema(value_type = Option<hearth_shared::SamplingParams>, required = true)]
     pub params: Option<serde_json::Value>,
     /// Default reply length for the session's turns, if set.
+    #[schema(required = true)]
     pub max_tokens: Option<i64>,
     pub created_at: i64,
     pub updated_at: i64,
@@ -73,14 +78,14 @@ pub struct SessionQuery {
     pub before: Option<(i64, String)>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Role {
     User,
     Assistant,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum MessageStatus {
     Complete,
@@ -109,19 +114,28 @@ text_enum!(MessageStatus {
     Error => "error",
 });
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// A stored message. Timestamps are Unix milliseconds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Message {
+    #[schema(pattern = "^[0-9a-f]{32}$")]
     pub id: String,
     pub seq: i64,
     pub role: Role,
     pub content: String,
     pub status: MessageStatus,
+    #[schema(required = true)]
     pub finish_reason: Option<String>,
+    #[schema(required = true)]
     pub prompt_tokens: Option<i64>,
+    #[schema(required = true)]
     pub cached_tokens: Option<i64>,
+    #[schema(required = true)]
     pub completion_tokens: Option<i64>,
+    #[schema(required = true)]
     pub ttft_ms: Option<i64>,
+    #[schema(required = true)]
     pub duration_ms: Option<i64>,
+    #[schema(required = true)]
     pub worker: Option<String>,
     pub created_at: i64,
     pub updated_at: i64,
