@@ -30,10 +30,42 @@ pub struct Limited {
     pub retry_after_secs: u64,
 }
 
+/// The counters and the clock whose minutes and days are the windows.
 #[derive(Debug)]
-pub enum Limiter {
+pub struct Limiter {
+    counters: Counters,
+    clock: Clock,
+}
+
+#[derive(Debug)]
+enum Counters {
     Local(Mutex<HashMap<String, (i64, i64)>>),
     Redis(Redis),
+}
+
+/// Milliseconds since the Unix epoch: the system clock, or a test's.
+#[derive(Clone)]
+pub struct Clock(Arc<dyn Fn() -> i64 + Send + Sync>);
+
+impl Clock {
+    pub fn system() -> Self {
+        Self(Arc::new(now_ms))
+    }
+
+    /// A clock that reads `f` (tests: a fixed or stepped time).
+    pub fn from_fn(f: impl Fn() -> i64 + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    fn now(&self) -> i64 {
+        (self.0)()
+    }
+}
+
+impl std::fmt::Debug for Clock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Clock({})", self.now())
+    }
 }
 
 const MINUTE_MS: i64 = 60_000;
@@ -91,13 +123,29 @@ impl Drop for Budget {
 }
 
 impl Limiter {
+    /// Counters in this process, on the system clock.
     pub fn local() -> Self {
-        Self::Local(Mutex::new(HashMap::new()))
+        Self::local_with(Clock::system())
+    }
+
+    pub fn local_with(clock: Clock) -> Self {
+        Self {
+            counters: Counters::Local(Mutex::new(HashMap::new())),
+            clock,
+        }
+    }
+
+    /// Counters in Redis, shared by every replica, on the system clock.
+    pub fn redis(conn: Redis) -> Self {
+        Self {
+            counters: Counters::Redis(conn),
+            clock: Clock::system(),
+        }
     }
 
     /// Counts a stop against [`STOPS_PER_MINUTE`].
     pub async fn admit_stop(&self, q: &Quota) -> Result<(), Limited> {
-        let now = now_ms();
+        let now = self.clock.now();
         let key = format!("hearth:rl:stop:{}:{}", q.bucket, now / MINUTE_MS);
         if self.add(&key, 1, 120).await > STOPS_PER_MINUTE {
             crate::telemetry::count_rate_limited("stops_per_minute");
@@ -116,7 +164,7 @@ impl Limiter {
         q: &Quota,
         max_tokens: u64,
     ) -> Result<Option<Budget>, Limited> {
-        let now = now_ms();
+        let now = self.clock.now();
         let mut budget = None;
         if let Some(limit) = q.tokens_per_day {
             let key = day_key(&q.bucket, now);
@@ -156,10 +204,10 @@ impl Limiter {
 
     /// Adds `n` and returns the new count (0 when Redis is unavailable).
     async fn add(&self, key: &str, n: i64, ttl_secs: i64) -> i64 {
-        match self {
-            Self::Local(m) => {
+        match &self.counters {
+            Counters::Local(m) => {
                 let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
-                let now = now_ms();
+                let now = self.clock.now();
                 // Windows are in the key; forget the ones that have closed.
                 if m.len() > 10_000 {
                     m.retain(|_, (expires, _)| *expires > now);
@@ -170,7 +218,7 @@ impl Limiter {
                 e.1 += n;
                 e.1
             }
-            Self::Redis(c) => {
+            Counters::Redis(c) => {
                 let mut pipe = redis::pipe();
                 pipe.atomic()
                     .cmd("INCRBY")
@@ -294,30 +342,82 @@ mod tests {
         );
     }
 
+    /// A clock the test sets.
+    fn fixed(at: i64) -> (Clock, Arc<std::sync::atomic::AtomicI64>) {
+        let t = Arc::new(std::sync::atomic::AtomicI64::new(at));
+        let read = t.clone();
+        let clock = Clock::from_fn(move || read.load(std::sync::atomic::Ordering::SeqCst));
+        (clock, t)
+    }
+
+    /// 2026-11-24 10:17:00.000 UTC.
+    const MINUTE_START: i64 = 1_795_515_420_000;
+
     #[tokio::test]
     async fn stops_are_limited_per_key_and_minute() {
-        // Twice at most: a run that straddles a minute boundary proves nothing and is retried.
-        for attempt in 0..2 {
-            let l = Limiter::local();
-            let q = quota(None, None);
-            let minute = now_ms() / MINUTE_MS;
-            let mut allowed = 0;
-            while l.admit_stop(&q).await.is_ok() && allowed <= STOPS_PER_MINUTE {
-                allowed += 1;
-            }
-            let other = Quota {
-                bucket: "k2".into(),
-                ..q
-            };
-            let other_ok = l.admit_stop(&other).await.is_ok();
-            if now_ms() / MINUTE_MS != minute {
-                assert_eq!(attempt, 0, "two minute boundaries in one test");
-                continue;
-            }
-            assert_eq!(allowed, STOPS_PER_MINUTE);
-            assert!(other_ok, "another key has its own count");
-            return;
+        let (clock, t) = fixed(MINUTE_START + 59_000);
+        let l = Limiter::local_with(clock);
+        let q = quota(None, None);
+        let mut allowed = 0;
+        while l.admit_stop(&q).await.is_ok() && allowed <= STOPS_PER_MINUTE {
+            allowed += 1;
         }
+        assert_eq!(allowed, STOPS_PER_MINUTE);
+        let e = l.admit_stop(&q).await.expect_err("over the limit");
+        assert_eq!(e.retry_after_secs, 1, "{e:?}");
+        let other = Quota {
+            bucket: "k2".into(),
+            ..q.clone()
+        };
+        assert!(
+            l.admit_stop(&other).await.is_ok(),
+            "another key has its own count"
+        );
+        // The next minute starts a new count.
+        t.store(MINUTE_START + 60_000, std::sync::atomic::Ordering::SeqCst);
+        assert!(l.admit_stop(&q).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn retry_after_counts_the_seconds_left_in_the_window_rounded_up() {
+        let (clock, t) = fixed(MINUTE_START + 45_200);
+        let l = Arc::new(Limiter::local_with(clock));
+        let q = quota(Some(2), None);
+        assert!(l.admit(&q, 1).await.is_ok());
+        assert!(l.admit(&q, 1).await.is_ok());
+        let e = l
+            .admit(&q, 1)
+            .await
+            .expect_err("third request in the minute");
+        assert_eq!(
+            e.retry_after_secs, 15,
+            "14.8 s are left in the minute: {e:?}"
+        );
+        // At the minute's last millisecond the answer is still at least a second.
+        t.store(MINUTE_START + 59_999, std::sync::atomic::Ordering::SeqCst);
+        let e = l.admit(&q, 1).await.expect_err("still this minute");
+        assert_eq!(e.retry_after_secs, 1);
+        // The first millisecond of the next minute admits again.
+        t.store(MINUTE_START + 60_000, std::sync::atomic::Ordering::SeqCst);
+        assert!(l.admit(&q, 1).await.is_ok());
+
+        // A day's budget: refused until the next UTC day, which starts 13 h 43 min after
+        // 10:17:00.
+        let q = quota(None, Some(5));
+        t.store(MINUTE_START, std::sync::atomic::Ordering::SeqCst);
+        l.admit(&q, 5)
+            .await
+            .expect("ok")
+            .expect("budget")
+            .settle(5)
+            .await;
+        let e = l.admit(&q, 1).await.expect_err("budget spent");
+        assert_eq!(e.retry_after_secs, 13 * 3600 + 43 * 60, "{e:?}");
+        t.store(
+            MINUTE_START + 49_380_000,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        assert!(l.admit(&q, 1).await.is_ok(), "a new day, a new budget");
     }
 
     #[tokio::test]

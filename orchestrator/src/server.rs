@@ -250,7 +250,7 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
                 .with_context(|| format!("--redis-url {}: cannot connect", redact_url(url)))?;
             let task = StopBus::listen(url.clone(), streams.clone());
             (
-                Limiter::Redis(conn.clone()),
+                Limiter::redis(conn.clone()),
                 Affinity::Redis(conn.clone()),
                 Some(StopBus::new(conn)),
                 Some(task),

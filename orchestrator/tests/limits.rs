@@ -18,8 +18,8 @@ async fn two_replicas_share_request_and_token_counts() {
             .unwrap_or_else(|e| panic!("Redis at {url} is required for this test: {e}"))
     };
     let (a, b) = (
-        Arc::new(Limiter::Redis(connect().await)),
-        Arc::new(Limiter::Redis(connect().await)),
+        Arc::new(Limiter::redis(connect().await)),
+        Arc::new(Limiter::redis(connect().await)),
     );
     let q = Quota {
         bucket: format!("test-{}", uuid::Uuid::new_v4().simple()),
