@@ -393,13 +393,10 @@ pub fn path(p: &Path) -> String {
 }
 
 /// `hearth_worker_in_flight_requests` from a worker's `/metrics`.
+/// Panics when the worker does not export it (it is set on every scrape), rather than reading
+/// a missing metric as "nothing in flight".
 pub async fn worker_in_flight(w: &WorkerProcess) -> f64 {
-    let addr: SocketAddr = w.metrics.parse().expect("metrics addr");
-    let text = Req::new("GET", "/metrics").send(addr).await.text();
-    text.lines()
-        .find_map(|l| l.strip_prefix("hearth_worker_in_flight_requests "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0.0)
+    worker_metric(w, "hearth_worker_in_flight_requests").await
 }
 
 /// Waits up to 2 s for a worker to have nothing in flight; returns what it has left.
@@ -429,6 +426,16 @@ pub async fn metric(addr: SocketAddr, name: &str) -> f64 {
 /// A worker's metric (see [`metric`]).
 pub async fn worker_metric(w: &WorkerProcess, name: &str) -> f64 {
     metric(w.metrics.parse().expect("metrics addr"), name).await
+}
+
+/// Waits, if need be, until the current UTC minute (the rate limiter's window) has at least
+/// `need` left, so a test that counts requests per minute does all its counting in one window.
+pub async fn clear_of_a_minute_boundary(need: Duration) {
+    let now = hearth_orchestrator::storage::now_ms();
+    let left = 60_000 - now.rem_euclid(60_000);
+    if left < need.as_millis() as i64 {
+        tokio::time::sleep(Duration::from_millis(left as u64 + 50)).await;
+    }
 }
 
 /// Polls `metric` at `addr` until `want(value)` holds; the last value either way.

@@ -352,8 +352,10 @@ async fn bad_generation_requests_are_refused_and_store_nothing() {
     }
     assert!(messages(&s, &free, &sid).await.is_empty());
 
-    // Three requests a minute for this key: the fourth is a 429 with Retry-After.
+    // Three requests a minute for this key: the fourth is a 429 with Retry-After. (All four in
+    // one minute: the limiter's windows are UTC minutes.)
     let sid = new_session(&s, &k, json!({})).await;
+    hearth_e2e::stack::clear_of_a_minute_boundary(std::time::Duration::from_secs(20)).await;
     let path = format!("/v1/sessions/{sid}/messages");
     let turn = json!({"content": "hi", "max_tokens": 2, "stream": false});
     let mut statuses = Vec::new();

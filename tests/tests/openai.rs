@@ -2,7 +2,10 @@
 //! client, and cancellation when the client goes away.
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{slow_spec, wait_idle, worker_in_flight, Db, Stack};
+use hearth_e2e::stack::{slow_spec, wait_idle, worker_in_flight, worker_metric, Db, Stack};
+
+/// Tokens the worker's engine has decoded, over every request.
+const DECODED: &str = "hearth_worker_decode_tokens_total";
 use serde_json::{json, Value};
 
 fn chat(content: &str, extra: Value) -> Value {
@@ -136,11 +139,24 @@ async fn a_client_that_goes_away_cancels_its_generation() {
     }
     assert_eq!(worker_in_flight(&s.workers[0]).await, 1.0);
     drop(sse);
-    // 900 tokens take seconds on this model; the cancel reaches the worker long before.
+    // 900 tokens take seconds on this model; the cancel reaches the worker long before. A reply
+    // that ran to its end would also leave the worker idle, so the decoded-token counter is what
+    // proves the cancel: it stops, far short of 900.
     assert_eq!(
         wait_idle(&s.workers[0]).await,
         0.0,
         "the generation kept running"
+    );
+    let decoded = worker_metric(&s.workers[0], DECODED).await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(
+        worker_metric(&s.workers[0], DECODED).await,
+        decoded,
+        "the worker kept decoding"
+    );
+    assert!(
+        decoded < 900.0,
+        "the reply ran to its end: {decoded} tokens"
     );
     s.finish().await;
 }

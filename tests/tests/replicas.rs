@@ -63,8 +63,10 @@ async fn two_replicas_share_sessions_stops_and_limits() {
     assert_eq!(end.event, "message_end");
     assert_eq!(end.json()["status"], "stopped");
 
-    // Two requests a minute for this key, whichever replica gets them.
+    // Two requests a minute for this key, whichever replica gets them (all four in one minute:
+    // the limiter's windows are UTC minutes).
     let limited = s.limited_key("bob", 2).await;
+    hearth_e2e::stack::clear_of_a_minute_boundary(std::time::Duration::from_secs(20)).await;
     let body =
         json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
     let mut statuses = Vec::new();

@@ -110,6 +110,12 @@ async fn a_stopped_worker_s_reply_continues_on_another_after_the_stall_timeout()
         reply_outlives("stall", libc::SIGSTOP, &["--stall-timeout-secs", "2"]).await;
     signal(&s.workers[home].child, libc::SIGCONT);
     println!("the reply finished {took:?} after its worker froze (stall timeout 2 s)");
+    // The 140 tokens left take 5.6 s; before them, the 2 s of silence that declare the worker
+    // stalled. Far longer means the stall went unnoticed for a while.
+    assert!(
+        took < Duration::from_secs(11),
+        "the reply finished {took:?} after the freeze: expected 2 s of stall and 5.6 s of tokens"
+    );
     let failovers = metric(s.addr(), "hearth_worker_failovers_total").await;
     assert_eq!(failovers, 1.0);
     s.finish().await;
@@ -564,8 +570,9 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
             break st;
         }
         assert!(
-            signalled.elapsed() < Duration::from_secs(30),
-            "hearth did not exit after SIGTERM with idle connections open"
+            signalled.elapsed() < Duration::from_secs(10),
+            "hearth did not exit within 2 s + 5 s (and a margin) of SIGTERM with idle \
+             connections open"
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };

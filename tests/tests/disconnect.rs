@@ -1,0 +1,95 @@
+//! A native client that goes away: its reply finishes and is stored (the default), or with
+//! `--cancel-on-disconnect` is stopped on the worker and stored as `stopped`. The worker's
+//! decoded-token counter tells the two apart; a wait for the worker to be idle would pass both.
+
+use std::time::Duration;
+
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{slow_spec, wait_idle, worker_metric, Db, Stack};
+use serde_json::{json, Value};
+
+const DECODED: &str = "hearth_worker_decode_tokens_total";
+
+/// Starts a long reply in a new session, reads three tokens and goes away; the session id.
+async fn leave_mid_reply(s: &Stack, key: &str, max_tokens: u32) -> String {
+    let r = Req::new("POST", "/v1/sessions")
+        .key(Some(key))
+        .json(&json!({}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    let sid = r.json()["id"].as_str().expect("id").to_string();
+    let turn = json!({"content": "Talk", "max_tokens": max_tokens, "ignore_eos": true});
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(&turn)
+        .events(s.addr())
+        .await;
+    assert_eq!(sse.status, 200);
+    let mut tokens = 0;
+    while tokens < 3 {
+        let e = sse.next().await.expect("an event");
+        tokens += usize::from(e.event == "token");
+    }
+    drop(sse);
+    sid
+}
+
+/// The stored reply once it is no longer streaming.
+async fn settled_reply(s: &Stack, key: &str, sid: &str) -> Value {
+    for _ in 0..300 {
+        let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+            .key(Some(key))
+            .send(s.addr())
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let reply = r.json()["data"][1].clone();
+        if reply["status"] != "streaming" {
+            return reply;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("the reply was still streaming after 30 s");
+}
+
+#[tokio::test]
+async fn a_reply_outlives_its_client_unless_the_server_cancels_on_disconnect() {
+    // The default: the reply runs to its end and is stored whole.
+    let s = Stack::start_with("keepgoing", &slow_spec(), Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let sid = leave_mid_reply(&s, &k, 60).await;
+    let reply = settled_reply(&s, &k, &sid).await;
+    assert_eq!(reply["status"], "complete", "{reply}");
+    assert_eq!(reply["finish_reason"], "length", "{reply}");
+    assert_eq!(reply["completion_tokens"], 60, "{reply}");
+    assert!(worker_metric(&s.workers[0], DECODED).await >= 59.0);
+    s.finish().await;
+
+    // --cancel-on-disconnect: the worker stops decoding and the partial reply is kept.
+    let s = Stack::start_with(
+        "cancelgone",
+        &slow_spec(),
+        Db::Sqlite,
+        1,
+        &["--cancel-on-disconnect"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = leave_mid_reply(&s, &k, 900).await;
+    let reply = settled_reply(&s, &k, &sid).await;
+    assert_eq!(reply["status"], "stopped", "{reply}");
+    assert!(!reply["content"].as_str().unwrap_or_default().is_empty());
+    assert_eq!(wait_idle(&s.workers[0]).await, 0.0);
+    let decoded = worker_metric(&s.workers[0], DECODED).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        worker_metric(&s.workers[0], DECODED).await,
+        decoded,
+        "the worker kept decoding"
+    );
+    assert!(
+        decoded < 900.0,
+        "the reply ran to its end: {decoded} tokens"
+    );
+    s.finish().await;
+}

@@ -1,0 +1,175 @@
+//! Requests the server must refuse, each with the answer its documentation gives and nothing
+//! stored: a queued request past `--queue-timeout-secs`, a regenerate with nothing to regenerate
+//! or while a reply runs, and stops past their per-key limit.
+
+use std::time::{Duration, Instant};
+
+use hearth_e2e::http::{Reply, Req};
+use hearth_e2e::stack::{clear_of_a_minute_boundary, metric, new_session, stream_turn, Db, Stack};
+use serde_json::{json, Value};
+
+async fn history(s: &Stack, key: &str, sid: &str) -> Vec<Value> {
+    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["data"].as_array().expect("data").clone()
+}
+
+async fn regenerate(s: &Stack, key: &str, sid: &str) -> Reply {
+    Req::new("POST", &format!("/v1/sessions/{sid}/regenerate"))
+        .key(Some(key))
+        .json(&json!({"max_tokens": 2, "stream": false}))
+        .send(s.addr())
+        .await
+}
+
+async fn stop(s: &Stack, key: &str, sid: &str) -> Reply {
+    Req::new("POST", &format!("/v1/sessions/{sid}/stop"))
+        .key(Some(key))
+        .send(s.addr())
+        .await
+}
+
+#[tokio::test]
+async fn a_queued_request_is_answered_503_once_the_queue_timeout_passes() {
+    let s = Stack::scripted(
+        "queuetimeout",
+        Db::Sqlite,
+        1,
+        40,
+        &[
+            "--worker-capacity",
+            "1",
+            "--max-queue",
+            "4",
+            "--queue-timeout-secs",
+            "1",
+        ],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    // The one worker place is taken for the whole test.
+    let mut busy = stream_turn(s.addr(), &k, &sid, 900).await;
+    busy.next().await.expect("message_start");
+
+    let other = new_session(s.addr(), &k).await;
+    let started = Instant::now();
+    let r = Req::new("POST", &format!("/v1/sessions/{other}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "hi", "max_tokens": 2, "stream": false}))
+        .send(s.addr())
+        .await;
+    let waited = started.elapsed();
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "service_unavailable");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "answered after {waited:?}, with a 1 s queue timeout"
+    );
+    assert!(history(&s, &k, &other).await.is_empty(), "nothing stored");
+    assert_eq!(metric(s.addr(), "hearth_queue_depth").await, 0.0);
+
+    // Once the place is free, the same request is served.
+    let r = stop(&s, &k, &sid).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(busy);
+    let r = Req::new("POST", &format!("/v1/sessions/{other}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "hi", "max_tokens": 2, "stream": false}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn a_regenerate_with_no_reply_or_beside_a_running_one_is_409_and_changes_nothing() {
+    let s = Stack::scripted("regen409", Db::Postgres, 1, 40, &[]).await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+
+    // Nothing to regenerate in a new session.
+    let r = regenerate(&s, &k, &sid).await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no reply to regenerate")),
+        "{}",
+        r.text()
+    );
+    assert!(history(&s, &k, &sid).await.is_empty());
+
+    // A reply is running: a regenerate, a new message and an edit all wait their turn.
+    let mut running = stream_turn(s.addr(), &k, &sid, 900).await;
+    let start = running.next().await.expect("message_start").json();
+    let user_id = start["user_message_id"]
+        .as_str()
+        .expect("user id")
+        .to_string();
+    let before = history(&s, &k, &sid).await;
+    assert_eq!(before.len(), 2);
+    let r = regenerate(&s, &k, &sid).await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "conflict_error");
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "and another", "stream": false}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    let r = Req::new(
+        "POST",
+        &format!("/v1/sessions/{sid}/messages/{user_id}/edit"),
+    )
+    .key(Some(&k))
+    .json(&json!({"content": "changed", "stream": false}))
+    .send(s.addr())
+    .await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    let after = history(&s, &k, &sid).await;
+    assert_eq!(after.len(), 2, "{after:?}");
+    assert_eq!(after[0]["content"], before[0]["content"]);
+    assert_eq!(after[1]["id"], before[1]["id"]);
+
+    // Once it ends, regenerate replaces it.
+    let r = stop(&s, &k, &sid).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(running);
+    let r = regenerate(&s, &k, &sid).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let after = history(&s, &k, &sid).await;
+    assert_eq!(after.len(), 2);
+    assert_ne!(after[1]["id"], before[1]["id"], "the reply was replaced");
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn stops_past_their_per_key_limit_get_429_with_retry_after() {
+    let s = Stack::start("stoplimit", Db::Sqlite, 1, &[]).await;
+    let (k, other) = (s.key("alice").await, s.key("bob").await);
+    let sid = new_session(s.addr(), &k).await;
+    let theirs = new_session(s.addr(), &other).await;
+    // 120 stops a minute per key (all counted in one UTC minute).
+    clear_of_a_minute_boundary(Duration::from_secs(30)).await;
+    for i in 0..120 {
+        let r = stop(&s, &k, &sid).await;
+        assert_eq!(r.status, 200, "stop {i}: {}", r.text());
+        assert_eq!(r.json()["stopped"], false);
+    }
+    let r = stop(&s, &k, &sid).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "rate_limit_error");
+    let retry: u64 = r
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .expect("seconds");
+    assert!((1..=60).contains(&retry), "{retry}");
+    // Another key's stops are counted apart.
+    assert_eq!(stop(&s, &other, &theirs).await.status, 200);
+    s.finish().await;
+}
