@@ -575,10 +575,10 @@ fn native_events(
         Ok(match e {
             RunEvent::Begin => event.event("message_start").data(event_data(&ids)),
             RunEvent::Text(text) => event.event("token").data(event_data(&TokenText { text })),
-            RunEvent::End(o) => match &o.error {
-                Some((kind, message)) => event.event("error").data(event_data(&ReplyFailed {
-                    error_type: kind.clone(),
-                    message: message.clone(),
+            RunEvent::End(o) => match o.end.error() {
+                Some(e) => event.event("error").data(event_data(&ReplyFailed {
+                    error_type: e.kind().to_string(),
+                    message: e.to_string(),
                     message_id: ids.message_id.clone(),
                     content: o.content.clone(),
                 })),
@@ -627,8 +627,8 @@ impl ReplyEnd {
     fn new(ids: &TurnIds, o: &Outcome) -> Self {
         Self {
             message_id: ids.message_id.clone(),
-            status: o.status,
-            finish_reason: o.finish_reason.clone(),
+            status: o.end.status(),
+            finish_reason: o.end.finish_reason().to_string(),
             usage: ReplyUsage {
                 prompt_tokens: o.prompt_tokens,
                 cached_tokens: o.cached_tokens,
@@ -688,9 +688,9 @@ impl TurnReply {
             session_id: ids.session_id.clone(),
             user_message_id: ids.user_message_id.clone(),
             content: o.content.clone(),
-            error: o.error.as_ref().map(|(kind, message)| ReplyError {
-                error_type: kind.clone(),
-                message: message.clone(),
+            error: o.end.error().map(|e| ReplyError {
+                error_type: e.kind().to_string(),
+                message: e.to_string(),
             }),
         }
     }

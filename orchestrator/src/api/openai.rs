@@ -12,7 +12,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
-use hearth_shared::SamplingParams;
+use hearth_shared::{FinishReason, SamplingParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -21,8 +21,7 @@ use utoipa::ToSchema;
 
 use super::chat::{check_content, check_params, check_stops, plan, sse};
 use super::{ApiError, AppState, Caller, ValidJson};
-use crate::generate::{Job, Live, Outcome, RunEvent, TurnIds};
-use crate::storage::MessageStatus;
+use crate::generate::{End, Job, Live, Outcome, RunEvent, TurnIds};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`user`,
 /// `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
@@ -299,9 +298,10 @@ pub async fn completions(
             .await
             .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
         drop(guard);
-        if let Some((kind, message)) = &outcome.error {
-            return Err(generation_error(kind, message));
-        }
+        let reason = match &outcome.end {
+            End::Finished(reason) => *reason,
+            End::Failed(e) => return Err(e.clone().into()),
+        };
         return Ok(Json(ChatCompletion {
             id,
             object: "chat.completion".into(),
@@ -314,7 +314,7 @@ pub async fn completions(
                     content: outcome.content.clone(),
                 },
                 logprobs: None,
-                finish_reason: finish_reason(&outcome).into(),
+                finish_reason: finish_reason(reason).into(),
             }],
             usage: Usage::of(&outcome),
         })
@@ -340,15 +340,18 @@ pub async fn completions(
                 }
                 RunEvent::Text(t) => yield data(chunk(json!({"content": t}), Value::Null)),
                 RunEvent::End(o) => {
-                    if let Some((kind, message)) = &o.error {
-                        yield data(json!({"error": {"message": message, "type": kind, "code": Value::Null}}));
-                    } else {
-                        yield data(chunk(json!({}), json!(finish_reason(&o))));
-                        if include_usage {
-                            let mut u = chunk(json!({}), Value::Null);
-                            u["choices"] = json!([]);
-                            u["usage"] = json!(Usage::of(&o));
-                            yield data(u);
+                    match &o.end {
+                        End::Failed(e) => {
+                            yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
+                        }
+                        End::Finished(reason) => {
+                            yield data(chunk(json!({}), json!(finish_reason(*reason))));
+                            if include_usage {
+                                let mut u = chunk(json!({}), Value::Null);
+                                u["choices"] = json!([]);
+                                u["usage"] = json!(Usage::of(&o));
+                                yield data(u);
+                            }
                         }
                     }
                     yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
@@ -374,11 +377,12 @@ impl Drop for StopOnDrop {
     }
 }
 
-fn finish_reason(o: &Outcome) -> &'static str {
-    match (o.status, o.finish_reason.as_str()) {
-        (_, "length" | "context_full") => "length",
-        (MessageStatus::Stopped, _) => "stop",
-        _ => "stop",
+/// OpenAI's `finish_reason`: it has no word for a full context (the reply was cut by length)
+/// or for a cancel (only a client that went away cancels here, so no one reads it).
+fn finish_reason(reason: FinishReason) -> &'static str {
+    match reason {
+        FinishReason::Stop | FinishReason::Cancelled => "stop",
+        FinishReason::Length | FinishReason::ContextFull => "length",
     }
 }
 
@@ -440,13 +444,6 @@ impl Usage {
     }
 }
 
-fn generation_error(kind: &str, message: &str) -> ApiError {
-    match kind {
-        "invalid_request_error" => ApiError::Validation(message.to_string()),
-        _ => ApiError::Unavailable(message.to_string()),
-    }
-}
-
 /// The served models.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ModelList {
@@ -482,4 +479,22 @@ pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelLis
             max_model_len: info.map(|i| i.context_length as u64),
         }],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::GenerationError;
+
+    #[test]
+    fn ends_map_to_openai_finish_reasons_and_errors_to_http_statuses() {
+        assert_eq!(finish_reason(FinishReason::Stop), "stop");
+        assert_eq!(finish_reason(FinishReason::Cancelled), "stop");
+        assert_eq!(finish_reason(FinishReason::Length), "length");
+        assert_eq!(finish_reason(FinishReason::ContextFull), "length");
+        let status = |e: GenerationError| ApiError::from(e).status().as_u16();
+        assert_eq!(status(GenerationError::Refused("bad".into())), 422);
+        assert_eq!(status(GenerationError::Unavailable("none".into())), 503);
+        assert_eq!(status(GenerationError::Internal("broke".into())), 503);
+    }
 }

@@ -12,7 +12,9 @@
 
 mod live;
 
-pub use live::{Busy, Live, Outcome, Reservation, RunEvent, Streams, TurnIds};
+pub use live::{
+    Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TurnIds,
+};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,7 +26,7 @@ use hearth_shared::{FinishReason, SamplingParams};
 use tokio::time::Instant;
 
 use crate::limits::{Budget, Limiter};
-use crate::storage::{Completion, MessageStatus, Store, StoreError};
+use crate::storage::{Completion, Store, StoreError};
 use crate::telemetry;
 use crate::workers::{Lease, PoolError, WorkerPool};
 
@@ -110,11 +112,6 @@ struct Progress {
     worker: Option<String>,
 }
 
-enum Ending {
-    Finished(FinishReason),
-    Failed(String, String),
-}
-
 impl Generator {
     /// Runs `job` to its end, reporting to `live`; stores the outcome when the job names a
     /// message. Spawn it: it does not depend on anyone listening.
@@ -130,18 +127,10 @@ impl Generator {
             last_token: None,
             worker: None,
         };
-        let ending = self.attempts(&mut job, &live, &mut p).await;
-        let (status, finish_reason, error) = match ending {
-            Ending::Finished(FinishReason::Cancelled) => {
-                (MessageStatus::Stopped, "cancelled".to_string(), None)
-            }
-            Ending::Finished(r) => (MessageStatus::Complete, r.as_str().to_string(), None),
-            Ending::Failed(kind, msg) => (MessageStatus::Error, "error".into(), Some((kind, msg))),
-        };
+        let end = self.attempts(&mut job, &live, &mut p).await;
         let outcome = Outcome {
             content: p.text,
-            status,
-            finish_reason,
+            end,
             prompt_tokens: job.prompt.len() as u64,
             cached_tokens: p.cached_tokens.unwrap_or(0),
             completion_tokens: p.generated.len() as u64,
@@ -150,7 +139,6 @@ impl Generator {
                 .map(|t| t.duration_since(job.arrived).as_millis() as u64),
             duration_ms: job.arrived.elapsed().as_millis() as u64,
             worker: p.worker,
-            error,
         };
         if let Some(id) = &job.message_id {
             self.finish(id, &outcome).await;
@@ -166,8 +154,8 @@ impl Generator {
         metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(outcome.cached_tokens);
         metrics::counter!(telemetry::GENERATED_TOKENS).increment(outcome.completion_tokens);
         telemetry::record_reply_end(&telemetry::ReplyEnd {
-            finish_reason: &outcome.finish_reason,
-            error_type: outcome.error.as_ref().map(|(kind, _)| kind.as_str()),
+            finish_reason: outcome.end.finish_reason(),
+            error_type: outcome.end.error().map(GenerationError::kind),
             prompt_tokens: outcome.prompt_tokens,
             completion_tokens: outcome.completion_tokens,
             decode: p.first_token.map(|t| t.elapsed()),
@@ -179,7 +167,7 @@ impl Generator {
     }
 
     /// Tries workers until the reply ends or none is left.
-    async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress) -> Ending {
+    async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress) -> End {
         let mut detok = Detokenizer::new();
         let mut stops = StopMatcher::new(job.stop.clone());
         // Workers this reply will not go to again, and whether one of them was only busy.
@@ -195,21 +183,18 @@ impl Generator {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             if live.stop_requested() {
-                return Ending::Finished(FinishReason::Cancelled);
+                return End::Finished(FinishReason::Cancelled);
             }
             let lease = match job.lease.take() {
                 Some(l) => l,
                 None => {
                     let admitted = tokio::select! {
                         a = self.pool.admit(&job.user_id, job.cache_session.as_deref(), &failed) => a,
-                        () = live.stopped() => return Ending::Finished(FinishReason::Cancelled),
+                        () = live.stopped() => return End::Finished(FinishReason::Cancelled),
                     };
                     match admitted {
                         Ok(l) => l,
                         Err(e) => {
-                            let kind = match e {
-                                PoolError::NoWorker | PoolError::Full => "service_unavailable",
-                            };
                             let why = if failed.is_empty() {
                                 e.to_string()
                             } else if busy {
@@ -217,14 +202,14 @@ impl Generator {
                             } else {
                                 format!("the worker failed and {e}")
                             };
-                            return Ending::Failed(kind.into(), why);
+                            return End::Failed(GenerationError::Unavailable(why));
                         }
                     }
                 }
             };
             let remaining = job.max_new_tokens.saturating_sub(p.generated.len() as u32);
             if remaining == 0 {
-                return Ending::Finished(FinishReason::Length);
+                return End::Finished(FinishReason::Length);
             }
             let mut prompt = job.prompt.clone();
             prompt.extend_from_slice(&p.generated);
@@ -253,7 +238,7 @@ impl Generator {
             loop {
                 let event = tokio::select! {
                     e = gen.next() => e,
-                    () = live.stopped() => return Ending::Finished(FinishReason::Cancelled),
+                    () = live.stopped() => return End::Finished(FinishReason::Cancelled),
                     _ = tick.tick() => {
                         if let Some(saver) = &saver {
                             let due = p.text.len() != saved_len || saved_at.elapsed() >= HEARTBEAT_EVERY;
@@ -291,7 +276,7 @@ impl Generator {
                             let fed = stops.push(&piece);
                             self.emit(job, live, p, fed.text);
                             if fed.stopped {
-                                return Ending::Finished(FinishReason::Stop);
+                                return End::Finished(FinishReason::Stop);
                             }
                         }
                     }
@@ -301,19 +286,16 @@ impl Generator {
                             .and_then(|r| FinishReason::try_from(r).ok())
                         else {
                             tracing::error!(worker = %addr, reason = f.reason, "unknown finish reason");
-                            return Ending::Failed(
-                                "internal_error".into(),
-                                format!(
-                                    "the worker ended the reply with an unknown finish reason ({})",
-                                    f.reason
-                                ),
-                            );
+                            return End::Failed(GenerationError::Internal(format!(
+                                "the worker ended the reply with an unknown finish reason ({})",
+                                f.reason
+                            )));
                         };
                         let tail = detok.finish(&self.tokenizer).unwrap_or_default();
                         let mut rest = stops.push(&tail).text;
                         rest.push_str(&stops.flush());
                         self.emit(job, live, p, rest);
-                        return Ending::Finished(reason);
+                        return End::Finished(reason);
                     }
                     Some(Kind::Error(e)) => match Fault::of(e.code) {
                         Fault::Failover => {
@@ -329,14 +311,13 @@ impl Generator {
                             break;
                         }
                         Fault::Refused => {
-                            return Ending::Failed("invalid_request_error".into(), e.message);
+                            return End::Failed(GenerationError::Refused(e.message));
                         }
                         Fault::Internal => {
                             tracing::error!(worker = %addr, error = %e.message, "the worker could not run the request");
-                            return Ending::Failed(
-                                "internal_error".into(),
+                            return End::Failed(GenerationError::Internal(
                                 "the worker could not generate this reply".into(),
-                            );
+                            ));
                         }
                     },
                     None => {
@@ -385,8 +366,8 @@ impl Generator {
     async fn finish(&self, message_id: &str, o: &Outcome) {
         let done = Completion {
             content: o.content.clone(),
-            status: o.status,
-            finish_reason: Some(o.finish_reason.clone()),
+            status: o.end.status(),
+            finish_reason: Some(o.end.finish_reason().to_string()),
             prompt_tokens: Some(o.prompt_tokens as i64),
             cached_tokens: Some(o.cached_tokens as i64),
             completion_tokens: Some(o.completion_tokens as i64),
