@@ -1,0 +1,128 @@
+//! A session with 5,000 messages: its turns re-read and re-render the whole history (about
+//! 0.3 s of tokenizing each, on the blocking pool), and other users' turns must not wait on
+//! that. The figures are printed. The bound asserted is loose, since this machine is shared:
+//! Bob's p99 measured 15 ms alone and 92 ms beside the large session; with the rendering moved
+//! back onto the async runtime it measured 298 ms, which the bound refuses.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{new_session, Db, Stack};
+use hearth_orchestrator::storage::{Completion, MessageStatus, Store};
+use serde_json::json;
+
+/// One short non-streamed turn; how long it took.
+async fn turn(addr: std::net::SocketAddr, key: &str, sid: &str) -> Duration {
+    let started = Instant::now();
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(&json!({"content": "hello", "max_tokens": 2, "ignore_eos": true, "stream": false}))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    started.elapsed()
+}
+
+fn quantile(v: &[Duration], q: f64) -> Duration {
+    let mut v = v.to_vec();
+    v.sort();
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
+
+fn summary(v: &[Duration]) -> String {
+    format!(
+        "p50 {:?}, p99 {:?} over {} turns",
+        quantile(v, 0.5),
+        quantile(v, 0.99),
+        v.len()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
+    let s = Stack::scripted("bighistory", Db::Postgres, 1, 2, &[]).await;
+    let (alice, bob) = (s.key("alice").await, s.key("bob").await);
+    let big = new_session(s.addr(), &alice).await;
+    let user = s
+        .store
+        .user_by_name("alice")
+        .await
+        .expect("store")
+        .expect("alice");
+    let line =
+        "a long line of an old conversation, long enough to cost the tokenizer work ".repeat(4);
+    let seeding = Instant::now();
+    for i in 0..2_500 {
+        let t = s
+            .store
+            .begin_turn(&user.id, &big, &format!("{i}: {line}"))
+            .await
+            .expect("turn");
+        let reply = Completion {
+            content: format!("reply {i}: {line}"),
+            status: MessageStatus::Complete,
+            finish_reason: Some("stop".into()),
+            prompt_tokens: None,
+            cached_tokens: None,
+            completion_tokens: None,
+            ttft_ms: None,
+            duration_ms: None,
+            worker: None,
+        };
+        s.store
+            .finish_message(&t.assistant.id, &reply)
+            .await
+            .expect("reply");
+    }
+    println!("seeded 5,000 messages in {:?}", seeding.elapsed());
+
+    let theirs = new_session(s.addr(), &bob).await;
+    let mut alone = Vec::new();
+    for _ in 0..40 {
+        alone.push(turn(s.addr(), &bob, &theirs).await);
+    }
+
+    // Alice keeps taking turns on the large session while Bob's are measured again.
+    let done = Arc::new(AtomicBool::new(false));
+    let heavy = {
+        let (addr, alice, big, done) = (s.addr(), alice.clone(), big.clone(), done.clone());
+        tokio::spawn(async move {
+            let mut took = Vec::new();
+            while !done.load(Ordering::SeqCst) {
+                took.push(turn(addr, &alice, &big).await);
+            }
+            took
+        })
+    };
+    // Her first turn has started before Bob's are timed.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut beside = Vec::new();
+    for _ in 0..40 {
+        beside.push(turn(s.addr(), &bob, &theirs).await);
+    }
+    done.store(true, Ordering::SeqCst);
+    let heavy = heavy.await.expect("alice's turns");
+
+    println!("bob alone: {}", summary(&alone));
+    println!("bob beside the 5,000-message session: {}", summary(&beside));
+    println!("alice on the 5,000-message session: {}", summary(&heavy));
+    assert!(!heavy.is_empty());
+    let r = Req::new("GET", &format!("/v1/sessions/{big}/messages"))
+        .key(Some(&alice))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.json()["data"].as_array().map(Vec::len),
+        Some(5_000 + 2 * heavy.len()),
+        "every turn on the large session was stored"
+    );
+    let (before, after) = (quantile(&alone, 0.99), quantile(&beside, 0.99));
+    assert!(
+        after <= before * 3 + Duration::from_millis(200),
+        "bob's p99 went from {before:?} alone to {after:?} beside the large session"
+    );
+    s.finish().await;
+}
