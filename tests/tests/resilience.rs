@@ -865,9 +865,20 @@ async fn concurrent_replies_cannot_overspend_a_daily_token_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_on_a_stuck_engine_continues_on_another_worker() {
-    let a = assets("engine_stall");
-    // worker-1's engine thread stops for good after 10 tokens while its process, its gRPC
-    // server and its health checks stay up; it reports the stall after 1 s.
+    reply_on_an_engine_stuck_after("engine_stall", 10).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_whose_engine_sticks_before_its_first_token_is_served_by_another_worker() {
+    reply_on_an_engine_stuck_after("engine_stall_0", 0).await;
+}
+
+/// worker-1's engine thread stops for good after `tokens` tokens while its process, its gRPC
+/// server and its health checks stay up; it reports the stall after 1 s. The reply must still
+/// end whole, from worker-2, after exactly one failover.
+async fn reply_on_an_engine_stuck_after(tag: &str, tokens: u64) {
+    let a = assets(tag);
+    let freeze = tokens.to_string();
     let stuck = WorkerProcess::spawn(
         &worker_bin(),
         &a.model,
@@ -875,7 +886,7 @@ async fn a_reply_on_a_stuck_engine_continues_on_another_worker() {
             "--scripted-token-ms",
             "40",
             "--scripted-freeze-after-tokens",
-            "10",
+            &freeze,
             "--engine-stall-secs",
             "1",
         ],

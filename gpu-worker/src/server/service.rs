@@ -123,7 +123,10 @@ impl Worker for WorkerService {
             r.cached_sessions = s.cached_sessions as u32;
             r.session_evictions = s.session_evictions as u64;
             r.preemptions = s.preemptions as u64;
-            if self.stall.stalled(s.steps, s.running + s.waiting > 0) {
+            // Work counts from the moment a stream is open: an engine thread that hung while
+            // idle never takes a new request off its queue, so its own counts stay at zero.
+            let has_work = s.running + s.waiting > 0 || self.state.in_flight() > 0;
+            if self.stall.stalled(s.steps, has_work) {
                 r.engine_stalled = true;
                 r.ready = false;
             }
