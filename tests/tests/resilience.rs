@@ -917,7 +917,9 @@ async fn reply_on_an_engine_stuck_after(tag: &str, tokens: u64) {
     let sid = new_session(hearth.addr, "").await;
     // Both idle: the reply goes to the first worker, whose engine then freezes.
     let mut sse = stream_turn(hearth.addr, "", &sid, 100).await;
-    let (text, end) = finish(&mut sse).await;
+    let (text, end) = tokio::time::timeout(Duration::from_secs(30), finish(&mut sse))
+        .await
+        .expect("the reply did not end within 30 s of its worker's engine sticking");
     assert_eq!(end.event, "message_end", "{end:?}");
     let e = end.json();
     assert_eq!(
