@@ -251,17 +251,12 @@ pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()>
             let task = StopBus::listen(url.clone(), streams.clone());
             (
                 Limiter::redis(conn.clone()),
-                Affinity::Redis(conn.clone()),
+                Affinity::shared(conn.clone()),
                 Some(StopBus::new(conn)),
                 Some(task),
             )
         }
-        None => (
-            Limiter::local(),
-            Affinity::Local(Default::default()),
-            None,
-            None,
-        ),
+        None => (Limiter::local(), Affinity::local(), None, None),
     };
 
     // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.

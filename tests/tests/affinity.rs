@@ -1,11 +1,13 @@
 //! Session affinity that a test can tell from chance: a session's first turn is made to land on
 //! the second worker (the first is busy), so its next turn, with both workers idle, goes there
 //! only because of affinity (without it, ties go to the first worker). The same holds across two
-//! orchestrator replicas, through Redis.
+//! orchestrator replicas, through Redis, and on the replica that routed the session while Redis
+//! is down.
 
 use std::net::SocketAddr;
 
 use hearth_e2e::http::Req;
+use hearth_e2e::redis::RedisServer;
 use hearth_e2e::stack::{new_session, stream_turn, Db, Hearth, Stack};
 use serde_json::json;
 
@@ -72,5 +74,26 @@ async fn affinity_is_shared_between_replicas_through_redis() {
     // Replica B has served nothing: only the affinity A wrote to Redis sends it to worker-2.
     assert_eq!(turn_worker(b.addr, &k, &sid).await, "worker-2");
     drop(b);
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_down_a_replica_still_sends_its_sessions_back_to_their_workers() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let extra = ["--redis-url", url.as_str()];
+    let s = Stack::scripted("affinity_noredis", Db::Sqlite, 2, 10, &extra).await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let first = first_turn_beside_a_busy_worker(s.addr(), &k, &sid).await;
+    assert_eq!(first, "worker-2", "worker-1 was busy");
+    redis.kill();
+    // Redis cannot say where the session's cache is; this replica remembers it routed it there.
+    for _ in 0..3 {
+        assert_eq!(turn_worker(s.addr(), &k, &sid).await, "worker-2");
+    }
+    // New sessions are still served, by the least loaded worker.
+    let fresh = new_session(s.addr(), &k).await;
+    assert_eq!(turn_worker(s.addr(), &k, &fresh).await, "worker-1");
     s.finish().await;
 }

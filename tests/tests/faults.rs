@@ -9,10 +9,11 @@
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use hearth_e2e::http::{Event, Req, Sse};
+use hearth_e2e::redis::RedisServer;
 use hearth_e2e::stack::{assets_with, new_session, stream_turn, worker_bin, Db, Hearth, Stack};
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
 use hearth_orchestrator::storage::{Message, MessageStatus, Role, SqlStore, Store};
@@ -518,75 +519,6 @@ async fn a_database_outage_mid_stream_is_a_503_and_service_resumes_with_nothing_
 }
 
 // --- A private Redis -------------------------------------------------------------------------
-
-/// `redis-server` on a free port, without persistence; killed when dropped.
-#[derive(Debug)]
-struct RedisServer {
-    port: u16,
-    child: Option<Child>,
-}
-
-impl RedisServer {
-    fn start() -> Self {
-        let mut r = Self {
-            port: free_port(),
-            child: None,
-        };
-        r.resume();
-        r
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts it (again, on the same port) and waits until it answers PING.
-    fn resume(&mut self) {
-        let port = self.port.to_string();
-        let child = Command::new("redis-server")
-            .args(["--port", &port, "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("redis-server is required for this test");
-        self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if self.ping() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server on port {port} did not answer within 30 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn ping(&self) -> bool {
-        use std::io::{Read, Write};
-        let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", self.port)) else {
-            return false;
-        };
-        let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
-        let mut buf = [0u8; 7];
-        c.write_all(b"PING\r\n").is_ok() && c.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for RedisServer {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 async fn completion(addr: SocketAddr, key: &str) -> hearth_e2e::http::Reply {
     Req::new("POST", "/v1/chat/completions")

@@ -119,11 +119,13 @@ impl WorkerSlot {
     }
 }
 
-/// Where sessions' caches live: shared through Redis, or in this process.
-#[derive(Debug)]
-pub enum Affinity {
-    Local(Mutex<HashMap<String, String>>),
-    Redis(crate::limits::Redis),
+/// Where sessions' caches live: in this process, and shared through Redis when there is one.
+/// The local map is written either way, so while Redis is down this replica still sends the
+/// sessions it routed itself back to their caches (it learns nothing from other replicas then).
+#[derive(Debug, Default)]
+pub struct Affinity {
+    local: Mutex<HashMap<String, String>>,
+    redis: Option<crate::limits::Redis>,
 }
 
 const AFFINITY_TTL_SECS: u64 = 86_400;
@@ -150,66 +152,72 @@ pub fn prefix_keys(prompt: &[u32]) -> Vec<String> {
 }
 
 impl Affinity {
+    /// Remembered in this process only.
+    pub fn local() -> Self {
+        Self::default()
+    }
+
+    /// Shared through Redis, with this process's own memory when Redis cannot be reached.
+    pub fn shared(redis: crate::limits::Redis) -> Self {
+        Self {
+            local: Mutex::default(),
+            redis: Some(redis),
+        }
+    }
+
+    fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// The worker of the last of `keys` that has one.
     async fn get_last(&self, keys: &[String]) -> Option<String> {
-        match self {
-            Self::Local(m) => {
-                let m = m.lock().unwrap_or_else(|p| p.into_inner());
-                keys.iter().rev().find_map(|k| m.get(k).cloned())
+        if let (Some(c), false) = (&self.redis, keys.is_empty()) {
+            let mut get = redis::cmd("MGET");
+            for k in keys {
+                get.arg(format!("hearth:affinity:{k}"));
             }
-            Self::Redis(c) => {
-                if keys.is_empty() {
-                    return None;
-                }
-                let mut get = redis::cmd("MGET");
-                for k in keys {
-                    get.arg(format!("hearth:affinity:{k}"));
-                }
-                c.cmd::<Vec<Option<String>>>(&get, "prefix affinity unknown")
-                    .await?
-                    .into_iter()
-                    .rev()
-                    .flatten()
-                    .next()
+            if let Some(found) = c
+                .cmd::<Vec<Option<String>>>(&get, "prefix affinity unknown")
+                .await
+            {
+                return found.into_iter().rev().flatten().next();
             }
         }
+        let m = self.remembered();
+        keys.iter().rev().find_map(|k| m.get(k).cloned())
     }
 
     async fn get(&self, session: &str) -> Option<String> {
-        match self {
-            Self::Local(m) => m
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .get(session)
-                .cloned(),
-            Self::Redis(c) => c
-                .cmd::<Option<String>>(
-                    redis::cmd("GET").arg(format!("hearth:affinity:{session}")),
-                    "session affinity unknown",
-                )
+        if let Some(c) = &self.redis {
+            let get = redis::cmd("GET")
+                .arg(format!("hearth:affinity:{session}"))
+                .clone();
+            if let Some(found) = c
+                .cmd::<Option<String>>(&get, "session affinity unknown")
                 .await
-                .flatten(),
+            {
+                return found;
+            }
         }
+        self.remembered().get(session).cloned()
     }
 
     async fn set(&self, session: &str, addr: &str) {
-        match self {
-            Self::Local(m) => {
-                let mut m = m.lock().unwrap_or_else(|p| p.into_inner());
-                if m.len() > 100_000 {
-                    m.clear();
-                }
-                m.insert(session.to_string(), addr.to_string());
+        {
+            let mut m = self.remembered();
+            if m.len() > 100_000 {
+                m.clear();
             }
-            Self::Redis(c) => {
-                let set = redis::cmd("SET")
-                    .arg(format!("hearth:affinity:{session}"))
-                    .arg(addr)
-                    .arg("EX")
-                    .arg(AFFINITY_TTL_SECS)
-                    .clone();
-                c.cmd::<()>(&set, "session affinity not saved").await;
-            }
+            m.insert(session.to_string(), addr.to_string());
+        }
+        if let Some(c) = &self.redis {
+            let set = redis::cmd("SET")
+                .arg(format!("hearth:affinity:{session}"))
+                .arg(addr)
+                .arg("EX")
+                .arg(AFFINITY_TTL_SECS)
+                .clone();
+            c.cmd::<()>(&set, "session affinity not saved").await;
         }
     }
 }
@@ -779,7 +787,7 @@ mod tests {
     fn pool(max_queue: usize) -> Arc<WorkerPool> {
         WorkerPool::start(
             &[],
-            Affinity::Local(Default::default()),
+            Affinity::local(),
             PoolConfig {
                 max_queue,
                 ..PoolConfig::default()
@@ -837,7 +845,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_longest_known_prefix_key_wins() {
-        let a = Affinity::Local(Default::default());
+        let a = Affinity::local();
         let keys = prefix_keys(&(0..100).collect::<Vec<u32>>());
         assert_eq!(a.get_last(&keys).await, None);
         a.set(&keys[0], "w1").await;
