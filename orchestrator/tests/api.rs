@@ -31,7 +31,7 @@ async fn start() -> Server {
     let generator = Arc::new(Generator {
         pool: WorkerPool::start(
             &[],
-            Affinity::Local(Default::default()),
+            Affinity::local(),
             PoolConfig::default(),
         ),
         tokenizer: Arc::new(

@@ -52,7 +52,7 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
     let generator = Arc::new(Generator {
         pool: WorkerPool::start(
             &[],
-            Affinity::Local(Default::default()),
+            Affinity::local(),
             PoolConfig::default(),
         ),
         tokenizer: Arc::new(
