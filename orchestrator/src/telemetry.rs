@@ -136,8 +136,11 @@ fn describe() {
     // Series that only move on rare events start at zero, so dashboards and alerts see a
     // flat line (and `rate()` works) rather than no data until the first event.
     counter!(WORKER_FAILOVERS).increment(0);
-    for limit in ["requests_per_minute", "tokens_per_day"] {
+    for limit in ["requests_per_minute", "tokens_per_day", "stops_per_minute"] {
         counter!(RATE_LIMITED, "limit" => limit).increment(0);
+    }
+    for kind in crate::generate::GenerationError::KINDS {
+        counter!(GENERATION_ERRORS, "type" => kind).increment(0);
     }
     gauge!(QUEUE_DEPTH).increment(0.0);
     gauge!(ACTIVE_STREAMS).increment(0.0);

@@ -29,11 +29,7 @@ async fn start() -> Server {
     hearth_worker::fixtures::write_tiny_tokenizer(&tokenizer, 512).expect("tokenizer");
     // No workers: these tests cover the session routes only.
     let generator = Arc::new(Generator {
-        pool: WorkerPool::start(
-            &[],
-            Affinity::local(),
-            PoolConfig::default(),
-        ),
+        pool: WorkerPool::start(&[], Affinity::local(), PoolConfig::default()),
         tokenizer: Arc::new(
             hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
         ),

@@ -50,11 +50,7 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
     let tokenizer = dir.join("tokenizer.json");
     hearth_worker::fixtures::write_tiny_tokenizer(&tokenizer, 512).expect("tokenizer");
     let generator = Arc::new(Generator {
-        pool: WorkerPool::start(
-            &[],
-            Affinity::local(),
-            PoolConfig::default(),
-        ),
+        pool: WorkerPool::start(&[], Affinity::local(), PoolConfig::default()),
         tokenizer: Arc::new(
             hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
         ),

@@ -79,6 +79,13 @@ pub enum GenerationError {
 }
 
 impl GenerationError {
+    /// Every [`GenerationError::kind`].
+    pub const KINDS: [&'static str; 3] = [
+        "service_unavailable",
+        "invalid_request_error",
+        "internal_error",
+    ];
+
     /// The stable `error_type` of the SSE `error` event and the stored error.
     pub fn kind(&self) -> &'static str {
         match self {
@@ -362,6 +369,9 @@ mod tests {
             assert_eq!(end.status(), status, "{end:?}");
             assert_eq!(end.finish_reason(), reason, "{end:?}");
             assert_eq!(end.error().map(GenerationError::kind), kind, "{end:?}");
+            if let Some(kind) = kind {
+                assert!(GenerationError::KINDS.contains(&kind), "{kind}");
+            }
         }
     }
 
