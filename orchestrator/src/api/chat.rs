@@ -23,7 +23,8 @@ use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
-use super::{ApiError, AppState, Caller, ValidJson, ValidPath};
+use super::ids::{MessageId, SessionId};
+use super::{ApiError, AppState, Caller, ValidJson};
 use crate::generate::{Job, Live, Outcome, Reservation, RunEvent, TurnIds};
 use crate::storage::{Message, MessageStatus, Role, Session};
 
@@ -194,10 +195,6 @@ fn conversation(session: &Session, history: &[Message]) -> Vec<ChatMessage> {
     out
 }
 
-fn check_id(id: &str) -> Result<(), ApiError> {
-    super::sessions::check_id(id)
-}
-
 /// Posts a user message and generates the reply: Server-Sent Events (`message_start`,
 /// `token`…, then `message_end` or `error`), or with `"stream": false` the finished reply. Both
 /// messages are stored before generation starts, and the reply is saved as it streams.
@@ -215,11 +212,10 @@ fn check_id(id: &str) -> Result<(), ApiError> {
 pub async fn post_message(
     State(s): State<AppState>,
     caller: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    check_id(&id)?;
     let content = body
         .content
         .as_deref()
@@ -261,11 +257,10 @@ pub async fn post_message(
 pub async fn regenerate(
     State(s): State<AppState>,
     caller: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    check_id(&id)?;
     if body.content.is_some() {
         return Err(ApiError::Validation(
             "content: not accepted here; regenerate answers the last user message again".into(),
@@ -322,14 +317,11 @@ pub async fn regenerate(
 pub async fn edit(
     State(s): State<AppState>,
     caller: Caller,
-    ValidPath((id, message_id)): ValidPath<(String, String)>,
+    id: SessionId,
+    message_id: MessageId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    check_id(&id)?;
-    if super::sessions::check_id(&message_id).is_err() {
-        return Err(ApiError::NotFound("message"));
-    }
     let content = body
         .content
         .as_deref()
@@ -340,7 +332,7 @@ pub async fn edit(
     let target = t
         .history
         .iter()
-        .find(|m| m.id == message_id)
+        .find(|m| m.id == *message_id)
         .ok_or(ApiError::NotFound("message"))?;
     if target.role != Role::User {
         return Err(ApiError::not_a_user_message(format!(
@@ -711,10 +703,9 @@ fn event_data<T: Serialize>(v: &T) -> String {
 pub async fn resume(
     State(s): State<AppState>,
     caller: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    check_id(&id)?;
     s.store.get_session(&caller.user.id, &id).await?;
     let live = s
         .generator
@@ -759,9 +750,8 @@ impl StopResult {
 pub async fn stop(
     State(s): State<AppState>,
     caller: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
 ) -> Result<Json<StopResult>, ApiError> {
-    check_id(&id)?;
     s.store.get_session(&caller.user.id, &id).await?;
     s.generator.limiter.admit_stop(&caller.quota).await?;
     let streaming = |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;

@@ -9,6 +9,7 @@
 
 mod chat;
 mod error;
+mod ids;
 mod openai;
 mod openapi;
 mod sessions;
@@ -237,7 +238,7 @@ async fn render_metrics(State(s): State<AppState>) -> Response {
 /// The `{id}` of the session routes.
 #[derive(Debug, utoipa::IntoParams)]
 #[into_params(parameter_in = Path)]
-#[allow(dead_code)] // documents the path; handlers take it as `ValidPath<String>`
+#[allow(dead_code)] // documents the path; handlers take it as a `SessionId`
 struct SessionPath {
     /// A session id, as `POST /v1/sessions` returned it.
     #[param(pattern = "^[0-9a-f]{32}$")]
@@ -333,27 +334,6 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
         let axum::extract::Query(v) =
             axum::extract::Query::<T>::from_request_parts(parts, state).await?;
-        Ok(Self(v))
-    }
-}
-
-/// `Path<T>` with [`ApiError`] rejections: a path segment that is not even valid text names
-/// nothing, so it is a 404 like any other unknown id.
-#[derive(Debug)]
-pub struct ValidPath<T>(pub T);
-
-impl<S, T> FromRequestParts<S> for ValidPath<T>
-where
-    axum::extract::Path<T>:
-        FromRequestParts<S, Rejection = axum::extract::rejection::PathRejection>,
-    S: Send + Sync,
-{
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        let axum::extract::Path(v) = axum::extract::Path::<T>::from_request_parts(parts, state)
-            .await
-            .map_err(|_| ApiError::NotFound("resource"))?;
         Ok(Self(v))
     }
 }

@@ -9,7 +9,8 @@ use hearth_shared::SamplingParams;
 use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::{created, ApiError, AppState, Caller, ValidJson, ValidPath, ValidQuery};
+use super::ids::SessionId;
+use super::{created, ApiError, AppState, Caller, ValidJson, ValidQuery};
 use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
 
 const MAX_TITLE_CHARS: usize = 200;
@@ -150,19 +151,6 @@ fn check_max_tokens(s: &AppState, n: u32) -> Result<i64, ApiError> {
     Ok(i64::from(n))
 }
 
-/// Session ids are 32 lowercase hex characters; anything else cannot name a session.
-pub(super) fn check_id(id: &str) -> Result<(), ApiError> {
-    if id.len() == 32
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    {
-        Ok(())
-    } else {
-        Err(ApiError::NotFound("session"))
-    }
-}
-
 /// One page of the caller's sessions, newest first.
 #[derive(Debug, Serialize, ToSchema)]
 pub(super) struct SessionPage {
@@ -251,7 +239,7 @@ pub(super) async fn list(
         .map(|c| {
             c.split_once('_')
                 .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, id.to_string())))
-                .filter(|(_, id)| check_id(id).is_ok())
+                .filter(|(_, id)| SessionId::parse(id).is_some())
                 .ok_or_else(|| ApiError::Validation("before: not a cursor from this API".into()))
         })
         .transpose()?;
@@ -290,9 +278,8 @@ pub(super) async fn list(
 pub(super) async fn fetch(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
 ) -> Result<Json<Session>, ApiError> {
-    check_id(&id)?;
     Ok(Json(s.store.get_session(&user.id, &id).await?))
 }
 
@@ -307,10 +294,9 @@ pub(super) async fn fetch(
 pub(super) async fn update(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
     ValidJson(body): ValidJson<UpdateSession>,
 ) -> Result<Json<Session>, ApiError> {
-    check_id(&id)?;
     let title = body.title.as_deref().map(check_title).transpose()?;
     if let Some(Some(sys)) = &body.system_prompt {
         check_system(sys)?;
@@ -344,9 +330,8 @@ pub(super) async fn update(
 pub(super) async fn remove(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
 ) -> Result<StatusCode, ApiError> {
-    check_id(&id)?;
     // Stop the session's reply first, so it is not left generating for nobody; it ends within
     // one engine step. One running on another replica is stopped through Redis.
     s.store.get_session(&user.id, &id).await?;
@@ -378,9 +363,8 @@ pub(super) async fn remove(
 pub(super) async fn messages(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
-    ValidPath(id): ValidPath<String>,
+    id: SessionId,
 ) -> Result<Json<MessageList>, ApiError> {
-    check_id(&id)?;
     let data: Vec<Message> = s.store.list_messages(&user.id, &id).await?;
     Ok(Json(MessageList { data }))
 }
