@@ -6,7 +6,8 @@
 //! Every answer must be a 4xx of the expected family with the API's JSON error body, none may
 //! hang, and none may change what is stored: the caller's sessions and messages (and another
 //! user's) are snapshotted before and after and must be identical. Requests go over raw sockets so
-//! the test controls every byte and header. `HEARTH_BAD_INPUT_SEED` replays another seed.
+//! the test controls every byte and header. `HEARTH_BAD_INPUT_SEED` replays another seed. Each
+//! kind of malformed request is its own test, on its own stack, so a failure names its kind.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -18,8 +19,7 @@ use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-/// How many generated requests one run sends.
-const CASES: usize = 400;
+/// The seed every run uses unless `HEARTH_BAD_INPUT_SEED` names another.
 const DEFAULT_SEED: u64 = 0x4845_4152_5448_0001;
 /// The server's body limit (`MAX_BODY_BYTES`); bodies over it are a 413.
 const BODY_LIMIT: usize = 1 << 20;
@@ -956,16 +956,32 @@ const ID_ROUTES: [(&str, &str); 5] = [
 ];
 
 /// One generated request.
-fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
-    match rng.below(100) {
+/// The kinds of malformed request, each tested on its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Family {
+    NotJson,
+    WrongShape,
+    UnknownField,
+    OutOfRange,
+    TooLarge,
+    BadId,
+    WrongRoute,
+    BadAuth,
+    BadContentType,
+    BadQuery,
+    LongHeaders,
+}
+
+fn generate(rng: &mut Rng, ctx: &Ctx, family: Family) -> Case {
+    match family {
         // Not JSON at all.
-        0..=14 => {
+        Family::NotJson => {
             let route = *rng.pick(&BODY_ROUTES);
             let (label, body, expect) = not_json(rng, route);
             body_case(ctx, route, label, body, expect)
         }
         // JSON of the wrong shape.
-        15..=29 => {
+        Family::WrongShape => {
             let route = *rng.pick(&BODY_ROUTES);
             let (field, kind) = *rng.pick(route.fields());
             let wrong = wrong_type(rng, kind);
@@ -990,7 +1006,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             body_case(ctx, route, label, body.to_string().into_bytes(), &[422])
         }
         // Unknown fields (the native routes refuse them, also inside `params`).
-        30..=37 => {
+        Family::UnknownField => {
             let route = *rng.pick(&STRICT_ROUTES);
             let name = format!("x_{}", {
                 let hi = if rng.chance(10) { 9000 } else { 20 };
@@ -1010,7 +1026,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             body_case(ctx, route, label, body.to_string().into_bytes(), &[422])
         }
         // Well-formed values out of range.
-        38..=57 => {
+        Family::OutOfRange => {
             let route = *rng.pick(&BODY_ROUTES);
             let (label, body) = out_of_range(rng, route);
             let bytes = body.to_string().into_bytes();
@@ -1022,7 +1038,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             body_case(ctx, route, label, bytes, expect)
         }
         // Bodies over the limit (but under 2 MiB), by length or chunked.
-        58..=61 => {
+        Family::TooLarge => {
             let route = *rng.pick(&BODY_ROUTES);
             let n = BODY_LIMIT + rng.range(1, 900 << 10);
             let field = if route == BodyRoute::Completions {
@@ -1043,7 +1059,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             c
         }
         // Ids that are not ids, on every route that takes one.
-        62..=73 => {
+        Family::BadId => {
             let (id, what) = bad_id(rng, ctx);
             let (method, path, body) = if rng.chance(50) {
                 let route = *rng.pick(&BODY_ROUTES[1..4]);
@@ -1067,7 +1083,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             }
         }
         // Wrong methods and unknown routes.
-        74..=79 => {
+        Family::WrongRoute => {
             let sid = &ctx.sid;
             let wrong_method: Vec<(&str, String)> = vec![
                 ("PUT", "/v1/sessions".into()),
@@ -1135,7 +1151,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             }
         }
         // Garbage Authorization, on any route, with an otherwise valid request.
-        80..=87 => {
+        Family::BadAuth => {
             let (what, value) = bad_auth(rng, ctx);
             let mut headers = Vec::new();
             if let Some(v) = value {
@@ -1168,7 +1184,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             }
         }
         // Wrong or missing Content-Type on a valid body.
-        88..=93 => {
+        Family::BadContentType => {
             let route = *rng.pick(&BODY_ROUTES);
             let (what, ct) = bad_content_type(rng);
             let mut headers = vec![auth(&ctx.key)];
@@ -1186,7 +1202,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             }
         }
         // Bad query parameters on the session list.
-        94..=97 => {
+        Family::BadQuery => {
             let long_q = rng.letters_in(201, 3000);
             let choices: Vec<String> = vec![
                 "limit=0".into(),
@@ -1219,7 +1235,7 @@ fn generate(rng: &mut Rng, ctx: &Ctx) -> Case {
             }
         }
         // Long header values (under 8 KiB) on an otherwise invalid request.
-        _ => {
+        Family::LongHeaders => {
             let route = *rng.pick(&STRICT_ROUTES);
             let mut c = body_case(
                 ctx,
@@ -1380,13 +1396,15 @@ fn check(c: &Case, a: &Answer) -> Option<String> {
     None
 }
 
-#[tokio::test]
-async fn hundreds_of_malformed_requests_get_json_4xx_errors_and_change_nothing() {
+/// Sends `n` generated requests of `family` (and, with `pinned`, the requests of [`pinned`]) to
+/// a fresh stack, and checks that each gets its documented JSON 4xx, that what is stored is
+/// unchanged, and that the server is still ready.
+async fn probe(tag: &str, family: Family, n: usize, with_pinned: bool) {
     let seed = std::env::var("HEARTH_BAD_INPUT_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(DEFAULT_SEED);
-    let s = Stack::start("badinput", Db::Postgres, 1, &[]).await;
+    let s = Stack::start(tag, Db::Postgres, 1, &[]).await;
     let key = s.key("prober").await;
     let foreign_key = s.key("alice").await;
     // A key that existed and was revoked.
@@ -1429,10 +1447,12 @@ async fn hundreds_of_malformed_requests_get_json_4xx_errors_and_change_nothing()
     };
     let before = snapshot(addr, &key, &ctx.sid, &foreign_key, &ctx.foreign_sid).await;
 
-    let mut rng = Rng(seed);
-    let mut cases: Vec<Case> = (0..CASES).map(|_| generate(&mut rng, &ctx)).collect();
-    // Last, so that one getting through cannot disturb the generated ones.
-    cases.extend(pinned(&ctx));
+    let mut rng = Rng(seed ^ family as u64);
+    let mut cases: Vec<Case> = (0..n).map(|_| generate(&mut rng, &ctx, family)).collect();
+    if with_pinned {
+        // Last, so that one getting through cannot disturb the generated ones.
+        cases.extend(pinned(&ctx));
+    }
     let started = std::time::Instant::now();
     let mut failures = Vec::new();
     let mut seen = std::collections::BTreeMap::<u16, usize>::new();
@@ -1449,7 +1469,9 @@ async fn hundreds_of_malformed_requests_get_json_4xx_errors_and_change_nothing()
     }
     let took = started.elapsed();
     let n = cases.len();
-    eprintln!("{n} malformed requests (seed {seed:#x}) in {took:.1?}: statuses {seen:?}");
+    eprintln!(
+        "{n} malformed requests ({family:?}, seed {seed:#x}) in {took:.1?}: statuses {seen:?}"
+    );
 
     let after = snapshot(addr, &key, &ctx.sid, &foreign_key, &ctx.foreign_sid).await;
     let ready = Req::new("GET", "/readyz").send(addr).await.status;
@@ -1458,7 +1480,7 @@ async fn hundreds_of_malformed_requests_get_json_4xx_errors_and_change_nothing()
     let changed = before != after;
     assert!(
         failures.is_empty() && !changed,
-        "{} of {n} requests (seed {seed:#x}) broke the contract:\n{}\n{}",
+        "{} of {n} requests ({family:?}, seed {seed:#x}) broke the contract:\n{}\n{}",
         failures.len(),
         failures.join("\n"),
         if changed {
@@ -1471,4 +1493,59 @@ async fn hundreds_of_malformed_requests_get_json_4xx_errors_and_change_nothing()
         ready, 200,
         "the server is not ready after the malformed requests"
     );
+}
+
+#[tokio::test]
+async fn bodies_that_are_not_json_get_400_or_422() {
+    probe("bad_notjson", Family::NotJson, 60, false).await;
+}
+
+#[tokio::test]
+async fn json_of_the_wrong_shape_gets_422() {
+    probe("bad_shape", Family::WrongShape, 60, false).await;
+}
+
+#[tokio::test]
+async fn unknown_fields_get_422_on_the_native_routes() {
+    probe("bad_unknown", Family::UnknownField, 32, false).await;
+}
+
+#[tokio::test]
+async fn values_out_of_range_get_422() {
+    probe("bad_range", Family::OutOfRange, 80, false).await;
+}
+
+#[tokio::test]
+async fn bodies_over_the_limit_get_413() {
+    probe("bad_large", Family::TooLarge, 16, false).await;
+}
+
+#[tokio::test]
+async fn ids_that_are_not_ids_get_404_on_every_route() {
+    probe("bad_id", Family::BadId, 48, false).await;
+}
+
+#[tokio::test]
+async fn wrong_methods_and_unknown_routes_get_405_or_404() {
+    probe("bad_route", Family::WrongRoute, 24, false).await;
+}
+
+#[tokio::test]
+async fn garbage_authorization_gets_401() {
+    probe("bad_auth", Family::BadAuth, 32, false).await;
+}
+
+#[tokio::test]
+async fn a_wrong_or_missing_content_type_gets_415() {
+    probe("bad_ctype", Family::BadContentType, 24, false).await;
+}
+
+#[tokio::test]
+async fn bad_session_list_queries_get_422() {
+    probe("bad_query", Family::BadQuery, 16, false).await;
+}
+
+#[tokio::test]
+async fn long_headers_and_what_lenient_parsers_take_are_refused_as_json() {
+    probe("bad_headers", Family::LongHeaders, 8, true).await;
 }
