@@ -1,5 +1,6 @@
 //! A small HTTP/1.1 client over a real socket: whole responses (chunked or not) and
-//! Server-Sent Event streams read event by event.
+//! Server-Sent Event streams read event by event ([`Req`]), and requests written byte for byte,
+//! malformed ones included, whose failures are reported rather than panicked on ([`RawRequest`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -292,4 +293,146 @@ fn parse(text: &str) -> Option<Event> {
         }
     }
     any.then_some(e)
+}
+
+/// A request sent exactly as given: any method and path, header values of any bytes but CR and
+/// LF, and the body with `Content-Length` or chunked. Nothing is added but `Host: test` and
+/// `Connection: close`.
+#[derive(Debug, Clone, Copy)]
+pub struct RawRequest<'a> {
+    pub method: &'a str,
+    pub path: &'a str,
+    pub headers: &'a [(String, Vec<u8>)],
+    pub body: Option<&'a [u8]>,
+    /// Send the body with `Transfer-Encoding: chunked` instead of `Content-Length`.
+    pub chunked: bool,
+}
+
+impl RawRequest<'_> {
+    fn bytes(&self) -> Vec<u8> {
+        let mut head = format!(
+            "{} {} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n",
+            self.method, self.path
+        )
+        .into_bytes();
+        for (k, v) in self.headers {
+            head.extend_from_slice(k.as_bytes());
+            head.extend_from_slice(b": ");
+            head.extend_from_slice(v);
+            head.extend_from_slice(b"\r\n");
+        }
+        let mut payload = Vec::new();
+        if let Some(b) = self.body {
+            if self.chunked {
+                head.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
+                for piece in b.chunks(64 << 10) {
+                    payload.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+                    payload.extend_from_slice(piece);
+                    payload.extend_from_slice(b"\r\n");
+                }
+                payload.extend_from_slice(b"0\r\n\r\n");
+            } else {
+                head.extend_from_slice(format!("Content-Length: {}\r\n", b.len()).as_bytes());
+                payload.extend_from_slice(b);
+            }
+        }
+        head.extend_from_slice(b"\r\n");
+        head.extend(payload);
+        head
+    }
+
+    /// Sends it on a fresh connection and reads the answer, within 20 s. The body is written
+    /// while the answer is read, so a server that answers before reading all of it (413, 415,
+    /// 401) is heard. A connection closed before a whole answer, or no answer, is an `Err`.
+    pub async fn send(&self, addr: SocketAddr) -> Result<Reply, String> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .map_err(|e| format!("connect: {e}"))?;
+        let (mut rd, mut wr) = stream.into_split();
+        let bytes = self.bytes();
+        let writer = tokio::spawn(async move {
+            // The server may close early (it answered already): that is not the test's failure.
+            let _ = wr.write_all(&bytes).await;
+            let _ = wr.flush().await;
+            wr
+        });
+        let read = async {
+            let mut buf = Vec::new();
+            let mut chunk = vec![0u8; 64 << 10];
+            loop {
+                if let Some(a) = parse_reply(&buf, false) {
+                    return Ok(a);
+                }
+                match rd.read(&mut chunk).await {
+                    Ok(0) => return parse_reply(&buf, true).ok_or_else(|| closed(&buf)),
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    Err(e) => {
+                        return parse_reply(&buf, true)
+                            .ok_or_else(|| format!("{e} after {}", closed(&buf)))
+                    }
+                }
+            }
+        };
+        let answer = tokio::time::timeout(Duration::from_secs(20), read)
+            .await
+            .map_err(|_| "no complete answer within 20 s (hung)".to_string())?;
+        writer.abort();
+        answer
+    }
+}
+
+/// A chunked body, decoded; `None` until the last chunk has arrived.
+fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = find(b, b"\r\n")?;
+        let size_text = std::str::from_utf8(&b[..eol]).ok()?;
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Some(out);
+        }
+        if b.len() < size + 2 {
+            return None;
+        }
+        out.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
+}
+
+/// The response in `buf`, once all of it has arrived (`eof`: the server closed the connection).
+fn parse_reply(buf: &[u8], eof: bool) -> Option<Reply> {
+    let end = find(buf, b"\r\n\r\n")?;
+    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let rest = &buf[end + 4..];
+    let body = if header(&headers, "transfer-encoding").is_some_and(|v| v.contains("chunked")) {
+        dechunk(rest)?
+    } else if let Some(n) = header(&headers, "content-length").and_then(|v| v.parse().ok()) {
+        if rest.len() < n {
+            return None;
+        }
+        rest[..n].to_vec()
+    } else if eof {
+        rest.to_vec()
+    } else {
+        return None;
+    };
+    Some(Reply {
+        status,
+        headers,
+        body,
+    })
+}
+
+fn closed(buf: &[u8]) -> String {
+    format!(
+        "connection closed with an incomplete answer: {:?}",
+        String::from_utf8_lossy(&buf[..buf.len().min(300)])
+    )
 }

@@ -10,14 +10,11 @@
 //! kind of malformed request is its own test, on its own stack, so a failure names its kind.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
-use hearth_e2e::http::Req;
+use hearth_e2e::http::{RawRequest, Reply, Req};
 use hearth_e2e::stack::{Db, Stack};
 use hearth_orchestrator::storage::{now_ms, Store};
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
 /// The seed every run uses unless `HEARTH_BAD_INPUT_SEED` names another.
 const DEFAULT_SEED: u64 = 0x4845_4152_5448_0001;
@@ -108,151 +105,18 @@ struct Case {
     expect: Vec<u16>,
 }
 
-#[derive(Debug)]
-struct Answer {
-    status: u16,
-    headers: Vec<(String, String)>,
-    body: Vec<u8>,
-}
-
-impl Answer {
-    fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
-}
-
-/// A chunked body, decoded; `None` until the last chunk has arrived.
-fn dechunk(mut b: &[u8]) -> Option<Vec<u8>> {
-    let mut out = Vec::new();
-    loop {
-        let eol = find(b, b"\r\n")?;
-        let size_text = std::str::from_utf8(&b[..eol]).ok()?;
-        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Some(out);
+impl Case {
+    async fn send(&self, addr: SocketAddr) -> Result<Reply, String> {
+        RawRequest {
+            method: &self.method,
+            path: &self.path,
+            headers: &self.headers,
+            body: self.body.as_deref(),
+            chunked: self.chunked,
         }
-        if b.len() < size + 2 {
-            return None;
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
-
-/// The response in `buf`, once all of it has arrived (`eof`: the server closed the connection).
-fn parse_answer(buf: &[u8], eof: bool) -> Option<Answer> {
-    let end = find(buf, b"\r\n\r\n")?;
-    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-    let mut lines = head.split("\r\n");
-    let status = lines.next()?.split_whitespace().nth(1)?.parse().ok()?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|l| l.split_once(':'))
-        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
-        .collect();
-    let rest = &buf[end + 4..];
-    let get = |name: &str| {
-        headers
-            .iter()
-            .find(|(k, _)| k.eq_ignore_ascii_case(name))
-            .map(|(_, v)| v.clone())
-    };
-    let body = if get("transfer-encoding").is_some_and(|v| v.contains("chunked")) {
-        dechunk(rest)?
-    } else if let Some(n) = get("content-length").and_then(|v| v.parse::<usize>().ok()) {
-        if rest.len() < n {
-            return None;
-        }
-        rest[..n].to_vec()
-    } else if eof {
-        rest.to_vec()
-    } else {
-        return None;
-    };
-    Some(Answer {
-        status,
-        headers,
-        body,
-    })
-}
-
-/// Sends `c` on a fresh connection and reads the answer. The body is written while the answer
-/// is read, so a server that answers before reading all of it (413, 415, 401) is heard.
-async fn send(addr: SocketAddr, c: &Case) -> Result<Answer, String> {
-    let stream = TcpStream::connect(addr)
+        .send(addr)
         .await
-        .map_err(|e| format!("connect: {e}"))?;
-    let (mut rd, mut wr) = stream.into_split();
-    let mut head = format!(
-        "{} {} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n",
-        c.method, c.path
-    )
-    .into_bytes();
-    for (k, v) in &c.headers {
-        head.extend_from_slice(k.as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(v);
-        head.extend_from_slice(b"\r\n");
     }
-    let mut payload = Vec::new();
-    if let Some(b) = &c.body {
-        if c.chunked {
-            head.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
-            for piece in b.chunks(64 << 10) {
-                payload.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
-                payload.extend_from_slice(piece);
-                payload.extend_from_slice(b"\r\n");
-            }
-            payload.extend_from_slice(b"0\r\n\r\n");
-        } else {
-            head.extend_from_slice(format!("Content-Length: {}\r\n", b.len()).as_bytes());
-            payload.extend_from_slice(b);
-        }
-    }
-    head.extend_from_slice(b"\r\n");
-    head.extend(payload);
-    let writer = tokio::spawn(async move {
-        // The server may close early (it answered already): that is not the test's failure.
-        let _ = wr.write_all(&head).await;
-        let _ = wr.flush().await;
-        wr
-    });
-    let read = async {
-        let mut buf = Vec::new();
-        let mut chunk = vec![0u8; 64 << 10];
-        loop {
-            if let Some(a) = parse_answer(&buf, false) {
-                return Ok(a);
-            }
-            match rd.read(&mut chunk).await {
-                Ok(0) => return parse_answer(&buf, true).ok_or_else(|| closed(&buf)),
-                Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                Err(e) => {
-                    return parse_answer(&buf, true)
-                        .ok_or_else(|| format!("{e} after {}", closed(&buf)))
-                }
-            }
-        }
-    };
-    let answer = tokio::time::timeout(Duration::from_secs(20), read)
-        .await
-        .map_err(|_| "no complete answer within 20 s (hung)".to_string())?;
-    writer.abort();
-    answer
-}
-
-fn closed(buf: &[u8]) -> String {
-    format!(
-        "connection closed with an incomplete answer: {:?}",
-        String::from_utf8_lossy(&buf[..buf.len().min(300)])
-    )
 }
 
 /// What the generator needs to know about the stack.
@@ -1355,7 +1219,7 @@ fn diff(before: &Value, after: &Value) -> String {
 }
 
 /// Why an answer does not meet the contract, if it does not.
-fn check(c: &Case, a: &Answer) -> Option<String> {
+fn check(c: &Case, a: &Reply) -> Option<String> {
     let body = String::from_utf8_lossy(&a.body);
     let shown = trim(&body);
     if !(400..500).contains(&a.status) {
@@ -1457,7 +1321,7 @@ async fn probe(tag: &str, family: Family, n: usize, with_pinned: bool) {
     let mut failures = Vec::new();
     let mut seen = std::collections::BTreeMap::<u16, usize>::new();
     for (i, c) in cases.iter().enumerate() {
-        match send(addr, c).await {
+        match c.send(addr).await {
             Ok(a) => {
                 *seen.entry(a.status).or_default() += 1;
                 if let Some(why) = check(c, &a) {
