@@ -25,7 +25,7 @@ use utoipa::ToSchema;
 
 use super::ids::{MessageId, SessionId};
 use super::{ApiError, AppState, Caller, ValidJson};
-use crate::generate::{Job, Live, Outcome, Reservation, RunEvent, TurnIds};
+use crate::generate::{Job, Live, Outcome, Persistence, Reservation, RunEvent, TurnIds};
 use crate::storage::{Message, MessageStatus, Role, Session};
 
 /// Largest message a user may post.
@@ -222,23 +222,13 @@ pub async fn post_message(
         .ok_or_else(|| ApiError::Validation("content: required".into()))?;
     check_content("content", content)?;
     let user = &caller.user;
-    let t = open_turn(&s, &caller, &id, &body).await?;
+    let t = open_turn(&s, &caller, &id, &body, arrived).await?;
     let mut convo = conversation(&t.session, &t.history);
     convo.push(ChatMessage::new(ChatRole::User, content));
-    launch(
-        &s,
-        &caller,
-        &id,
-        t.place,
-        &convo,
-        t.opts,
-        body.stream.unwrap_or(true),
-        arrived,
-        || async {
-            let turn = s.store.begin_turn(&user.id, &id, content).await?;
-            Ok((Some(turn.user.id), turn.assistant.id))
-        },
-    )
+    launch(&s, &caller, t.run, &convo, || async {
+        let turn = s.store.begin_turn(&user.id, &id, content).await?;
+        Ok((Some(turn.user.id), turn.assistant.id))
+    })
     .await
 }
 
@@ -267,7 +257,7 @@ pub async fn regenerate(
         ));
     }
     let user = &caller.user;
-    let t = open_turn(&s, &caller, &id, &body).await?;
+    let t = open_turn(&s, &caller, &id, &body, arrived).await?;
     // The reply to replace is the last message; what came before must end with a user message.
     let from = match t.history.last() {
         Some(m) if m.role == Role::Assistant => m.seq,
@@ -280,20 +270,10 @@ pub async fn regenerate(
     let earlier: Vec<Message> = t.history.into_iter().filter(|m| m.seq < from).collect();
     let convo = conversation(&t.session, &earlier);
     let asked = earlier.last().map(|m| m.id.clone());
-    launch(
-        &s,
-        &caller,
-        &id,
-        t.place,
-        &convo,
-        t.opts,
-        body.stream.unwrap_or(true),
-        arrived,
-        || async {
-            let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
-            Ok((asked, reply.id))
-        },
-    )
+    launch(&s, &caller, t.run, &convo, || async {
+        let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
+        Ok((asked, reply.id))
+    })
     .await
 }
 
@@ -328,7 +308,7 @@ pub async fn edit(
         .ok_or_else(|| ApiError::Validation("content: required (the message's new text)".into()))?;
     check_content("content", content)?;
     let user = &caller.user;
-    let t = open_turn(&s, &caller, &id, &body).await?;
+    let t = open_turn(&s, &caller, &id, &body, arrived).await?;
     let target = t
         .history
         .iter()
@@ -345,23 +325,13 @@ pub async fn edit(
     let earlier: Vec<Message> = t.history.into_iter().filter(|m| m.seq < from).collect();
     let mut convo = conversation(&t.session, &earlier);
     convo.push(ChatMessage::new(ChatRole::User, content));
-    launch(
-        &s,
-        &caller,
-        &id,
-        t.place,
-        &convo,
-        t.opts,
-        body.stream.unwrap_or(true),
-        arrived,
-        || async {
-            let turn = s
-                .store
-                .begin_edit(&user.id, &id, &message_id, content)
-                .await?;
-            Ok((Some(turn.user.id), turn.assistant.id))
-        },
-    )
+    launch(&s, &caller, t.run, &convo, || async {
+        let turn = s
+            .store
+            .begin_edit(&user.id, &id, &message_id, content)
+            .await?;
+        Ok((Some(turn.user.id), turn.assistant.id))
+    })
     .await
 }
 
@@ -369,9 +339,19 @@ pub async fn edit(
 /// running reply at a time) and the stored history. Counts against the caller's rate limit.
 struct OpenTurn {
     session: Session,
+    history: Vec<Message>,
+    run: TurnRun,
+}
+
+/// What running an admitted turn takes, besides its conversation.
+struct TurnRun {
+    session_id: String,
     opts: GenOptions,
     place: Place,
-    history: Vec<Message>,
+    /// Answer with Server-Sent Events (else with the finished reply).
+    stream: bool,
+    /// When the request arrived (time to first token counts from here).
+    arrived: Instant,
 }
 
 /// What an admitted turn holds until its reply starts: the session's place and the tokens set
@@ -386,6 +366,7 @@ async fn open_turn(
     caller: &Caller,
     session_id: &str,
     body: &TurnBody,
+    arrived: Instant,
 ) -> Result<OpenTurn, ApiError> {
     let session = s.store.get_session(&caller.user.id, session_id).await?;
     let opts = body.options(&session)?;
@@ -412,90 +393,76 @@ async fn open_turn(
         .await?;
     Ok(OpenTurn {
         session,
-        opts,
-        place: Place {
-            reservation,
-            budget,
-        },
         history,
+        run: TurnRun {
+            session_id: session_id.to_string(),
+            opts,
+            place: Place {
+                reservation,
+                budget,
+            },
+            stream: body.stream.unwrap_or(true),
+            arrived,
+        },
     })
 }
 
 /// The part of a turn after the request is checked: fit the prompt, take a worker, store the
 /// turn with `store_turn` (which returns the user and assistant message ids), start generating,
 /// and answer. Nothing is stored unless a worker was available.
-#[allow(clippy::too_many_arguments)]
 async fn launch<F, Fut>(
     s: &AppState,
     caller: &Caller,
-    session_id: &str,
-    place: Place,
+    run: TurnRun,
     convo: &[ChatMessage],
-    opts: GenOptions,
-    stream: bool,
-    arrived: Instant,
     store_turn: F,
 ) -> Result<Response, ApiError>
 where
     F: FnOnce() -> Fut,
     Fut: std::future::Future<Output = Result<(Option<String>, String), ApiError>>,
 {
-    let (prompt, max_new) = plan(s, convo, opts.max_tokens).await?;
+    let TurnRun {
+        session_id,
+        opts,
+        place,
+        stream,
+        arrived,
+    } = run;
+    let (prompt, max_new_tokens) = plan(s, convo, opts.max_tokens).await?;
     let lease = s
         .generator
         .pool
-        .admit(&caller.user.id, Some(session_id), &[])
+        .admit(&caller.user.id, Some(&session_id), &[])
         .await?;
     let (user_message_id, message_id) = store_turn().await?;
     let live = Live::new(TurnIds {
-        session_id: session_id.to_string(),
+        session_id: session_id.clone(),
         user_message_id,
-        message_id,
+        message_id: message_id.clone(),
     });
     place.reservation.fill(&live);
-    start(
-        s,
-        caller,
-        session_id,
-        (prompt, max_new),
-        opts,
-        (lease, place.budget),
-        &live,
-        arrived,
-    );
-    respond(s, live, stream, 0).await
-}
-
-#[allow(clippy::too_many_arguments)]
-fn start(
-    s: &AppState,
-    caller: &Caller,
-    session_id: &str,
-    (prompt, max_new_tokens): (Vec<u32>, u32),
-    opts: GenOptions,
-    (lease, budget): (crate::workers::Lease, Option<crate::limits::Budget>),
-    live: &Arc<Live>,
-    arrived: Instant,
-) {
     let job = Job {
         user_id: caller.user.id.clone(),
-        cache_session: Some(session_id.to_string()),
+        persistence: Persistence::Stored {
+            session_id,
+            message_id,
+        },
         prompt,
         params: opts.params,
         max_new_tokens,
         stop: opts.stop,
         ignore_eos: opts.ignore_eos,
         arrived,
-        message_id: Some(live.ids.message_id.clone()),
-        budget,
+        budget: place.budget,
         lease: Some(lease),
     };
     let g = s.generator.clone();
-    let live = live.clone();
+    let running = live.clone();
     tokio::spawn(async move {
-        g.clone().run(job, live.clone()).await;
-        g.streams.expire_later(live);
+        g.clone().run(job, running.clone()).await;
+        g.streams.expire_later(running);
     });
+    respond(s, live, stream, 0).await
 }
 
 /// Cancels the generation when the client goes away, if the server is configured so.

@@ -21,7 +21,7 @@ use utoipa::ToSchema;
 
 use super::chat::{check_content, check_params, check_stops, plan, sse};
 use super::{ApiError, AppState, Caller, ValidJson};
-use crate::generate::{End, Job, Live, Outcome, RunEvent, TurnIds};
+use crate::generate::{End, Job, Live, Outcome, Persistence, RunEvent, TurnIds};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`user`,
 /// `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
@@ -276,14 +276,13 @@ pub async fn completions(
     let live = Live::new(TurnIds::default());
     let job = Job {
         user_id: caller.user.id.clone(),
-        cache_session: None,
+        persistence: Persistence::Stateless,
         prompt,
         params,
         max_new_tokens: max_new,
         stop,
         ignore_eos: req.ignore_eos,
         arrived,
-        message_id: None,
         budget,
         lease: Some(lease),
     };

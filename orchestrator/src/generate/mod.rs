@@ -45,8 +45,8 @@ pub struct Generator {
 #[derive(Debug)]
 pub struct Job {
     pub user_id: String,
-    /// The session whose KV cache the worker keeps (none for stateless requests).
-    pub cache_session: Option<String>,
+    /// Where the reply is kept, if anywhere.
+    pub persistence: Persistence,
     pub prompt: Vec<u32>,
     pub params: SamplingParams,
     pub max_new_tokens: u32,
@@ -54,12 +54,39 @@ pub struct Job {
     pub ignore_eos: bool,
     /// When the HTTP request arrived (TTFT is measured from here).
     pub arrived: Instant,
-    /// The stored assistant message to keep up to date.
-    pub message_id: Option<String>,
     /// The tokens set aside for the reply from its key's daily budget.
     pub budget: Option<Budget>,
     /// The worker already chosen at admission.
     pub lease: Option<Lease>,
+}
+
+/// Whether a generation belongs to a stored session or to no one.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Persistence {
+    /// A native turn: the worker keeps `session_id`'s KV cache between turns, and the reply is
+    /// saved to the stored assistant message `message_id` as it streams and when it ends.
+    Stored {
+        session_id: String,
+        message_id: String,
+    },
+    /// An OpenAI request: nothing is stored, and the worker caches by prefix only.
+    Stateless,
+}
+
+impl Persistence {
+    fn session_id(&self) -> Option<&str> {
+        match self {
+            Self::Stored { session_id, .. } => Some(session_id),
+            Self::Stateless => None,
+        }
+    }
+
+    fn message_id(&self) -> Option<&str> {
+        match self {
+            Self::Stored { message_id, .. } => Some(message_id),
+            Self::Stateless => None,
+        }
+    }
 }
 
 /// How often a streaming reply's text is saved, and the longest a streaming message goes
@@ -140,7 +167,7 @@ impl Generator {
             duration_ms: job.arrived.elapsed().as_millis() as u64,
             worker: p.worker,
         };
-        if let Some(id) = &job.message_id {
+        if let Some(id) = job.persistence.message_id() {
             self.finish(id, &outcome).await;
         }
         if let Some(b) = job.budget.take() {
@@ -176,9 +203,9 @@ impl Generator {
         let mut saved_len = 0usize;
         let mut saved_at = Instant::now();
         let saver = job
-            .message_id
-            .as_ref()
-            .map(|id| self.progress_saver(id.clone()));
+            .persistence
+            .message_id()
+            .map(|id| self.progress_saver(id.to_string()));
         let mut tick = tokio::time::interval(SAVE_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
@@ -189,7 +216,7 @@ impl Generator {
                 Some(l) => l,
                 None => {
                     let admitted = tokio::select! {
-                        a = self.pool.admit(&job.user_id, job.cache_session.as_deref(), &failed) => a,
+                        a = self.pool.admit(&job.user_id, job.persistence.session_id(), &failed) => a,
                         () = live.stopped() => return End::Finished(FinishReason::Cancelled),
                     };
                     match admitted {
@@ -215,7 +242,7 @@ impl Generator {
             prompt.extend_from_slice(&p.generated);
             let req = proto::GenerateRequest {
                 request_id: 0,
-                session_id: job.cache_session.clone().unwrap_or_default(),
+                session_id: job.persistence.session_id().unwrap_or_default().to_string(),
                 user_id: job.user_id.clone(),
                 prompt_token_ids: prompt,
                 sampling: Some((&job.params).into()),
