@@ -215,182 +215,237 @@ async fn start_local_worker(args: &ServeArgs) -> anyhow::Result<LocalWorker> {
 
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()> {
-    // The recorder first: the worker pool records `hearth_workers_ready` only when readiness
-    // changes, and a change recorded before the recorder exists would be lost for good.
-    let metrics = crate::telemetry::handle();
-    let auth = match args.auth {
-        AuthArg::Keys => AuthMode::Keys,
-        AuthArg::None => {
-            if !args.listen.ip().is_loopback() {
-                bail!(
-                    "--listen {}: refusing to serve without auth on a non-loopback address; \
+    let app = App::bind(args, store).await?;
+    announce(app.local_addr(), &app.state);
+    app.run(shutdown_signal()).await
+}
+
+/// A bound orchestrator: its listener open, its workers found, its background tasks running.
+/// [`App::run`] serves until the shutdown future completes, then lets running replies finish
+/// within the shutdown timeout.
+#[derive(Debug)]
+pub struct App {
+    state: AppState,
+    listener: tokio::net::TcpListener,
+    limits: crate::http_server::HttpLimits,
+    shutdown_timeout: Duration,
+    streams: Arc<Streams>,
+    /// Stopped when the server is done: the orphan sweep, the database check, the stop bus.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    local: Option<LocalWorker>,
+}
+
+impl App {
+    /// Checks the arguments, connects what they name (Redis, the workers, or a local worker it
+    /// starts), and binds `--listen`.
+    pub async fn bind(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<Self> {
+        // The recorder first: the worker pool records `hearth_workers_ready` only when readiness
+        // changes, and a change recorded before the recorder exists would be lost for good.
+        let metrics = crate::telemetry::handle();
+        let auth = match args.auth {
+            AuthArg::Keys => AuthMode::Keys,
+            AuthArg::None => {
+                if !args.listen.ip().is_loopback() {
+                    bail!(
+                        "--listen {}: refusing to serve without auth on a non-loopback address; \
                      use --auth keys (and `hearth keys create --user NAME`) or a 127.0.0.1 address",
-                    args.listen
-                );
+                        args.listen
+                    );
+                }
+                let user = match store.user_by_name(LOCAL_USER).await? {
+                    Some(u) => u,
+                    None => store.create_user(LOCAL_USER).await?,
+                };
+                AuthMode::Disabled(user)
             }
-            let user = match store.user_by_name(LOCAL_USER).await? {
-                Some(u) => u,
-                None => store.create_user(LOCAL_USER).await?,
-            };
-            AuthMode::Disabled(user)
-        }
-    };
-    let tokenizer_path = args
-        .tokenizer
-        .clone()
-        .unwrap_or_else(|| models_dir(&args).join(DEFAULT_TOKENIZER));
-    let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer_path)
-        .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
+        };
+        let tokenizer_path = args
+            .tokenizer
+            .clone()
+            .unwrap_or_else(|| models_dir(&args).join(DEFAULT_TOKENIZER));
+        let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer_path)
+            .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
 
-    let streams = Arc::new(Streams::default());
-    let (limiter, affinity, stop_bus, listener_task) = match &args.redis_url {
-        Some(url) => {
-            let conn = connect_redis(url)
-                .await
-                .with_context(|| format!("--redis-url {}: cannot connect", redact_url(url)))?;
-            let task = StopBus::listen(url.clone(), streams.clone());
-            (
-                Limiter::redis(conn.clone()),
-                Affinity::shared(conn.clone()),
-                Some(StopBus::new(conn)),
-                Some(task),
-            )
-        }
-        None => (Limiter::local(), Affinity::local(), None, None),
-    };
-
-    // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
-    // Only stale ones: another replica's live replies are saved at least every few seconds.
-    let orphan_after = Duration::from_secs(args.orphan_after_secs);
-    let sweeper = tokio::spawn({
-        let store = store.clone();
-        let mut sweep = OrphanSweep::new(orphan_after);
-        async move {
-            loop {
-                sweep.run(&store).await;
-                tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
+        let streams = Arc::new(Streams::default());
+        let (limiter, affinity, stop_bus, listener_task) = match &args.redis_url {
+            Some(url) => {
+                let conn = connect_redis(url)
+                    .await
+                    .with_context(|| format!("--redis-url {}: cannot connect", redact_url(url)))?;
+                let task = StopBus::listen(url.clone(), streams.clone());
+                (
+                    Limiter::redis(conn.clone()),
+                    Affinity::shared(conn.clone()),
+                    Some(StopBus::new(conn)),
+                    Some(task),
+                )
             }
+            None => (Limiter::local(), Affinity::local(), None, None),
+        };
+
+        // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
+        // Only stale ones: another replica's live replies are saved at least every few seconds.
+        let orphan_after = Duration::from_secs(args.orphan_after_secs);
+        let sweeper = tokio::spawn({
+            let store = store.clone();
+            let mut sweep = OrphanSweep::new(orphan_after);
+            async move {
+                loop {
+                    sweep.run(&store).await;
+                    tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
+                }
+            }
+        });
+
+        let database_check = crate::telemetry::database_check_task(store.clone());
+
+        let mut local = None;
+        let mut workers = args.workers.clone();
+        if workers.is_empty() {
+            eprintln!("hearth: starting a local worker (loading the model)…");
+            let w = start_local_worker(&args).await?;
+            workers.push(w.addr.clone());
+            local = Some(w);
         }
-    });
-
-    let database_check = crate::telemetry::database_check_task(store.clone());
-
-    let mut local = None;
-    let mut workers = args.workers.clone();
-    if workers.is_empty() {
-        eprintln!("hearth: starting a local worker (loading the model)…");
-        let w = start_local_worker(&args).await?;
-        workers.push(w.addr.clone());
-        local = Some(w);
-    }
-    let pool = WorkerPool::start(
-        &workers,
-        affinity,
-        PoolConfig {
-            batch: BatchConfig {
-                max_batch: args.batch_size.max(1),
-                max_delay: Duration::from_millis(args.batch_delay_ms),
+        let pool = WorkerPool::start(
+            &workers,
+            affinity,
+            PoolConfig {
+                batch: BatchConfig {
+                    max_batch: args.batch_size.max(1),
+                    max_delay: Duration::from_millis(args.batch_delay_ms),
+                },
+                health_interval: Duration::from_millis(args.health_interval_ms.max(10)),
+                per_worker_capacity: args.worker_capacity,
+                max_queue: args.max_queue,
+                queue_timeout: Duration::from_secs(args.queue_timeout_secs),
+                stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
             },
-            health_interval: Duration::from_millis(args.health_interval_ms.max(10)),
-            per_worker_capacity: args.worker_capacity,
-            max_queue: args.max_queue,
-            queue_timeout: Duration::from_secs(args.queue_timeout_secs),
-            stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
-        },
-    );
-    if let Some(w) = &mut local {
-        // The quick start answers its first request only once the model is loaded.
-        loop {
-            if pool.ready_count() > 0 {
-                break;
+        );
+        if let Some(w) = &mut local {
+            // The quick start answers its first request only once the model is loaded.
+            loop {
+                if pool.ready_count() > 0 {
+                    break;
+                }
+                if let Ok(Some(status)) = w.child.try_wait() {
+                    bail!("the local worker exited ({status}); its error is above");
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
-            if let Ok(Some(status)) = w.child.try_wait() {
-                bail!("the local worker exited ({status}); its error is above");
-            }
-            tokio::time::sleep(Duration::from_millis(100)).await;
         }
+
+        let generator = Arc::new(Generator {
+            pool,
+            tokenizer: Arc::new(tokenizer),
+            store: store.clone(),
+            limiter: Arc::new(limiter),
+            streams: streams.clone(),
+            stop_bus,
+        });
+        let state = AppState {
+            store: store.clone(),
+            auth,
+            generator,
+            options: ApiOptions {
+                default_max_tokens: args.default_max_tokens,
+                requests_per_minute: args.requests_per_minute.map(i64::from),
+                tokens_per_day: args.tokens_per_day.map(i64::from),
+                cancel_on_disconnect: args.cancel_on_disconnect,
+                web_dir: args.web_dir.clone(),
+                max_sessions_per_user: args.max_sessions_per_user,
+                max_messages_per_session: args.max_messages_per_session.max(2),
+                body_timeout: Duration::from_secs(args.body_timeout_secs.max(1)),
+            },
+            metrics,
+        };
+        let listener =
+            bind(args.listen).with_context(|| format!("--listen {}: cannot bind", args.listen))?;
+        let limits = crate::http_server::HttpLimits {
+            header_timeout: Duration::from_secs(args.header_timeout_secs.max(1)),
+            max_connections: args
+                .max_connections
+                .unwrap_or_else(crate::http_server::default_max_connections)
+                .max(1),
+        };
+        let mut tasks = vec![sweeper, database_check];
+        tasks.extend(listener_task);
+        Ok(Self {
+            state,
+            listener,
+            limits,
+            shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
+            streams,
+            tasks,
+            local,
+        })
     }
 
-    let generator = Arc::new(Generator {
-        pool,
-        tokenizer: Arc::new(tokenizer),
-        store: store.clone(),
-        limiter: Arc::new(limiter),
-        streams: streams.clone(),
-        stop_bus,
-    });
-    let state = AppState {
-        store: store.clone(),
-        auth,
-        generator,
-        options: ApiOptions {
-            default_max_tokens: args.default_max_tokens,
-            requests_per_minute: args.requests_per_minute.map(i64::from),
-            tokens_per_day: args.tokens_per_day.map(i64::from),
-            cancel_on_disconnect: args.cancel_on_disconnect,
-            web_dir: args.web_dir.clone(),
-            max_sessions_per_user: args.max_sessions_per_user,
-            max_messages_per_session: args.max_messages_per_session.max(2),
-            body_timeout: Duration::from_secs(args.body_timeout_secs.max(1)),
-        },
-        metrics,
-    };
-    let listener =
-        bind(args.listen).with_context(|| format!("--listen {}: cannot bind", args.listen))?;
-    let addr = listener.local_addr()?;
-    announce(addr, &state);
+    /// The address `--listen` was bound to (its port, when it asked for port 0).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
+    }
 
-    let shutdown_timeout = Duration::from_secs(args.shutdown_timeout_secs);
-    let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        shutdown_signal().await;
-        let _ = signalled_tx.send(true);
-    });
-    let mut on_signal = signalled.clone();
-    let http_shutdown = signalled.clone();
-    // After the grace period, running replies are stopped (and stored as `stopped`).
-    let stopper = tokio::spawn({
-        let streams = streams.clone();
-        async move {
-            let _ = signalled.wait_for(|s| *s).await;
-            tokio::time::sleep(shutdown_timeout).await;
-            streams.stop_all();
+    /// Serves until `shutdown` completes; then stops accepting, lets running replies finish
+    /// for the shutdown timeout (and stops those still running, stored as `stopped`), and
+    /// stops the background tasks and the local worker.
+    pub async fn run(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    ) -> anyhow::Result<()> {
+        let Self {
+            state,
+            listener,
+            limits,
+            shutdown_timeout,
+            streams,
+            tasks,
+            local,
+        } = self;
+        let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            shutdown.await;
+            let _ = signalled_tx.send(true);
+        });
+        let mut on_signal = signalled.clone();
+        let http_shutdown = signalled.clone();
+        // After the grace period, running replies are stopped (and stored as `stopped`).
+        let stopper = tokio::spawn({
+            let streams = streams.clone();
+            async move {
+                let _ = signalled.wait_for(|s| *s).await;
+                tokio::time::sleep(shutdown_timeout).await;
+                streams.stop_all();
+            }
+        });
+        tokio::spawn(async move {
+            let _ = on_signal.wait_for(|s| *s).await;
+            eprintln!("hearth: shutting down; letting running replies finish");
+        });
+        // Open connections get the replies' grace period and a little more to send their ends.
+        let hard_deadline = shutdown_timeout + Duration::from_secs(5);
+        crate::http_server::serve(
+            listener,
+            router(state),
+            limits,
+            http_shutdown,
+            hard_deadline,
+        )
+        .await;
+        // Replies whose clients already left are still running as tasks: let them end and store.
+        let deadline = tokio::time::Instant::now() + shutdown_timeout + Duration::from_secs(5);
+        while streams.running() > 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    });
-    tokio::spawn(async move {
-        let _ = on_signal.wait_for(|s| *s).await;
-        eprintln!("hearth: shutting down; letting running replies finish");
-    });
-    let limits = crate::http_server::HttpLimits {
-        header_timeout: Duration::from_secs(args.header_timeout_secs.max(1)),
-        max_connections: args
-            .max_connections
-            .unwrap_or_else(crate::http_server::default_max_connections)
-            .max(1),
-    };
-    // Open connections get the replies' grace period and a little more to send their ends.
-    let hard_deadline = shutdown_timeout + Duration::from_secs(5);
-    crate::http_server::serve(
-        listener,
-        router(state),
-        limits,
-        http_shutdown,
-        hard_deadline,
-    )
-    .await;
-    // Replies whose clients already left are still running as tasks: let them end and store.
-    let deadline = tokio::time::Instant::now() + shutdown_timeout + Duration::from_secs(5);
-    while streams.running() > 0 && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        stopper.abort();
+        for t in tasks {
+            t.abort();
+        }
+        drop(local);
+        Ok(())
     }
-    stopper.abort();
-    sweeper.abort();
-    database_check.abort();
-    if let Some(t) = listener_task {
-        t.abort();
-    }
-    drop(local);
-    Ok(())
 }
 
 /// Connection backlog: a burst of clients (a page of tabs reconnecting, a load test) must
