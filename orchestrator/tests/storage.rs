@@ -301,8 +301,14 @@ async fn turns_suite(s: &SqlStore) {
         .create_session(&u, NewSession::default())
         .await
         .expect("session");
+    assert_eq!(s.last_message(&u, &sess.id).await.expect("last"), None);
     let t1 = s.begin_turn(&u, &sess.id, "Hello?").await.expect("turn 1");
     assert_eq!((t1.user.seq, t1.assistant.seq), (1, 2));
+    assert_eq!(
+        s.last_message(&u, &sess.id).await.expect("last"),
+        Some(t1.assistant.clone()),
+        "the last message is the newest one"
+    );
     assert_eq!(t1.assistant.status, MessageStatus::Streaming);
     s.save_progress(&t1.assistant.id, "Hi")
         .await

@@ -728,7 +728,7 @@ pub async fn stop(
         let _ = tokio::time::timeout(Duration::from_secs(10), live.outcome()).await;
         live.ids.message_id.clone()
     } else {
-        let last = s.store.list_messages(&caller.user.id, &id).await?.pop();
+        let last = s.store.last_message(&caller.user.id, &id).await?;
         let (Some(bus), Some(reply)) = (&s.generator.stop_bus, last.filter(streaming)) else {
             return Ok(Json(StopResult::NOTHING));
         };

@@ -73,6 +73,8 @@ pub trait Store: Send + Sync + std::fmt::Debug {
 
     /// The session's messages in order.
     async fn list_messages(&self, user_id: &str, session_id: &str) -> StoreResult<Vec<Message>>;
+    /// The session's last message, if it has any (one row, however long the history).
+    async fn last_message(&self, user_id: &str, session_id: &str) -> StoreResult<Option<Message>>;
     /// One message of the caller's session.
     async fn get_message(
         &self,

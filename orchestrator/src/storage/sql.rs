@@ -678,6 +678,21 @@ impl Store for SqlStore {
         rows.iter().map(message_from).collect()
     }
 
+    async fn last_message(&self, user_id: &str, session_id: &str) -> StoreResult<Option<Message>> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let sql = format!(
+            "SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 ORDER BY seq DESC LIMIT 1"
+        );
+        let row = sqlx::query(&sql)
+            .bind(session_id)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        row.as_ref().map(message_from).transpose()
+    }
+
     async fn get_message(
         &self,
         user_id: &str,
