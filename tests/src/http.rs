@@ -28,6 +28,13 @@ impl Reply {
     pub fn header(&self, name: &str) -> Option<&str> {
         header(&self.headers, name)
     }
+
+    /// `Retry-After` in seconds; panics when the answer has none.
+    pub fn retry_after_secs(&self) -> u64 {
+        self.header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no Retry-After seconds on {}: {}", self.status, self.text()))
+    }
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {

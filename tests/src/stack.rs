@@ -428,6 +428,36 @@ pub async fn worker_metric(w: &WorkerProcess, name: &str) -> f64 {
     metric(w.metrics.parse().expect("metrics addr"), name).await
 }
 
+/// Tokens the worker's engine has decoded, over every request.
+pub const DECODED: &str = "hearth_worker_decode_tokens_total";
+
+/// Asserts that the worker has stopped decoding (its decoded-token counter stands still for
+/// 300 ms) and decoded fewer than `limit` tokens in all: a generation was cancelled, not run to
+/// its end (which would also leave the worker idle).
+pub async fn assert_cancelled_before(w: &WorkerProcess, limit: u32) {
+    let decoded = worker_metric(w, DECODED).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        worker_metric(w, DECODED).await,
+        decoded,
+        "the worker kept decoding"
+    );
+    assert!(
+        decoded < f64::from(limit),
+        "the reply ran to its end: {decoded} tokens"
+    );
+}
+
+/// A session's stored messages, in order.
+pub async fn history(addr: SocketAddr, key: &str, sid: &str) -> Vec<serde_json::Value> {
+    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["data"].as_array().cloned().expect("messages")
+}
+
 /// Waits, if need be, until the current UTC minute (the rate limiter's window) has at least
 /// `need` left, so a test that counts requests per minute does all its counting in one window.
 pub async fn clear_of_a_minute_boundary(need: Duration) {

@@ -377,11 +377,7 @@ async fn bad_generation_requests_are_refused_and_store_nothing() {
         .await;
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.json()["error"]["type"], "rate_limit_error");
-    let retry: u64 = r
-        .header("retry-after")
-        .expect("Retry-After")
-        .parse()
-        .expect("seconds");
+    let retry = r.retry_after_secs();
     assert!((1..=60).contains(&retry), "{retry}");
     assert_eq!(
         messages(&s, &k, &sid).await.len(),

@@ -72,11 +72,7 @@ async fn keys_created_with_limits_and_an_expiry_are_enforced_over_http() {
         .unwrap_or_default()
         .to_string();
     assert!(message.contains("daily limit of 6"), "{message}");
-    let retry: i64 = r
-        .header("retry-after")
-        .expect("Retry-After")
-        .parse()
-        .expect("seconds");
+    let retry = r.retry_after_secs() as i64;
     let to_midnight = (86_400_000 - now_ms().rem_euclid(86_400_000)) / 1000;
     assert!(
         (retry - to_midnight).abs() <= 2,

@@ -5,17 +5,10 @@
 use std::time::{Duration, Instant};
 
 use hearth_e2e::http::{Reply, Req};
-use hearth_e2e::stack::{clear_of_a_minute_boundary, metric, new_session, stream_turn, Db, Stack};
-use serde_json::{json, Value};
-
-async fn history(s: &Stack, key: &str, sid: &str) -> Vec<Value> {
-    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .send(s.addr())
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["data"].as_array().expect("data").clone()
-}
+use hearth_e2e::stack::{
+    clear_of_a_minute_boundary, history, metric, new_session, stream_turn, Db, Stack,
+};
+use serde_json::json;
 
 async fn regenerate(s: &Stack, key: &str, sid: &str) -> Reply {
     Req::new("POST", &format!("/v1/sessions/{sid}/regenerate"))
@@ -69,7 +62,10 @@ async fn a_queued_request_is_answered_503_once_the_queue_timeout_passes() {
         waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
         "answered after {waited:?}, with a 1 s queue timeout"
     );
-    assert!(history(&s, &k, &other).await.is_empty(), "nothing stored");
+    assert!(
+        history(s.addr(), &k, &other).await.is_empty(),
+        "nothing stored"
+    );
     assert_eq!(metric(s.addr(), "hearth_queue_depth").await, 0.0);
 
     // Once the place is free, the same request is served.
@@ -101,7 +97,7 @@ async fn a_regenerate_with_no_reply_or_beside_a_running_one_is_409_and_changes_n
         "{}",
         r.text()
     );
-    assert!(history(&s, &k, &sid).await.is_empty());
+    assert!(history(s.addr(), &k, &sid).await.is_empty());
 
     // A reply is running: a regenerate, a new message and an edit all wait their turn.
     let mut running = stream_turn(s.addr(), &k, &sid, 900).await;
@@ -110,7 +106,7 @@ async fn a_regenerate_with_no_reply_or_beside_a_running_one_is_409_and_changes_n
         .as_str()
         .expect("user id")
         .to_string();
-    let before = history(&s, &k, &sid).await;
+    let before = history(s.addr(), &k, &sid).await;
     assert_eq!(before.len(), 2);
     let r = regenerate(&s, &k, &sid).await;
     assert_eq!(r.status, 409, "{}", r.text());
@@ -130,7 +126,7 @@ async fn a_regenerate_with_no_reply_or_beside_a_running_one_is_409_and_changes_n
     .send(s.addr())
     .await;
     assert_eq!(r.status, 409, "{}", r.text());
-    let after = history(&s, &k, &sid).await;
+    let after = history(s.addr(), &k, &sid).await;
     assert_eq!(after.len(), 2, "{after:?}");
     assert_eq!(after[0]["content"], before[0]["content"]);
     assert_eq!(after[1]["id"], before[1]["id"]);
@@ -141,7 +137,7 @@ async fn a_regenerate_with_no_reply_or_beside_a_running_one_is_409_and_changes_n
     drop(running);
     let r = regenerate(&s, &k, &sid).await;
     assert_eq!(r.status, 200, "{}", r.text());
-    let after = history(&s, &k, &sid).await;
+    let after = history(s.addr(), &k, &sid).await;
     assert_eq!(after.len(), 2);
     assert_ne!(after[1]["id"], before[1]["id"], "the reply was replaced");
     s.finish().await;
@@ -163,11 +159,7 @@ async fn stops_past_their_per_key_limit_get_429_with_retry_after() {
     let r = stop(&s, &k, &sid).await;
     assert_eq!(r.status, 429, "{}", r.text());
     assert_eq!(r.json()["error"]["type"], "rate_limit_error");
-    let retry: u64 = r
-        .header("retry-after")
-        .expect("Retry-After")
-        .parse()
-        .expect("seconds");
+    let retry = r.retry_after_secs();
     assert!((1..=60).contains(&retry), "{retry}");
     // Another key's stops are counted apart.
     assert_eq!(stop(&s, &other, &theirs).await.status, 200);

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use hearth_e2e::http::{Event, Req, Sse};
 use hearth_e2e::stack::{
-    assets, metric, new_session, path, serving_worker, signal, slow_spec, stream_turn, wait_idle,
-    wait_metric, worker_bin, worker_metric, Db, Hearth, Stack,
+    assets, history, metric, new_session, path, serving_worker, signal, slow_spec, stream_turn,
+    wait_idle, wait_metric, worker_bin, worker_metric, Db, Hearth, Stack,
 };
 use hearth_worker::fixtures::{TinySpec, WorkerProcess};
 use serde_json::{json, Value};
@@ -50,15 +50,6 @@ async fn finish(sse: &mut Sse) -> (String, Event) {
         .map(|e| e.json()["text"].as_str().unwrap_or_default().to_string())
         .collect();
     (text, last)
-}
-
-async fn history(addr: SocketAddr, key: &str, sid: &str) -> Vec<Value> {
-    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .send(addr)
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["data"].as_array().cloned().expect("messages")
 }
 
 /// A reply that ended with `length` after `tokens` tokens, stored once with the streamed text.
