@@ -16,7 +16,7 @@ mod sessions;
 mod web;
 
 pub use error::{ApiError, ErrorBody};
-pub use openapi::{document as openapi_document, json as openapi_json};
+pub use openapi::json as openapi_json;
 
 use std::path::PathBuf;
 use std::sync::Arc;

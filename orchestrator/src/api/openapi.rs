@@ -124,7 +124,7 @@ fn literal_schema(v: serde_json::Value) -> RefOr<Schema> {
 }
 
 /// The document.
-pub fn document() -> Document {
+fn document() -> Document {
     ApiDoc::openapi()
 }
 
