@@ -3,7 +3,7 @@
 //! each of them (a counter that has not counted yet reads 0, not "no data").
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{new_session, Db, Stack};
+use hearth_e2e::stack::{new_session, slow_spec, Db, Stack};
 use serde_json::json;
 
 /// The names DESIGN.md lists (labels left out).
@@ -59,13 +59,15 @@ fn exports(page: &str, name: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_defined_and_documented_metric_is_exported() {
-    let s = Stack::start("metricnames", Db::Sqlite, 1, &[]).await;
+    // A model slow enough that a reply's tokens arrive apart, so inter-token latency has
+    // samples (the tiny model can deliver a short reply in one message).
+    let s = Stack::start_with("metricnames", &slow_spec(), Db::Sqlite, 1, &[]).await;
     let k = s.key("alice").await;
     // Ordinary traffic: a native turn, a stateless completion, and a refused request.
     let sid = new_session(s.addr(), &k).await;
     let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
         .key(Some(&k))
-        .json(&json!({"content": "hello", "max_tokens": 4, "stream": false}))
+        .json(&json!({"content": "hello", "max_tokens": 16, "ignore_eos": true, "stream": false}))
         .send(s.addr())
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
