@@ -7,21 +7,26 @@
 //!   on PostgreSQL (production) or SQLite (the embedded default).
 //! - [`workers`]: the worker pool (health, affinity, admission) and the long-lived, batched
 //!   gRPC stream to each worker.
+//! - [`service`]: the chat service, the only thing handlers call, and the validated turn it
+//!   takes.
 //! - [`generate`]: one generation end to end (failover, detokenization, stop strings, storing).
 //! - [`limits`]: per-key rate limits, in process or in Redis.
 //! - [`bus`]: stop signals between replicas (Redis pub/sub).
-//! - [`server`]: configuration and start-up, including the quick start's local worker.
+//! - [`config`]: the command line and the checked configuration built from it.
+//! - [`server`]: start-up, including the quick start's local worker.
 //! - [`http_server`]: the HTTP accept loop (header deadline, connection cap, bounded shutdown).
 //! - [`telemetry`]: Prometheus metrics.
 
 pub mod api;
 pub mod auth;
 pub mod bus;
+pub mod config;
 pub mod generate;
 pub mod http_server;
 pub mod limits;
 mod redis_conn;
 pub mod server;
+pub mod service;
 pub mod storage;
 pub mod telemetry;
 pub mod workers;

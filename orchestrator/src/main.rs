@@ -6,7 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use hearth_orchestrator::auth::{hash_key, issue_key, KeyOptions, PREFIX_LEN};
-use hearth_orchestrator::server::{serve, ServeArgs};
+use hearth_orchestrator::server::{serve, Config, ServeArgs};
 use hearth_orchestrator::storage::{now_ms, SqlStore, Store};
 
 #[derive(Parser, Debug)]
@@ -103,8 +103,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         return Ok(());
     }
     let Some(Command::Keys { action }) = cli.command else {
+        // Every setting is checked before anything is opened or started.
+        let config = Config::from_args(cli.serve)?;
         let store = std::sync::Arc::new(open_store(&cli.db).await?);
-        let result = serve(cli.serve, store.clone()).await;
+        let result = serve(config, store.clone()).await;
         store.close().await;
         return result;
     };

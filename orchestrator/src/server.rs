@@ -4,138 +4,24 @@
 //! from the models directory), SQLite under the data directory, no Redis, no auth.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::{Args, ValueEnum};
 use tokio::io::AsyncBufReadExt;
 
-use crate::api::{router, ApiOptions, AppState, AuthMode};
+use crate::api::{router, AppState, AuthMode};
 use crate::bus::StopBus;
-use crate::generate::{Generator, Streams};
+use crate::config::{self, Workers};
+pub use crate::config::{AuthArg, Config, ServeArgs};
+use crate::generate::Streams;
 use crate::limits::{connect_redis, Limiter};
+use crate::service::{ChatService, ServiceParts};
 use crate::storage::Store;
-use crate::workers::{Affinity, BatchConfig, PoolConfig, WorkerPool};
+use crate::workers::{Affinity, WorkerPool};
 
 /// The local user every request acts as when auth is off.
 pub const LOCAL_USER: &str = "local";
-const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum AuthArg {
-    /// No keys: every request is the local user. Loopback addresses only.
-    None,
-    /// `Authorization: Bearer hk_…` on every request (`hearth keys create`).
-    Keys,
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct ServeArgs {
-    /// HTTP address to listen on.
-    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
-    /// A worker's gRPC address (repeat for several). None: start a local worker.
-    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',')]
-    pub workers: Vec<String>,
-    /// Whether requests need an API key.
-    #[arg(long, env = "HEARTH_AUTH", value_enum, default_value = "none")]
-    pub auth: AuthArg,
-    /// Gemma tokenizer.json [default: <models dir>/gemma-3-tokenizer.json].
-    #[arg(long, env = "HEARTH_TOKENIZER")]
-    pub tokenizer: Option<PathBuf>,
-    /// Where `scripts/fetch-model.sh` puts models [default: ~/.cache/hearth/models].
-    #[arg(long, env = "HEARTH_MODELS_DIR")]
-    pub models_dir: Option<PathBuf>,
-    /// GGUF model for the local worker [default: the worker's default in the models dir].
-    #[arg(long, env = "HEARTH_MODEL")]
-    pub model: Option<PathBuf>,
-    /// The `hearth-worker` binary for the local worker [default: next to `hearth`].
-    #[arg(long, env = "HEARTH_WORKER_BIN")]
-    pub worker_bin: Option<PathBuf>,
-    /// Extra argument for the local worker (repeat), e.g. `--worker-arg=--kv-budget=1GiB`.
-    #[arg(long = "worker-arg", allow_hyphen_values = true)]
-    pub worker_args: Vec<String>,
-    /// Redis for what replicas share (rate limits, session affinity). None: in process.
-    #[arg(long, env = "HEARTH_REDIS_URL")]
-    pub redis_url: Option<String>,
-    /// Send queued requests to a worker when this many are waiting…
-    #[arg(long, env = "HEARTH_BATCH_SIZE", default_value_t = 32)]
-    pub batch_size: usize,
-    /// …or this many milliseconds after the first.
-    #[arg(long, env = "HEARTH_BATCH_DELAY_MS", default_value_t = 2)]
-    pub batch_delay_ms: u64,
-    /// Requests one worker may have in flight from here [default 0: its max batch + queue].
-    #[arg(long, env = "HEARTH_WORKER_CAPACITY", default_value_t = 0)]
-    pub worker_capacity: usize,
-    /// Requests that may wait when every worker is full; more get 503.
-    #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 256)]
-    pub max_queue: usize,
-    /// How long a queued request waits before it gets 503.
-    #[arg(long, env = "HEARTH_QUEUE_TIMEOUT_SECS", default_value_t = 10)]
-    pub queue_timeout_secs: u64,
-    /// A worker that fails health checks this long with replies open on it is given up on, and
-    /// its replies continue on other workers (a stopped process, a frozen VM, a lost network).
-    #[arg(long, env = "HEARTH_STALL_TIMEOUT_SECS", default_value_t = 10)]
-    pub stall_timeout_secs: u64,
-    /// How often workers' health is checked.
-    #[arg(long, env = "HEARTH_HEALTH_INTERVAL_MS", default_value_t = 500)]
-    pub health_interval_ms: u64,
-    /// Reply length when a request does not say.
-    #[arg(long, env = "HEARTH_DEFAULT_MAX_TOKENS", default_value_t = 1024)]
-    pub default_max_tokens: u32,
-    /// Requests per minute for keys without their own limit [default: unlimited].
-    #[arg(long, env = "HEARTH_REQUESTS_PER_MINUTE")]
-    pub requests_per_minute: Option<u32>,
-    /// Generated tokens per day for keys without their own limit [default: unlimited].
-    #[arg(long, env = "HEARTH_TOKENS_PER_DAY")]
-    pub tokens_per_day: Option<u32>,
-    /// Stop a native-API reply when its client disconnects (default: finish and store it).
-    #[arg(long, env = "HEARTH_CANCEL_ON_DISCONNECT")]
-    pub cancel_on_disconnect: bool,
-    /// A `streaming` reply not written for this long belongs to an orchestrator that died and
-    /// is marked `error` (checked from start-up on, periodically). Measured on this process's own
-    /// clock as time without a save, so replicas' clocks need not agree. Live replies are
-    /// written at least every 5 s, so with replicas sharing a database keep this well above that.
-    #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]
-    pub orphan_after_secs: u64,
-    /// The statically exported web UI (`make run` builds it) served at `/`.
-    #[arg(long, env = "HEARTH_WEB_DIR", default_value = crate::api::DEFAULT_WEB_DIR)]
-    pub web_dir: PathBuf,
-    /// Sessions one user may keep; creating more answers 422 `too_many_sessions`.
-    #[arg(long, env = "HEARTH_MAX_SESSIONS_PER_USER", default_value_t = 10_000)]
-    pub max_sessions_per_user: u64,
-    /// Messages one session may hold; a turn beyond answers 422 `session_full`.
-    #[arg(
-        long,
-        env = "HEARTH_MAX_MESSAGES_PER_SESSION",
-        default_value_t = 10_000
-    )]
-    pub max_messages_per_session: usize,
-    /// A client has this long from the first byte of a request to the end of its header.
-    #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
-    pub header_timeout_secs: u64,
-    /// A request's body must arrive within this long of its header, or it is answered 408.
-    #[arg(long, env = "HEARTH_BODY_TIMEOUT_SECS", default_value_t = 30)]
-    pub body_timeout_secs: u64,
-    /// Open HTTP connections at most; more wait in the listen backlog [default: the open-files
-    /// limit less 512].
-    #[arg(long, env = "HEARTH_MAX_CONNECTIONS")]
-    pub max_connections: Option<usize>,
-    /// On SIGTERM, how long running replies may take to finish before they are stopped.
-    #[arg(long, env = "HEARTH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 30)]
-    pub shutdown_timeout_secs: u64,
-}
-
-fn models_dir(args: &ServeArgs) -> PathBuf {
-    args.models_dir.clone().unwrap_or_else(|| {
-        std::env::var_os("HOME")
-            .map(PathBuf::from)
-            .unwrap_or_default()
-            .join(".cache/hearth/models")
-    })
-}
 
 /// A worker this process started (the quick start); killed when dropped.
 #[derive(Debug)]
@@ -145,31 +31,20 @@ struct LocalWorker {
     _stdout: tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>,
 }
 
-async fn start_local_worker(args: &ServeArgs) -> anyhow::Result<LocalWorker> {
-    let bin = match &args.worker_bin {
-        Some(b) => b.clone(),
-        None => {
-            let exe = std::env::current_exe().context("cannot find this executable's path")?;
-            let sibling = exe.with_file_name("hearth-worker");
-            if sibling.is_file() {
-                sibling
-            } else {
-                PathBuf::from("hearth-worker")
-            }
-        }
-    };
-    let mut cmd = tokio::process::Command::new(&bin);
+async fn start_local_worker(w: &config::LocalWorker) -> anyhow::Result<LocalWorker> {
+    let bin = &w.bin;
+    let mut cmd = tokio::process::Command::new(bin);
     cmd.arg("serve")
         .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
         .arg("--models-dir")
-        .arg(models_dir(args));
-    if let Some(m) = &args.model {
+        .arg(&w.models_dir);
+    if let Some(m) = &w.model {
         cmd.arg("--model").arg(m);
     }
-    if let Some(t) = &args.tokenizer {
+    if let Some(t) = &w.tokenizer {
         cmd.arg("--tokenizer").arg(t);
     }
-    cmd.args(&args.worker_args)
+    cmd.args(&w.args)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true);
@@ -214,8 +89,8 @@ async fn start_local_worker(args: &ServeArgs) -> anyhow::Result<LocalWorker> {
 }
 
 /// Runs the server until SIGINT/SIGTERM.
-pub async fn serve(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<()> {
-    let app = App::bind(args, store).await?;
+pub async fn serve(config: Config, store: Arc<dyn Store>) -> anyhow::Result<()> {
+    let app = App::bind(config, store).await?;
     announce(app.local_addr(), &app.state);
     app.run(shutdown_signal()).await
 }
@@ -236,22 +111,15 @@ pub struct App {
 }
 
 impl App {
-    /// Checks the arguments, connects what they name (Redis, the workers, or a local worker it
-    /// starts), and binds `--listen`.
-    pub async fn bind(args: ServeArgs, store: Arc<dyn Store>) -> anyhow::Result<Self> {
+    /// Connects what the configuration names (Redis, the workers, or a local worker it
+    /// starts), and binds its listen address.
+    pub async fn bind(config: Config, store: Arc<dyn Store>) -> anyhow::Result<Self> {
         // The recorder first: the worker pool records `hearth_workers_ready` only when readiness
         // changes, and a change recorded before the recorder exists would be lost for good.
         let metrics = crate::telemetry::handle();
-        let auth = match args.auth {
+        let auth = match config.auth {
             AuthArg::Keys => AuthMode::Keys,
             AuthArg::None => {
-                if !args.listen.ip().is_loopback() {
-                    bail!(
-                        "--listen {}: refusing to serve without auth on a non-loopback address; \
-                     use --auth keys (and `hearth keys create --user NAME`) or a 127.0.0.1 address",
-                        args.listen
-                    );
-                }
                 let user = match store.user_by_name(LOCAL_USER).await? {
                     Some(u) => u,
                     None => store.create_user(LOCAL_USER).await?,
@@ -259,15 +127,11 @@ impl App {
                 AuthMode::Disabled(user)
             }
         };
-        let tokenizer_path = args
-            .tokenizer
-            .clone()
-            .unwrap_or_else(|| models_dir(&args).join(DEFAULT_TOKENIZER));
-        let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer_path)
+        let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&config.tokenizer)
             .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
 
         let streams = Arc::new(Streams::default());
-        let (limiter, affinity, stop_bus, listener_task) = match &args.redis_url {
+        let (limiter, affinity, stop_bus, listener_task) = match &config.redis_url {
             Some(url) => {
                 let conn = connect_redis(url)
                     .await
@@ -285,7 +149,7 @@ impl App {
 
         // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
         // Only stale ones: another replica's live replies are saved at least every few seconds.
-        let orphan_after = Duration::from_secs(args.orphan_after_secs);
+        let orphan_after = config.orphan_after;
         let sweeper = tokio::spawn({
             let store = store.clone();
             let mut sweep = OrphanSweep::new(orphan_after);
@@ -299,29 +163,15 @@ impl App {
 
         let database_check = crate::telemetry::database_check_task(store.clone());
 
-        let mut local = None;
-        let mut workers = args.workers.clone();
-        if workers.is_empty() {
-            eprintln!("hearth: starting a local worker (loading the model)…");
-            let w = start_local_worker(&args).await?;
-            workers.push(w.addr.clone());
-            local = Some(w);
-        }
-        let pool = WorkerPool::start(
-            &workers,
-            affinity,
-            PoolConfig {
-                batch: BatchConfig {
-                    max_batch: args.batch_size.max(1),
-                    max_delay: Duration::from_millis(args.batch_delay_ms),
-                },
-                health_interval: Duration::from_millis(args.health_interval_ms.max(10)),
-                per_worker_capacity: args.worker_capacity,
-                max_queue: args.max_queue,
-                queue_timeout: Duration::from_secs(args.queue_timeout_secs),
-                stall_timeout: Duration::from_secs(args.stall_timeout_secs.max(1)),
-            },
-        );
+        let (workers, mut local) = match &config.workers {
+            Workers::Remote(addrs) => (addrs.clone(), None),
+            Workers::Local(w) => {
+                eprintln!("hearth: starting a local worker (loading the model)…");
+                let w = start_local_worker(w).await?;
+                (vec![w.addr.clone()], Some(w))
+            }
+        };
+        let pool = WorkerPool::start(&workers, affinity, config.pool.clone());
         if let Some(w) = &mut local {
             // The quick start answers its first request only once the model is loaded.
             loop {
@@ -335,46 +185,30 @@ impl App {
             }
         }
 
-        let generator = Arc::new(Generator {
+        let chat = Arc::new(ChatService::new(ServiceParts {
+            store: store.clone(),
             pool,
             tokenizer: Arc::new(tokenizer),
-            store: store.clone(),
-            limiter: Arc::new(limiter),
+            limiter,
             streams: streams.clone(),
             stop_bus,
-        });
+            limits: config.limits.clone(),
+        }));
         let state = AppState {
-            store: store.clone(),
+            chat,
             auth,
-            generator,
-            options: ApiOptions {
-                default_max_tokens: args.default_max_tokens,
-                requests_per_minute: args.requests_per_minute.map(i64::from),
-                tokens_per_day: args.tokens_per_day.map(i64::from),
-                cancel_on_disconnect: args.cancel_on_disconnect,
-                web_dir: args.web_dir.clone(),
-                max_sessions_per_user: args.max_sessions_per_user,
-                max_messages_per_session: args.max_messages_per_session.max(2),
-                body_timeout: Duration::from_secs(args.body_timeout_secs.max(1)),
-            },
+            options: config.api.clone(),
             metrics,
         };
-        let listener =
-            bind(args.listen).with_context(|| format!("--listen {}: cannot bind", args.listen))?;
-        let limits = crate::http_server::HttpLimits {
-            header_timeout: Duration::from_secs(args.header_timeout_secs.max(1)),
-            max_connections: args
-                .max_connections
-                .unwrap_or_else(crate::http_server::default_max_connections)
-                .max(1),
-        };
+        let listener = bind(config.listen)
+            .with_context(|| format!("--listen {}: cannot bind", config.listen))?;
         let mut tasks = vec![sweeper, database_check];
         tasks.extend(listener_task);
         Ok(Self {
             state,
             listener,
-            limits,
-            shutdown_timeout: Duration::from_secs(args.shutdown_timeout_secs),
+            limits: config.http,
+            shutdown_timeout: config.shutdown_timeout,
             streams,
             tasks,
             local,
@@ -552,7 +386,7 @@ fn announce(addr: SocketAddr, state: &AppState) {
         "\nhearth: serving {model} at http://{addr}\n\n  \
          curl -N http://{addr}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\": \"{model}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}}]}}'\n",
-        model = state.model_name(),
+        model = state.chat.model_name(),
     );
 }
 

@@ -2,14 +2,15 @@
 
 use std::sync::Arc;
 
+use hearth_e2e::http::Req;
 use hearth_orchestrator::api::{router, ApiOptions, AppState, AuthMode};
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
-use hearth_orchestrator::generate::{Generator, Streams};
+use hearth_orchestrator::generate::Streams;
 use hearth_orchestrator::limits::Limiter;
+use hearth_orchestrator::service::{ChatLimits, ChatService, ServiceParts};
 use hearth_orchestrator::storage::SqlStore;
 use hearth_orchestrator::workers::{Affinity, PoolConfig, WorkerPool};
 use serde_json::{json, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 struct Server {
     addr: std::net::SocketAddr,
@@ -28,20 +29,20 @@ async fn start() -> Server {
     let tokenizer = dir.join("tokenizer.json");
     hearth_worker::fixtures::write_tiny_tokenizer(&tokenizer, 512).expect("tokenizer");
     // No workers: these tests cover the session routes only.
-    let generator = Arc::new(Generator {
+    let chat = Arc::new(ChatService::new(ServiceParts {
+        store: store.clone(),
         pool: WorkerPool::start(&[], Affinity::local(), PoolConfig::default()),
         tokenizer: Arc::new(
             hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
         ),
-        store: store.clone(),
-        limiter: Arc::new(Limiter::local()),
+        limiter: Limiter::local(),
         streams: Arc::new(Streams::default()),
         stop_bus: None,
-    });
+        limits: ChatLimits::default(),
+    }));
     let app = router(AppState {
-        store: store.clone(),
+        chat,
         auth: AuthMode::Keys,
-        generator,
         options: ApiOptions::default(),
         metrics: None,
     });
@@ -53,7 +54,7 @@ async fn start() -> Server {
     Server { addr, store }
 }
 
-/// One HTTP/1.1 request on a fresh connection: (status, JSON body or Null).
+/// One request on a fresh connection: (status, JSON body or Null).
 async fn call(
     s: &Server,
     method: &str,
@@ -61,34 +62,12 @@ async fn call(
     key: Option<&str>,
     body: Option<&[u8]>,
 ) -> (u16, Value) {
-    let mut c = tokio::net::TcpStream::connect(s.addr)
-        .await
-        .expect("connect");
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
-    if let Some(k) = key {
-        req += &format!("Authorization: Bearer {k}\r\n");
-    }
+    let mut req = Req::new(method, path).key(key);
     if let Some(b) = body {
-        req += &format!(
-            "Content-Type: application/json\r\nContent-Length: {}\r\n",
-            b.len()
-        );
+        req = req.raw(b.to_vec());
     }
-    req += "\r\n";
-    c.write_all(req.as_bytes()).await.expect("write");
-    if let Some(b) = body {
-        c.write_all(b).await.expect("write body");
-    }
-    let mut buf = Vec::new();
-    c.read_to_end(&mut buf).await.expect("read");
-    let text = String::from_utf8_lossy(&buf);
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("status");
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    (status, serde_json::from_str(body).unwrap_or(Value::Null))
+    let r = req.send(s.addr).await;
+    (r.status, r.json())
 }
 
 async fn key(s: &Server, user: &str) -> String {

@@ -8,7 +8,7 @@ use std::time::Duration;
 use clap::Parser;
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{assets, path, spawn_worker};
-use hearth_orchestrator::server::{App, ServeArgs};
+use hearth_orchestrator::server::{App, Config, ServeArgs};
 use hearth_orchestrator::storage::SqlStore;
 use serde_json::json;
 
@@ -37,7 +37,8 @@ async fn an_app_serves_from_bind_until_its_shutdown_future_completes() {
         "--shutdown-timeout-secs",
         "1",
     ]);
-    let app = App::bind(cli.serve, store.clone()).await.expect("bind");
+    let config = Config::from_args(cli.serve).expect("a valid configuration");
+    let app = App::bind(config, store.clone()).await.expect("bind");
     let addr = app.local_addr();
     assert_ne!(addr.port(), 0, "port 0 is resolved to the bound port");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

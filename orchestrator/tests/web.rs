@@ -7,8 +7,9 @@ use std::sync::Arc;
 
 use hearth_e2e::http::{Reply, Req};
 use hearth_orchestrator::api::{router, ApiOptions, AppState, AuthMode};
-use hearth_orchestrator::generate::{Generator, Streams};
+use hearth_orchestrator::generate::Streams;
 use hearth_orchestrator::limits::Limiter;
+use hearth_orchestrator::service::{ChatLimits, ChatService, ServiceParts};
 use hearth_orchestrator::storage::SqlStore;
 use hearth_orchestrator::workers::{Affinity, PoolConfig, WorkerPool};
 
@@ -49,20 +50,20 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
     let store = Arc::new(SqlStore::connect(&url).await.expect("store"));
     let tokenizer = dir.join("tokenizer.json");
     hearth_worker::fixtures::write_tiny_tokenizer(&tokenizer, 512).expect("tokenizer");
-    let generator = Arc::new(Generator {
+    let chat = Arc::new(ChatService::new(ServiceParts {
+        store: store.clone(),
         pool: WorkerPool::start(&[], Affinity::local(), PoolConfig::default()),
         tokenizer: Arc::new(
             hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
         ),
-        store: store.clone(),
-        limiter: Arc::new(Limiter::local()),
+        limiter: Limiter::local(),
         streams: Arc::new(Streams::default()),
         stop_bus: None,
-    });
+        limits: ChatLimits::default(),
+    }));
     let app = router(AppState {
-        store,
+        chat,
         auth: AuthMode::Keys,
-        generator,
         options: ApiOptions {
             web_dir,
             ..ApiOptions::default()

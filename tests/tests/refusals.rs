@@ -1,6 +1,7 @@
 //! Requests the server must refuse, each with the answer its documentation gives and nothing
 //! stored: a queued request past `--queue-timeout-secs`, a regenerate with nothing to regenerate
-//! or while a reply runs, and stops past their per-key limit.
+//! or while a reply runs, and stops past their per-key limit. A refused turn is not charged to
+//! the caller's rate limit.
 
 use std::time::{Duration, Instant};
 
@@ -163,5 +164,54 @@ async fn stops_past_their_per_key_limit_get_429_with_retry_after() {
     assert!((1..=60).contains(&retry), "{retry}");
     // Another key's stops are counted apart.
     assert_eq!(stop(&s, &other, &theirs).await.status, 200);
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn a_refused_turn_is_not_charged_to_the_rate_limit() {
+    let s = Stack::start(
+        "refusedfree",
+        Db::Sqlite,
+        1,
+        &["--requests-per-minute", "1"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let messages = format!("/v1/sessions/{sid}/messages");
+    let post = |body: serde_json::Value| {
+        let (messages, k, addr) = (&messages, &k, s.addr());
+        async move {
+            Req::new("POST", messages)
+                .key(Some(k))
+                .json(&body)
+                .send(addr)
+                .await
+        }
+    };
+    // Every request below falls in one UTC minute, the limit's window.
+    clear_of_a_minute_boundary(Duration::from_secs(30)).await;
+    // Refused for what the session holds, for the served model, or for the message named.
+    let r = regenerate(&s, &k, &sid).await;
+    assert_eq!(r.status, 409, "{}", r.text());
+    let r = post(json!({"content": "hi", "max_tokens": 1_000_000, "stream": false})).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    let missing = "0".repeat(32);
+    let r = Req::new(
+        "POST",
+        &format!("/v1/sessions/{sid}/messages/{missing}/edit"),
+    )
+    .key(Some(&k))
+    .json(&json!({"content": "changed", "stream": false}))
+    .send(s.addr())
+    .await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert!(history(s.addr(), &k, &sid).await.is_empty());
+    // None of them used the one request a minute: this turn is served, and the next is not.
+    let r = post(json!({"content": "hi", "max_tokens": 2, "stream": false})).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = post(json!({"content": "again", "max_tokens": 2, "stream": false})).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(history(s.addr(), &k, &sid).await.len(), 2);
     s.finish().await;
 }

@@ -237,6 +237,7 @@ export interface components {
             messages: components["schemas"]["InMessage"][];
             /** Format: float */
             min_p?: number | null;
+            /** @description Accepted for compatibility; the one served model answers whatever it names. */
             model?: string | null;
             /**
              * Format: u-int32

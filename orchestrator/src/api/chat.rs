@@ -16,22 +16,16 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hearth_shared::chat::{render, ChatError, Message as ChatMessage, Role as ChatRole};
 use hearth_shared::SamplingParams;
 use serde::{Deserialize, Serialize};
-use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
 use super::ids::{MessageId, SessionId};
-use super::{ApiError, AppState, Caller, ValidJson};
-use crate::generate::{Job, Live, Outcome, Persistence, Reservation, RunEvent, TurnIds};
-use crate::storage::{Message, MessageStatus, Role, Session};
-
-/// Largest message a user may post.
-pub const MAX_CONTENT_BYTES: usize = 256 << 10;
-const MAX_STOPS: usize = 16;
-const MAX_STOP_CHARS: usize = 256;
+use super::{ApiError, AppState, ValidJson};
+use crate::generate::{Live, Outcome, RunEvent, TurnIds};
+use crate::service::{Caller, GenOptions, NativeTurn, StopOutcome, UserText, ValidTurn};
+use crate::storage::{Message, MessageStatus};
 
 /// Options shared by every generation request.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -64,135 +58,26 @@ pub struct TurnBody {
     pub ignore_eos: bool,
 }
 
-/// Validated generation options.
-#[derive(Debug, Clone)]
-pub struct GenOptions {
-    pub params: SamplingParams,
-    pub max_tokens: Option<u32>,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
-}
-
-pub fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ApiError> {
-    if stop.len() > MAX_STOPS {
-        return Err(ApiError::Validation(format!(
-            "{field}: at most {MAX_STOPS} stop strings"
-        )));
-    }
-    for s in &stop {
-        if s.is_empty() || s.chars().count() > MAX_STOP_CHARS {
-            return Err(ApiError::Validation(format!(
-                "{field}: each stop string must be 1 to {MAX_STOP_CHARS} characters"
-            )));
-        }
-    }
-    Ok(stop)
-}
-
-pub fn check_params(p: SamplingParams, field: &str) -> Result<SamplingParams, ApiError> {
-    p.validate()
-        .map_err(|e| ApiError::Validation(format!("{field}.{}: {}", e.field, e.reason)))?;
-    Ok(p)
-}
-
-pub fn check_content(field: &str, c: &str) -> Result<(), ApiError> {
-    if c.trim().is_empty() {
-        return Err(ApiError::Validation(format!("{field}: must not be empty")));
-    }
-    if c.len() > MAX_CONTENT_BYTES {
-        return Err(ApiError::Validation(format!(
-            "{field}: longer than {MAX_CONTENT_BYTES} bytes"
-        )));
-    }
-    if c.contains('\0') {
-        return Err(ApiError::Validation(format!(
-            "{field}: must not contain NUL characters"
-        )));
-    }
-    Ok(())
-}
-
 impl TurnBody {
-    fn options(&self, session: &Session) -> Result<GenOptions, ApiError> {
-        let params = match (&self.params, &session.params) {
-            (Some(p), _) => check_params(p.clone(), "params")?,
-            (None, Some(stored)) => serde_json::from_value(stored.clone()).unwrap_or_default(),
-            (None, None) => SamplingParams::default(),
-        };
-        Ok(GenOptions {
-            params,
-            // The turn's own value, else the session's default (else the server's).
-            max_tokens: self
-                .max_tokens
-                .or_else(|| session.max_tokens.and_then(|n| u32::try_from(n).ok())),
-            stop: check_stops(self.stop.clone().unwrap_or_default(), "stop")?,
-            ignore_eos: self.ignore_eos,
-        })
+    /// The body's options, checked.
+    fn options(&self) -> Result<GenOptions, ApiError> {
+        GenOptions::new(
+            self.params.clone(),
+            "params.",
+            self.max_tokens,
+            self.stop.clone().unwrap_or_default(),
+            self.ignore_eos,
+        )
     }
-}
 
-/// Refuses a `max_tokens` the served context cannot hold, before anything is charged or stored.
-pub fn check_max_tokens(s: &AppState, max_tokens: Option<u32>) -> Result<(), ApiError> {
-    let (Some(want), Some(ctx)) = (max_tokens, s.generator.pool.context_length()) else {
-        return Ok(());
-    };
-    if want == 0 || want as usize >= ctx {
-        return Err(ApiError::Validation(format!(
-            "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
-            ctx - 1
-        )));
+    /// The body as a validated turn answering `input`.
+    fn turn(&self, input: NativeTurn) -> Result<ValidTurn<NativeTurn>, ApiError> {
+        Ok(ValidTurn::new(
+            input,
+            self.options()?,
+            self.stream.unwrap_or(true),
+        ))
     }
-    Ok(())
-}
-
-/// Prompt tokens for `convo` and the number of tokens to generate: the oldest whole turns are
-/// dropped until the prompt leaves room for the reply. Tokenizing runs on the blocking pool, so
-/// a long history never holds up the runtime's other requests (or its health checks).
-pub async fn plan(
-    s: &AppState,
-    convo: &[ChatMessage],
-    max_tokens: Option<u32>,
-) -> Result<(Vec<u32>, u32), ApiError> {
-    let ctx = s
-        .generator
-        .pool
-        .context_length()
-        .ok_or_else(|| ApiError::Unavailable("no worker is ready".into()))?;
-    // The server's default shrinks to fit a small model; an explicit value must fit as asked.
-    let want = max_tokens.unwrap_or_else(|| s.options.default_max_tokens.min(ctx as u32 / 2));
-    check_max_tokens(s, Some(want))?;
-    let reserve = (want as usize).min(ctx / 2);
-    let tokenizer = s.generator.tokenizer.clone();
-    let convo = convo.to_vec();
-    let rendered = tokio::task::spawn_blocking(move || render(&tokenizer, &convo, ctx - reserve))
-        .await
-        .map_err(|e| ApiError::Internal(format!("prompt rendering failed: {e}")))?;
-    let prompt = rendered.map_err(|e| match e {
-        ChatError::Tokenizer(e) => ApiError::Internal(e.to_string()),
-        other => ApiError::Validation(other.to_string()),
-    })?;
-    let room = (ctx - prompt.tokens.len()) as u32;
-    Ok((prompt.tokens, want.min(room)))
-}
-
-/// The stored conversation as the template sees it: the system prompt, then every message
-/// with text (a reply that was cut off counts with what it said).
-fn conversation(session: &Session, history: &[Message]) -> Vec<ChatMessage> {
-    let mut out = Vec::with_capacity(history.len() + 2);
-    if let Some(sys) = session.system_prompt.as_deref().filter(|s| !s.is_empty()) {
-        out.push(ChatMessage::new(ChatRole::System, sys));
-    }
-    for m in history {
-        if m.content.is_empty() {
-            continue;
-        }
-        let role = match m.role {
-            Role::User => ChatRole::User,
-            Role::Assistant => ChatRole::Assistant,
-        };
-        out.push(ChatMessage::new(role, m.content.clone()));
-    }
-    out
 }
 
 /// Posts a user message and generates the reply: Server-Sent Events (`message_start`,
@@ -215,21 +100,12 @@ pub async fn post_message(
     id: SessionId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
     let content = body
         .content
         .as_deref()
         .ok_or_else(|| ApiError::Validation("content: required".into()))?;
-    check_content("content", content)?;
-    let user = &caller.user;
-    let t = open_turn(&s, &caller, &id, &body, arrived).await?;
-    let mut convo = conversation(&t.session, &t.history);
-    convo.push(ChatMessage::new(ChatRole::User, content));
-    launch(&s, &caller, t.run, &convo, || async {
-        let turn = s.store.begin_turn(&user.id, &id, content).await?;
-        Ok((Some(turn.user.id), turn.assistant.id))
-    })
-    .await
+    let turn = body.turn(NativeTurn::Post(UserText::new("content", content)?))?;
+    start(&s, &caller, &id, turn).await
 }
 
 /// Answers the last user message again, replacing the last reply.
@@ -250,31 +126,13 @@ pub async fn regenerate(
     id: SessionId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
     if body.content.is_some() {
         return Err(ApiError::Validation(
             "content: not accepted here; regenerate answers the last user message again".into(),
         ));
     }
-    let user = &caller.user;
-    let t = open_turn(&s, &caller, &id, &body, arrived).await?;
-    // The reply to replace is the last message; what came before must end with a user message.
-    let from = match t.history.last() {
-        Some(m) if m.role == Role::Assistant => m.seq,
-        _ => {
-            return Err(ApiError::Conflict(
-                "the session has no reply to regenerate".into(),
-            ))
-        }
-    };
-    let earlier: Vec<Message> = t.history.into_iter().filter(|m| m.seq < from).collect();
-    let convo = conversation(&t.session, &earlier);
-    let asked = earlier.last().map(|m| m.id.clone());
-    launch(&s, &caller, t.run, &convo, || async {
-        let reply = s.store.begin_regenerate(&user.id, &id, from).await?;
-        Ok((asked, reply.id))
-    })
-    .await
+    let turn = body.turn(NativeTurn::Regenerate)?;
+    start(&s, &caller, &id, turn).await
 }
 
 /// `POST /v1/sessions/{id}/messages/{message_id}/edit`: edit and resend. Replaces the user
@@ -301,167 +159,26 @@ pub async fn edit(
     message_id: MessageId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
     let content = body
         .content
         .as_deref()
         .ok_or_else(|| ApiError::Validation("content: required (the message's new text)".into()))?;
-    check_content("content", content)?;
-    let user = &caller.user;
-    let t = open_turn(&s, &caller, &id, &body, arrived).await?;
-    let target = t
-        .history
-        .iter()
-        .find(|m| m.id == *message_id)
-        .ok_or(ApiError::NotFound("message"))?;
-    if target.role != Role::User {
-        return Err(ApiError::not_a_user_message(format!(
-            "message {message_id} is an {} message; only user messages can be edited \
-             (POST /v1/sessions/{id}/regenerate answers the last one again)",
-            target.role.as_str()
-        )));
-    }
-    let from = target.seq;
-    let earlier: Vec<Message> = t.history.into_iter().filter(|m| m.seq < from).collect();
-    let mut convo = conversation(&t.session, &earlier);
-    convo.push(ChatMessage::new(ChatRole::User, content));
-    launch(&s, &caller, t.run, &convo, || async {
-        let turn = s
-            .store
-            .begin_edit(&user.id, &id, &message_id, content)
-            .await?;
-        Ok((Some(turn.user.id), turn.assistant.id))
-    })
-    .await
+    let turn = body.turn(NativeTurn::Edit {
+        message_id,
+        content: UserText::new("content", content)?,
+    })?;
+    start(&s, &caller, &id, turn).await
 }
 
-/// What a new turn starts from: the caller's session, the options, the session's place (one
-/// running reply at a time) and the stored history. Counts against the caller's rate limit.
-struct OpenTurn {
-    session: Session,
-    history: Vec<Message>,
-    run: TurnRun,
-}
-
-/// What running an admitted turn takes, besides its conversation.
-struct TurnRun {
-    session_id: String,
-    opts: GenOptions,
-    place: Place,
-    /// Answer with Server-Sent Events (else with the finished reply).
-    stream: bool,
-    /// When the request arrived (time to first token counts from here).
-    arrived: Instant,
-}
-
-/// What an admitted turn holds until its reply starts: the session's place and the tokens set
-/// aside from the caller's daily budget. Dropped, both are given back.
-struct Place {
-    reservation: Reservation,
-    budget: Option<crate::limits::Budget>,
-}
-
-async fn open_turn(
+/// Starts the turn and answers with its reply, streamed or finished.
+async fn start(
     s: &AppState,
     caller: &Caller,
-    session_id: &str,
-    body: &TurnBody,
-    arrived: Instant,
-) -> Result<OpenTurn, ApiError> {
-    let session = s.store.get_session(&caller.user.id, session_id).await?;
-    let opts = body.options(&session)?;
-    check_max_tokens(s, opts.max_tokens)?;
-    let reservation = s.generator.streams.reserve(session_id)?;
-    let history = s.store.list_messages(&caller.user.id, session_id).await?;
-    let cap = s.options.max_messages_per_session;
-    if history.len() + 2 > cap {
-        return Err(ApiError::Unprocessable {
-            kind: "session_full",
-            message: format!(
-                "this session holds {} messages, and a session may hold at most {cap}; \
-                 continue in a new session",
-                history.len()
-            ),
-        });
-    }
-    // Charged last, so a request refused above costs the caller nothing.
-    let reserve = opts.max_tokens.unwrap_or(s.options.default_max_tokens);
-    let budget = s
-        .generator
-        .limiter
-        .admit(&caller.quota, u64::from(reserve))
-        .await?;
-    Ok(OpenTurn {
-        session,
-        history,
-        run: TurnRun {
-            session_id: session_id.to_string(),
-            opts,
-            place: Place {
-                reservation,
-                budget,
-            },
-            stream: body.stream.unwrap_or(true),
-            arrived,
-        },
-    })
-}
-
-/// The part of a turn after the request is checked: fit the prompt, take a worker, store the
-/// turn with `store_turn` (which returns the user and assistant message ids), start generating,
-/// and answer. Nothing is stored unless a worker was available.
-async fn launch<F, Fut>(
-    s: &AppState,
-    caller: &Caller,
-    run: TurnRun,
-    convo: &[ChatMessage],
-    store_turn: F,
-) -> Result<Response, ApiError>
-where
-    F: FnOnce() -> Fut,
-    Fut: std::future::Future<Output = Result<(Option<String>, String), ApiError>>,
-{
-    let TurnRun {
-        session_id,
-        opts,
-        place,
-        stream,
-        arrived,
-    } = run;
-    let (prompt, max_new_tokens) = plan(s, convo, opts.max_tokens).await?;
-    let lease = s
-        .generator
-        .pool
-        .admit(&caller.user.id, Some(&session_id), &[])
-        .await?;
-    let (user_message_id, message_id) = store_turn().await?;
-    let live = Live::new(TurnIds {
-        session_id: session_id.clone(),
-        user_message_id,
-        message_id: message_id.clone(),
-    });
-    place.reservation.fill(&live);
-    let job = Job {
-        user_id: caller.user.id.clone(),
-        persistence: Persistence::Stored {
-            session_id,
-            message_id,
-        },
-        prompt,
-        params: opts.params,
-        max_new_tokens,
-        stop: opts.stop,
-        ignore_eos: opts.ignore_eos,
-        arrived,
-        budget: place.budget,
-        lease: Some(lease),
-    };
-    let g = s.generator.clone();
-    let running = live.clone();
-    tokio::spawn(async move {
-        g.clone().run(job, running.clone()).await;
-        g.streams.expire_later(running);
-    });
+    session_id: &SessionId,
+    turn: ValidTurn<NativeTurn>,
+) -> Result<Response, ApiError> {
+    let stream = turn.stream();
+    let live = s.chat.start_turn(caller, session_id, turn).await?;
     respond(s, live, stream, 0).await
 }
 
@@ -673,12 +390,7 @@ pub async fn resume(
     id: SessionId,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    s.store.get_session(&caller.user.id, &id).await?;
-    let live = s
-        .generator
-        .streams
-        .get(&id)
-        .ok_or(ApiError::NotFound("stream"))?;
+    let live = s.chat.reply_stream(&caller, &id).await?;
     let from = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
@@ -719,43 +431,11 @@ pub async fn stop(
     caller: Caller,
     id: SessionId,
 ) -> Result<Json<StopResult>, ApiError> {
-    s.store.get_session(&caller.user.id, &id).await?;
-    s.generator.limiter.admit_stop(&caller.quota).await?;
-    let streaming = |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;
-    let reply_id = if let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) {
-        live.stop();
-        // The outcome is stored before it is announced, so one read finds the final message.
-        let _ = tokio::time::timeout(Duration::from_secs(10), live.outcome()).await;
-        live.ids.message_id.clone()
-    } else {
-        let last = s.store.last_message(&caller.user.id, &id).await?;
-        let (Some(bus), Some(reply)) = (&s.generator.stop_bus, last.filter(streaming)) else {
-            return Ok(Json(StopResult::NOTHING));
-        };
-        if !bus.publish(&id).await {
-            return Err(ApiError::Unavailable(
-                "the reply runs on another replica and Redis cannot be reached to stop it".into(),
-            ));
-        }
-        reply.id
-    };
-    // The replica running it stores the stopped reply; wait for that, reading only that message
-    // and less often as the wait grows.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut pause = Duration::from_millis(20);
-    loop {
-        let m = s.store.get_message(&caller.user.id, &id, &reply_id).await?;
-        if !streaming(&m) {
-            return Ok(Json(StopResult {
-                stopped: m.status == MessageStatus::Stopped,
-                message: Some(m),
-            }));
-        }
-        if Instant::now() + pause >= deadline {
-            break;
-        }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(500));
-    }
-    Ok(Json(StopResult::NOTHING))
+    Ok(Json(match s.chat.stop(&caller, &id).await? {
+        StopOutcome::NothingRunning => StopResult::NOTHING,
+        StopOutcome::Ended(m) => StopResult {
+            stopped: m.status == MessageStatus::Stopped,
+            message: Some(*m),
+        },
+    }))
 }

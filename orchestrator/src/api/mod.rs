@@ -16,6 +16,7 @@ mod sessions;
 mod web;
 
 pub use error::{ApiError, ErrorBody};
+pub use ids::{MessageId, SessionId};
 pub use openapi::json as openapi_json;
 
 use std::path::PathBuf;
@@ -29,10 +30,8 @@ use axum::routing::{get, post};
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 
-use crate::auth::{authenticate, AuthError};
-use crate::generate::Generator;
-use crate::limits::Quota;
-use crate::storage::{Store, User};
+use crate::service::{Caller, ChatService};
+use crate::storage::User;
 
 /// Where `make run` builds the web UI, relative to the working directory.
 pub const DEFAULT_WEB_DIR: &str = "web/out";
@@ -40,31 +39,23 @@ pub const DEFAULT_WEB_DIR: &str = "web/out";
 /// Largest request body accepted (a chat message with a long paste fits; a file does not).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
+/// What the handlers share: the chat service (the only way to the store, the workers and the
+/// limits), how callers are identified, and the HTTP layer's own settings.
 #[derive(Clone, Debug)]
 pub struct AppState {
-    pub store: Arc<dyn Store>,
+    pub chat: Arc<ChatService>,
     pub auth: AuthMode,
-    pub generator: Arc<Generator>,
     pub options: ApiOptions,
     pub metrics: Option<PrometheusHandle>,
 }
 
-/// Server-wide settings of the API.
+/// Settings of the HTTP layer.
 #[derive(Clone, Debug)]
 pub struct ApiOptions {
-    /// Reply length when a request names none.
-    pub default_max_tokens: u32,
-    /// Limits for keys that have none of their own (and for the local user without auth).
-    pub requests_per_minute: Option<i64>,
-    pub tokens_per_day: Option<i64>,
     /// On the native API, stop a reply when its client disconnects (default: finish and store).
     pub cancel_on_disconnect: bool,
     /// The statically exported web UI served at `/`.
     pub web_dir: PathBuf,
-    /// Sessions one user may keep (deleted ones do not count).
-    pub max_sessions_per_user: u64,
-    /// Messages one session may hold; a longer conversation continues in a new session.
-    pub max_messages_per_session: usize,
     /// Time a request's body may take to arrive, from the end of its header.
     pub body_timeout: std::time::Duration,
 }
@@ -72,27 +63,10 @@ pub struct ApiOptions {
 impl Default for ApiOptions {
     fn default() -> Self {
         Self {
-            default_max_tokens: 1024,
-            requests_per_minute: None,
-            tokens_per_day: None,
             cancel_on_disconnect: false,
             web_dir: PathBuf::from(DEFAULT_WEB_DIR),
-            max_sessions_per_user: 10_000,
-            max_messages_per_session: 10_000,
             body_timeout: std::time::Duration::from_secs(30),
         }
-    }
-}
-
-impl AppState {
-    /// The served model's name, as `/v1/models` and completions report it.
-    pub fn model_name(&self) -> String {
-        self.generator
-            .pool
-            .info()
-            .map(|i| i.model_id)
-            .filter(|m| !m.is_empty())
-            .unwrap_or_else(|| "hearth".to_string())
     }
 }
 
@@ -221,10 +195,9 @@ fn foreign_site(req: &Request) -> Option<ApiError> {
 }
 
 async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
-    s.store.ping().await?;
-    let ready = s.generator.pool.ready_count();
-    let body = serde_json::json!({"ready": ready > 0, "workers": s.generator.pool.describe()});
-    if ready == 0 {
+    let r = s.chat.readiness().await?;
+    let body = serde_json::json!({"ready": r.ready_workers > 0, "workers": r.workers});
+    if r.ready_workers == 0 {
         return Ok((StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response());
     }
     Ok(axum::Json(body).into_response())
@@ -245,27 +218,12 @@ struct SessionPath {
     id: String,
 }
 
-/// The authenticated user of a request and the limits that apply to it.
-#[derive(Debug, Clone)]
-pub struct Caller {
-    pub user: User,
-    pub quota: Quota,
-}
-
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        let o = &state.options;
         match &state.auth {
-            AuthMode::Disabled(user) => Ok(Caller {
-                user: user.clone(),
-                quota: Quota {
-                    bucket: user.id.clone(),
-                    requests_per_minute: o.requests_per_minute,
-                    tokens_per_day: o.tokens_per_day,
-                },
-            }),
+            AuthMode::Disabled(user) => Ok(state.chat.local_caller(user)),
             AuthMode::Keys => {
                 let token = parts
                     .headers
@@ -273,21 +231,7 @@ impl FromRequestParts<AppState> for Caller {
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.strip_prefix("Bearer "))
                     .ok_or(ApiError::Unauthorized)?;
-                match authenticate(state.store.as_ref(), token.trim()).await {
-                    Ok(c) => Ok(Caller {
-                        quota: Quota {
-                            bucket: c.key.id.clone(),
-                            requests_per_minute: c
-                                .key
-                                .requests_per_minute
-                                .or(o.requests_per_minute),
-                            tokens_per_day: c.key.tokens_per_day.or(o.tokens_per_day),
-                        },
-                        user: c.user,
-                    }),
-                    Err(AuthError::InvalidKey) => Err(ApiError::Unauthorized),
-                    Err(AuthError::Store(e)) => Err(e.into()),
-                }
+                state.chat.key_caller(token.trim()).await
             }
         }
     }

@@ -11,23 +11,25 @@ use axum::extract::State;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
+use hearth_shared::chat::Role as ChatRole;
 use hearth_shared::{FinishReason, SamplingParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
-use tokio::time::Instant;
 use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
-use super::chat::{check_content, check_params, check_stops, plan, sse};
-use super::{ApiError, AppState, Caller, ValidJson};
-use crate::generate::{End, Job, Live, Outcome, Persistence, RunEvent, TurnIds};
+use super::chat::sse;
+use super::{ApiError, AppState, ValidJson};
+use crate::generate::{End, Live, Outcome, RunEvent};
+use crate::service::{Caller, Conversation, GenOptions, ValidTurn};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`user`,
 /// `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
+    /// Accepted for compatibility; the one served model answers whatever it names.
     #[serde(default)]
+    #[allow(dead_code)] // read by serde and documented; nothing routes on it
     model: Option<String>,
     #[schema(min_items = 1)]
     messages: Vec<InMessage>,
@@ -160,9 +162,9 @@ impl ChatRequest {
         Ok(())
     }
 
-    fn params(&self) -> Result<SamplingParams, ApiError> {
+    fn params(&self) -> SamplingParams {
         let d = SamplingParams::default();
-        let p = SamplingParams {
+        SamplingParams {
             // OpenAI's default temperature is 1.
             temperature: self.temperature.unwrap_or(1.0),
             top_k: self.top_k.unwrap_or(d.top_k),
@@ -170,18 +172,11 @@ impl ChatRequest {
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
             seed: self.seed,
-        };
-        check_params(p, "request").map_err(|e| match e {
-            ApiError::Validation(m) => ApiError::Validation(m.replace("request.", "")),
-            other => other,
-        })
+        }
     }
 
-    fn conversation(&self) -> Result<Vec<ChatMessage>, ApiError> {
-        if self.messages.is_empty() {
-            return Err(refuse("messages", "must not be empty"));
-        }
-        let mut out: Vec<ChatMessage> = Vec::with_capacity(self.messages.len());
+    fn conversation(&self) -> Result<Conversation, ApiError> {
+        let mut out = Vec::with_capacity(self.messages.len());
         for (i, m) in self.messages.iter().enumerate() {
             let field = format!("messages[{i}]");
             let text = match &m.content {
@@ -203,9 +198,6 @@ impl ChatRequest {
                     t
                 }
             };
-            if text.len() > super::chat::MAX_CONTENT_BYTES || text.contains('\0') {
-                check_content(&format!("{field}.content"), &text)?;
-            }
             let role = match m.role.as_str() {
                 "system" | "developer" => ChatRole::System,
                 "user" => ChatRole::User,
@@ -217,16 +209,27 @@ impl ChatRequest {
                     ))
                 }
             };
-            // Leading system messages become one system prompt.
-            match out.last_mut() {
-                Some(prev) if role == ChatRole::System && prev.role == ChatRole::System => {
-                    prev.content.push_str("\n\n");
-                    prev.content.push_str(&text);
-                }
-                _ => out.push(ChatMessage::new(role, text)),
-            }
+            out.push((role, text));
         }
-        Ok(out)
+        Conversation::new(out)
+    }
+
+    /// The request as a validated turn: every field checked once, here.
+    fn turn(&self) -> Result<ValidTurn<Conversation>, ApiError> {
+        self.check_supported()?;
+        let stop = match self.stop.as_ref() {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(v)) => v.clone(),
+        };
+        let options = GenOptions::new(
+            Some(self.params()),
+            "",
+            self.max_completion_tokens.or(self.max_tokens),
+            stop,
+            self.ignore_eos,
+        )?;
+        Ok(ValidTurn::new(self.conversation()?, options, self.stream))
     }
 }
 
@@ -246,47 +249,9 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    let arrived = Instant::now();
-    req.check_supported()?;
-    let params = req.params()?;
-    let convo = req.conversation()?;
-    let stop = match req.stop.as_ref() {
-        None => Vec::new(),
-        Some(StopField::One(s)) => vec![s.clone()],
-        Some(StopField::Many(v)) => v.clone(),
-    };
-    let stop = check_stops(stop, "stop")?;
-    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    super::chat::check_max_tokens(&s, max_tokens)?;
-    let reserve = max_tokens.unwrap_or(s.options.default_max_tokens);
-    let budget = s
-        .generator
-        .limiter
-        .admit(&caller.quota, u64::from(reserve))
-        .await?;
-    let (prompt, max_new) = plan(&s, &convo, max_tokens).await?;
-    // Route to the worker that likely holds this conversation's earlier turns.
-    let lease = s
-        .generator
-        .pool
-        .admit_prefix(&caller.user.id, &crate::workers::prefix_keys(&prompt))
-        .await?;
-    let model = s.model_name();
-    let _ = req.model;
-    let live = Live::new(TurnIds::default());
-    let job = Job {
-        user_id: caller.user.id.clone(),
-        persistence: Persistence::Stateless,
-        prompt,
-        params,
-        max_new_tokens: max_new,
-        stop,
-        ignore_eos: req.ignore_eos,
-        arrived,
-        budget,
-        lease: Some(lease),
-    };
-    tokio::spawn(s.generator.clone().run(job, live.clone()));
+    let turn = req.turn()?;
+    let live = s.chat.complete(&caller, turn).await?;
+    let model = s.chat.model_name();
     let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
     let created = crate::storage::now_ms() / 1000;
     // Dropping this (the client went away) stops the generation.
@@ -467,15 +432,14 @@ pub struct ModelCard {
 #[utoipa::path(get, path = "/v1/models", operation_id = "listModels", tag = "openai",
     responses((status = 200, description = "The served model", body = ModelList)))]
 pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelList> {
-    let info = s.generator.pool.info();
     Json(ModelList {
         object: "list".into(),
         data: vec![ModelCard {
-            id: s.model_name(),
+            id: s.chat.model_name(),
             object: "model".into(),
             created: 0,
             owned_by: "hearth".into(),
-            max_model_len: info.map(|i| i.context_length as u64),
+            max_model_len: s.chat.context_length().map(|n| n as u64),
         }],
     })
 }

@@ -10,7 +10,8 @@ use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
 use super::ids::SessionId;
-use super::{created, ApiError, AppState, Caller, ValidJson, ValidQuery};
+use super::{created, ApiError, AppState, ValidJson, ValidQuery};
+use crate::service::Caller;
 use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
 
 const MAX_TITLE_CHARS: usize = 200;
@@ -127,28 +128,8 @@ fn check_system(s: &str) -> Result<(), ApiError> {
 }
 
 fn check_params(p: SamplingParams) -> Result<serde_json::Value, ApiError> {
-    p.validate()
-        .map_err(|e| ApiError::Validation(format!("params.{}: {}", e.field, e.reason)))?;
+    let p = crate::service::check_params(p, "params.")?;
     serde_json::to_value(p).map_err(|e| ApiError::Internal(e.to_string()))
-}
-
-/// Largest default reply length a session may store when no worker has reported its context yet.
-const MAX_SESSION_MAX_TOKENS: u32 = 1 << 20;
-
-/// A session's default reply length: at least one token, and shorter than the served model's
-/// context when a worker has reported it (a turn's own `max_tokens` is checked the same way).
-fn check_max_tokens(s: &AppState, n: u32) -> Result<i64, ApiError> {
-    let limit = s
-        .generator
-        .pool
-        .context_length()
-        .map_or(MAX_SESSION_MAX_TOKENS, |ctx| (ctx as u32).saturating_sub(1));
-    if n == 0 || n > limit {
-        return Err(ApiError::Validation(format!(
-            "max_tokens: must be between 1 and {limit}"
-        )));
-    }
-    Ok(i64::from(n))
 }
 
 /// One page of the caller's sessions, newest first.
@@ -185,22 +166,12 @@ pub(super) async fn create(
     let params = body.params.map(check_params).transpose()?;
     let max_tokens = body
         .max_tokens
-        .map(|n| check_max_tokens(&s, n))
+        .map(|n| s.chat.check_session_max_tokens(n))
         .transpose()?;
-    let cap = s.options.max_sessions_per_user;
-    if s.store.count_sessions(&user.id).await? >= cap {
-        return Err(ApiError::Unprocessable {
-            kind: "too_many_sessions",
-            message: format!(
-                "you have {cap} sessions, the most this server keeps for one user; delete some \
-                 to create more"
-            ),
-        });
-    }
     let session = s
-        .store
+        .chat
         .create_session(
-            &user.id,
+            &user,
             NewSession {
                 title: if title.is_empty() {
                     "New chat".into()
@@ -250,9 +221,9 @@ pub(super) async fn list(
         }
     }
     let page = s
-        .store
-        .list_sessions(
-            &user.id,
+        .chat
+        .sessions(
+            &user,
             &SessionQuery {
                 q: p.q,
                 limit,
@@ -280,7 +251,7 @@ pub(super) async fn fetch(
     Caller { user, .. }: Caller,
     id: SessionId,
 ) -> Result<Json<Session>, ApiError> {
-    Ok(Json(s.store.get_session(&user.id, &id).await?))
+    Ok(Json(s.chat.session(&user, &id).await?))
 }
 
 /// Changes a session's title, system prompt or defaults.
@@ -307,7 +278,7 @@ pub(super) async fn update(
         None => None,
     };
     let max_tokens = match body.max_tokens {
-        Some(Some(n)) => Some(Some(check_max_tokens(&s, n)?)),
+        Some(Some(n)) => Some(Some(s.chat.check_session_max_tokens(n)?)),
         Some(None) => Some(None),
         None => None,
     };
@@ -317,7 +288,7 @@ pub(super) async fn update(
         params,
         max_tokens,
     };
-    Ok(Json(s.store.update_session(&user.id, &id, patch).await?))
+    Ok(Json(s.chat.update_session(&user, &id, patch).await?))
 }
 
 /// Deletes a session and its messages, stops its running reply and frees its cache on the
@@ -332,24 +303,7 @@ pub(super) async fn remove(
     Caller { user, .. }: Caller,
     id: SessionId,
 ) -> Result<StatusCode, ApiError> {
-    // Stop the session's reply first, so it is not left generating for nobody; it ends within
-    // one engine step. One running on another replica is stopped through Redis.
-    s.store.get_session(&user.id, &id).await?;
-    if let Some(live) = s.generator.streams.get(&id).filter(|l| !l.is_finished()) {
-        live.stop();
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), live.outcome()).await;
-    } else if let Some(bus) = &s.generator.stop_bus {
-        bus.publish(&id).await;
-    }
-    s.store.delete_session(&user.id, &id).await?;
-    // Then free its KV cache on the workers, now and once more a little later, in case a reply
-    // stopped on another replica hands its cache back after the first call.
-    let pool = s.generator.pool.clone();
-    tokio::spawn(async move {
-        pool.drop_session(&id).await;
-        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
-        pool.drop_session(&id).await;
-    });
+    s.chat.delete_session(&user, &id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -365,6 +319,6 @@ pub(super) async fn messages(
     Caller { user, .. }: Caller,
     id: SessionId,
 ) -> Result<Json<MessageList>, ApiError> {
-    let data: Vec<Message> = s.store.list_messages(&user.id, &id).await?;
+    let data: Vec<Message> = s.chat.messages(&user, &id).await?;
     Ok(Json(MessageList { data }))
 }

@@ -25,21 +25,18 @@ use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::{FinishReason, SamplingParams};
 use tokio::time::Instant;
 
-use crate::limits::{Budget, Limiter};
+use crate::limits::Budget;
 use crate::storage::{Completion, Store, StoreError};
 use crate::telemetry;
 use crate::workers::{Lease, PoolError, WorkerPool};
 
-/// What every generation needs.
+/// What every generation needs. Built by the chat service, which alone holds it.
 #[derive(Debug)]
-pub struct Generator {
-    pub pool: Arc<WorkerPool>,
-    pub tokenizer: Arc<Tokenizer>,
-    pub store: Arc<dyn Store>,
-    pub limiter: Arc<Limiter>,
-    pub streams: Arc<Streams>,
-    /// Relays stops to the replica running a reply (with Redis).
-    pub stop_bus: Option<crate::bus::StopBus>,
+pub(crate) struct Generator {
+    pub(crate) pool: Arc<WorkerPool>,
+    pub(crate) tokenizer: Arc<Tokenizer>,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) streams: Arc<Streams>,
 }
 
 #[derive(Debug)]

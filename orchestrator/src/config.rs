@@ -1,0 +1,436 @@
+//! The orchestrator's configuration: the command line and environment ([`ServeArgs`], parsed by
+//! clap) and the checked value the server is built from ([`Config`]). [`Config::from_args`] is
+//! the one place a setting is judged; a value it refuses is named by its flag, and nothing is
+//! quietly raised to a minimum.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, ValueEnum};
+
+use crate::api::ApiOptions;
+use crate::http_server::HttpLimits;
+use crate::service::ChatLimits;
+use crate::workers::{BatchConfig, PoolConfig};
+
+const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AuthArg {
+    /// No keys: every request is the local user. Loopback addresses only.
+    None,
+    /// `Authorization: Bearer hk_…` on every request (`hearth keys create`).
+    Keys,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// HTTP address to listen on.
+    #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// A worker's gRPC address (repeat for several). None: start a local worker.
+    #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',')]
+    pub workers: Vec<String>,
+    /// Whether requests need an API key.
+    #[arg(long, env = "HEARTH_AUTH", value_enum, default_value = "none")]
+    pub auth: AuthArg,
+    /// Gemma tokenizer.json [default: <models dir>/gemma-3-tokenizer.json].
+    #[arg(long, env = "HEARTH_TOKENIZER")]
+    pub tokenizer: Option<PathBuf>,
+    /// Where `scripts/fetch-model.sh` puts models [default: ~/.cache/hearth/models].
+    #[arg(long, env = "HEARTH_MODELS_DIR")]
+    pub models_dir: Option<PathBuf>,
+    /// GGUF model for the local worker [default: the worker's default in the models dir].
+    #[arg(long, env = "HEARTH_MODEL")]
+    pub model: Option<PathBuf>,
+    /// The `hearth-worker` binary for the local worker [default: next to `hearth`].
+    #[arg(long, env = "HEARTH_WORKER_BIN")]
+    pub worker_bin: Option<PathBuf>,
+    /// Extra argument for the local worker (repeat), e.g. `--worker-arg=--kv-budget=1GiB`.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    pub worker_args: Vec<String>,
+    /// Redis for what replicas share (rate limits, session affinity). None: in process.
+    #[arg(long, env = "HEARTH_REDIS_URL")]
+    pub redis_url: Option<String>,
+    /// Send queued requests to a worker when this many are waiting…
+    #[arg(long, env = "HEARTH_BATCH_SIZE", default_value_t = 32)]
+    pub batch_size: usize,
+    /// …or this many milliseconds after the first.
+    #[arg(long, env = "HEARTH_BATCH_DELAY_MS", default_value_t = 2)]
+    pub batch_delay_ms: u64,
+    /// Requests one worker may have in flight from here [default 0: its max batch + queue].
+    #[arg(long, env = "HEARTH_WORKER_CAPACITY", default_value_t = 0)]
+    pub worker_capacity: usize,
+    /// Requests that may wait when every worker is full; more get 503.
+    #[arg(long, env = "HEARTH_MAX_QUEUE", default_value_t = 256)]
+    pub max_queue: usize,
+    /// How long a queued request waits before it gets 503.
+    #[arg(long, env = "HEARTH_QUEUE_TIMEOUT_SECS", default_value_t = 10)]
+    pub queue_timeout_secs: u64,
+    /// A worker that fails health checks this long with replies open on it is given up on, and
+    /// its replies continue on other workers (a stopped process, a frozen VM, a lost network).
+    #[arg(long, env = "HEARTH_STALL_TIMEOUT_SECS", default_value_t = 10)]
+    pub stall_timeout_secs: u64,
+    /// How often workers' health is checked.
+    #[arg(long, env = "HEARTH_HEALTH_INTERVAL_MS", default_value_t = 500)]
+    pub health_interval_ms: u64,
+    /// Reply length when a request does not say.
+    #[arg(long, env = "HEARTH_DEFAULT_MAX_TOKENS", default_value_t = 1024)]
+    pub default_max_tokens: u32,
+    /// Requests per minute for keys without their own limit [default: unlimited].
+    #[arg(long, env = "HEARTH_REQUESTS_PER_MINUTE")]
+    pub requests_per_minute: Option<u32>,
+    /// Generated tokens per day for keys without their own limit [default: unlimited].
+    #[arg(long, env = "HEARTH_TOKENS_PER_DAY")]
+    pub tokens_per_day: Option<u32>,
+    /// Stop a native-API reply when its client disconnects (default: finish and store it).
+    #[arg(long, env = "HEARTH_CANCEL_ON_DISCONNECT")]
+    pub cancel_on_disconnect: bool,
+    /// A `streaming` reply not written for this long belongs to an orchestrator that died and
+    /// is marked `error` (checked from start-up on, periodically). Measured on this process's own
+    /// clock as time without a save, so replicas' clocks need not agree. Live replies are
+    /// written at least every 5 s, so with replicas sharing a database keep this well above that.
+    #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]
+    pub orphan_after_secs: u64,
+    /// The statically exported web UI (`make run` builds it) served at `/`.
+    #[arg(long, env = "HEARTH_WEB_DIR", default_value = crate::api::DEFAULT_WEB_DIR)]
+    pub web_dir: PathBuf,
+    /// Sessions one user may keep; creating more answers 422 `too_many_sessions`.
+    #[arg(long, env = "HEARTH_MAX_SESSIONS_PER_USER", default_value_t = 10_000)]
+    pub max_sessions_per_user: u64,
+    /// Messages one session may hold; a turn beyond answers 422 `session_full`.
+    #[arg(
+        long,
+        env = "HEARTH_MAX_MESSAGES_PER_SESSION",
+        default_value_t = 10_000
+    )]
+    pub max_messages_per_session: usize,
+    /// A client has this long from the first byte of a request to the end of its header.
+    #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_timeout_secs: u64,
+    /// A request's body must arrive within this long of its header, or it is answered 408.
+    #[arg(long, env = "HEARTH_BODY_TIMEOUT_SECS", default_value_t = 30)]
+    pub body_timeout_secs: u64,
+    /// Open HTTP connections at most; more wait in the listen backlog [default: the open-files
+    /// limit less 512].
+    #[arg(long, env = "HEARTH_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// On SIGTERM, how long running replies may take to finish before they are stopped.
+    #[arg(long, env = "HEARTH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 30)]
+    pub shutdown_timeout_secs: u64,
+}
+
+/// Where the workers come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Workers {
+    /// Workers already running, by gRPC address (`host:port`).
+    Remote(Vec<String>),
+    /// The quick start: one worker this process starts and stops.
+    Local(LocalWorker),
+}
+
+/// How to start the quick start's local worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalWorker {
+    /// The `hearth-worker` binary.
+    pub bin: PathBuf,
+    pub models_dir: PathBuf,
+    pub model: Option<PathBuf>,
+    pub tokenizer: Option<PathBuf>,
+    pub args: Vec<String>,
+}
+
+/// The orchestrator's checked configuration: what [`crate::server::App::bind`] takes.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub auth: AuthArg,
+    pub workers: Workers,
+    pub tokenizer: PathBuf,
+    pub redis_url: Option<String>,
+    pub pool: PoolConfig,
+    pub limits: ChatLimits,
+    pub api: ApiOptions,
+    pub http: HttpLimits,
+    /// A `streaming` reply not saved for this long is marked `error`.
+    pub orphan_after: Duration,
+    /// After SIGTERM, how long running replies may take to finish.
+    pub shutdown_timeout: Duration,
+}
+
+/// A setting that cannot be served with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{flag} {value}: {reason}")]
+pub struct ConfigError {
+    /// The flag, as the command line spells it.
+    pub flag: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+fn refuse(flag: &'static str, value: impl ToString, reason: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// `value` if it is at least `min`, else an error naming `flag`.
+fn at_least<T: PartialOrd + ToString>(
+    flag: &'static str,
+    value: T,
+    min: T,
+) -> Result<T, ConfigError> {
+    if value < min {
+        let reason = format!("must be at least {}", min.to_string());
+        return Err(refuse(flag, value, reason));
+    }
+    Ok(value)
+}
+
+impl Config {
+    /// Checks every setting and resolves the defaults that depend on others (the models
+    /// directory, the tokenizer, the local worker's binary).
+    pub fn from_args(a: ServeArgs) -> Result<Self, ConfigError> {
+        if a.auth == AuthArg::None && !a.listen.ip().is_loopback() {
+            return Err(refuse(
+                "--listen",
+                a.listen,
+                "refusing to serve without auth on a non-loopback address; use --auth keys \
+                 (and `hearth keys create --user NAME`) or a 127.0.0.1 address",
+            ));
+        }
+        for w in &a.workers {
+            check_worker_addr(w)?;
+        }
+        if let Some(url) = &a.redis_url {
+            check_redis_url(url)?;
+        }
+        let models_dir = a.models_dir.clone().unwrap_or_else(|| {
+            std::env::var_os("HOME")
+                .map(PathBuf::from)
+                .unwrap_or_default()
+                .join(".cache/hearth/models")
+        });
+        let tokenizer = a
+            .tokenizer
+            .clone()
+            .unwrap_or_else(|| models_dir.join(DEFAULT_TOKENIZER));
+        let workers = if a.workers.is_empty() {
+            Workers::Local(LocalWorker {
+                bin: a.worker_bin.clone().unwrap_or_else(default_worker_bin),
+                models_dir,
+                model: a.model.clone(),
+                tokenizer: a.tokenizer.clone(),
+                args: a.worker_args.clone(),
+            })
+        } else {
+            Workers::Remote(a.workers.clone())
+        };
+        let secs = Duration::from_secs;
+        Ok(Self {
+            listen: a.listen,
+            auth: a.auth,
+            workers,
+            tokenizer,
+            redis_url: a.redis_url,
+            pool: PoolConfig {
+                batch: BatchConfig {
+                    max_batch: at_least("--batch-size", a.batch_size, 1)?,
+                    max_delay: Duration::from_millis(a.batch_delay_ms),
+                },
+                health_interval: Duration::from_millis(at_least(
+                    "--health-interval-ms",
+                    a.health_interval_ms,
+                    10,
+                )?),
+                per_worker_capacity: a.worker_capacity,
+                max_queue: a.max_queue,
+                queue_timeout: secs(a.queue_timeout_secs),
+                stall_timeout: secs(at_least("--stall-timeout-secs", a.stall_timeout_secs, 1)?),
+            },
+            limits: ChatLimits {
+                default_max_tokens: at_least("--default-max-tokens", a.default_max_tokens, 1)?,
+                requests_per_minute: a.requests_per_minute.map(i64::from),
+                tokens_per_day: a.tokens_per_day.map(i64::from),
+                max_sessions_per_user: at_least(
+                    "--max-sessions-per-user",
+                    a.max_sessions_per_user,
+                    1,
+                )?,
+                // A turn stores two messages.
+                max_messages_per_session: at_least(
+                    "--max-messages-per-session",
+                    a.max_messages_per_session,
+                    2,
+                )?,
+            },
+            api: ApiOptions {
+                cancel_on_disconnect: a.cancel_on_disconnect,
+                web_dir: a.web_dir,
+                body_timeout: secs(at_least("--body-timeout-secs", a.body_timeout_secs, 1)?),
+            },
+            http: HttpLimits {
+                header_timeout: secs(at_least("--header-timeout-secs", a.header_timeout_secs, 1)?),
+                max_connections: match a.max_connections {
+                    Some(n) => at_least("--max-connections", n, 1)?,
+                    None => crate::http_server::default_max_connections(),
+                },
+            },
+            orphan_after: secs(at_least("--orphan-after-secs", a.orphan_after_secs, 1)?),
+            shutdown_timeout: secs(a.shutdown_timeout_secs),
+        })
+    }
+}
+
+/// `hearth-worker` next to this executable, else on `PATH`.
+fn default_worker_bin() -> PathBuf {
+    std::env::current_exe()
+        .ok()
+        .map(|exe| exe.with_file_name("hearth-worker"))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("hearth-worker"))
+}
+
+/// A worker's gRPC address: `host:port`, without a scheme.
+fn check_worker_addr(addr: &str) -> Result<(), ConfigError> {
+    let why = if addr.is_empty() {
+        Some("a worker address must not be empty")
+    } else if addr.contains("://") {
+        Some("give the worker as host:port, without a scheme")
+    } else {
+        match addr.parse::<axum::http::uri::Authority>() {
+            Ok(a) if a.port_u16().is_some() && !a.host().is_empty() => None,
+            Ok(_) => Some("a worker address needs a port (host:port)"),
+            Err(_) => Some("not a host:port address"),
+        }
+    };
+    match why {
+        Some(reason) => Err(refuse("--worker", addr, reason)),
+        None => Ok(()),
+    }
+}
+
+/// A Redis URL that names a server (`redis://`, `rediss://`, or a Unix socket); the password in
+/// it is masked in the error.
+fn check_redis_url(url: &str) -> Result<(), ConfigError> {
+    use redis::IntoConnectionInfo;
+    url.into_connection_info().map(|_| ()).map_err(|e| {
+        refuse(
+            "--redis-url",
+            crate::server::redact_url(url),
+            format!(
+                "not a Redis URL ({})",
+                e.detail().unwrap_or("redis://HOST:PORT")
+            ),
+        )
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn config(args: &[&str]) -> Result<Config, ConfigError> {
+        let cli = Cli::try_parse_from(std::iter::once("hearth").chain(args.iter().copied()))
+            .expect("the arguments parse");
+        Config::from_args(cli.serve)
+    }
+
+    #[test]
+    fn the_defaults_make_a_local_quick_start() {
+        let c = config(&["--models-dir", "/m"]).expect("defaults are valid");
+        assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
+        assert_eq!(c.tokenizer, PathBuf::from("/m/gemma-3-tokenizer.json"));
+        let Workers::Local(w) = &c.workers else {
+            panic!("no --worker starts a local one: {:?}", c.workers);
+        };
+        assert_eq!(w.models_dir, PathBuf::from("/m"));
+        assert_eq!(c.pool.batch.max_batch, 32);
+        assert_eq!(c.limits.max_messages_per_session, 10_000);
+        assert_eq!(c.api.body_timeout, Duration::from_secs(30));
+        assert!(c.http.max_connections >= 1);
+        let c = config(&["--worker", "w0:50051,w1:50051", "--tokenizer", "/t.json"]).expect("ok");
+        assert_eq!(
+            c.workers,
+            Workers::Remote(vec!["w0:50051".into(), "w1:50051".into()])
+        );
+        assert_eq!(c.tokenizer, PathBuf::from("/t.json"));
+    }
+
+    #[test]
+    fn a_value_that_cannot_be_served_with_is_refused_by_its_flag() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--batch-size", "0"], "--batch-size 0: must be at least 1"),
+            (
+                &["--health-interval-ms", "5"],
+                "--health-interval-ms 5: must be at least 10",
+            ),
+            (
+                &["--stall-timeout-secs", "0"],
+                "--stall-timeout-secs 0: must be at least 1",
+            ),
+            (
+                &["--default-max-tokens", "0"],
+                "--default-max-tokens 0: must be at least 1",
+            ),
+            (
+                &["--max-messages-per-session", "1"],
+                "--max-messages-per-session 1: must be at least 2",
+            ),
+            (
+                &["--max-sessions-per-user", "0"],
+                "--max-sessions-per-user 0: must be at least 1",
+            ),
+            (
+                &["--body-timeout-secs", "0"],
+                "--body-timeout-secs 0: must be at least 1",
+            ),
+            (
+                &["--header-timeout-secs", "0"],
+                "--header-timeout-secs 0: must be at least 1",
+            ),
+            (
+                &["--max-connections", "0"],
+                "--max-connections 0: must be at least 1",
+            ),
+            (
+                &["--orphan-after-secs", "0"],
+                "--orphan-after-secs 0: must be at least 1",
+            ),
+            (
+                &["--worker", "http://w0:50051"],
+                "--worker http://w0:50051: give the worker as host:port, without a scheme",
+            ),
+            (
+                &["--worker", "w0"],
+                "--worker w0: a worker address needs a port (host:port)",
+            ),
+            (
+                &["--worker", "w0:50051,"],
+                "--worker : a worker address must not be empty",
+            ),
+        ];
+        for (args, want) in cases {
+            let e = config(args).expect_err(want);
+            assert_eq!(e.to_string(), *want, "{args:?}");
+        }
+        let e = config(&["--listen", "0.0.0.0:8080"]).expect_err("open without auth");
+        assert_eq!(e.flag, "--listen");
+        assert!(e.reason.contains("--auth keys"), "{e}");
+        assert!(config(&["--listen", "0.0.0.0:8080", "--auth", "keys"]).is_ok());
+        let e = config(&["--redis-url", "http://:hunter2@cache:6379"]).expect_err("not redis");
+        assert_eq!(e.flag, "--redis-url");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+    }
+}

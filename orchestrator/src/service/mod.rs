@@ -1,0 +1,620 @@
+//! The chat service: the one thing the HTTP handlers call. It owns the store, the worker pool,
+//! the limiter, the running replies and the stop bus, all private, so every rule about them
+//! (who may see a session, what is charged and when, one running reply per session, what a
+//! stop or a delete does on other replicas) lives here and nowhere else.
+//!
+//! Requests reach it validated ([`ValidTurn`]); it answers with stored records or a running
+//! reply's [`Live`] log, which the API turns into JSON or Server-Sent Events.
+
+mod turn;
+
+pub use turn::{
+    check_params, Conversation, GenOptions, NativeTurn, UserText, ValidTurn, MAX_CONTENT_BYTES,
+};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_shared::chat::{render, ChatError, Message as ChatMessage, Role as ChatRole};
+use hearth_shared::tokenizer::Tokenizer;
+use hearth_shared::SamplingParams;
+use tokio::time::Instant;
+
+use crate::api::{ApiError, SessionId};
+use crate::auth::{authenticate, AuthError};
+use crate::bus::StopBus;
+use crate::generate::{Generator, Job, Live, Persistence, Streams, TurnIds};
+use crate::limits::{Budget, Limiter, Quota};
+use crate::storage::{
+    Message, MessageStatus, NewSession, Role, Session, SessionPatch, SessionQuery, Store, User,
+};
+use crate::workers::WorkerPool;
+
+/// Server-wide limits and defaults of the chat service.
+#[derive(Debug, Clone)]
+pub struct ChatLimits {
+    /// Reply length when a request (and its session) names none.
+    pub default_max_tokens: u32,
+    /// Limits for keys that have none of their own (and for the local user without auth).
+    pub requests_per_minute: Option<i64>,
+    pub tokens_per_day: Option<i64>,
+    /// Sessions one user may keep (deleted ones do not count).
+    pub max_sessions_per_user: u64,
+    /// Messages one session may hold; a longer conversation continues in a new session.
+    pub max_messages_per_session: usize,
+}
+
+impl Default for ChatLimits {
+    fn default() -> Self {
+        Self {
+            default_max_tokens: 1024,
+            requests_per_minute: None,
+            tokens_per_day: None,
+            max_sessions_per_user: 10_000,
+            max_messages_per_session: 10_000,
+        }
+    }
+}
+
+/// What the service is made of; [`ChatService::new`] takes them all.
+#[derive(Debug)]
+pub struct ServiceParts {
+    pub store: Arc<dyn Store>,
+    pub pool: Arc<WorkerPool>,
+    pub tokenizer: Arc<Tokenizer>,
+    pub limiter: Limiter,
+    /// Shared with the stop bus's listener and with shutdown, which stops what still runs.
+    pub streams: Arc<Streams>,
+    /// Relays stops to the replica running a reply (with Redis).
+    pub stop_bus: Option<StopBus>,
+    pub limits: ChatLimits,
+}
+
+#[derive(Debug)]
+pub struct ChatService {
+    store: Arc<dyn Store>,
+    generator: Arc<Generator>,
+    limiter: Arc<Limiter>,
+    stop_bus: Option<StopBus>,
+    limits: ChatLimits,
+}
+
+/// The authenticated user of a request and the limits that apply to it.
+#[derive(Debug, Clone)]
+pub struct Caller {
+    pub user: User,
+    pub quota: Quota,
+}
+
+/// What a stop found.
+#[derive(Debug)]
+pub enum StopOutcome {
+    /// No reply was running in the session (or it ended before the stop reached it).
+    NothingRunning,
+    /// The reply as stored once it ended: `stopped`, or how it ended first.
+    Ended(Box<Message>),
+}
+
+/// Whether the service can answer, and each worker's state.
+#[derive(Debug)]
+pub struct Readiness {
+    pub ready_workers: usize,
+    pub workers: Vec<serde_json::Value>,
+}
+
+/// Largest default reply length a session may store when no worker has reported its context yet.
+const MAX_SESSION_MAX_TOKENS: u32 = 1 << 20;
+
+impl ChatService {
+    pub fn new(p: ServiceParts) -> Self {
+        Self {
+            generator: Arc::new(Generator {
+                pool: p.pool,
+                tokenizer: p.tokenizer,
+                store: p.store.clone(),
+                streams: p.streams,
+            }),
+            store: p.store,
+            limiter: Arc::new(p.limiter),
+            stop_bus: p.stop_bus,
+            limits: p.limits,
+        }
+    }
+
+    // --- Who is asking ---
+
+    /// The local user of a server without keys, with the server's limits.
+    pub fn local_caller(&self, user: &User) -> Caller {
+        Caller {
+            user: user.clone(),
+            quota: Quota {
+                bucket: user.id.clone(),
+                requests_per_minute: self.limits.requests_per_minute,
+                tokens_per_day: self.limits.tokens_per_day,
+            },
+        }
+    }
+
+    /// The owner of an API key, with the key's limits (the server's where it has none).
+    pub async fn key_caller(&self, token: &str) -> Result<Caller, ApiError> {
+        match authenticate(self.store.as_ref(), token).await {
+            Ok(c) => Ok(Caller {
+                quota: Quota {
+                    bucket: c.key.id.clone(),
+                    requests_per_minute: c
+                        .key
+                        .requests_per_minute
+                        .or(self.limits.requests_per_minute),
+                    tokens_per_day: c.key.tokens_per_day.or(self.limits.tokens_per_day),
+                },
+                user: c.user,
+            }),
+            Err(AuthError::InvalidKey) => Err(ApiError::Unauthorized),
+            Err(AuthError::Store(e)) => Err(e.into()),
+        }
+    }
+
+    // --- The service itself ---
+
+    /// Ready when the database answers and at least one worker is ready.
+    pub async fn readiness(&self) -> Result<Readiness, ApiError> {
+        self.store.ping().await?;
+        Ok(Readiness {
+            ready_workers: self.generator.pool.ready_count(),
+            workers: self.generator.pool.describe(),
+        })
+    }
+
+    /// The served model's name, as `/v1/models` and completions report it.
+    pub fn model_name(&self) -> String {
+        self.generator
+            .pool
+            .info()
+            .map(|i| i.model_id)
+            .filter(|m| !m.is_empty())
+            .unwrap_or_else(|| "hearth".to_string())
+    }
+
+    /// The served model's context in tokens, once a worker has reported it.
+    pub fn context_length(&self) -> Option<usize> {
+        self.generator.pool.context_length()
+    }
+
+    // --- Sessions ---
+
+    /// Creates a session, unless the user already keeps the most sessions allowed.
+    pub async fn create_session(&self, user: &User, new: NewSession) -> Result<Session, ApiError> {
+        let cap = self.limits.max_sessions_per_user;
+        if self.store.count_sessions(&user.id).await? >= cap {
+            return Err(ApiError::Unprocessable {
+                kind: "too_many_sessions",
+                message: format!(
+                    "you have {cap} sessions, the most this server keeps for one user; delete \
+                     some to create more"
+                ),
+            });
+        }
+        Ok(self.store.create_session(&user.id, new).await?)
+    }
+
+    pub async fn sessions(&self, user: &User, q: &SessionQuery) -> Result<Vec<Session>, ApiError> {
+        Ok(self.store.list_sessions(&user.id, q).await?)
+    }
+
+    pub async fn session(&self, user: &User, id: &SessionId) -> Result<Session, ApiError> {
+        Ok(self.store.get_session(&user.id, id).await?)
+    }
+
+    pub async fn update_session(
+        &self,
+        user: &User,
+        id: &SessionId,
+        patch: SessionPatch,
+    ) -> Result<Session, ApiError> {
+        Ok(self.store.update_session(&user.id, id, patch).await?)
+    }
+
+    /// A session's messages, oldest first (a reply still streaming included).
+    pub async fn messages(&self, user: &User, id: &SessionId) -> Result<Vec<Message>, ApiError> {
+        Ok(self.store.list_messages(&user.id, id).await?)
+    }
+
+    /// Deletes a session: stops its running reply first (here, or on another replica through
+    /// the stop bus) so it is not left generating for nobody, then frees its KV cache on the
+    /// workers.
+    pub async fn delete_session(&self, user: &User, id: &SessionId) -> Result<(), ApiError> {
+        self.store.get_session(&user.id, id).await?;
+        if let Some(live) = self.running(id) {
+            live.stop();
+            let _ = tokio::time::timeout(Duration::from_secs(5), live.outcome()).await;
+        } else if let Some(bus) = &self.stop_bus {
+            bus.publish(id).await;
+        }
+        self.store.delete_session(&user.id, id).await?;
+        // Now and once more a little later, in case a reply stopped on another replica hands
+        // its cache back after the first call.
+        let pool = self.generator.pool.clone();
+        let id = id.to_string();
+        tokio::spawn(async move {
+            pool.drop_session(&id).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            pool.drop_session(&id).await;
+        });
+        Ok(())
+    }
+
+    /// A session's default reply length: at least one token, and shorter than the served
+    /// model's context when a worker has reported it (a turn's own `max_tokens` is checked the
+    /// same way).
+    pub fn check_session_max_tokens(&self, n: u32) -> Result<i64, ApiError> {
+        let limit = self
+            .context_length()
+            .map_or(MAX_SESSION_MAX_TOKENS, |ctx| (ctx as u32).saturating_sub(1));
+        if n == 0 || n > limit {
+            return Err(ApiError::Validation(format!(
+                "max_tokens: must be between 1 and {limit}"
+            )));
+        }
+        Ok(i64::from(n))
+    }
+
+    // --- Generation ---
+
+    /// Starts a native turn in one of the caller's sessions and returns its running reply.
+    ///
+    /// In order, so that a refused request costs nothing and changes nothing: the session
+    /// (404), the options against the served context (422), the session's place (409: one
+    /// reply at a time), the history and its cap (422) and what the turn needs from it (409,
+    /// 404, 422); then the caller's rate limit and token budget are charged, the prompt is fitted,
+    /// a worker is taken (503) and only then the turn is stored and generation starts.
+    pub async fn start_turn(
+        &self,
+        caller: &Caller,
+        session_id: &SessionId,
+        turn: ValidTurn<NativeTurn>,
+    ) -> Result<Arc<Live>, ApiError> {
+        let user_id = &caller.user.id;
+        let (input, opts, arrived) = turn.into_parts();
+        let session = self.store.get_session(user_id, session_id).await?;
+        // The turn's own value, else the session's default (else the server's).
+        let max_tokens = opts
+            .max_tokens()
+            .or_else(|| session.max_tokens.and_then(|n| u32::try_from(n).ok()));
+        self.check_max_tokens(max_tokens)?;
+        let reservation = self.generator.streams.reserve(session_id)?;
+        let history = self.store.list_messages(user_id, session_id).await?;
+        let cap = self.limits.max_messages_per_session;
+        if history.len() + 2 > cap {
+            return Err(ApiError::Unprocessable {
+                kind: "session_full",
+                message: format!(
+                    "this session holds {} messages, and a session may hold at most {cap}; \
+                     continue in a new session",
+                    history.len()
+                ),
+            });
+        }
+        let (convo, store) = prepare(&session, history, &input)?;
+        let budget = self.charge(caller, max_tokens).await?;
+        let (prompt, max_new_tokens) = self.plan(convo, max_tokens).await?;
+        let lease = self
+            .generator
+            .pool
+            .admit(user_id, Some(session_id), &[])
+            .await?;
+        let (user_message_id, message_id) = match store {
+            StoreTurn::Post(content) => {
+                let t = self.store.begin_turn(user_id, session_id, &content).await?;
+                (Some(t.user.id), t.assistant.id)
+            }
+            StoreTurn::Regenerate { from, asked } => {
+                let reply = self
+                    .store
+                    .begin_regenerate(user_id, session_id, from)
+                    .await?;
+                (asked, reply.id)
+            }
+            StoreTurn::Edit {
+                message_id,
+                content,
+            } => {
+                let t = self
+                    .store
+                    .begin_edit(user_id, session_id, &message_id, &content)
+                    .await?;
+                (Some(t.user.id), t.assistant.id)
+            }
+        };
+        let live = Live::new(TurnIds {
+            session_id: session_id.to_string(),
+            user_message_id,
+            message_id: message_id.clone(),
+        });
+        reservation.fill(&live);
+        let params = match opts.params() {
+            Some(p) => p.clone(),
+            None => session
+                .params
+                .and_then(|stored| serde_json::from_value(stored).ok())
+                .unwrap_or_default(),
+        };
+        let job = Job {
+            user_id: user_id.clone(),
+            persistence: Persistence::Stored {
+                session_id: session_id.to_string(),
+                message_id,
+            },
+            prompt,
+            params,
+            max_new_tokens,
+            stop: opts.stop().to_vec(),
+            ignore_eos: opts.ignore_eos(),
+            arrived,
+            budget,
+            lease: Some(lease),
+        };
+        let g = self.generator.clone();
+        let running = live.clone();
+        tokio::spawn(async move {
+            g.clone().run(job, running.clone()).await;
+            g.streams.expire_later(running);
+        });
+        Ok(live)
+    }
+
+    /// Starts a stateless completion of a whole conversation (OpenAI's API): nothing is
+    /// stored, and the worker that likely holds the conversation's earlier turns is preferred.
+    pub async fn complete(
+        &self,
+        caller: &Caller,
+        turn: ValidTurn<Conversation>,
+    ) -> Result<Arc<Live>, ApiError> {
+        let (convo, opts, arrived) = turn.into_parts();
+        let max_tokens = opts.max_tokens();
+        self.check_max_tokens(max_tokens)?;
+        let budget = self.charge(caller, max_tokens).await?;
+        let (prompt, max_new_tokens) = self.plan(convo.into_messages(), max_tokens).await?;
+        let lease = self
+            .generator
+            .pool
+            .admit_prefix(&caller.user.id, &crate::workers::prefix_keys(&prompt))
+            .await?;
+        let live = Live::new(TurnIds::default());
+        let job = Job {
+            user_id: caller.user.id.clone(),
+            persistence: Persistence::Stateless,
+            prompt,
+            params: opts
+                .params()
+                .cloned()
+                .unwrap_or_else(SamplingParams::default),
+            max_new_tokens,
+            stop: opts.stop().to_vec(),
+            ignore_eos: opts.ignore_eos(),
+            arrived,
+            budget,
+            lease: Some(lease),
+        };
+        tokio::spawn(self.generator.clone().run(job, live.clone()));
+        Ok(live)
+    }
+
+    /// The session's running or just-finished reply on this replica, to resume.
+    pub async fn reply_stream(
+        &self,
+        caller: &Caller,
+        id: &SessionId,
+    ) -> Result<Arc<Live>, ApiError> {
+        self.store.get_session(&caller.user.id, id).await?;
+        self.generator
+            .streams
+            .get(id)
+            .ok_or(ApiError::NotFound("stream"))
+    }
+
+    /// Stops the session's running reply (on the worker within one engine step) and returns it
+    /// once stored. A reply running on another replica is stopped through the stop bus. Stops
+    /// count against their own rate limit.
+    pub async fn stop(&self, caller: &Caller, id: &SessionId) -> Result<StopOutcome, ApiError> {
+        let user_id = &caller.user.id;
+        self.store.get_session(user_id, id).await?;
+        self.limiter.admit_stop(&caller.quota).await?;
+        let streaming =
+            |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;
+        let reply_id = if let Some(live) = self.running(id) {
+            live.stop();
+            // The outcome is stored before it is announced, so one read finds the final message.
+            let _ = tokio::time::timeout(Duration::from_secs(10), live.outcome()).await;
+            live.ids.message_id.clone()
+        } else {
+            let last = self.store.last_message(user_id, id).await?;
+            let (Some(bus), Some(reply)) = (&self.stop_bus, last.filter(streaming)) else {
+                return Ok(StopOutcome::NothingRunning);
+            };
+            if !bus.publish(id).await {
+                return Err(ApiError::Unavailable(
+                    "the reply runs on another replica and Redis cannot be reached to stop it"
+                        .into(),
+                ));
+            }
+            reply.id
+        };
+        // The replica running it stores the stopped reply; wait for that, reading only that
+        // message and less often as the wait grows.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut pause = Duration::from_millis(20);
+        loop {
+            let m = self.store.get_message(user_id, id, &reply_id).await?;
+            if !streaming(&m) {
+                return Ok(StopOutcome::Ended(Box::new(m)));
+            }
+            if Instant::now() + pause >= deadline {
+                return Ok(StopOutcome::NothingRunning);
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
+    }
+
+    fn running(&self, session_id: &str) -> Option<Arc<Live>> {
+        self.generator
+            .streams
+            .get(session_id)
+            .filter(|l| !l.is_finished())
+    }
+
+    /// Refuses a `max_tokens` the served context cannot hold, before anything is charged or
+    /// stored.
+    fn check_max_tokens(&self, max_tokens: Option<u32>) -> Result<(), ApiError> {
+        let (Some(want), Some(ctx)) = (max_tokens, self.context_length()) else {
+            return Ok(());
+        };
+        if want == 0 || want as usize >= ctx {
+            return Err(ApiError::Validation(format!(
+                "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
+                ctx - 1
+            )));
+        }
+        Ok(())
+    }
+
+    /// Charges the request to the caller's rate limit and sets its reply's tokens aside from
+    /// the caller's daily budget.
+    async fn charge(
+        &self,
+        caller: &Caller,
+        max_tokens: Option<u32>,
+    ) -> Result<Option<Budget>, ApiError> {
+        let reserve = max_tokens.unwrap_or(self.limits.default_max_tokens);
+        Ok(self
+            .limiter
+            .admit(&caller.quota, u64::from(reserve))
+            .await?)
+    }
+
+    /// Prompt tokens for `convo` and the number of tokens to generate: the oldest whole turns
+    /// are dropped until the prompt leaves room for the reply. Tokenizing runs on the blocking
+    /// pool, so a long history never holds up the runtime's other requests (or its health
+    /// checks).
+    async fn plan(
+        &self,
+        convo: Vec<ChatMessage>,
+        max_tokens: Option<u32>,
+    ) -> Result<(Vec<u32>, u32), ApiError> {
+        let ctx = self
+            .context_length()
+            .ok_or_else(|| ApiError::Unavailable("no worker is ready".into()))?;
+        // The server's default shrinks to fit a small model; an explicit value must fit as asked.
+        let want = max_tokens.unwrap_or_else(|| self.limits.default_max_tokens.min(ctx as u32 / 2));
+        self.check_max_tokens(Some(want))?;
+        let reserve = (want as usize).min(ctx / 2);
+        let tokenizer = self.generator.tokenizer.clone();
+        let rendered =
+            tokio::task::spawn_blocking(move || render(&tokenizer, &convo, ctx - reserve))
+                .await
+                .map_err(|e| ApiError::Internal(format!("prompt rendering failed: {e}")))?;
+        let prompt = rendered.map_err(|e| match e {
+            ChatError::Tokenizer(e) => ApiError::Internal(e.to_string()),
+            other => ApiError::Validation(other.to_string()),
+        })?;
+        let room = (ctx - prompt.tokens.len()) as u32;
+        Ok((prompt.tokens, want.min(room)))
+    }
+}
+
+/// How a prepared native turn is stored once a worker has taken it.
+enum StoreTurn {
+    Post(String),
+    Regenerate {
+        /// The sequence number of the reply being replaced.
+        from: i64,
+        /// The user message it answers.
+        asked: Option<String>,
+    },
+    Edit {
+        message_id: String,
+        content: String,
+    },
+}
+
+/// The conversation a native turn answers, and how to store the turn. Refuses a regenerate
+/// without a reply (409) and an edit of a missing (404) or non-user (422) message.
+fn prepare(
+    session: &Session,
+    history: Vec<Message>,
+    input: &NativeTurn,
+) -> Result<(Vec<ChatMessage>, StoreTurn), ApiError> {
+    match input {
+        NativeTurn::Post(content) => {
+            let mut convo = conversation(session, &history);
+            convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
+            Ok((convo, StoreTurn::Post(content.as_str().to_string())))
+        }
+        NativeTurn::Regenerate => {
+            // The reply to replace is the last message; what came before must end with a user
+            // message.
+            let from = match history.last() {
+                Some(m) if m.role == Role::Assistant => m.seq,
+                _ => {
+                    return Err(ApiError::Conflict(
+                        "the session has no reply to regenerate".into(),
+                    ))
+                }
+            };
+            let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
+            let asked = earlier.last().map(|m| m.id.clone());
+            Ok((
+                conversation(session, &earlier),
+                StoreTurn::Regenerate { from, asked },
+            ))
+        }
+        NativeTurn::Edit {
+            message_id,
+            content,
+        } => {
+            let target = history
+                .iter()
+                .find(|m| m.id == **message_id)
+                .ok_or(ApiError::NotFound("message"))?;
+            if target.role != Role::User {
+                return Err(ApiError::not_a_user_message(format!(
+                    "message {message_id} is an {} message; only user messages can be edited \
+                     (POST /v1/sessions/{}/regenerate answers the last one again)",
+                    target.role.as_str(),
+                    session.id
+                )));
+            }
+            let from = target.seq;
+            let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
+            let mut convo = conversation(session, &earlier);
+            convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
+            Ok((
+                convo,
+                StoreTurn::Edit {
+                    message_id: message_id.to_string(),
+                    content: content.as_str().to_string(),
+                },
+            ))
+        }
+    }
+}
+
+/// The stored conversation as the template sees it: the system prompt, then every message
+/// with text (a reply that was cut off counts with what it said).
+fn conversation(session: &Session, history: &[Message]) -> Vec<ChatMessage> {
+    let mut out = Vec::with_capacity(history.len() + 2);
+    if let Some(sys) = session.system_prompt.as_deref().filter(|s| !s.is_empty()) {
+        out.push(ChatMessage::new(ChatRole::System, sys));
+    }
+    for m in history {
+        if m.content.is_empty() {
+            continue;
+        }
+        let role = match m.role {
+            Role::User => ChatRole::User,
+            Role::Assistant => ChatRole::Assistant,
+        };
+        out.push(ChatMessage::new(role, m.content.clone()));
+    }
+    out
+}

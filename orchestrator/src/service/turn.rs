@@ -1,0 +1,262 @@
+//! A generation request as the chat service takes it: validated once, at the API's edge, and
+//! the same type for both APIs. Each part can only be built through its checks, so the service
+//! never sees an unchecked stop list, sampling parameter or message.
+//!
+//! What needs the served model (whether `max_tokens` fits its context) or the stored session
+//! (its defaults, whether the edited message exists) is checked by the service, before anything
+//! is charged or stored.
+
+use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
+use hearth_shared::SamplingParams;
+use tokio::time::Instant;
+
+use crate::api::{ApiError, MessageId};
+
+/// Largest message a user may post.
+pub const MAX_CONTENT_BYTES: usize = 256 << 10;
+const MAX_STOPS: usize = 16;
+const MAX_STOP_CHARS: usize = 256;
+
+/// A validated generation request: what to answer (`I`: a [`NativeTurn`] or a
+/// [`Conversation`]) and how.
+#[derive(Debug, Clone)]
+pub struct ValidTurn<I> {
+    input: I,
+    options: GenOptions,
+    stream: bool,
+    arrived: Instant,
+}
+
+impl<I> ValidTurn<I> {
+    /// A request that arrived now (its time to first token counts from here).
+    pub fn new(input: I, options: GenOptions, stream: bool) -> Self {
+        Self {
+            input,
+            options,
+            stream,
+            arrived: Instant::now(),
+        }
+    }
+
+    /// Whether the answer streams as Server-Sent Events (else it is the finished reply).
+    pub fn stream(&self) -> bool {
+        self.stream
+    }
+
+    pub(super) fn into_parts(self) -> (I, GenOptions, Instant) {
+        (self.input, self.options, self.arrived)
+    }
+}
+
+/// The options of one generation, checked.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenOptions {
+    params: Option<SamplingParams>,
+    max_tokens: Option<u32>,
+    stop: Vec<String>,
+    ignore_eos: bool,
+}
+
+impl GenOptions {
+    /// Checks each option. `params_prefix` is how the request names the sampling parameters'
+    /// fields in errors (`params.` on the native API, nothing on OpenAI's). Absent `params`
+    /// mean the session's defaults, or the defaults of [`SamplingParams`] without a session.
+    pub fn new(
+        params: Option<SamplingParams>,
+        params_prefix: &str,
+        max_tokens: Option<u32>,
+        stop: Vec<String>,
+        ignore_eos: bool,
+    ) -> Result<Self, ApiError> {
+        Ok(Self {
+            params: params.map(|p| check_params(p, params_prefix)).transpose()?,
+            max_tokens,
+            stop: check_stops(stop, "stop")?,
+            ignore_eos,
+        })
+    }
+
+    pub(super) fn params(&self) -> Option<&SamplingParams> {
+        self.params.as_ref()
+    }
+
+    pub(super) fn max_tokens(&self) -> Option<u32> {
+        self.max_tokens
+    }
+
+    pub(super) fn stop(&self) -> &[String] {
+        &self.stop
+    }
+
+    pub(super) fn ignore_eos(&self) -> bool {
+        self.ignore_eos
+    }
+}
+
+/// What a native turn answers, in a stored session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NativeTurn {
+    /// A new user message.
+    Post(UserText),
+    /// The last user message again, replacing the last reply.
+    Regenerate,
+    /// An earlier user message with new text; everything after it is replaced.
+    Edit {
+        message_id: MessageId,
+        content: UserText,
+    },
+}
+
+/// A user message's text: not blank, at most [`MAX_CONTENT_BYTES`], no NUL characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserText(String);
+
+impl UserText {
+    /// `field` names the text in the error (`content`, `messages[2].content`).
+    pub fn new(field: &str, text: &str) -> Result<Self, ApiError> {
+        if text.trim().is_empty() {
+            return Err(ApiError::Validation(format!("{field}: must not be empty")));
+        }
+        check_storable(field, text)?;
+        Ok(Self(text.to_string()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// A whole conversation sent with the request (OpenAI's API): nothing is stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conversation(Vec<ChatMessage>);
+
+impl Conversation {
+    /// Checks the messages (at least one; each at most [`MAX_CONTENT_BYTES`], without NUL
+    /// characters; an empty one is allowed, as OpenAI allows it) and joins leading system
+    /// messages into one system prompt. Errors name `messages[i].content`.
+    pub fn new(messages: Vec<(ChatRole, String)>) -> Result<Self, ApiError> {
+        if messages.is_empty() {
+            return Err(ApiError::Validation("messages: must not be empty".into()));
+        }
+        let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
+        for (i, (role, text)) in messages.into_iter().enumerate() {
+            check_storable(&format!("messages[{i}].content"), &text)?;
+            match out.last_mut() {
+                Some(prev) if role == ChatRole::System && prev.role == ChatRole::System => {
+                    prev.content.push_str("\n\n");
+                    prev.content.push_str(&text);
+                }
+                _ => out.push(ChatMessage::new(role, text)),
+            }
+        }
+        Ok(Self(out))
+    }
+
+    pub(super) fn into_messages(self) -> Vec<ChatMessage> {
+        self.0
+    }
+}
+
+/// Text a message may hold: at most [`MAX_CONTENT_BYTES`], without NUL characters (which
+/// PostgreSQL cannot store).
+fn check_storable(field: &str, c: &str) -> Result<(), ApiError> {
+    if c.len() > MAX_CONTENT_BYTES {
+        return Err(ApiError::Validation(format!(
+            "{field}: longer than {MAX_CONTENT_BYTES} bytes"
+        )));
+    }
+    if c.contains('\0') {
+        return Err(ApiError::Validation(format!(
+            "{field}: must not contain NUL characters"
+        )));
+    }
+    Ok(())
+}
+
+fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ApiError> {
+    if stop.len() > MAX_STOPS {
+        return Err(ApiError::Validation(format!(
+            "{field}: at most {MAX_STOPS} stop strings"
+        )));
+    }
+    for s in &stop {
+        if s.is_empty() || s.chars().count() > MAX_STOP_CHARS {
+            return Err(ApiError::Validation(format!(
+                "{field}: each stop string must be 1 to {MAX_STOP_CHARS} characters"
+            )));
+        }
+    }
+    Ok(stop)
+}
+
+/// Sampling parameters in range; `prefix` goes before the field's name in the error.
+pub fn check_params(p: SamplingParams, prefix: &str) -> Result<SamplingParams, ApiError> {
+    p.validate()
+        .map_err(|e| ApiError::Validation(format!("{prefix}{}: {}", e.field, e.reason)))?;
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(e: ApiError) -> String {
+        match e {
+            ApiError::Validation(m) => m,
+            other => panic!("not a validation error: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn each_part_is_checked_and_the_error_names_its_field() {
+        let blank = UserText::new("content", " \n").expect_err("blank");
+        assert_eq!(message(blank), "content: must not be empty");
+        let nul = UserText::new("content", "a\0b").expect_err("nul");
+        assert_eq!(message(nul), "content: must not contain NUL characters");
+        let long = "x".repeat(MAX_CONTENT_BYTES + 1);
+        assert!(message(UserText::new("content", &long).expect_err("long")).contains("longer"));
+        assert_eq!(UserText::new("content", "hi").expect("ok").as_str(), "hi");
+
+        let hot = SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        };
+        let e = GenOptions::new(Some(hot.clone()), "params.", None, vec![], false).expect_err("t");
+        assert!(message(e).starts_with("params.temperature: "));
+        let e = GenOptions::new(Some(hot), "", None, vec![], false).expect_err("t");
+        assert!(message(e).starts_with("temperature: "));
+        let e = GenOptions::new(None, "", None, vec![String::new()], false).expect_err("stop");
+        assert_eq!(
+            message(e),
+            "stop: each stop string must be 1 to 256 characters"
+        );
+        let many = vec!["s".to_string(); MAX_STOPS + 1];
+        let e = GenOptions::new(None, "", None, many, false).expect_err("stops");
+        assert_eq!(message(e), "stop: at most 16 stop strings");
+    }
+
+    #[test]
+    fn a_conversation_needs_a_message_and_joins_leading_system_messages() {
+        let e = Conversation::new(vec![]).expect_err("empty");
+        assert_eq!(message(e), "messages: must not be empty");
+        let e = Conversation::new(vec![
+            (ChatRole::User, "hi".into()),
+            (ChatRole::Assistant, "a\0".into()),
+        ])
+        .expect_err("nul");
+        assert_eq!(
+            message(e),
+            "messages[1].content: must not contain NUL characters"
+        );
+        let c = Conversation::new(vec![
+            (ChatRole::System, "be brief".into()),
+            (ChatRole::System, "be kind".into()),
+            (ChatRole::User, String::new()),
+        ])
+        .expect("ok")
+        .into_messages();
+        assert_eq!(c.len(), 2);
+        assert_eq!(c[0].content, "be brief\n\nbe kind");
+        assert_eq!(c[1].role, ChatRole::User);
+    }
+}
