@@ -192,8 +192,11 @@ def overview():
                                   "{{finish_reason}}")], unit="reqps", stack=True),
         panel("Rate-limit rejections", [(rate("hearth_rate_limited_total", ORCH, "limit"), "{{limit}}")],
               unit="reqps"),
-        panel("Worker failovers", [(rate("hearth_worker_failovers_total", ORCH), "failovers/s")],
-              unit="ops", description="Generations moved to another worker after a worker failed."),
+        panel("Worker failovers and preemptions",
+              [(rate("hearth_worker_failovers_total", ORCH), "failovers/s"),
+               (rate("hearth_preemptions_total", ORCH), "preemptions/s")],
+              unit="ops", description="Generations moved to another worker after a worker failed, "
+              "and replies that gave their place to a user who held none (they continue later)."),
         panel("Active sessions and streams",
               [("sum(hearth_active_sessions{%s})" % ORCH, "sessions with a reply running"),
                ("sum(hearth_active_streams{%s})" % ORCH, "generations in progress")]),

@@ -25,6 +25,7 @@ pub const PROMPT_TOKENS: &str = "hearth_prompt_tokens_total";
 pub const CACHED_PROMPT_TOKENS: &str = "hearth_cached_prompt_tokens_total";
 pub const GENERATED_TOKENS: &str = "hearth_generated_tokens_total";
 pub const WORKER_FAILOVERS: &str = "hearth_worker_failovers_total";
+pub const PREEMPTIONS: &str = "hearth_preemptions_total";
 pub const WORKERS_READY: &str = "hearth_workers_ready";
 pub const FINISHED: &str = "hearth_requests_finished_total";
 pub const ERRORS: &str = "hearth_errors_total";
@@ -108,6 +109,10 @@ fn describe() {
         WORKER_FAILOVERS,
         "Generations moved to another worker after a worker failed"
     );
+    describe_counter!(
+        PREEMPTIONS,
+        "Replies that gave their worker's place to a user who held none, and continued later"
+    );
     describe_gauge!(WORKERS_READY, "Workers that are ready to serve");
     describe_counter!(
         FINISHED,
@@ -136,6 +141,7 @@ fn describe() {
     // Series that only move on rare events start at zero, so dashboards and alerts see a
     // flat line (and `rate()` works) rather than no data until the first event.
     counter!(WORKER_FAILOVERS).increment(0);
+    counter!(PREEMPTIONS).increment(0);
     for limit in ["requests_per_minute", "tokens_per_day", "stops_per_minute"] {
         counter!(RATE_LIMITED, "limit" => limit).increment(0);
     }

@@ -244,7 +244,7 @@ fn p50(mut v: Vec<Duration>) -> Duration {
 async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
     // One worker that takes 4 requests at a time from hearth, and a queue of 100: alice's 200
     // requests fill both, and 96 are refused. Each of her replies holds a place for about 0.8 s,
-    // so her queue lasts about 20 s.
+    // so her queue lasts about 20 s. Bob's TTFT must stay within 2x of his TTFT alone.
     let s = Stack::scripted(
         "fairness",
         Db::Sqlite,
@@ -285,11 +285,17 @@ async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
         "bob's TTFT p50: {alone:?} alone, {busy:?} beside alice's 200 requests ({depth} still queued)"
     );
     // Without a shared queue bob is refused (alice holds every place); without fair order he
-    // waits behind her queue (about 20 s). Fairly, he waits for one of her replies to end.
+    // waits behind her queue (about 20 s); without preemption, for one of her replies to end
+    // (about 0.8 s, twenty times his TTFT alone). Each of his requests takes one of her places.
     assert!(depth >= 60.0, "alice's queue should still be long: {depth}");
     assert!(
-        busy < Duration::from_secs(3),
-        "bob waited {busy:?} behind alice's queue"
+        busy <= alone * 2,
+        "bob's TTFT p50 went from {alone:?} alone to {busy:?} beside alice's queue"
+    );
+    let preempted = metric(s.addr(), "hearth_preemptions_total").await;
+    assert!(
+        preempted >= 5.0,
+        "{preempted} preemptions for bob's 5 requests"
     );
     drop(flood);
     let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 0.0).await;
@@ -456,9 +462,9 @@ async fn without_keys_requests_naming_another_site_are_refused() {
     let _ = std::fs::remove_dir_all(&a.dir);
 }
 
-/// The text of a streamed reply to "A long story, please" in a new session, with `params`; when
-/// `cut`, the worker serving it is killed after 20 tokens so the reply fails over.
-async fn story(s: &mut Stack, key: &str, params: &Value, cut: bool) -> String {
+/// Starts a streamed 120-token reply to "A long story, please" in a new session, with
+/// `params`, and reads its first `tokens` tokens: the stream and their text.
+async fn begin_story(s: &Stack, key: &str, params: &Value, tokens: usize) -> (Sse, String) {
     let sid = new_session(s.addr(), key).await;
     let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
         .key(Some(key))
@@ -470,22 +476,34 @@ async fn story(s: &mut Stack, key: &str, params: &Value, cut: bool) -> String {
         .await;
     assert_eq!(sse.status, 200);
     let mut text = String::new();
-    if cut {
-        let mut tokens = 0;
-        while tokens < 20 {
-            let e = sse.next().await.expect("the reply ended early");
-            if e.event == "token" {
-                tokens += 1;
-                text += e.json()["text"].as_str().unwrap_or_default();
-            }
+    let mut read = 0;
+    while read < tokens {
+        let e = sse.next().await.expect("the reply ended early");
+        if e.event == "token" {
+            read += 1;
+            text += e.json()["text"].as_str().unwrap_or_default();
         }
-        let victim = serving_worker(s).await;
-        s.workers[victim].child.kill().expect("kill -9");
     }
+    (sse, text)
+}
+
+/// The whole text of a story begun with [`begin_story`], once it has ended with all its tokens.
+async fn end_story(mut sse: Sse, text: String) -> String {
     let (rest, end) = finish(&mut sse).await;
     assert_eq!(end.event, "message_end", "{end:?}");
     assert_eq!(end.json()["usage"]["completion_tokens"], 120, "{end:?}");
     text + &rest
+}
+
+/// The text of a story; when `cut`, the worker serving it is killed after 20 tokens so the
+/// reply fails over.
+async fn story(s: &mut Stack, key: &str, params: &Value, cut: bool) -> String {
+    let (sse, text) = begin_story(s, key, params, if cut { 20 } else { 0 }).await;
+    if cut {
+        let victim = serving_worker(s).await;
+        s.workers[victim].child.kill().expect("kill -9");
+    }
+    end_story(sse, text).await
 }
 
 async fn cut_and_uncut(tag: &str, params: Value) {
@@ -514,6 +532,52 @@ async fn a_seeded_sampled_reply_that_fails_over_is_identical_to_the_uncut_one() 
         json!({"temperature": 1.0, "top_p": 0.95, "seed": 7}),
     )
     .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_preempted_for_another_user_is_identical_to_the_uncut_one() {
+    // One worker that takes 2 requests at a time from hearth: alice's two stories fill it, and
+    // bob, holding nothing, gets the place of her newest, which continues afterwards.
+    let s = Stack::start_with(
+        "preempt",
+        &slow_spec(),
+        Db::Sqlite,
+        1,
+        &["--worker-capacity", "2", "--max-queue", "4"],
+    )
+    .await;
+    let (alice, bob) = (s.key("alice").await, s.key("bob").await);
+    let params = json!({"temperature": 1.0, "top_p": 0.95, "seed": 7});
+    let (sse, text) = begin_story(&s, &alice, &params, 0).await;
+    let whole = end_story(sse, text).await;
+    assert_eq!(metric(s.addr(), "hearth_preemptions_total").await, 0.0);
+
+    let first = begin_story(&s, &alice, &params, 1).await;
+    let newest = begin_story(&s, &alice, &params, 20).await;
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&bob))
+        .json(
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4, "ignore_eos": true}),
+        )
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "bob was served: {}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 4, "{}", r.text());
+    assert_eq!(
+        metric(s.addr(), "hearth_preemptions_total").await,
+        1.0,
+        "one of alice's replies gave bob its place"
+    );
+    let (first, newest) = (end_story(first.0, first.1), end_story(newest.0, newest.1));
+    let (first, newest) = tokio::join!(first, newest);
+    assert_eq!(first, whole, "alice's first reply");
+    assert_eq!(
+        newest, whole,
+        "alice's preempted reply continued where it stopped"
+    );
+    assert_eq!(metric(s.addr(), "hearth_queue_depth").await, 0.0);
+    s.finish().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,6 +9,10 @@
 //! if nothing happened. After tokens have streamed, the next worker prefills prompt + tokens so
 //! far and continues, so the client sees a pause, not an error. Only when no worker is left does
 //! the reply end in an `error`, with what was generated kept.
+//!
+//! Preemption takes the same path: a reply asked to give its worker's place to a user who holds
+//! none (see [`crate::workers::Lease::yielded`]) stops there and continues, ahead of its user's
+//! new requests, once a place is free again.
 
 mod live;
 
@@ -197,6 +201,8 @@ impl Generator {
         // Workers this reply will not go to again, and whether one of them was only busy.
         let mut failed: Vec<String> = Vec::new();
         let mut busy = false;
+        // The last worker's place went to another user's request (see `Lease::yielded`).
+        let mut preempted = false;
         let mut saved_len = 0usize;
         let mut saved_at = Instant::now();
         let saver = job
@@ -212,10 +218,13 @@ impl Generator {
             let lease = match job.lease.take() {
                 Some(l) => l,
                 None => {
+                    let (user, session) = (&job.user_id, job.persistence.session_id());
                     let admitted = tokio::select! {
-                        a = self.pool.admit(&job.user_id, job.persistence.session_id(), &failed) => a,
+                        a = self.pool.readmit(user, session, &failed), if preempted => a,
+                        a = self.pool.admit(user, session, &failed), if !preempted => a,
                         () = live.stopped() => return End::Finished(FinishReason::Cancelled),
                     };
+                    preempted = false;
                     match admitted {
                         Ok(l) => l,
                         Err(e) => {
@@ -263,6 +272,13 @@ impl Generator {
                 let event = tokio::select! {
                     e = gen.next() => e,
                     () = live.stopped() => return End::Finished(FinishReason::Cancelled),
+                    () = lease.yielded() => {
+                        // Dropping the generation cancels it on the worker, then the lease
+                        // frees the place; the reply continues from here once it has one again.
+                        tracing::debug!(worker = %addr, generated = p.generated.len(), "giving the worker's place to another user's request");
+                        preempted = true;
+                        break;
+                    }
                     _ = tick.tick() => {
                         if let Some(saver) = &saver {
                             let due = p.text.len() != saved_len || saved_at.elapsed() >= HEARTBEAT_EVERY;

@@ -18,6 +18,13 @@
 //! full, a user with fewer waiting requests than the user with the most takes that user's
 //! newest place (that request is refused as if the queue had been full for it), so the queue
 //! too is shared rather than taken by whoever filled it first.
+//!
+//! Fair order alone still leaves a user who holds no place waiting for one of another user's
+//! replies to end, which can take as long as a reply. So a request whose user holds no place,
+//! finding every worker full, asks the user holding the most places (at least two) to give up
+//! their newest: that reply's [`Lease::yielded`] resolves, and its generation lets the place go
+//! and queues again ahead of its user's other requests, continuing where it stopped like a
+//! failover (`hearth_preemptions_total` counts them). A user is never preempted down to nothing.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -239,6 +246,9 @@ struct Fair {
     waiting: Vec<Waiter>,
     /// Workers' places (leases) held per user.
     held: HashMap<String, usize>,
+    next_lease: u64,
+    /// Every place held, oldest first.
+    leases: Vec<Held>,
 }
 
 #[derive(Debug)]
@@ -247,12 +257,29 @@ struct Waiter {
     user: String,
     preferred: Option<String>,
     exclude: Vec<String>,
+    /// A preempted reply waiting to continue: it goes before its user's new requests, and
+    /// neither the queue's bound nor its timeout applies to it.
+    resumed: bool,
 }
 
+/// A place held, as the queue sees it.
+#[derive(Debug)]
+struct Held {
+    id: u64,
+    user: String,
+    addr: String,
+    /// Asked to give the place up.
+    yielding: bool,
+    signal: Arc<Notify>,
+}
+
+/// Queue order: fewest places held by the user, then a preempted reply before new requests,
+/// then arrival.
+type Rank = (usize, bool, u64);
+
 impl Fair {
-    /// Queue order: fewest places held by the user first, then arrival.
-    fn rank(&self, user: &str, ticket: u64) -> (usize, u64) {
-        (self.held.get(user).copied().unwrap_or(0), ticket)
+    fn rank(&self, user: &str, resumed: bool, ticket: u64) -> Rank {
+        (self.held.get(user).copied().unwrap_or(0), !resumed, ticket)
     }
 }
 
@@ -263,6 +290,8 @@ pub struct Lease {
     conn: Arc<WorkerConnection>,
     pool: Arc<WorkerPool>,
     user: String,
+    id: u64,
+    yield_signal: Arc<Notify>,
 }
 
 impl Lease {
@@ -278,6 +307,12 @@ impl Lease {
     pub fn generate(&self, req: proto::GenerateRequest) -> Result<Generation, WorkerError> {
         self.conn.generate(req)
     }
+
+    /// Resolves once the place is asked for by a user who holds none: the generation should
+    /// stop on this worker, drop the lease, and continue through [`WorkerPool::readmit`].
+    pub async fn yielded(&self) {
+        self.yield_signal.notified().await;
+    }
 }
 
 impl Drop for Lease {
@@ -290,6 +325,9 @@ impl Drop for Lease {
                 if *n == 0 {
                     fair.held.remove(&self.user);
                 }
+            }
+            if let Some(i) = fair.leases.iter().position(|l| l.id == self.id) {
+                fair.leases.remove(i);
             }
         }
         self.pool.room.notify_waiters();
@@ -310,11 +348,12 @@ impl<'a> QueuePlace<'a> {
         user: &str,
         preferred: Option<&str>,
         exclude: &[String],
+        resumed: bool,
     ) -> Option<Self> {
         let mut fair = pool.fair();
-        if fair.waiting.len() >= pool.config.max_queue {
+        if !resumed && fair.waiting.len() >= pool.config.max_queue {
             let mut counts: HashMap<&str, usize> = HashMap::new();
-            for w in &fair.waiting {
+            for w in fair.waiting.iter().filter(|w| !w.resumed) {
                 *counts.entry(w.user.as_str()).or_default() += 1;
             }
             let mine = counts.get(user).copied().unwrap_or(0);
@@ -328,7 +367,7 @@ impl<'a> QueuePlace<'a> {
             let newest = fair
                 .waiting
                 .iter()
-                .rposition(|w| w.user == most)
+                .rposition(|w| w.user == most && !w.resumed)
                 .expect("the user with the most waiting requests has one");
             fair.waiting.remove(newest);
             metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
@@ -342,6 +381,7 @@ impl<'a> QueuePlace<'a> {
             user: user.to_string(),
             preferred: preferred.map(str::to_string),
             exclude: exclude.to_vec(),
+            resumed,
         });
         metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
         Some(Self { pool, ticket })
@@ -478,7 +518,7 @@ impl WorkerPool {
     ) -> Result<Lease, PoolError> {
         let preferred = self.affinity.get_last(keys).await;
         let lease = self
-            .admit_preferring(user, preferred.as_deref(), &[])
+            .admit_preferring(user, preferred.as_deref(), &[], false)
             .await?;
         // Every key, the longer ones being new: the next turn finds the longest.
         for k in keys {
@@ -500,7 +540,7 @@ impl WorkerPool {
             None => None,
         };
         let lease = self
-            .admit_preferring(user, preferred.as_deref(), exclude)
+            .admit_preferring(user, preferred.as_deref(), exclude, false)
             .await?;
         if let Some(s) = session {
             if preferred.as_deref() != Some(lease.addr()) {
@@ -510,25 +550,49 @@ impl WorkerPool {
         Ok(lease)
     }
 
+    /// A worker for a reply that gave its place up to another user ([`Lease::yielded`]), to
+    /// continue on: its `session`'s worker if it has room, else any, skipping `exclude`. It
+    /// waits ahead of its user's new requests, without the queue's bound or timeout.
+    pub async fn readmit(
+        self: &Arc<Self>,
+        user: &str,
+        session: Option<&str>,
+        exclude: &[String],
+    ) -> Result<Lease, PoolError> {
+        let preferred = match session {
+            Some(s) => self.affinity.get(s).await,
+            None => None,
+        };
+        self.admit_preferring(user, preferred.as_deref(), exclude, true)
+            .await
+    }
+
     async fn admit_preferring(
         self: &Arc<Self>,
         user: &str,
         preferred: Option<&str>,
         exclude: &[String],
+        resumed: bool,
     ) -> Result<Lease, PoolError> {
         let started = Instant::now();
         // A request that no waiting one ranks before takes room at once; otherwise it queues.
         let behind = {
             let fair = self.fair();
-            let mine = fair.rank(user, u64::MAX);
+            let mine = fair.rank(user, resumed, u64::MAX);
             self.someone_ahead(&fair, mine)
         };
         let lease = match behind {
-            true => self.wait_for_room(user, preferred, exclude).await?,
+            true => {
+                self.wait_for_room(user, preferred, exclude, resumed)
+                    .await?
+            }
             false => match self.pick(user, preferred, exclude) {
                 Pick::Got(l) => l,
                 Pick::NoneReady => return Err(PoolError::NoWorker),
-                Pick::Full => self.wait_for_room(user, preferred, exclude).await?,
+                Pick::Full => {
+                    self.wait_for_room(user, preferred, exclude, resumed)
+                        .await?
+                }
             },
         };
         telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
@@ -540,10 +604,11 @@ impl WorkerPool {
         user: &str,
         preferred: Option<&str>,
         exclude: &[String],
+        resumed: bool,
     ) -> Result<Lease, PoolError> {
         // The place in the queue is given back when this future ends in any way, including
         // being dropped while it waits (a client that goes away, a stop).
-        let Some(place) = QueuePlace::take(self, user, preferred, exclude) else {
+        let Some(place) = QueuePlace::take(self, user, preferred, exclude, resumed) else {
             return Err(PoolError::Full);
         };
         let deadline = Instant::now() + self.config.queue_timeout;
@@ -557,12 +622,60 @@ impl WorkerPool {
                 Turn::Next => match self.pick(user, preferred, exclude) {
                     Pick::Got(l) => return Ok(l),
                     Pick::NoneReady => return Err(PoolError::NoWorker),
-                    Pick::Full => {}
+                    Pick::Full => self.preempt_for(user, exclude),
                 },
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+            if resumed {
+                notified.await;
+            } else if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(PoolError::Full);
             }
+        }
+    }
+
+    /// When `user` holds no place and waits with every worker full, asks the user with the
+    /// most places (at least two, not counting those already asked) to give their newest up,
+    /// on a worker `user` may use. One place is asked for each waiting user who holds none,
+    /// and the freed place goes to the first of them in queue order.
+    fn preempt_for(&self, user: &str, exclude: &[String]) {
+        let mut fair = self.fair();
+        if fair.held.contains_key(user) {
+            return;
+        }
+        let starving: std::collections::HashSet<&str> = fair
+            .waiting
+            .iter()
+            .filter(|w| !w.resumed && !fair.held.contains_key(&w.user))
+            .map(|w| w.user.as_str())
+            .collect();
+        let asked = fair.leases.iter().filter(|l| l.yielding).count();
+        if starving.len() <= asked {
+            return;
+        }
+        let mut keeps: HashMap<&str, usize> = HashMap::new();
+        for l in fair.leases.iter().filter(|l| !l.yielding) {
+            *keeps.entry(l.user.as_str()).or_default() += 1;
+        }
+        let Some((victim, n)) = keeps
+            .into_iter()
+            .filter(|&(u, _)| u != user)
+            .max_by_key(|&(u, n)| (n, std::cmp::Reverse(u)))
+        else {
+            return;
+        };
+        if n < 2 {
+            return;
+        }
+        let victim = victim.to_string();
+        let newest = fair
+            .leases
+            .iter_mut()
+            .rev()
+            .find(|l| l.user == victim && !l.yielding && !exclude.contains(&l.addr));
+        if let Some(l) = newest {
+            l.yielding = true;
+            l.signal.notify_one();
+            metrics::counter!(telemetry::PREEMPTIONS).increment(1);
         }
     }
 
@@ -571,12 +684,12 @@ impl WorkerPool {
     }
 
     /// Whether a waiting request ranked before `rank` could take a worker's place now.
-    fn someone_ahead(&self, fair: &Fair, rank: (usize, u64)) -> bool {
+    fn someone_ahead(&self, fair: &Fair, rank: Rank) -> bool {
         // Most waiting requests ask for the same workers: try each distinct ask once.
         let mut asked: Vec<(Option<&str>, &[String], bool)> = Vec::new();
         fair.waiting
             .iter()
-            .filter(|w| fair.rank(&w.user, w.ticket) < rank)
+            .filter(|w| fair.rank(&w.user, w.resumed, w.ticket) < rank)
             .any(|w| {
                 let ask = (w.preferred.as_deref(), w.exclude.as_slice());
                 if let Some(&(_, _, able)) = asked.iter().find(|a| (a.0, a.1) == ask) {
@@ -593,7 +706,7 @@ impl WorkerPool {
         let Some(me) = fair.waiting.iter().find(|w| w.ticket == ticket) else {
             return Turn::Bumped;
         };
-        let mine = fair.rank(&me.user, me.ticket);
+        let mine = fair.rank(&me.user, me.resumed, me.ticket);
         if self.someone_ahead(&fair, mine) {
             Turn::Behind
         } else {
@@ -649,12 +762,28 @@ impl WorkerPool {
         // Claim a place; a race with another request can overshoot by one, never more than
         // the callers racing.
         slot.in_flight.fetch_add(1, Ordering::SeqCst);
-        *self.fair().held.entry(user.to_string()).or_default() += 1;
+        let signal = Arc::new(Notify::new());
+        let id = {
+            let mut fair = self.fair();
+            *fair.held.entry(user.to_string()).or_default() += 1;
+            let id = fair.next_lease;
+            fair.next_lease += 1;
+            fair.leases.push(Held {
+                id,
+                user: user.to_string(),
+                addr: slot.addr.clone(),
+                yielding: false,
+                signal: signal.clone(),
+            });
+            id
+        };
         Pick::Got(Lease {
             slot,
             conn,
             pool: self.clone(),
             user: user.to_string(),
+            id,
+            yield_signal: signal,
         })
     }
 }
@@ -803,10 +932,13 @@ mod tests {
     async fn a_full_queue_is_shared_a_user_with_fewer_waiting_takes_the_newest_place_of_the_most() {
         let p = pool(4);
         let alice: Vec<_> = (0..4)
-            .map(|_| QueuePlace::take(&p, "alice", None, &[]).expect("room"))
+            .map(|_| QueuePlace::take(&p, "alice", None, &[], false).expect("room"))
             .collect();
-        assert!(QueuePlace::take(&p, "alice", None, &[]).is_none(), "full");
-        let bob1 = QueuePlace::take(&p, "bob", None, &[]).expect("bob takes a place");
+        assert!(
+            QueuePlace::take(&p, "alice", None, &[], false).is_none(),
+            "full"
+        );
+        let bob1 = QueuePlace::take(&p, "bob", None, &[], false).expect("bob takes a place");
         assert_eq!(users(&p), ["alice", "alice", "alice", "bob"]);
         assert_eq!(
             p.turn(alice[3].ticket),
@@ -814,11 +946,11 @@ mod tests {
             "alice's newest lost it"
         );
         assert_eq!(p.turn(alice[0].ticket), Turn::Next);
-        let bob2 = QueuePlace::take(&p, "bob", None, &[]).expect("bob again");
+        let bob2 = QueuePlace::take(&p, "bob", None, &[], false).expect("bob again");
         assert_eq!(p.turn(alice[2].ticket), Turn::Bumped);
         // Two each: nobody takes from anybody any more.
-        assert!(QueuePlace::take(&p, "bob", None, &[]).is_none());
-        assert!(QueuePlace::take(&p, "alice", None, &[]).is_none());
+        assert!(QueuePlace::take(&p, "bob", None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, "alice", None, &[], false).is_none());
         assert_eq!(p.queued(), 4);
         // A bumped place that is dropped gives nothing back twice; a real one frees a place.
         drop(alice);
@@ -830,17 +962,94 @@ mod tests {
     #[tokio::test]
     async fn the_queue_ranks_users_by_the_places_they_hold_then_by_arrival() {
         let p = pool(8);
-        let a1 = QueuePlace::take(&p, "alice", None, &[]).expect("room");
-        let b1 = QueuePlace::take(&p, "bob", None, &[]).expect("room");
+        let a1 = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        let b1 = QueuePlace::take(&p, "bob", None, &[], false).expect("room");
         let mut fair = p.fair();
-        assert!(fair.rank("alice", a1.ticket) < fair.rank("bob", b1.ticket));
+        assert!(fair.rank("alice", false, a1.ticket) < fair.rank("bob", false, b1.ticket));
         // Alice holds two workers' places, Bob none: Bob goes first although he came later.
         fair.held.insert("alice".to_string(), 2);
-        assert!(fair.rank("bob", b1.ticket) < fair.rank("alice", a1.ticket));
+        assert!(fair.rank("bob", false, b1.ticket) < fair.rank("alice", false, a1.ticket));
         drop(fair);
         // With no worker ready, nobody can take a place, so nobody stands in anyone's way.
         assert_eq!(p.turn(a1.ticket), Turn::Next);
         assert_eq!(p.turn(b1.ticket), Turn::Next);
+    }
+
+    /// Gives `user` a place on `addr` as the queue sees it, with the signal that asks it back.
+    fn hold(p: &WorkerPool, user: &str, addr: &str) -> Arc<Notify> {
+        let mut fair = p.fair();
+        *fair.held.entry(user.to_string()).or_default() += 1;
+        let id = fair.next_lease;
+        fair.next_lease += 1;
+        let signal = Arc::new(Notify::new());
+        fair.leases.push(Held {
+            id,
+            user: user.to_string(),
+            addr: addr.to_string(),
+            yielding: false,
+            signal: signal.clone(),
+        });
+        signal
+    }
+
+    async fn asked(signal: &Notify) -> bool {
+        tokio::time::timeout(Duration::from_millis(20), signal.notified())
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_user_without_a_place_gets_one_from_the_user_with_the_most() {
+        let p = pool(8);
+        let alice: Vec<_> = (0..3).map(|_| hold(&p, "alice", "w1")).collect();
+        let dave = hold(&p, "dave", "w1");
+        // Alice waits too, but she holds places: she asks nobody for one.
+        let _a = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        p.preempt_for("alice", &[]);
+        assert!(!asked(&alice[2]).await);
+        // Bob holds none: alice's newest place is asked back, once.
+        let _b = QueuePlace::take(&p, "bob", None, &[], false).expect("room");
+        p.preempt_for("bob", &[]);
+        p.preempt_for("bob", &[]);
+        assert!(asked(&alice[2]).await, "alice's newest place");
+        assert!(!asked(&alice[1]).await && !asked(&alice[0]).await);
+        // Carol holds none either: one more of alice's. Not dave's: he holds only one.
+        let _c = QueuePlace::take(&p, "carol", None, &[], false).expect("room");
+        p.preempt_for("carol", &[]);
+        assert!(asked(&alice[1]).await);
+        // Erin, a third: alice keeps her last place and dave his only one.
+        let _e = QueuePlace::take(&p, "erin", None, &[], false).expect("room");
+        p.preempt_for("erin", &[]);
+        assert!(!asked(&alice[0]).await && !asked(&dave).await);
+        assert_eq!(p.fair().leases.iter().filter(|l| l.yielding).count(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_place_on_a_worker_the_waiter_cannot_use_is_not_asked_for() {
+        let p = pool(8);
+        let on_w2 = hold(&p, "alice", "w2");
+        let on_w1 = hold(&p, "alice", "w1");
+        let _b = QueuePlace::take(&p, "bob", None, &["w1".to_string()], false).expect("room");
+        p.preempt_for("bob", &["w1".to_string()]);
+        assert!(!asked(&on_w1).await, "bob's reply just failed on w1");
+        assert!(asked(&on_w2).await);
+    }
+
+    #[tokio::test]
+    async fn a_preempted_reply_waits_before_its_users_new_requests_and_past_a_full_queue() {
+        let p = pool(1);
+        hold(&p, "alice", "w1");
+        let new = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        assert!(
+            QueuePlace::take(&p, "alice", None, &[], false).is_none(),
+            "full"
+        );
+        let resumed = QueuePlace::take(&p, "alice", None, &[], true).expect("not bounded");
+        let fair = p.fair();
+        assert!(
+            fair.rank("alice", true, resumed.ticket) < fair.rank("alice", false, new.ticket),
+            "the preempted reply goes first"
+        );
     }
 
     #[tokio::test]
