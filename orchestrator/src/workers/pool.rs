@@ -535,10 +535,7 @@ impl WorkerPool {
         session: Option<&str>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
-        let preferred = match session {
-            Some(s) => self.affinity.get(s).await,
-            None => None,
-        };
+        let preferred = self.session_worker(session).await;
         let lease = self
             .admit_preferring(user, preferred.as_deref(), exclude, false)
             .await?;
@@ -559,12 +556,17 @@ impl WorkerPool {
         session: Option<&str>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
-        let preferred = match session {
-            Some(s) => self.affinity.get(s).await,
-            None => None,
-        };
+        let preferred = self.session_worker(session).await;
         self.admit_preferring(user, preferred.as_deref(), exclude, true)
             .await
+    }
+
+    /// The worker that last served `session` (it likely holds the session's KV cache).
+    async fn session_worker(&self, session: Option<&str>) -> Option<String> {
+        match session {
+            Some(s) => self.affinity.get(s).await,
+            None => None,
+        }
     }
 
     async fn admit_preferring(
