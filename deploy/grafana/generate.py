@@ -194,7 +194,7 @@ def overview():
               unit="reqps"),
         panel("Worker failovers and preemptions",
               [(rate("hearth_worker_failovers_total", ORCH), "failovers/s"),
-               (rate("hearth_preemptions_total", ORCH), "preemptions/s")],
+               (rate("hearth_fair_share_preemptions_total", ORCH), "preemptions/s")],
               unit="ops", description="Generations moved to another worker after a worker failed, "
               "and replies that gave their place to a user who held none (they continue later)."),
         panel("Active sessions and streams",

@@ -292,7 +292,7 @@ async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
         busy <= alone * 2,
         "bob's TTFT p50 went from {alone:?} alone to {busy:?} beside alice's queue"
     );
-    let preempted = metric(s.addr(), "hearth_preemptions_total").await;
+    let preempted = metric(s.addr(), "hearth_fair_share_preemptions_total").await;
     assert!(
         preempted >= 5.0,
         "{preempted} preemptions for bob's 5 requests"
@@ -550,7 +550,10 @@ async fn a_reply_preempted_for_another_user_is_identical_to_the_uncut_one() {
     let params = json!({"temperature": 1.0, "top_p": 0.95, "seed": 7});
     let (sse, text) = begin_story(&s, &alice, &params, 0).await;
     let whole = end_story(sse, text).await;
-    assert_eq!(metric(s.addr(), "hearth_preemptions_total").await, 0.0);
+    assert_eq!(
+        metric(s.addr(), "hearth_fair_share_preemptions_total").await,
+        0.0
+    );
 
     let first = begin_story(&s, &alice, &params, 1).await;
     let newest = begin_story(&s, &alice, &params, 20).await;
@@ -565,7 +568,7 @@ async fn a_reply_preempted_for_another_user_is_identical_to_the_uncut_one() {
     assert_eq!(r.status, 200, "bob was served: {}", r.text());
     assert_eq!(r.json()["usage"]["completion_tokens"], 4, "{}", r.text());
     assert_eq!(
-        metric(s.addr(), "hearth_preemptions_total").await,
+        metric(s.addr(), "hearth_fair_share_preemptions_total").await,
         1.0,
         "one of alice's replies gave bob its place"
     );

@@ -24,7 +24,7 @@
 //! finding every worker full, asks the user holding the most places (at least two) to give up
 //! their newest: that reply's [`Lease::yielded`] resolves, and its generation lets the place go
 //! and queues again ahead of its user's other requests, continuing where it stopped like a
-//! failover (`hearth_preemptions_total` counts them). A user is never preempted down to nothing.
+//! failover (`hearth_fair_share_preemptions_total` counts them). A user is never preempted down to nothing.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
