@@ -1,16 +1,24 @@
 //! Throughput of the 8-bit matmul kernel: the output projection's shape (262144 x 640) at several
-//! batch sizes, then Gemma 3 270M's layer shapes at one row (decode) and 512 rows (prefill):
+//! batch sizes, then Gemma 3 270M's layer shapes at one row (decode) and 512 rows (prefill), in the
+//! row layout and, where this CPU has AVX-512 VNNI, the panel layout the model loads into:
 //! `cargo run --release -p hearth-worker --example kernel_speed`.
 #![allow(clippy::print_stdout)]
 
-use hearth_worker::kernels::{matmul_q8, quantize_activations, Q8Matrix};
+use hearth_worker::kernels::{for_this_cpu, matmul_q8, quantize_activations, Layout, Q8Matrix};
 use std::time::Instant;
 
-fn matrix(rows: usize, cols: usize) -> Q8Matrix {
+/// The matrix in the row layout, and in the panel layout when this CPU's kernel takes it.
+fn matrices(rows: usize, cols: usize) -> Vec<Q8Matrix> {
     let w: Vec<f32> = (0..rows * cols)
         .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
         .collect();
-    Q8Matrix::quantize(rows, cols, &w)
+    let m = Q8Matrix::quantize(rows, cols, &w);
+    let fast = for_this_cpu(m.clone());
+    if fast.layout == Layout::Rows {
+        vec![m]
+    } else {
+        vec![m, fast]
+    }
 }
 
 /// Seconds per call of `w · x` for `m` activation rows, averaged over calls worth `macs` in all.
@@ -30,26 +38,30 @@ fn time(w: &Q8Matrix, m: usize, macs: usize) -> f64 {
 }
 
 fn main() {
-    let w = matrix(262_144, 640);
-    for m in [1usize, 4, 16, 64] {
-        let s = time(&w, m, 64 * 262_144 * 640);
-        println!(
-            "output 262144x640, m={m:3}: {:7.2} ms/call  {:6.1} GMAC/s  {:5.1} GB/s of weights",
-            s * 1e3,
-            (w.rows * w.cols * m) as f64 / s / 1e9,
-            w.size_in_bytes() as f64 / s / 1e9
-        );
+    for w in matrices(262_144, 640) {
+        for m in [1usize, 4, 16, 64] {
+            let s = time(&w, m, 64 * 262_144 * 640);
+            println!(
+                "output 262144x640 {:?}, m={m:3}: {:7.2} ms/call  {:6.1} GMAC/s  {:5.1} GB/s of weights",
+                w.layout,
+                s * 1e3,
+                (w.rows * w.cols * m) as f64 / s / 1e9,
+                w.size_in_bytes() as f64 / s / 1e9
+            );
+        }
     }
     // Fused QKV, fused gate/up, down, attention output.
     for (rows, cols) in [(1536usize, 640usize), (4096, 640), (640, 2048), (640, 1024)] {
-        let w = matrix(rows, cols);
-        for m in [1usize, 512] {
-            let s = time(&w, m, 20_000_000_000);
-            println!(
-                "layer {rows}x{cols}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
-                s * 1e3,
-                (rows * cols * m) as f64 / s / 1e9,
-            );
+        for w in matrices(rows, cols) {
+            for m in [1usize, 512] {
+                let s = time(&w, m, 20_000_000_000);
+                println!(
+                    "layer {rows}x{cols} {:?}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
+                    w.layout,
+                    s * 1e3,
+                    (rows * cols * m) as f64 / s / 1e9,
+                );
+            }
         }
     }
 }

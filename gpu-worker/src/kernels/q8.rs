@@ -1,6 +1,7 @@
 //! The signed 8-bit block layout (32 values and one f32 scale per block) for weights and
 //! activations, conversion from GGUF's Q8_0 and Q5_0 blocks, and the scalar reference kernel.
 
+use super::panels::PANEL;
 use half::f16;
 use std::ops::Deref;
 use std::sync::Arc;
@@ -13,7 +14,7 @@ pub const QK: usize = 32;
 /// Weights are streamed from memory on every decode step; with 4 KiB pages the hardware prefetcher
 /// stops at every page boundary (and the TLB misses every 4 KiB), with 2 MiB pages it does not.
 /// The hint is given before the memory is first touched, so the pages are huge from the start.
-fn weight_vec<T>(n: usize) -> Vec<T> {
+pub(super) fn weight_vec<T>(n: usize) -> Vec<T> {
     let v: Vec<T> = Vec::with_capacity(n);
     advise_huge_pages(v.as_ptr() as usize, n * std::mem::size_of::<T>());
     v
@@ -56,7 +57,7 @@ pub struct Values {
 }
 
 impl Values {
-    fn owned(v: Vec<i8>) -> Self {
+    pub(super) fn owned(v: Vec<i8>) -> Self {
         let len = v.len();
         Self {
             buf: Arc::new(v),
@@ -94,14 +95,25 @@ pub fn pack_into_arena(matrices: &mut [&mut Q8Matrix]) {
     }
 }
 
-/// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values row-major and
-/// `scales` one factor per block, kept apart so SIMD loads of values are contiguous.
+/// How a [`Q8Matrix`] lays out its values and scales.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    /// Row-major values (`rows × cols`) and one scale per block, row by row.
+    Rows,
+    /// Panels of [`PANEL`] rows, for the AVX-512 VNNI panel kernel (see [`super::panels`]).
+    Panels,
+}
+
+/// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values and `scales` one
+/// factor per block, kept apart so SIMD loads of values are contiguous. `layout` says in which
+/// order; every constructor makes [`Layout::Rows`].
 #[derive(Clone, Debug)]
 pub struct Q8Matrix {
     pub rows: usize,
     pub cols: usize,
     pub qs: Values,
     pub scales: Vec<f32>,
+    pub layout: Layout,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -202,6 +214,7 @@ impl Q8Matrix {
             cols,
             qs: Values::owned(qs),
             scales,
+            layout: Layout::Rows,
         })
     }
 
@@ -221,11 +234,15 @@ impl Q8Matrix {
             cols,
             qs: Values::owned(qs),
             scales,
+            layout: Layout::Rows,
         }
     }
 
     /// Row `r` as f32 (embedding lookup).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        if self.layout == Layout::Panels {
+            return super::panels::dequantize_row(self, r, out);
+        }
         let bpr = self.cols / QK;
         let qs = &self.qs[r * self.cols..(r + 1) * self.cols];
         for (b, (q, o)) in qs
@@ -240,10 +257,14 @@ impl Q8Matrix {
         }
     }
 
-    /// The rows of several matrices of equal width, stacked (one product instead of several).
+    /// The rows of several matrices of equal width and layout, stacked (one product instead of
+    /// several). Panels stack only whole: each part's rows must fill its panels.
     pub fn concat_rows(parts: &[&Q8Matrix]) -> Option<Self> {
-        let cols = parts.first()?.cols;
-        if parts.iter().any(|p| p.cols != cols) {
+        let (cols, layout) = parts.first().map(|p| (p.cols, p.layout))?;
+        if parts.iter().any(|p| p.cols != cols || p.layout != layout) {
+            return None;
+        }
+        if layout == Layout::Panels && parts.iter().any(|p| !p.rows.is_multiple_of(PANEL)) {
             return None;
         }
         let rows = parts.iter().map(|p| p.rows).sum();
@@ -258,6 +279,7 @@ impl Q8Matrix {
             cols,
             qs: Values::owned(qs),
             scales,
+            layout,
         })
     }
 

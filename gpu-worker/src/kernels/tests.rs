@@ -194,3 +194,80 @@ fn activations_quantized_across_the_pool_match_rows_quantized_alone() {
         assert_eq!(&all.sums[r * bpr..(r + 1) * bpr], &one.sums[..], "row {r}");
     }
 }
+
+#[test]
+fn the_panel_layout_gives_the_row_layout_s_products_and_rows() {
+    // Rows that fill no panel, one panel, and a panel and a half; odd block counts; batches that
+    // take the four-row tiles, the one-row tiles, and both.
+    for (rows, cols, m) in [
+        (5, 64, 1),
+        (16, 96, 4),
+        (40, 640, 9),
+        (70, 128, 3),
+        (131, 640, 16),
+    ] {
+        let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 21));
+        let p = to_panels(&w);
+        assert_eq!(p.layout, Layout::Panels);
+        let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in [0, rows / 2, rows - 1] {
+            w.dequantize_row(r, &mut a);
+            p.dequantize_row(r, &mut b);
+            assert_eq!(a, b, "row {r} of {rows}x{cols}");
+        }
+        let x = quantize_activations(&noise(m * cols, 22), m, cols);
+        let mut reference = vec![0f32; m * rows];
+        matmul_q8_with(Isa::Scalar, &w, &x, &mut reference);
+        for isa in all_isas() {
+            let mut got = vec![f32::NAN; m * rows];
+            matmul_q8_with(isa, &p, &x, &mut got);
+            for (i, (g, r)) in got.iter().zip(&reference).enumerate() {
+                assert!(
+                    (g - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                    "{isa:?} {rows}x{cols} batch {m}, cell {i}: {g} vs {r}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_panel_row_s_result_does_not_depend_on_its_batch() {
+    // The engine's bit-identity between batched, chunked and cached tokens rests on this.
+    let (rows, cols) = (100, 640);
+    let w = to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, 23)));
+    let x = noise(7 * cols, 24);
+    for isa in all_isas() {
+        let mut batch = vec![0f32; 7 * rows];
+        matmul_q8_with(isa, &w, &quantize_activations(&x, 7, cols), &mut batch);
+        for m in 0..7 {
+            let mut one = vec![0f32; rows];
+            let row = quantize_activations(&x[m * cols..(m + 1) * cols], 1, cols);
+            matmul_q8_with(isa, &w, &row, &mut one);
+            assert_eq!(
+                &batch[m * rows..(m + 1) * rows],
+                &one[..],
+                "{isa:?} row {m}"
+            );
+        }
+    }
+}
+
+#[test]
+fn panel_matrices_stack_only_whole_panels() {
+    let cols = 64;
+    let part =
+        |rows: usize, seed| to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, seed)));
+    let (a, b) = (part(32, 1), part(16, 2));
+    let both = Q8Matrix::concat_rows(&[&a, &b]).expect("whole panels stack");
+    let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
+    both.dequantize_row(40, &mut got);
+    b.dequantize_row(8, &mut want);
+    assert_eq!(got, want);
+    assert!(Q8Matrix::concat_rows(&[&part(20, 3), &b]).is_none());
+    let rows = Q8Matrix::quantize(16, cols, &noise(16 * cols, 4));
+    assert!(
+        Q8Matrix::concat_rows(&[&a, &rows]).is_none(),
+        "layouts differ"
+    );
+}

@@ -15,7 +15,7 @@ use std::borrow::Cow;
 
 use super::config::{special_tokens, GemmaConfig};
 use super::{Embedding, Layer, Linear, LinearGroup, Model, ModelError};
-use crate::kernels::{pack_into_arena, Q8Matrix, QK};
+use crate::kernels::{self, pack_into_arena, Q8Matrix, QK};
 
 fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
     ModelError::Io {
@@ -88,7 +88,7 @@ impl Gguf<'_> {
             GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
             _ => return Ok(None),
         };
-        m.map(Some)
+        m.map(|m| Some(kernels::for_this_cpu(m)))
             .map_err(|e| ModelError::Shape(format!("{name}: {e}")))
     }
 
@@ -111,7 +111,8 @@ impl Gguf<'_> {
                 .dequantize(&Device::Cpu)?
                 .flatten_all()?
                 .to_vec1::<f32>()?;
-            return Ok(Linear::Q8(Arc::new(Q8Matrix::quantize(rows, cols, &w))));
+            let m = kernels::for_this_cpu(Q8Matrix::quantize(rows, cols, &w));
+            return Ok(Linear::Q8(Arc::new(m)));
         }
         Ok(Linear::Candle {
             mm: QMatMul::from_qtensor(qt)?,

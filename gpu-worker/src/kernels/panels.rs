@@ -1,0 +1,277 @@
+//! The panel layout and its AVX-512 VNNI kernel: batched products that spend their vector
+//! operations on multiply-adds rather than on scales.
+//!
+//! In the row layout one `vpdpbusd` covers 64 values of one weight row (two blocks), and applying
+//! the two blocks' scales costs three more operations (convert, multiply, fused add): four vector
+//! operations per 64 multiply-adds, whatever the batch. Here one vector holds 4 values of each of
+//! 16 weight rows and the activation's 4 values are broadcast, so 8 `vpdpbusd` cover one block of
+//! 16 rows and one convert, multiply and fused add apply that block's 16 row scales at once:
+//! 11 operations per 512 multiply-adds, about 1.4 per 64.
+//!
+//! Layout: rows are grouped in panels of [`PANEL`] (the last padded with zero weights and zero
+//! scales). Panel `p`, block `b`, group `g` (values `4g..4g + 4` of the block) is 64 bytes: 4 bytes
+//! for each of the panel's 16 rows in turn. Values are stored flipped to unsigned (`w + 128`), as
+//! `vpdpbusd` takes them; the `128·Σx` this adds is removed by starting each block's sum at
+//! `-128·Σx`. Scales: 16 per panel and block, at `(p · blocks + b) · 16 + row`. A panel's bytes are
+//! contiguous, so a task reads its weights as one sequential stream.
+//!
+//! Each output is `Σ_b scale_w · scale_x · dot_b`, summed block by block in order, so a row's result
+//! does not depend on which other rows share its tile or its batch.
+
+use super::q8::{weight_vec, ActQ8, Layout, Q8Matrix, Values, QK};
+
+/// Weight rows per panel: one 512-bit vector of 32-bit sums.
+pub const PANEL: usize = 16;
+
+/// Bytes of one panel's block: [`PANEL`] rows × [`QK`] values.
+const PANEL_BLOCK: usize = PANEL * QK;
+
+/// `m` (row layout) in the panel layout.
+pub fn to_panels(m: &Q8Matrix) -> Q8Matrix {
+    use rayon::prelude::*;
+    assert_eq!(m.layout, Layout::Rows, "already in panels");
+    let (k, bpr) = (m.cols, m.cols / QK);
+    let panels = m.rows.div_ceil(PANEL);
+    let mut qs = weight_vec(panels * PANEL * k);
+    qs.resize(panels * PANEL * k, 0i8);
+    let mut scales = weight_vec(panels * PANEL * bpr);
+    scales.resize(panels * PANEL * bpr, 0f32);
+    qs.par_chunks_mut(PANEL * k)
+        .zip(scales.par_chunks_mut(PANEL * bpr))
+        .enumerate()
+        .for_each(|(p, (q, s))| {
+            for lane in 0..PANEL {
+                let r = p * PANEL + lane;
+                for b in 0..bpr {
+                    let (value, scale) = if r < m.rows {
+                        (
+                            &m.qs[r * k + b * QK..r * k + (b + 1) * QK],
+                            m.scales[r * bpr + b],
+                        )
+                    } else {
+                        (&[0i8; QK][..], 0.0)
+                    };
+                    s[b * PANEL + lane] = scale;
+                    for (g, four) in value.chunks_exact(4).enumerate() {
+                        let at = b * PANEL_BLOCK + g * 4 * PANEL + lane * 4;
+                        for (o, &v) in q[at..at + 4].iter_mut().zip(four) {
+                            *o = (v as u8 ^ 0x80) as i8;
+                        }
+                    }
+                }
+            }
+        });
+    Q8Matrix {
+        rows: m.rows,
+        cols: m.cols,
+        qs: Values::owned(qs),
+        scales,
+        layout: Layout::Panels,
+    }
+}
+
+/// Value `c` of row `r`, and its block's scale.
+fn value(m: &Q8Matrix, r: usize, c: usize) -> (i8, f32) {
+    let (p, lane, b, i) = (r / PANEL, r % PANEL, c / QK, c % QK);
+    let bpr = m.cols / QK;
+    let at = (p * bpr + b) * PANEL_BLOCK + (i / 4) * 4 * PANEL + lane * 4 + i % 4;
+    (
+        (m.qs[at] as u8 ^ 0x80) as i8,
+        m.scales[(p * bpr + b) * PANEL + lane],
+    )
+}
+
+/// Row `r` as f32 (the embedding lookup of a panel matrix).
+pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
+    let (p, lane, bpr) = (r / PANEL, r % PANEL, m.cols / QK);
+    for (b, o) in out[..m.cols].chunks_exact_mut(QK).enumerate() {
+        let d = m.scales[(p * bpr + b) * PANEL + lane];
+        let base = (p * bpr + b) * PANEL_BLOCK + lane * 4;
+        for (g, four) in o.chunks_exact_mut(4).enumerate() {
+            let at = base + g * 4 * PANEL;
+            for (o, &v) in four.iter_mut().zip(&m.qs[at..at + 4]) {
+                *o = d * ((v as u8 ^ 0x80) as i8) as f32;
+            }
+        }
+    }
+}
+
+/// Reference kernel for the panel layout: output columns `r0..r1` of every activation row.
+pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+    let (k, bpr) = (w.cols, w.cols / QK);
+    for r in r0..r1 {
+        for m in 0..x.rows {
+            let mut acc = 0f32;
+            for b in 0..bpr {
+                let mut dot = 0i32;
+                let mut ws = 0.0;
+                for i in 0..QK {
+                    let (v, d) = value(w, r, b * QK + i);
+                    dot += v as i32 * x.qs[m * k + b * QK + i] as i32;
+                    ws = d;
+                }
+                acc = (dot as f32).mul_add(ws * x.scales[m * bpr + b], acc);
+            }
+            out[m * w.rows + r] = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
+pub(super) mod vnni512 {
+    use super::{ActQ8, Q8Matrix, PANEL, PANEL_BLOCK, QK};
+    use std::arch::x86_64::*;
+
+    /// How far ahead of the 64 bytes being read each panel stream asks for memory.
+    const PREFETCH_BYTES: usize = 2048;
+
+    /// `P` panels from panel `p0` against activation rows `m .. m + A`.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VNNI; panels `p0 .. p0 + P` exist, rows `m .. m + A` of `x` exist, and
+    /// `out` holds `x.rows × w.rows` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn tile<const P: usize, const A: usize>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        p0: usize,
+        m: usize,
+        out: &mut [f32],
+    ) {
+        let (k, bpr) = (w.cols, w.cols / QK);
+        let wq = w.qs.as_ptr();
+        let xq = x.qs.as_ptr();
+        let mut acc = [[_mm512_setzero_ps(); A]; P];
+        for b in 0..bpr {
+            let mut sum = [[_mm512_setzero_si512(); A]; P];
+            for a in 0..A {
+                let start = _mm512_set1_epi32(-128 * x.sums[(m + a) * bpr + b]);
+                for p in 0..P {
+                    sum[p][a] = start;
+                }
+            }
+            for g in 0..QK / 4 {
+                let mut xb = [_mm512_setzero_si512(); A];
+                for a in 0..A {
+                    // SAFETY: row m + a < x.rows, value b·32 + 4g + 3 < k.
+                    let four = unsafe {
+                        std::ptr::read_unaligned(xq.add((m + a) * k + b * QK + 4 * g) as *const i32)
+                    };
+                    xb[a] = _mm512_set1_epi32(four);
+                }
+                for p in 0..P {
+                    let at = wq.wrapping_add(((p0 + p) * bpr + b) * PANEL_BLOCK + g * 4 * PANEL);
+                    // A hint only: it never faults, so an address past the matrix is harmless.
+                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                    // SAFETY: panel p0 + p exists, so its block b, group g (64 bytes) does.
+                    let wv = unsafe { _mm512_loadu_si512(at as *const __m512i) };
+                    for a in 0..A {
+                        sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], wv, xb[a]);
+                    }
+                }
+            }
+            for a in 0..A {
+                let xs = _mm512_set1_ps(x.scales[(m + a) * bpr + b]);
+                for p in 0..P {
+                    // SAFETY: panel p0 + p exists, so its 16 scales of block b do.
+                    let ws = unsafe {
+                        _mm512_loadu_ps(w.scales.as_ptr().add(((p0 + p) * bpr + b) * PANEL))
+                    };
+                    acc[p][a] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(sum[p][a]),
+                        _mm512_mul_ps(ws, xs),
+                        acc[p][a],
+                    );
+                }
+            }
+        }
+        for p in 0..P {
+            let row = (p0 + p) * PANEL;
+            // The last panel may be padding past the matrix's rows: those lanes are not stored.
+            let valid = (w.rows - row).min(PANEL);
+            let mask = ((1u32 << valid) - 1) as __mmask16;
+            for a in 0..A {
+                // SAFETY: cells (m + a, row .. row + valid) lie inside `out`.
+                unsafe {
+                    _mm512_mask_storeu_ps(
+                        out.as_mut_ptr().add((m + a) * w.rows + row),
+                        mask,
+                        acc[p][a],
+                    )
+                };
+            }
+        }
+    }
+
+    /// Panels `p0 .. p0 + P` against activation rows `m0..m1`: four at a time (two panels per
+    /// tile, 16 accumulators), then one at a time (all `P` panels per tile).
+    ///
+    /// # Safety
+    /// As [`tile`], for every panel and row named.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn panels<const P: usize>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        p0: usize,
+        (m0, m1): (usize, usize),
+        out: &mut [f32],
+    ) {
+        let mut m = m0;
+        while m + 4 <= m1 {
+            let mut p = 0;
+            while p + 2 <= P {
+                // SAFETY: as this function's contract.
+                unsafe { tile::<2, 4>(w, x, p0 + p, m, out) };
+                p += 2;
+            }
+            if p < P {
+                // SAFETY: as above.
+                unsafe { tile::<1, 4>(w, x, p0 + p, m, out) };
+            }
+            m += 4;
+        }
+        while m < m1 {
+            // SAFETY: as above.
+            unsafe { tile::<P, 1>(w, x, p0, m, out) };
+            m += 1;
+        }
+    }
+
+    /// Output columns `r0..r1` (multiples of [`PANEL`], or `r1 = w.rows`) of every activation row.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F, BW and VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+        assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
+        assert!(r0.is_multiple_of(PANEL), "a task must start at a panel");
+        assert!(out.len() >= x.rows * w.rows);
+        assert_eq!(
+            x.sums.len(),
+            x.scales.len(),
+            "activation block sums missing"
+        );
+        let (first, end) = (r0 / PANEL, r1.div_ceil(PANEL));
+        // Activation rows are taken about 64 KiB at a time, so they stay in cache while the task's
+        // panels pass over them.
+        let block = (65_536 / w.cols.max(1)).max(4).next_multiple_of(4);
+        let mut m0 = 0;
+        while m0 < x.rows {
+            let ms = (m0, (m0 + block).min(x.rows));
+            let mut p = first;
+            while p + 4 <= end {
+                // SAFETY: panels p .. p + 4 < end exist; rows ms lie inside x.
+                unsafe { panels::<4>(w, x, p, ms, out) };
+                p += 4;
+            }
+            while p < end {
+                // SAFETY: as above.
+                unsafe { panels::<1>(w, x, p, ms, out) };
+                p += 1;
+            }
+            m0 = ms.1;
+        }
+    }
+}
