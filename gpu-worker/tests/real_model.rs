@@ -274,7 +274,7 @@ fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions
             logit_rows,
         };
         model
-            .forward(&[chunk(&all[..n - 1], 0, 0)], &mut kv)
+            .forward(&[chunk(&all[..n - 1], 0, 0)], &mut kv, &mut Vec::new())
             .unwrap();
         // Prediction j follows all[n - 1 + j]: llama.cpp chose greedy[j] there.
         let top = model

@@ -186,6 +186,8 @@ pub struct Scheduler {
     /// Cancels that overtook their request (they travel on another channel). Only ids above
     /// `max_id_seen` are kept, as those requests may still arrive; the set is bounded.
     early_cancels: HashSet<RequestId>,
+    /// The last step's logits, kept so the next step writes into memory already faulted in.
+    logits: Vec<f32>,
 }
 
 impl Scheduler {
@@ -286,6 +288,7 @@ impl Scheduler {
             spec_accepted: 0,
             max_id_seen: 0,
             early_cancels: HashSet::new(),
+            logits: Vec::new(),
         })
     }
 
@@ -965,10 +968,11 @@ impl Scheduler {
                 summary.prefill_tokens += c.tokens.len();
             }
         }
-        let result = self.model.forward(&chunks, &mut self.kv);
+        let mut logits = std::mem::take(&mut self.logits);
+        let result = self.model.forward(&chunks, &mut self.kv, &mut logits);
         drop(chunks);
-        let logits = match result {
-            Ok(l) => l,
+        match result {
+            Ok(()) => {}
             Err(e) => {
                 tracing::error!(error = %e, "forward pass failed");
                 self.running.iter_mut().for_each(Seq::drop_draft);
@@ -986,7 +990,6 @@ impl Scheduler {
         let vocab = self.info.vocab_size;
         let mut plain: Vec<(usize, &mut [f32])> = Vec::new();
         let mut drafts: Vec<(usize, &mut [f32])> = Vec::new();
-        let mut logits = logits;
         let mut rest: &mut [f32] = &mut logits;
         for (&ix, &r) in order.iter().zip(&rows) {
             if r == 0 {
@@ -1031,6 +1034,7 @@ impl Scheduler {
                 self.retire(s);
             }
         }
+        self.logits = logits;
         Some(summary)
     }
 }

@@ -72,7 +72,8 @@ impl Linear {
         }
     }
 
-    /// `out = input · Wᵀ`, `out` resized to `input.rows × rows`.
+    /// `out = input · Wᵀ`, `out` resized to `input.rows × rows`. Every value is overwritten, so a
+    /// reused `out` is not cleared first (for the output projection that is 1 MiB a row).
     pub fn forward(&self, input: &Input<'_>, out: &mut Vec<f32>) -> Result<(), ModelError> {
         let (rows, cols) = self.shape();
         if input.cols != cols {
@@ -81,7 +82,6 @@ impl Linear {
                 input.cols
             )));
         }
-        out.clear();
         out.resize(input.rows * rows, 0.0);
         match self {
             Self::Q8(m) => kernels::matmul_q8(m, input.q8(), out),

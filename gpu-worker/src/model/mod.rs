@@ -171,13 +171,15 @@ impl Model {
         emb + layers + if tied { 0 } else { self.output.size_in_bytes() }
     }
 
-    /// Runs one step; returns `vocab_size` logits for each of every chunk's last `logit_rows`
-    /// positions, in order.
+    /// Runs one step; writes `vocab_size` logits for each of every chunk's last `logit_rows`
+    /// positions, in order, to `logits` (resized to fit). The caller keeps `logits` between steps:
+    /// at 64 rows it is 64 MiB, which a fresh allocation would fault in and zero on every step.
     pub fn forward(
         &self,
         chunks: &[SeqChunk<'_>],
         kv: &mut KvStore,
-    ) -> Result<Vec<f32>, ModelError> {
+        logits: &mut Vec<f32>,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
         let h = c.hidden_size;
         let x = self.hidden(chunks, kv)?;
@@ -189,7 +191,7 @@ impl Model {
             let rows = ch.logit_rows.min(ch.tokens.len());
             last.extend_from_slice(&x[(end - rows) * h..end * h]);
         }
-        self.logits(last)
+        self.logits(last, logits)
     }
 
     /// The `k` most likely next tokens (id, logit; best first) after every position of one
@@ -205,8 +207,9 @@ impl Model {
         let x = self.hidden(&[chunk], kv)?;
         let mut out = Vec::with_capacity(chunk.tokens.len());
         // 64 rows of logits at a time: all of them at once would be rows × 262k floats.
+        let mut logits = Vec::new();
         for rows in x.chunks(64 * h) {
-            let logits = self.logits(rows.to_vec())?;
+            self.logits(rows.to_vec(), &mut logits)?;
             out.extend(logits.chunks_exact(vocab).map(|l| {
                 let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
                 for (i, &v) in l.iter().enumerate() {
@@ -223,20 +226,20 @@ impl Model {
     }
 
     /// Logits of hidden-state rows (final norm, output projection, soft-cap).
-    fn logits(&self, mut rows: Vec<f32>) -> Result<Vec<f32>, ModelError> {
+    fn logits(&self, mut rows: Vec<f32>, logits: &mut Vec<f32>) -> Result<(), ModelError> {
         let c = &self.config;
         let h = c.hidden_size;
         let n = rows.len() / h;
         if n == 0 {
-            return Ok(Vec::new());
+            logits.clear();
+            return Ok(());
         }
         ops::rms_norm_rows(&mut rows, &self.output_norm, c.rms_eps);
-        let mut logits = Vec::new();
-        self.output.forward(&Input::new(&rows, n, h), &mut logits)?;
+        self.output.forward(&Input::new(&rows, n, h), logits)?;
         if let Some(cap) = c.final_logit_softcap {
-            ops::softcap(&mut logits, cap);
+            ops::softcap(logits, cap);
         }
-        Ok(logits)
+        Ok(())
     }
 
     /// The final hidden state of every token row of `chunks` (writing their K/V).
