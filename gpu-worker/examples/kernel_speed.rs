@@ -37,7 +37,49 @@ fn time(w: &Q8Matrix, m: usize, macs: usize) -> f64 {
     t.elapsed().as_secs_f64() / iters as f64
 }
 
+/// What these cores can issue at most: `vpdpbusd` on registers only (12 independent chains per
+/// thread, one thread per core), in multiply-adds per second.
+#[cfg(target_arch = "x86_64")]
+fn vnni_peak() -> Option<f64> {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    fn chains(iters: usize) -> i32 {
+        use std::arch::x86_64::*;
+        let a = std::hint::black_box(_mm512_set1_epi8(3));
+        let b = std::hint::black_box(_mm512_set1_epi8(-2));
+        let mut acc = [_mm512_setzero_si512(); 12];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbusd_epi32(*v, a, b);
+            }
+        }
+        let sum = acc
+            .iter()
+            .fold(_mm512_setzero_si512(), |s, &v| _mm512_add_epi32(s, v));
+        _mm512_reduce_add_epi32(sum)
+    }
+    if !(is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512bw")) {
+        return None;
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let iters = 50_000_000;
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            // SAFETY: the CPU features were checked above.
+            s.spawn(|| std::hint::black_box(unsafe { chains(iters) }));
+        }
+    });
+    Some((threads * iters * 12 * 64) as f64 / t.elapsed().as_secs_f64())
+}
+
 fn main() {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(peak) = vnni_peak() {
+        println!(
+            "peak (vpdpbusd on registers, every core): {:.1} GMAC/s",
+            peak / 1e9
+        );
+    }
     for w in matrices(262_144, 640) {
         for m in [1usize, 4, 16, 64] {
             let s = time(&w, m, 64 * 262_144 * 640);

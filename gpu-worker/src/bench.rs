@@ -35,7 +35,7 @@ pub struct BenchOptions {
     #[arg(long, default_value_t = 8)]
     pub interference_streams: usize,
     /// The engine's `--prefill-share` (prompt work per step beside decoding sequences).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = 1.0)]
     pub prefill_share: f64,
     /// Interleaved session counts for the multi-turn runs.
     #[arg(long, default_value = "1,32", value_delimiter = ',')]

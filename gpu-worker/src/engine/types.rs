@@ -62,7 +62,7 @@ impl Default for EngineConfig {
             max_batch: 64,
             max_waiting: 1024,
             prefill_chunk: 512,
-            prefill_share: 2.0,
+            prefill_share: 1.0,
             command_queue: 4096,
             kv_dtype: KvDtype::default(),
             kv_disk: None,

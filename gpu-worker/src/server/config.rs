@@ -76,7 +76,7 @@ pub struct ServeConfig {
     /// tokens (at least 32): a step with a prefill then takes about (1 + this) times a decode-only
     /// step, so replies keep streaming while a long prompt arrives, at the cost of that prompt's
     /// time to first token. 0 prefills up to --prefill-chunk in every step.
-    #[arg(long, env = "HEARTH_WORKER_PREFILL_SHARE", default_value_t = 2.0)]
+    #[arg(long, env = "HEARTH_WORKER_PREFILL_SHARE", default_value_t = 1.0)]
     pub prefill_share: f64,
     /// Speculative decoding by prompt lookup: most draft tokens (runs of the prompt or reply
     /// that repeat) verified beside a sequence's next token in one step; 0 turns it off. The
