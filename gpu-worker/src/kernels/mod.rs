@@ -67,7 +67,7 @@ fn cached_isa() -> Isa {
 /// elsewhere.
 pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {
     if cached_isa() == Isa::Avx512Vnni && m.layout == Layout::Rows {
-        to_panels(&m)
+        to_panels(&m).unwrap_or(m)
     } else {
         m
     }

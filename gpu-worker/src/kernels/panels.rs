@@ -12,13 +12,16 @@
 //! scales). Panel `p`, block `b`, group `g` (values `4g..4g + 4` of the block) is 64 bytes: 4 bytes
 //! for each of the panel's 16 rows in turn. Values are stored flipped to unsigned (`w + 128`), as
 //! `vpdpbusd` takes them; the `128·Σx` this adds is removed by starting each block's sum at
-//! `-128·Σx`. Scales: 16 per panel and block, at `(p · blocks + b) · 16 + row`. A panel's bytes are
-//! contiguous, so a task reads its weights as one sequential stream.
+//! `-128·Σx`. Scales: 16 per panel and block, as f16 (GGUF's own 8-bit blocks store them so; the
+//! row layout's f32 would add 2 bytes per 32 values to every decoded token's reads), at
+//! `(p · blocks + b) · 16 + row`. A panel's bytes are contiguous, so a task reads its weights as
+//! one sequential stream.
 //!
 //! Each output is `Σ_b scale_w · scale_x · dot_b`, summed block by block in order, so a row's result
 //! does not depend on which other rows share its tile or its batch.
 
 use super::q8::{weight_vec, ActQ8, Layout, Q8Matrix, Values, QK};
+use half::f16;
 
 /// Weight rows per panel: one 512-bit vector of 32-bit sums.
 pub const PANEL: usize = 16;
@@ -26,16 +29,20 @@ pub const PANEL: usize = 16;
 /// Bytes of one panel's block: [`PANEL`] rows × [`QK`] values.
 const PANEL_BLOCK: usize = PANEL * QK;
 
-/// `m` (row layout) in the panel layout.
-pub fn to_panels(m: &Q8Matrix) -> Q8Matrix {
+/// `m` (row layout) in the panel layout; `None` when a scale is not an f16 value (no constructor
+/// makes one), as the panels could not hold it exactly.
+pub fn to_panels(m: &Q8Matrix) -> Option<Q8Matrix> {
     use rayon::prelude::*;
     assert_eq!(m.layout, Layout::Rows, "already in panels");
+    if m.scales.iter().any(|&d| f16::from_f32(d).to_f32() != d) {
+        return None;
+    }
     let (k, bpr) = (m.cols, m.cols / QK);
     let panels = m.rows.div_ceil(PANEL);
     let mut qs = weight_vec(panels * PANEL * k);
     qs.resize(panels * PANEL * k, 0i8);
     let mut scales = weight_vec(panels * PANEL * bpr);
-    scales.resize(panels * PANEL * bpr, 0f32);
+    scales.resize(panels * PANEL * bpr, f16::ZERO);
     qs.par_chunks_mut(PANEL * k)
         .zip(scales.par_chunks_mut(PANEL * bpr))
         .enumerate()
@@ -51,7 +58,7 @@ pub fn to_panels(m: &Q8Matrix) -> Q8Matrix {
                     } else {
                         (&[0i8; QK][..], 0.0)
                     };
-                    s[b * PANEL + lane] = scale;
+                    s[b * PANEL + lane] = f16::from_f32(scale);
                     for (g, four) in value.chunks_exact(4).enumerate() {
                         let at = b * PANEL_BLOCK + g * 4 * PANEL + lane * 4;
                         for (o, &v) in q[at..at + 4].iter_mut().zip(four) {
@@ -61,13 +68,14 @@ pub fn to_panels(m: &Q8Matrix) -> Q8Matrix {
                 }
             }
         });
-    Q8Matrix {
+    Some(Q8Matrix {
         rows: m.rows,
         cols: m.cols,
         qs: Values::owned(qs),
-        scales,
+        scales: Vec::new(),
+        half_scales: scales,
         layout: Layout::Panels,
-    }
+    })
 }
 
 /// Value `c` of row `r`, and its block's scale.
@@ -77,7 +85,7 @@ fn value(m: &Q8Matrix, r: usize, c: usize) -> (i8, f32) {
     let at = (p * bpr + b) * PANEL_BLOCK + (i / 4) * 4 * PANEL + lane * 4 + i % 4;
     (
         (m.qs[at] as u8 ^ 0x80) as i8,
-        m.scales[(p * bpr + b) * PANEL + lane],
+        m.half_scales[(p * bpr + b) * PANEL + lane].to_f32(),
     )
 }
 
@@ -85,7 +93,7 @@ fn value(m: &Q8Matrix, r: usize, c: usize) -> (i8, f32) {
 pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
     let (p, lane, bpr) = (r / PANEL, r % PANEL, m.cols / QK);
     for (b, o) in out[..m.cols].chunks_exact_mut(QK).enumerate() {
-        let d = m.scales[(p * bpr + b) * PANEL + lane];
+        let d = m.half_scales[(p * bpr + b) * PANEL + lane].to_f32();
         let base = (p * bpr + b) * PANEL_BLOCK + lane * 4;
         for (g, four) in o.chunks_exact_mut(4).enumerate() {
             let at = base + g * 4 * PANEL;
@@ -172,16 +180,21 @@ pub(super) mod vnni512 {
                     }
                 }
             }
+            let mut ws = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                let at = w
+                    .half_scales
+                    .as_ptr()
+                    .wrapping_add(((p0 + p) * bpr + b) * PANEL);
+                // SAFETY: panel p0 + p exists, so its 16 scales of block b (32 bytes) do.
+                ws[p] = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(at as *const __m256i) });
+            }
             for a in 0..A {
                 let xs = _mm512_set1_ps(x.scales[(m + a) * bpr + b]);
                 for p in 0..P {
-                    // SAFETY: panel p0 + p exists, so its 16 scales of block b do.
-                    let ws = unsafe {
-                        _mm512_loadu_ps(w.scales.as_ptr().add(((p0 + p) * bpr + b) * PANEL))
-                    };
                     acc[p][a] = _mm512_fmadd_ps(
                         _mm512_cvtepi32_ps(sum[p][a]),
-                        _mm512_mul_ps(ws, xs),
+                        _mm512_mul_ps(ws[p], xs),
                         acc[p][a],
                     );
                 }

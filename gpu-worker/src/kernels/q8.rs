@@ -106,13 +106,16 @@ pub enum Layout {
 
 /// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values and `scales` one
 /// factor per block, kept apart so SIMD loads of values are contiguous. `layout` says in which
-/// order; every constructor makes [`Layout::Rows`].
+/// order; every constructor makes [`Layout::Rows`]. Panels keep their scales as f16 in
+/// `half_scales` (every scale a constructor makes is an f16 value) and leave `scales` empty; the
+/// row layout leaves `half_scales` empty.
 #[derive(Clone, Debug)]
 pub struct Q8Matrix {
     pub rows: usize,
     pub cols: usize,
     pub qs: Values,
     pub scales: Vec<f32>,
+    pub half_scales: Vec<f16>,
     pub layout: Layout,
 }
 
@@ -214,11 +217,13 @@ impl Q8Matrix {
             cols,
             qs: Values::owned(qs),
             scales,
+            half_scales: Vec::new(),
             layout: Layout::Rows,
         })
     }
 
-    /// Quantizes dense f32 weights (`rows × cols`, row-major) to this layout.
+    /// Quantizes dense f32 weights (`rows × cols`, row-major) to this layout, with each block's
+    /// scale an f16 value (as GGUF's own 8-bit blocks have), so the panel layout can hold it.
     pub fn quantize(rows: usize, cols: usize, w: &[f32]) -> Self {
         assert_eq!(w.len(), rows * cols);
         assert_eq!(cols % QK, 0, "width must be a multiple of {QK}");
@@ -227,13 +232,21 @@ impl Q8Matrix {
         let mut scales = weight_vec(rows * cols / QK);
         scales.resize(rows * cols / QK, 0f32);
         for (i, (src, dst)) in w.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
-            scales[i] = quantize_block(src, dst);
+            scales[i] = quantize_block_with(src, dst, |d| {
+                let half = f16::from_f32(d).to_f32();
+                if half.is_finite() && half > 0.0 {
+                    half
+                } else {
+                    d
+                }
+            });
         }
         Self {
             rows,
             cols,
             qs: Values::owned(qs),
             scales,
+            half_scales: Vec::new(),
             layout: Layout::Rows,
         }
     }
@@ -270,27 +283,37 @@ impl Q8Matrix {
         let rows = parts.iter().map(|p| p.rows).sum();
         let mut qs = weight_vec(rows * cols);
         let mut scales = weight_vec(rows * cols / QK);
+        let mut half_scales = Vec::new();
         for p in parts {
             qs.extend_from_slice(&p.qs);
             scales.extend_from_slice(&p.scales);
+            half_scales.extend_from_slice(&p.half_scales);
         }
         Some(Self {
             rows,
             cols,
             qs: Values::owned(qs),
             scales,
+            half_scales,
             layout,
         })
     }
 
     pub fn size_in_bytes(&self) -> usize {
-        self.qs.len() + self.scales.len() * 4
+        self.qs.len() + self.scales.len() * 4 + self.half_scales.len() * 2
     }
 }
 
 /// Symmetric round-to-nearest(-even) into `[-127, 127]`; returns the scale. Written branch-free
 /// so it vectorizes: activations of every layer pass through it on every step.
 fn quantize_block(src: &[f32], dst: &mut [i8]) -> f32 {
+    quantize_block_with(src, dst, |d| d)
+}
+
+/// As [`quantize_block`], with the scale `amax / 127` passed through `round` first (values that
+/// round past ±127 are clamped).
+#[inline(always)]
+fn quantize_block_with(src: &[f32], dst: &mut [i8], round: impl Fn(f32) -> f32) -> f32 {
     // Lane-wise maxima, then across lanes: a shape LLVM turns into vector max and compare
     // instructions (a running scalar maximum stays scalar).
     let mut lanes = [0f32; 16];
@@ -305,7 +328,7 @@ fn quantize_block(src: &[f32], dst: &mut [i8]) -> f32 {
         let a = v.abs();
         amax = if a > amax { a } else { amax };
     }
-    let d = amax / 127.0;
+    let d = round(amax / 127.0);
     let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
     for (o, &v) in dst.iter_mut().zip(src) {
         // Clamped to ±127 first, so the i32 conversion saturates nowhere and the narrowing is

@@ -51,15 +51,18 @@ fn every_isa_matches_candle_for_q8_0_and_q5_0() {
         for (rows, cols, m) in [(64, 64, 1), (70, 128, 3), (131, 640, 9), (256, 640, 16)] {
             let (w, x, want) = candle_reference(dtype, rows, cols, m, rows as u64);
             let xq = quantize_activations(&x, m, cols);
-            for isa in all_isas() {
+            // GGUF's scales are f16, so both layouts hold the file's matrix exactly.
+            let panels = to_panels(&w).expect("GGUF scales are f16 values");
+            for (isa, w) in all_isas().into_iter().flat_map(|i| [(i, &w), (i, &panels)]) {
                 let mut got = vec![0f32; m * rows];
-                matmul_q8_with(isa, &w, &xq, &mut got);
+                matmul_q8_with(isa, w, &xq, &mut got);
+                let layout = w.layout;
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                     // candle rounds activation scales to f16, we keep f32: allow that difference.
                     let tol = 1e-2 * (1.0 + w.abs());
                     assert!(
                         (g - w).abs() <= tol,
-                        "{dtype:?} {isa:?} {rows}x{cols} m={m} [{i}]: {g} vs {w}"
+                        "{dtype:?} {isa:?} {layout:?} {rows}x{cols} m={m} [{i}]: {g} vs {w}"
                     );
                 }
             }
@@ -207,7 +210,7 @@ fn the_panel_layout_gives_the_row_layout_s_products_and_rows() {
         (131, 640, 16),
     ] {
         let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 21));
-        let p = to_panels(&w);
+        let p = to_panels(&w).expect("scales are f16 values");
         assert_eq!(p.layout, Layout::Panels);
         let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
         for r in [0, rows / 2, rows - 1] {
@@ -235,7 +238,7 @@ fn the_panel_layout_gives_the_row_layout_s_products_and_rows() {
 fn a_panel_row_s_result_does_not_depend_on_its_batch() {
     // The engine's bit-identity between batched, chunked and cached tokens rests on this.
     let (rows, cols) = (100, 640);
-    let w = to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, 23)));
+    let w = to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, 23))).unwrap();
     let x = noise(7 * cols, 24);
     for isa in all_isas() {
         let mut batch = vec![0f32; 7 * rows];
@@ -256,8 +259,9 @@ fn a_panel_row_s_result_does_not_depend_on_its_batch() {
 #[test]
 fn panel_matrices_stack_only_whole_panels() {
     let cols = 64;
-    let part =
-        |rows: usize, seed| to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, seed)));
+    let part = |rows: usize, seed| {
+        to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, seed))).unwrap()
+    };
     let (a, b) = (part(32, 1), part(16, 2));
     let both = Q8Matrix::concat_rows(&[&a, &b]).expect("whole panels stack");
     let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
@@ -270,4 +274,17 @@ fn panel_matrices_stack_only_whole_panels() {
         Q8Matrix::concat_rows(&[&a, &rows]).is_none(),
         "layouts differ"
     );
+}
+
+#[test]
+fn panels_keep_f16_scales_and_refuse_a_matrix_whose_scales_are_not_f16() {
+    let (rows, cols) = (32, 64);
+    let w = Q8Matrix::quantize(rows, cols, &noise(rows * cols, 31));
+    let p = to_panels(&w).unwrap();
+    assert!(p.scales.is_empty());
+    assert_eq!(p.size_in_bytes(), rows * cols + rows * cols / QK * 2);
+    let mut odd = w.clone();
+    odd.scales[3] = 1.0 + f32::EPSILON;
+    assert!(to_panels(&odd).is_none());
+    assert_eq!(for_this_cpu(odd).layout, Layout::Rows);
 }
