@@ -19,7 +19,7 @@ mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use panels::{to_panels, PANEL};
+pub use panels::{to_five_bit, to_panels, PANEL};
 pub use pool::SpinPool;
 pub use q8::{
     advise_huge_pages, pack_into_arena, quantize_activations, ActQ8, Layout, Q8Matrix, Values, QK,
@@ -107,7 +107,7 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
     if tasks >= threads {
         tasks -= tasks % threads;
     }
-    let panels = w.layout == Layout::Panels;
+    let panels = w.layout != Layout::Rows;
     let per_task = n
         .div_ceil(tasks)
         .next_multiple_of(if panels { PANEL } else { 4 });

@@ -19,6 +19,15 @@
 //!
 //! Each output is `Σ_b scale_w · scale_x · dot_b`, summed block by block in order, so a row's result
 //! does not depend on which other rows share its tile or its batch.
+//!
+//! **Five-bit panels** ([`Layout::Panels5`]) hold matrices whose values all lie in `[-16, 15]`
+//! (GGUF's Q5_0, widened at load) in 5 bits plus the f16 scale, as the file does, instead of 8:
+//! the decode step reads fewer bytes. A panel's block is 320 bytes: four 64-byte vectors of
+//! nibbles (vector `j` holds group `2j` in its low nibbles and group `2j + 1` in its high ones,
+//! each value stored as `v + 16`), then eight 64-bit masks with each value's fifth bit, one per
+//! group. The kernel rebuilds the bytes in registers (two ANDs, a shift and two masked adds per
+//! two groups) and corrects with `-16·Σx`. The integer sums are the 8-bit panels' exactly, so the
+//! results are the same.
 
 use super::q8::{weight_vec, ActQ8, Layout, Q8Matrix, Values, QK};
 use half::f16;
@@ -28,6 +37,8 @@ pub const PANEL: usize = 16;
 
 /// Bytes of one panel's block: [`PANEL`] rows × [`QK`] values.
 const PANEL_BLOCK: usize = PANEL * QK;
+/// Bytes of one five-bit panel's block: 256 of nibbles, 64 of fifth bits.
+const PANEL_BLOCK5: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 8;
 
 /// `m` (row layout) in the panel layout; `None` when a scale is not an f16 value (no constructor
 /// makes one), as the panels could not hold it exactly.
@@ -82,15 +93,66 @@ pub fn to_panels(m: &Q8Matrix) -> Option<Q8Matrix> {
 fn value(m: &Q8Matrix, r: usize, c: usize) -> (i8, f32) {
     let (p, lane, b, i) = (r / PANEL, r % PANEL, c / QK, c % QK);
     let bpr = m.cols / QK;
-    let at = (p * bpr + b) * PANEL_BLOCK + (i / 4) * 4 * PANEL + lane * 4 + i % 4;
-    (
-        (m.qs[at] as u8 ^ 0x80) as i8,
-        m.half_scales[(p * bpr + b) * PANEL + lane].to_f32(),
-    )
+    let scale = m.half_scales[(p * bpr + b) * PANEL + lane].to_f32();
+    // Byte `t` of group `g`'s 64: lane `lane`, value `i % 4`.
+    let (g, t) = (i / 4, lane * 4 + i % 4);
+    if m.layout == Layout::Panels5 {
+        let at = (p * bpr + b) * PANEL_BLOCK5;
+        let nibbles = m.qs[at + (g / 2) * 64 + t] as u8;
+        let low = if g % 2 == 0 {
+            nibbles & 0x0f
+        } else {
+            nibbles >> 4
+        };
+        let fifth = (m.qs[at + PANEL_BLOCK / 2 + g * 8 + t / 8] as u8 >> (t % 8)) & 1;
+        return ((low | fifth << 4) as i8 - 16, scale);
+    }
+    let at = (p * bpr + b) * PANEL_BLOCK + g * 4 * PANEL + t;
+    ((m.qs[at] as u8 ^ 0x80) as i8, scale)
+}
+
+/// `m` (8-bit panels) in five-bit panels, when every value lies in `[-16, 15]`; else `None`.
+pub fn to_five_bit(m: &Q8Matrix) -> Option<Q8Matrix> {
+    use rayon::prelude::*;
+    let fits = |v: &i8| (-16..16).contains(&((*v as u8 ^ 0x80) as i8));
+    if m.layout != Layout::Panels || !m.qs.par_iter().all(fits) {
+        return None;
+    }
+    let blocks = m.qs.len() / PANEL_BLOCK;
+    let mut qs = weight_vec(blocks * PANEL_BLOCK5);
+    qs.resize(blocks * PANEL_BLOCK5, 0i8);
+    qs.par_chunks_mut(PANEL_BLOCK5)
+        .zip(m.qs.par_chunks(PANEL_BLOCK))
+        .for_each(|(dst, src)| {
+            for (g, group) in src.chunks_exact(4 * PANEL).enumerate() {
+                for (t, &v) in group.iter().enumerate() {
+                    let q = ((v as u8 ^ 0x80) as i8 + 16) as u8;
+                    let at = (g / 2) * 64 + t;
+                    dst[at] = (dst[at] as u8 | (q & 0x0f) << (4 * (g % 2))) as i8;
+                    let bit = PANEL_BLOCK / 2 + g * 8 + t / 8;
+                    dst[bit] = (dst[bit] as u8 | (q >> 4) << (t % 8)) as i8;
+                }
+            }
+        });
+    Some(Q8Matrix {
+        rows: m.rows,
+        cols: m.cols,
+        qs: Values::owned(qs),
+        scales: Vec::new(),
+        half_scales: m.half_scales.clone(),
+        layout: Layout::Panels5,
+    })
 }
 
 /// Row `r` as f32 (the embedding lookup of a panel matrix).
 pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
+    if m.layout == Layout::Panels5 {
+        for (c, o) in out[..m.cols].iter_mut().enumerate() {
+            let (v, d) = value(m, r, c);
+            *o = d * v as f32;
+        }
+        return;
+    }
     let (p, lane, bpr) = (r / PANEL, r % PANEL, m.cols / QK);
     for (b, o) in out[..m.cols].chunks_exact_mut(QK).enumerate() {
         let d = m.half_scales[(p * bpr + b) * PANEL + lane].to_f32();
@@ -128,20 +190,20 @@ pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
 pub(super) mod vnni512 {
-    use super::{ActQ8, Q8Matrix, PANEL, PANEL_BLOCK, QK};
+    use super::{ActQ8, Layout, Q8Matrix, PANEL, PANEL_BLOCK, PANEL_BLOCK5, QK};
     use std::arch::x86_64::*;
 
     /// How far ahead of the 64 bytes being read each panel stream asks for memory.
     const PREFETCH_BYTES: usize = 2048;
 
-    /// `P` panels from panel `p0` against activation rows `m .. m + A`.
+    /// `P` panels from panel `p0` against activation rows `m .. m + A`; `FIVE`: five-bit panels.
     ///
     /// # Safety
     /// AVX-512 F, BW and VNNI; panels `p0 .. p0 + P` exist, rows `m .. m + A` of `x` exist, and
     /// `out` holds `x.rows × w.rows` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[inline]
-    unsafe fn tile<const P: usize, const A: usize>(
+    unsafe fn tile<const P: usize, const A: usize, const FIVE: bool>(
         w: &Q8Matrix,
         x: &ActQ8,
         p0: usize,
@@ -152,31 +214,69 @@ pub(super) mod vnni512 {
         let wq = w.qs.as_ptr();
         let xq = x.qs.as_ptr();
         let mut acc = [[_mm512_setzero_ps(); A]; P];
+        let (block_bytes, offset) = if FIVE {
+            (PANEL_BLOCK5, 16)
+        } else {
+            (PANEL_BLOCK, 128)
+        };
+        let (nibble, sixteen) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
         for b in 0..bpr {
             let mut sum = [[_mm512_setzero_si512(); A]; P];
             for a in 0..A {
-                let start = _mm512_set1_epi32(-128 * x.sums[(m + a) * bpr + b]);
+                let start = _mm512_set1_epi32(-offset * x.sums[(m + a) * bpr + b]);
                 for p in 0..P {
                     sum[p][a] = start;
                 }
             }
-            for g in 0..QK / 4 {
-                let mut xb = [_mm512_setzero_si512(); A];
-                for a in 0..A {
-                    // SAFETY: row m + a < x.rows, value b·32 + 4g + 3 < k.
-                    let four = unsafe {
-                        std::ptr::read_unaligned(xq.add((m + a) * k + b * QK + 4 * g) as *const i32)
-                    };
-                    xb[a] = _mm512_set1_epi32(four);
+            // Two groups of 4 values at a time: one vector of nibbles in the five-bit panels.
+            for j in 0..QK / 8 {
+                let mut xb = [[_mm512_setzero_si512(); A]; 2];
+                for (h, xb) in xb.iter_mut().enumerate() {
+                    for a in 0..A {
+                        let at = (m + a) * k + b * QK + 8 * j + 4 * h;
+                        // SAFETY: row m + a < x.rows, value at + 3 < its row's end.
+                        let four = unsafe { std::ptr::read_unaligned(xq.add(at) as *const i32) };
+                        xb[a] = _mm512_set1_epi32(four);
+                    }
                 }
                 for p in 0..P {
-                    let at = wq.wrapping_add(((p0 + p) * bpr + b) * PANEL_BLOCK + g * 4 * PANEL);
-                    // A hint only: it never faults, so an address past the matrix is harmless.
-                    _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                    // SAFETY: panel p0 + p exists, so its block b, group g (64 bytes) does.
-                    let wv = unsafe { _mm512_loadu_si512(at as *const __m512i) };
+                    let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
+                    let pair = if FIVE {
+                        let at = block.wrapping_add(j * 64);
+                        // A hint only: it never faults, so an address past the matrix is harmless.
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                        // SAFETY: panel p0 + p exists, so its block b's 320 bytes do.
+                        let (nibbles, fifths) = unsafe {
+                            let bits = block.add(PANEL_BLOCK / 2 + 16 * j) as *const u64;
+                            (
+                                _mm512_loadu_si512(at as *const __m512i),
+                                [
+                                    std::ptr::read_unaligned(bits),
+                                    std::ptr::read_unaligned(bits.add(1)),
+                                ],
+                            )
+                        };
+                        let low = _mm512_and_si512(nibbles, nibble);
+                        let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
+                        [
+                            _mm512_mask_add_epi8(low, fifths[0], low, sixteen),
+                            _mm512_mask_add_epi8(high, fifths[1], high, sixteen),
+                        ]
+                    } else {
+                        let at = block.wrapping_add(j * 2 * 4 * PANEL);
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES + 64));
+                        // SAFETY: panel p0 + p exists, so its block b's groups 2j, 2j + 1 do.
+                        unsafe {
+                            [
+                                _mm512_loadu_si512(at as *const __m512i),
+                                _mm512_loadu_si512(at.add(64) as *const __m512i),
+                            ]
+                        }
+                    };
                     for a in 0..A {
-                        sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], wv, xb[a]);
+                        sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[0], xb[0][a]);
+                        sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[1], xb[1][a]);
                     }
                 }
             }
@@ -224,7 +324,7 @@ pub(super) mod vnni512 {
     /// # Safety
     /// As [`tile`], for every panel and row named.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn panels<const P: usize>(
+    unsafe fn panels<const P: usize, const FIVE: bool>(
         w: &Q8Matrix,
         x: &ActQ8,
         p0: usize,
@@ -236,18 +336,18 @@ pub(super) mod vnni512 {
             let mut p = 0;
             while p + 2 <= P {
                 // SAFETY: as this function's contract.
-                unsafe { tile::<2, 4>(w, x, p0 + p, m, out) };
+                unsafe { tile::<2, 4, FIVE>(w, x, p0 + p, m, out) };
                 p += 2;
             }
             if p < P {
                 // SAFETY: as above.
-                unsafe { tile::<1, 4>(w, x, p0 + p, m, out) };
+                unsafe { tile::<1, 4, FIVE>(w, x, p0 + p, m, out) };
             }
             m += 4;
         }
         while m < m1 {
             // SAFETY: as above.
-            unsafe { tile::<P, 1>(w, x, p0, m, out) };
+            unsafe { tile::<P, 1, FIVE>(w, x, p0, m, out) };
             m += 1;
         }
     }
@@ -258,6 +358,22 @@ pub(super) mod vnni512 {
     /// The CPU must support AVX-512 F, BW and VNNI.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
+        match w.layout {
+            // SAFETY: as this function's contract.
+            Layout::Panels5 => unsafe { rows::<true>(w, x, r0, r1, out) },
+            // SAFETY: as above.
+            _ => unsafe { rows::<false>(w, x, r0, r1, out) },
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn rows<const FIVE: bool>(
+        w: &Q8Matrix,
+        x: &ActQ8,
+        r0: usize,
+        r1: usize,
+        out: &mut [f32],
+    ) {
         assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
         assert!(r0.is_multiple_of(PANEL), "a task must start at a panel");
         assert!(out.len() >= x.rows * w.rows);
@@ -276,12 +392,12 @@ pub(super) mod vnni512 {
             let mut p = first;
             while p + 4 <= end {
                 // SAFETY: panels p .. p + 4 < end exist; rows ms lie inside x.
-                unsafe { panels::<4>(w, x, p, ms, out) };
+                unsafe { panels::<4, FIVE>(w, x, p, ms, out) };
                 p += 4;
             }
             while p < end {
                 // SAFETY: as above.
-                unsafe { panels::<1>(w, x, p, ms, out) };
+                unsafe { panels::<1, FIVE>(w, x, p, ms, out) };
                 p += 1;
             }
             m0 = ms.1;

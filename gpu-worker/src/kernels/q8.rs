@@ -102,6 +102,8 @@ pub enum Layout {
     Rows,
     /// Panels of [`PANEL`] rows, for the AVX-512 VNNI panel kernel (see [`super::panels`]).
     Panels,
+    /// Panels of [`PANEL`] rows holding values in `[-16, 15]` in 5 bits (see [`super::panels`]).
+    Panels5,
 }
 
 /// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values and `scales` one
@@ -253,7 +255,7 @@ impl Q8Matrix {
 
     /// Row `r` as f32 (embedding lookup).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
-        if self.layout == Layout::Panels {
+        if self.layout != Layout::Rows {
             return super::panels::dequantize_row(self, r, out);
         }
         let bpr = self.cols / QK;
@@ -277,7 +279,7 @@ impl Q8Matrix {
         if parts.iter().any(|p| p.cols != cols || p.layout != layout) {
             return None;
         }
-        if layout == Layout::Panels && parts.iter().any(|p| !p.rows.is_multiple_of(PANEL)) {
+        if layout != Layout::Rows && parts.iter().any(|p| !p.rows.is_multiple_of(PANEL)) {
             return None;
         }
         let rows = parts.iter().map(|p| p.rows).sum();

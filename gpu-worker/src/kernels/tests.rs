@@ -288,3 +288,38 @@ fn panels_keep_f16_scales_and_refuse_a_matrix_whose_scales_are_not_f16() {
     assert!(to_panels(&odd).is_none());
     assert_eq!(for_this_cpu(odd).layout, Layout::Rows);
 }
+
+#[test]
+fn five_bit_panels_give_the_eight_bit_panels_results_exactly() {
+    // Q5_0 as a GGUF file holds it; odd batches and a part-filled last panel.
+    for (rows, cols, m) in [(40, 640, 1), (131, 640, 9), (256, 128, 16)] {
+        let (w, x, _) = candle_reference(GgmlDType::Q5_0, rows, cols, m, 40 + rows as u64);
+        let eight = to_panels(&w).unwrap();
+        let five = to_five_bit(&eight).expect("Q5_0 values fit in 5 bits");
+        assert_eq!(five.layout, Layout::Panels5);
+        assert_eq!(
+            five.size_in_bytes(),
+            rows.next_multiple_of(PANEL) * cols / QK * (20 + 2),
+            "5 bits and an f16 scale per value block, as Q5_0"
+        );
+        let (mut a, mut b) = (vec![0f32; cols], vec![0f32; cols]);
+        for r in [0, rows / 3, rows - 1] {
+            eight.dequantize_row(r, &mut a);
+            five.dequantize_row(r, &mut b);
+            assert_eq!(a, b, "row {r}");
+        }
+        let xq = quantize_activations(&x, m, cols);
+        for isa in all_isas() {
+            let (mut want, mut got) = (vec![0f32; m * rows], vec![f32::NAN; m * rows]);
+            matmul_q8_with(isa, &eight, &xq, &mut want);
+            matmul_q8_with(isa, &five, &xq, &mut got);
+            assert_eq!(got, want, "{isa:?} {rows}x{cols} batch {m}");
+        }
+    }
+    let (q8, _, _) = candle_reference(GgmlDType::Q8_0, 32, 64, 1, 7);
+    assert!(
+        to_five_bit(&to_panels(&q8).unwrap()).is_none(),
+        "8-bit values"
+    );
+    assert!(to_five_bit(&q8).is_none(), "row layout");
+}

@@ -200,7 +200,13 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
             .chain(l.gate_up.linears_mut())
             .chain([&mut l.o, &mut l.down]);
         matrices.extend(linears.filter_map(|lin| match lin {
-            Linear::Q8(m) => Arc::get_mut(m),
+            Linear::Q8(m) => {
+                // Matrices whose values fit in 5 bits (Q5_0 in the file) are read as 5 bits.
+                if let Some(five) = kernels::to_five_bit(m) {
+                    *m = Arc::new(five);
+                }
+                Arc::get_mut(m)
+            }
             _ => None,
         }));
     }
