@@ -19,7 +19,7 @@ mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use panels::{to_five_bit, to_panels, PANEL};
+pub use panels::{from_q4_k, to_five_bit, to_panels, PANEL, QK_K};
 pub use pool::SpinPool;
 pub use q8::{
     advise_huge_pages, pack_into_arena, quantize_activations, ActQ8, Layout, Q8Matrix, Values, QK,
@@ -71,6 +71,17 @@ pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {
     } else {
         m
     }
+}
+
+/// A GGUF Q4_K matrix in the layout this CPU's kernel reads as it is (Q4_K panels, where AVX-512
+/// VNNI runs); `None` where there is none, and the caller re-quantizes it to 8-bit blocks.
+pub fn q4_k_for_this_cpu(
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+) -> Option<Result<Q8Matrix, String>> {
+    (cached_isa() == Isa::Avx512Vnni && cols.is_multiple_of(QK_K))
+        .then(|| panels::from_q4_k(rows, cols, data))
 }
 
 /// A pointer to the output that parallel tasks write through; each task owns disjoint columns.

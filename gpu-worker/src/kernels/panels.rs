@@ -28,6 +28,14 @@
 //! group. The kernel rebuilds the bytes in registers (two ANDs, a shift and two masked adds per
 //! two groups) and corrects with `-16·Σx`. The integer sums are the 8-bit panels' exactly, so the
 //! results are the same.
+//!
+//! **Q4_K panels** ([`Layout::PanelsQ4K`]) hold GGUF's Q4_K matrices as they are: each weight is
+//! `d·sc·q − dmin·m` with `q` in `[0, 15]`, 6-bit `sc` and `m` per 32 values and f16 `d`, `dmin`
+//! per 256. A panel's block is 288 bytes: the four nibble vectors as above (values stored as `q`),
+//! then the 16 rows' `sc` and their `m` (a byte each). `half_scales` holds each panel's `d` (16)
+//! then `dmin` (16) per 256 values. A block adds `d·sc·x_s·Σqx − dmin·m·x_s·Σx`: the unsigned `q`
+//! goes into `vpdpbusd` as is, and the minimum takes one more fused multiply-add. 4.75 bits a
+//! weight, against the file's 4.5 (and 8.5 re-quantized to 8-bit blocks).
 
 use super::q8::{weight_vec, ActQ8, Layout, Q8Matrix, Values, QK};
 use half::f16;
@@ -39,6 +47,93 @@ pub const PANEL: usize = 16;
 const PANEL_BLOCK: usize = PANEL * QK;
 /// Bytes of one five-bit panel's block: 256 of nibbles, 64 of fifth bits.
 const PANEL_BLOCK5: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 8;
+/// Bytes of one Q4_K panel's block: 256 of nibbles, 16 scales and 16 minimums.
+const PANEL_BLOCK4: usize = PANEL_BLOCK / 2 + 2 * PANEL;
+/// Values per Q4_K super-block (one `d` and `dmin`).
+pub const QK_K: usize = 256;
+/// Bytes per Q4_K super-block in a GGUF file: `f16 d, f16 dmin, u8 scales[12], u8 qs[128]`.
+const Q4K_BYTES: usize = 144;
+
+/// Sub-block `j`'s 6-bit scale and minimum from a Q4_K super-block's 12 packed bytes.
+fn q4k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (packed[j] & 63, packed[j + 4] & 63)
+    } else {
+        (
+            (packed[j + 4] & 0x0f) | ((packed[j - 4] >> 6) << 4),
+            (packed[j + 4] >> 4) | ((packed[j] >> 6) << 4),
+        )
+    }
+}
+
+/// A GGUF Q4_K matrix (`rows × cols`, `cols` a multiple of 256) in Q4_K panels.
+pub fn from_q4_k(rows: usize, cols: usize, data: &[u8]) -> Result<Q8Matrix, String> {
+    use rayon::prelude::*;
+    if !cols.is_multiple_of(QK_K) {
+        return Err(format!("width must be a multiple of {QK_K}"));
+    }
+    let (spr, bpr) = (cols / QK_K, cols / QK);
+    let want = rows * spr * Q4K_BYTES;
+    if data.len() != want {
+        return Err(format!("expected {want} bytes, found {}", data.len()));
+    }
+    let panels = rows.div_ceil(PANEL);
+    let mut qs = weight_vec(panels * bpr * PANEL_BLOCK4);
+    qs.resize(panels * bpr * PANEL_BLOCK4, 0i8);
+    let mut half = weight_vec(panels * spr * 2 * PANEL);
+    half.resize(panels * spr * 2 * PANEL, f16::ZERO);
+    qs.par_chunks_mut(bpr * PANEL_BLOCK4)
+        .zip(half.par_chunks_mut(spr * 2 * PANEL))
+        .enumerate()
+        .for_each(|(p, (q, h))| {
+            for lane in 0..PANEL.min(rows - p * PANEL) {
+                let row = &data[(p * PANEL + lane) * spr * Q4K_BYTES..][..spr * Q4K_BYTES];
+                for (sb, block) in row.chunks_exact(Q4K_BYTES).enumerate() {
+                    h[sb * 2 * PANEL + lane] = f16::from_le_bytes([block[0], block[1]]);
+                    h[sb * 2 * PANEL + PANEL + lane] = f16::from_le_bytes([block[2], block[3]]);
+                    let (packed, nibbles) = (&block[4..16], &block[16..144]);
+                    for j in 0..QK_K / QK {
+                        let out = &mut q[(sb * (QK_K / QK) + j) * PANEL_BLOCK4..][..PANEL_BLOCK4];
+                        let (sc, m) = q4k_scale_min(j, packed);
+                        out[PANEL_BLOCK / 2 + lane] = sc as i8;
+                        out[PANEL_BLOCK / 2 + PANEL + lane] = m as i8;
+                        // Sub-block j: low (even j) or high nibbles of bytes 32·(j/2) ...
+                        for i in 0..QK {
+                            let byte = nibbles[32 * (j / 2) + i];
+                            let v = if j % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+                            let (g, t) = (i / 4, lane * 4 + i % 4);
+                            let at = (g / 2) * 64 + t;
+                            out[at] = (out[at] as u8 | v << (4 * (g % 2))) as i8;
+                        }
+                    }
+                }
+            }
+        });
+    Ok(Q8Matrix {
+        rows,
+        cols,
+        qs: Values::owned(qs),
+        scales: Vec::new(),
+        half_scales: half,
+        layout: Layout::PanelsQ4K,
+    })
+}
+
+/// A Q4_K panel matrix's `(q, d·sc, dmin·m)` for value `c` of row `r`.
+fn q4k_parts(m: &Q8Matrix, r: usize, c: usize) -> (u8, f32, f32) {
+    let (p, lane, b, i) = (r / PANEL, r % PANEL, c / QK, c % QK);
+    let (bpr, spr) = (m.cols / QK, m.cols / QK_K);
+    let at = (p * bpr + b) * PANEL_BLOCK4;
+    let (g, t) = (i / 4, lane * 4 + i % 4);
+    let byte = m.qs[at + (g / 2) * 64 + t] as u8;
+    let q = if g % 2 == 0 { byte & 0x0f } else { byte >> 4 };
+    let sc = m.qs[at + PANEL_BLOCK / 2 + lane] as u8;
+    let mn = m.qs[at + PANEL_BLOCK / 2 + PANEL + lane] as u8;
+    let h = (p * spr + c / QK_K) * 2 * PANEL;
+    let d = m.half_scales[h + lane].to_f32();
+    let dmin = m.half_scales[h + PANEL + lane].to_f32();
+    (q, d * sc as f32, dmin * mn as f32)
+}
 
 /// `m` (row layout) in the panel layout; `None` when a scale is not an f16 value (no constructor
 /// makes one), as the panels could not hold it exactly.
@@ -146,6 +241,13 @@ pub fn to_five_bit(m: &Q8Matrix) -> Option<Q8Matrix> {
 
 /// Row `r` as f32 (the embedding lookup of a panel matrix).
 pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
+    if m.layout == Layout::PanelsQ4K {
+        for (c, o) in out[..m.cols].iter_mut().enumerate() {
+            let (q, scale, min) = q4k_parts(m, r, c);
+            *o = scale * q as f32 - min;
+        }
+        return;
+    }
     if m.layout == Layout::Panels5 {
         for (c, o) in out[..m.cols].iter_mut().enumerate() {
             let (v, d) = value(m, r, c);
@@ -169,6 +271,26 @@ pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
 /// Reference kernel for the panel layout: output columns `r0..r1` of every activation row.
 pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
     let (k, bpr) = (w.cols, w.cols / QK);
+    if w.layout == Layout::PanelsQ4K {
+        for r in r0..r1 {
+            for m in 0..x.rows {
+                let mut acc = 0f32;
+                for b in 0..bpr {
+                    let (mut dot, mut scale, mut min) = (0i32, 0.0, 0.0);
+                    for i in 0..QK {
+                        let q;
+                        (q, scale, min) = q4k_parts(w, r, b * QK + i);
+                        dot += q as i32 * x.qs[m * k + b * QK + i] as i32;
+                    }
+                    let xs = x.scales[m * bpr + b];
+                    acc = (dot as f32).mul_add(scale * xs, acc);
+                    acc = (-min).mul_add(xs * x.sums[m * bpr + b] as f32, acc);
+                }
+                out[m * w.rows + r] = acc;
+            }
+        }
+        return;
+    }
     for r in r0..r1 {
         for m in 0..x.rows {
             let mut acc = 0f32;
@@ -190,20 +312,25 @@ pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
 pub(super) mod vnni512 {
-    use super::{ActQ8, Layout, Q8Matrix, PANEL, PANEL_BLOCK, PANEL_BLOCK5, QK};
+    use super::{ActQ8, Layout, Q8Matrix, PANEL, PANEL_BLOCK, PANEL_BLOCK4, PANEL_BLOCK5, QK};
     use std::arch::x86_64::*;
 
     /// How far ahead of the 64 bytes being read each panel stream asks for memory.
     const PREFETCH_BYTES: usize = 2048;
 
-    /// `P` panels from panel `p0` against activation rows `m .. m + A`; `FIVE`: five-bit panels.
+    /// The panel formats, as the kernels' const parameter.
+    const EIGHT: u8 = 0;
+    const FIVE: u8 = 1;
+    const Q4K: u8 = 2;
+
+    /// `P` panels from panel `p0` against activation rows `m .. m + A`, in format `F`.
     ///
     /// # Safety
     /// AVX-512 F, BW and VNNI; panels `p0 .. p0 + P` exist, rows `m .. m + A` of `x` exist, and
     /// `out` holds `x.rows × w.rows` values.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[inline]
-    unsafe fn tile<const P: usize, const A: usize, const FIVE: bool>(
+    unsafe fn tile<const P: usize, const A: usize, const F: u8>(
         w: &Q8Matrix,
         x: &ActQ8,
         p0: usize,
@@ -214,10 +341,10 @@ pub(super) mod vnni512 {
         let wq = w.qs.as_ptr();
         let xq = x.qs.as_ptr();
         let mut acc = [[_mm512_setzero_ps(); A]; P];
-        let (block_bytes, offset) = if FIVE {
-            (PANEL_BLOCK5, 16)
-        } else {
-            (PANEL_BLOCK, 128)
+        let (block_bytes, offset) = match F {
+            FIVE => (PANEL_BLOCK5, 16),
+            Q4K => (PANEL_BLOCK4, 0),
+            _ => (PANEL_BLOCK, 128),
         };
         let (nibble, sixteen) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
         for b in 0..bpr {
@@ -241,7 +368,16 @@ pub(super) mod vnni512 {
                 }
                 for p in 0..P {
                     let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
-                    let pair = if FIVE {
+                    let pair = if F == Q4K {
+                        let at = block.wrapping_add(j * 64);
+                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                        // SAFETY: panel p0 + p exists, so its block b's 288 bytes do.
+                        let nibbles = unsafe { _mm512_loadu_si512(at as *const __m512i) };
+                        [
+                            _mm512_and_si512(nibbles, nibble),
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble),
+                        ]
+                    } else if F == FIVE {
                         let at = block.wrapping_add(j * 64);
                         // A hint only: it never faults, so an address past the matrix is harmless.
                         _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
@@ -279,6 +415,45 @@ pub(super) mod vnni512 {
                         sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[1], xb[1][a]);
                     }
                 }
+            }
+            if F == Q4K {
+                // Per row: d·sc (the block's scale) and dmin·m (its minimum).
+                let (mut scale, mut min) = ([_mm512_setzero_ps(); P], [_mm512_setzero_ps(); P]);
+                let spr = k / super::QK_K;
+                for p in 0..P {
+                    let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
+                    let h = w
+                        .half_scales
+                        .as_ptr()
+                        .wrapping_add(((p0 + p) * spr + b * QK / super::QK_K) * 2 * PANEL);
+                    // SAFETY: panel p0 + p exists: its block's 16 scales and 16 minimums, and
+                    // its super-block's 16 d and 16 dmin.
+                    unsafe {
+                        let at = block.add(PANEL_BLOCK / 2);
+                        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                        let mn =
+                            _mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(PANEL) as *const __m128i));
+                        let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
+                        let dmin =
+                            _mm512_cvtph_ps(_mm256_loadu_si256(h.add(PANEL) as *const __m256i));
+                        scale[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                        min[p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+                    }
+                }
+                for a in 0..A {
+                    let xs = x.scales[(m + a) * bpr + b];
+                    let xsum = _mm512_set1_ps(xs * x.sums[(m + a) * bpr + b] as f32);
+                    let xs = _mm512_set1_ps(xs);
+                    for p in 0..P {
+                        let with_q = _mm512_fmadd_ps(
+                            _mm512_cvtepi32_ps(sum[p][a]),
+                            _mm512_mul_ps(scale[p], xs),
+                            acc[p][a],
+                        );
+                        acc[p][a] = _mm512_fnmadd_ps(min[p], xsum, with_q);
+                    }
+                }
+                continue;
             }
             let mut ws = [_mm512_setzero_ps(); P];
             for p in 0..P {
@@ -324,7 +499,7 @@ pub(super) mod vnni512 {
     /// # Safety
     /// As [`tile`], for every panel and row named.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn panels<const P: usize, const FIVE: bool>(
+    unsafe fn panels<const P: usize, const F: u8>(
         w: &Q8Matrix,
         x: &ActQ8,
         p0: usize,
@@ -336,18 +511,18 @@ pub(super) mod vnni512 {
             let mut p = 0;
             while p + 2 <= P {
                 // SAFETY: as this function's contract.
-                unsafe { tile::<2, 4, FIVE>(w, x, p0 + p, m, out) };
+                unsafe { tile::<2, 4, F>(w, x, p0 + p, m, out) };
                 p += 2;
             }
             if p < P {
                 // SAFETY: as above.
-                unsafe { tile::<1, 4, FIVE>(w, x, p0 + p, m, out) };
+                unsafe { tile::<1, 4, F>(w, x, p0 + p, m, out) };
             }
             m += 4;
         }
         while m < m1 {
             // SAFETY: as above.
-            unsafe { tile::<P, 1, FIVE>(w, x, p0, m, out) };
+            unsafe { tile::<P, 1, F>(w, x, p0, m, out) };
             m += 1;
         }
     }
@@ -360,20 +535,16 @@ pub(super) mod vnni512 {
     pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
         match w.layout {
             // SAFETY: as this function's contract.
-            Layout::Panels5 => unsafe { rows::<true>(w, x, r0, r1, out) },
+            Layout::Panels5 => unsafe { rows::<FIVE>(w, x, r0, r1, out) },
             // SAFETY: as above.
-            _ => unsafe { rows::<false>(w, x, r0, r1, out) },
+            Layout::PanelsQ4K => unsafe { rows::<Q4K>(w, x, r0, r1, out) },
+            // SAFETY: as above.
+            _ => unsafe { rows::<EIGHT>(w, x, r0, r1, out) },
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn rows<const FIVE: bool>(
-        w: &Q8Matrix,
-        x: &ActQ8,
-        r0: usize,
-        r1: usize,
-        out: &mut [f32],
-    ) {
+    unsafe fn rows<const F: u8>(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
         assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
         assert!(r0.is_multiple_of(PANEL), "a task must start at a panel");
         assert!(out.len() >= x.rows * w.rows);
@@ -392,12 +563,12 @@ pub(super) mod vnni512 {
             let mut p = first;
             while p + 4 <= end {
                 // SAFETY: panels p .. p + 4 < end exist; rows ms lie inside x.
-                unsafe { panels::<4, FIVE>(w, x, p, ms, out) };
+                unsafe { panels::<4, F>(w, x, p, ms, out) };
                 p += 4;
             }
             while p < end {
                 // SAFETY: as above.
-                unsafe { panels::<1, FIVE>(w, x, p, ms, out) };
+                unsafe { panels::<1, F>(w, x, p, ms, out) };
                 p += 1;
             }
             m0 = ms.1;

@@ -104,6 +104,8 @@ pub enum Layout {
     Panels,
     /// Panels of [`PANEL`] rows holding values in `[-16, 15]` in 5 bits (see [`super::panels`]).
     Panels5,
+    /// Panels of [`PANEL`] rows holding GGUF's Q4_K as it is (see [`super::panels`]).
+    PanelsQ4K,
 }
 
 /// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values and `scales` one

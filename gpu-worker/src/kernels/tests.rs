@@ -323,3 +323,60 @@ fn five_bit_panels_give_the_eight_bit_panels_results_exactly() {
     );
     assert!(to_five_bit(&q8).is_none(), "row layout");
 }
+
+#[test]
+fn q4_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
+    let dev = Device::Cpu;
+    for (rows, cols, m) in [(40, 512, 1), (37, 256, 5), (64, 1024, 9)] {
+        let w = Tensor::from_vec(noise(rows * cols, 50), (rows, cols), &dev).unwrap();
+        let qt = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
+        let ours = from_q4_k(rows, cols, &qt.data().unwrap()).unwrap();
+        assert_eq!(ours.layout, Layout::PanelsQ4K);
+        let exact: Vec<f32> = qt
+            .dequantize(&dev)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let mut row = vec![0f32; cols];
+        for r in [0, rows / 2, rows - 1] {
+            ours.dequantize_row(r, &mut row);
+            assert_eq!(
+                row,
+                exact[r * cols..(r + 1) * cols],
+                "row {r} of {rows}x{cols}"
+            );
+        }
+        let x = noise(m * cols, 51);
+        let xq = quantize_activations(&x, m, cols);
+        let mut reference = vec![0f32; m * rows];
+        matmul_q8_with(Isa::Scalar, &ours, &xq, &mut reference);
+        for isa in all_isas() {
+            let mut got = vec![f32::NAN; m * rows];
+            matmul_q8_with(isa, &ours, &xq, &mut got);
+            assert_eq!(got, reference, "{isa:?} {rows}x{cols} batch {m}");
+        }
+        // Against the file's weights in f32: 8-bit activations move each product by at most
+        // 1/254 of |w·x|, so the sums stay within 1 % of Σ|w·x|.
+        for (i, &g) in reference.iter().enumerate() {
+            let (a, r) = (i / rows, i % rows);
+            let pairs = exact[r * cols..(r + 1) * cols]
+                .iter()
+                .zip(&x[a * cols..(a + 1) * cols]);
+            let (want, mass) = pairs.fold((0f32, 0f32), |(s, l), (w, x)| {
+                (s + w * x, l + (w * x).abs())
+            });
+            assert!(
+                (g - want).abs() <= 1e-2 * mass,
+                "[{i}]: {g} vs {want} (Σ|w·x| {mass})"
+            );
+        }
+    }
+    assert!(from_q4_k(4, 320, &[0; 4 * 144])
+        .unwrap_err()
+        .contains("multiple of 256"));
+    assert!(from_q4_k(4, 256, &[0; 100])
+        .unwrap_err()
+        .contains("expected 576 bytes"));
+}

@@ -86,6 +86,16 @@ impl Gguf<'_> {
         let m = match dtype {
             GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &data),
             GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
+            GgmlDType::Q4K => {
+                return match kernels::q4_k_for_this_cpu(rows, cols, &data) {
+                    Some(m) => m.map(Some).map_err(|e| {
+                        ModelError::Shape(format!(
+                            "{name}: Q4_K data for a {rows}x{cols} matrix: {e}"
+                        ))
+                    }),
+                    None => Ok(None),
+                }
+            }
             _ => return Ok(None),
         };
         m.map(|m| Some(kernels::for_this_cpu(m)))
