@@ -11,7 +11,9 @@
 //! portable scalar code); every path is tested against the scalar reference and against candle.
 //! Where AVX-512 VNNI runs, the model's matrices are loaded into the panel layout
 //! ([`for_this_cpu`], [`panels`]), whose kernel spends about a third of the row kernel's vector
-//! operations per multiply-add; elsewhere they stay row-major.
+//! operations per multiply-add; elsewhere they stay row-major. There, Q5_0 matrices are also read
+//! in 5 bits and Q4_K matrices as they are ([`to_five_bit`], [`q4_k_for_this_cpu`]), so a decode
+//! step reads about as many bytes as the file holds.
 
 mod panels;
 mod pool;

@@ -114,8 +114,8 @@ impl Gguf<'_> {
         )?;
         let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if !dense && cols % QK == 0 {
-            // Other block formats (Q4_K, Q6_K, ...) are re-quantized to 8-bit blocks so every matrix
-            // runs through the one batch-reusing kernel. The extra rounding is at most 1/254 of a
+            // Other block formats (Q6_K, ...; Q4_K where no kernel takes it as it is) are
+            // re-quantized to 8-bit blocks so every matrix runs through a batch-reusing kernel. The extra rounding is at most 1/254 of a
             // block's largest weight, far below the 4- and 6-bit formats' own quantization step.
             let w = qt
                 .dequantize(&Device::Cpu)?
