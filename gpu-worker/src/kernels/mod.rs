@@ -12,8 +12,8 @@
 //! Where AVX-512 VNNI runs, the model's matrices are loaded into the panel layout
 //! ([`for_this_cpu`], [`panels`]), whose kernel spends about a third of the row kernel's vector
 //! operations per multiply-add; elsewhere they stay row-major. There, Q5_0 matrices are also read
-//! in 5 bits and Q4_K matrices as they are ([`to_five_bit`], [`q4_k_for_this_cpu`]), so a decode
-//! step reads about as many bytes as the file holds.
+//! in 5 bits and Q4_K and Q6_K matrices as they are ([`to_five_bit`], [`k_quant_for_this_cpu`]),
+//! so a decode step reads as many bytes as the file holds.
 
 mod panels;
 mod pool;
@@ -21,7 +21,7 @@ mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
-pub use panels::{from_q4_k, to_five_bit, to_panels, PANEL, QK_K};
+pub use panels::{from_q4_k, from_q6_k, to_five_bit, to_panels, PANEL, QK_K};
 pub use pool::SpinPool;
 pub use q8::{
     advise_huge_pages, pack_into_arena, quantize_activations, ActQ8, Layout, Q8Matrix, Values, QK,
@@ -75,15 +75,24 @@ pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {
     }
 }
 
-/// A GGUF Q4_K matrix in the layout this CPU's kernel reads as it is (Q4_K panels, where AVX-512
-/// VNNI runs); `None` where there is none, and the caller re-quantizes it to 8-bit blocks.
-pub fn q4_k_for_this_cpu(
+/// A GGUF Q4_K or Q6_K matrix in the layout this CPU's kernel reads as it is (Q4_K or Q6_K panels,
+/// where AVX-512 VNNI runs); `None` for other formats or where there is none, and the caller
+/// re-quantizes it to 8-bit blocks.
+pub fn k_quant_for_this_cpu(
+    dtype: candle_core::quantized::GgmlDType,
     rows: usize,
     cols: usize,
     data: &[u8],
 ) -> Option<Result<Q8Matrix, String>> {
-    (cached_isa() == Isa::Avx512Vnni && cols.is_multiple_of(QK_K))
-        .then(|| panels::from_q4_k(rows, cols, data))
+    use candle_core::quantized::GgmlDType;
+    if cached_isa() != Isa::Avx512Vnni || !cols.is_multiple_of(QK_K) {
+        return None;
+    }
+    match dtype {
+        GgmlDType::Q4K => Some(panels::from_q4_k(rows, cols, data)),
+        GgmlDType::Q6K => Some(panels::from_q6_k(rows, cols, data)),
+        _ => None,
+    }
 }
 
 /// A pointer to the output that parallel tasks write through; each task owns disjoint columns.

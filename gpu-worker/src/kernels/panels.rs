@@ -31,11 +31,21 @@
 //!
 //! **Q4_K panels** ([`Layout::PanelsQ4K`]) hold GGUF's Q4_K matrices as they are: each weight is
 //! `d·sc·q − dmin·m` with `q` in `[0, 15]`, 6-bit `sc` and `m` per 32 values and f16 `d`, `dmin`
-//! per 256. A panel's block is 288 bytes: the four nibble vectors as above (values stored as `q`),
-//! then the 16 rows' `sc` and their `m` (a byte each). `half_scales` holds each panel's `d` (16)
-//! then `dmin` (16) per 256 values. A block adds `d·sc·x_s·Σqx − dmin·m·x_s·Σx`: the unsigned `q`
-//! goes into `vpdpbusd` as is, and the minimum takes one more fused multiply-add. 4.75 bits a
-//! weight, against the file's 4.5 (and 8.5 re-quantized to 8-bit blocks).
+//! per 256. A panel's block is 280 bytes: the four nibble vectors as above (values stored as `q`),
+//! then the 16 rows' `sc` with `m`'s low 2 bits in each byte's top ones, then `m`'s high 4 bits
+//! (lane `2i` in byte `i`'s low nibble, lane `2i + 1` in its high one). `half_scales` holds each
+//! panel's `d` (16) then `dmin` (16) per 256 values. A block adds `d·sc·x_s·Σqx − dmin·m·x_s·Σx`:
+//! the unsigned `q` goes into `vpdpbusd` as is, and the minimum takes one more fused multiply-add.
+//! 4.5 bits a weight, as the file holds them (8.5 re-quantized to 8-bit blocks).
+//!
+//! **Q6_K panels** ([`Layout::PanelsQ6K`]) hold GGUF's Q6_K matrices as they are: each weight is
+//! `d·sc·(q − 32)` with `q` in `[0, 63]`, a signed 8-bit `sc` per 16 values and an f16 `d` per 256.
+//! A panel's block is 416 bytes: the four nibble vectors of `q`'s low 4 bits as above, two 64-byte
+//! vectors of its high 2 bits (vector `h` holds groups `4h .. 4h + 4`, group `g` in bits
+//! `2·(g mod 4)` of each byte), then the 16 rows' `sc` for the block's first 16 values and for its
+//! last 16. `half_scales` holds each panel's 16 `d` per 256 values. Each half of a block is summed
+//! and scaled on its own, starting at `-32·Σx` over its 16 values (the activations' `half_sums`):
+//! 6.5625 bits a weight, as the file holds them.
 
 use super::q8::{weight_vec, ActQ8, Layout, Q8Matrix, Values, QK};
 use half::f16;
@@ -47,9 +57,13 @@ pub const PANEL: usize = 16;
 const PANEL_BLOCK: usize = PANEL * QK;
 /// Bytes of one five-bit panel's block: 256 of nibbles, 64 of fifth bits.
 const PANEL_BLOCK5: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 8;
-/// Bytes of one Q4_K panel's block: 256 of nibbles, 16 scales and 16 minimums.
-const PANEL_BLOCK4: usize = PANEL_BLOCK / 2 + 2 * PANEL;
-/// Values per Q4_K super-block (one `d` and `dmin`).
+/// Bytes of one Q4_K panel's block: 256 of nibbles, then 16 scales and 16 minimums in 6 bits each.
+const PANEL_BLOCK4: usize = PANEL_BLOCK / 2 + 3 * PANEL / 2;
+/// Bytes of one Q6_K panel's block: 256 of low nibbles, 128 of high bit pairs, 2 × 16 scales.
+const PANEL_BLOCK6: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 4 + 2 * PANEL;
+/// Bytes per Q6_K super-block in a GGUF file: `u8 ql[128], u8 qh[64], i8 scales[16], f16 d`.
+const Q6K_BYTES: usize = 210;
+/// Values per k-quant super-block (one `d`, and Q4_K's one `dmin`).
 pub const QK_K: usize = 256;
 /// Bytes per Q4_K super-block in a GGUF file: `f16 d, f16 dmin, u8 scales[12], u8 qs[128]`.
 const Q4K_BYTES: usize = 144;
@@ -95,8 +109,10 @@ pub fn from_q4_k(rows: usize, cols: usize, data: &[u8]) -> Result<Q8Matrix, Stri
                     for j in 0..QK_K / QK {
                         let out = &mut q[(sb * (QK_K / QK) + j) * PANEL_BLOCK4..][..PANEL_BLOCK4];
                         let (sc, m) = q4k_scale_min(j, packed);
-                        out[PANEL_BLOCK / 2 + lane] = sc as i8;
-                        out[PANEL_BLOCK / 2 + PANEL + lane] = m as i8;
+                        // The scale and the minimum's low 2 bits, then its high 4 in nibbles.
+                        out[PANEL_BLOCK / 2 + lane] = (sc | (m & 3) << 6) as i8;
+                        let at = PANEL_BLOCK / 2 + PANEL + lane / 2;
+                        out[at] = (out[at] as u8 | (m >> 2) << (4 * (lane % 2))) as i8;
                         // Sub-block j: low (even j) or high nibbles of bytes 32·(j/2) ...
                         for i in 0..QK {
                             let byte = nibbles[32 * (j / 2) + i];
@@ -119,6 +135,83 @@ pub fn from_q4_k(rows: usize, cols: usize, data: &[u8]) -> Result<Q8Matrix, Stri
     })
 }
 
+/// Value `i` of a GGUF Q6_K super-block, unsigned (`q` in `[0, 63]`; the weight is
+/// `d·sc·(q − 32)`). Each 128-value half keeps low nibbles in 64 bytes `ql` and high bit pairs in
+/// 32 bytes `qh`; its quarter `k` takes byte `l + 32·(k mod 2)` of `ql` (low nibble for `k < 2`)
+/// and bits `2k` of `qh[l]`.
+fn q6k_value(block: &[u8], i: usize) -> u8 {
+    let (half, quarter, l) = (i / 128, i % 128 / 32, i % 32);
+    let byte = block[64 * half + 32 * (quarter % 2) + l];
+    let low = if quarter < 2 { byte & 0x0f } else { byte >> 4 };
+    let high = (block[128 + 32 * half + l] >> (2 * quarter)) & 3;
+    low | high << 4
+}
+
+/// A GGUF Q6_K matrix (`rows × cols`, `cols` a multiple of 256) in Q6_K panels.
+pub fn from_q6_k(rows: usize, cols: usize, data: &[u8]) -> Result<Q8Matrix, String> {
+    use rayon::prelude::*;
+    if !cols.is_multiple_of(QK_K) {
+        return Err(format!("width must be a multiple of {QK_K}"));
+    }
+    let (spr, bpr) = (cols / QK_K, cols / QK);
+    let want = rows * spr * Q6K_BYTES;
+    if data.len() != want {
+        return Err(format!("expected {want} bytes, found {}", data.len()));
+    }
+    let panels = rows.div_ceil(PANEL);
+    let mut qs = weight_vec(panels * bpr * PANEL_BLOCK6);
+    qs.resize(panels * bpr * PANEL_BLOCK6, 0i8);
+    let mut half = weight_vec(panels * spr * PANEL);
+    half.resize(panels * spr * PANEL, f16::ZERO);
+    qs.par_chunks_mut(bpr * PANEL_BLOCK6)
+        .zip(half.par_chunks_mut(spr * PANEL))
+        .enumerate()
+        .for_each(|(p, (q, h))| {
+            for lane in 0..PANEL.min(rows - p * PANEL) {
+                let row = &data[(p * PANEL + lane) * spr * Q6K_BYTES..][..spr * Q6K_BYTES];
+                for (sb, block) in row.chunks_exact(Q6K_BYTES).enumerate() {
+                    h[sb * PANEL + lane] = f16::from_le_bytes([block[208], block[209]]);
+                    for j in 0..QK_K / QK {
+                        let out = &mut q[(sb * (QK_K / QK) + j) * PANEL_BLOCK6..][..PANEL_BLOCK6];
+                        for half in 0..2 {
+                            out[PANEL_BLOCK * 3 / 4 + half * PANEL + lane] =
+                                block[192 + 2 * j + half] as i8;
+                        }
+                        for i in 0..QK {
+                            let v = q6k_value(block, j * QK + i);
+                            let (g, t) = (i / 4, lane * 4 + i % 4);
+                            let at = (g / 2) * 64 + t;
+                            out[at] = (out[at] as u8 | (v & 0x0f) << (4 * (g % 2))) as i8;
+                            let at = PANEL_BLOCK / 2 + (g / 4) * 64 + t;
+                            out[at] = (out[at] as u8 | (v >> 4) << (2 * (g % 4))) as i8;
+                        }
+                    }
+                }
+            }
+        });
+    Ok(Q8Matrix {
+        rows,
+        cols,
+        qs: Values::owned(qs),
+        scales: Vec::new(),
+        half_scales: half,
+        layout: Layout::PanelsQ6K,
+    })
+}
+
+/// A Q6_K panel matrix's `(q − 32, d·sc)` for value `c` of row `r`.
+fn q6k_parts(m: &Q8Matrix, r: usize, c: usize) -> (i32, f32) {
+    let (p, lane, b, i) = (r / PANEL, r % PANEL, c / QK, c % QK);
+    let (bpr, spr) = (m.cols / QK, m.cols / QK_K);
+    let at = (p * bpr + b) * PANEL_BLOCK6;
+    let (g, t) = (i / 4, lane * 4 + i % 4);
+    let low = (m.qs[at + (g / 2) * 64 + t] as u8 >> (4 * (g % 2))) & 0x0f;
+    let high = (m.qs[at + PANEL_BLOCK / 2 + (g / 4) * 64 + t] as u8 >> (2 * (g % 4))) & 3;
+    let sc = m.qs[at + PANEL_BLOCK * 3 / 4 + (i / 16) * PANEL + lane];
+    let d = m.half_scales[(p * spr + c / QK_K) * PANEL + lane].to_f32();
+    ((low | high << 4) as i32 - 32, d * sc as f32)
+}
+
 /// A Q4_K panel matrix's `(q, d·sc, dmin·m)` for value `c` of row `r`.
 fn q4k_parts(m: &Q8Matrix, r: usize, c: usize) -> (u8, f32, f32) {
     let (p, lane, b, i) = (r / PANEL, r % PANEL, c / QK, c % QK);
@@ -127,8 +220,9 @@ fn q4k_parts(m: &Q8Matrix, r: usize, c: usize) -> (u8, f32, f32) {
     let (g, t) = (i / 4, lane * 4 + i % 4);
     let byte = m.qs[at + (g / 2) * 64 + t] as u8;
     let q = if g % 2 == 0 { byte & 0x0f } else { byte >> 4 };
-    let sc = m.qs[at + PANEL_BLOCK / 2 + lane] as u8;
-    let mn = m.qs[at + PANEL_BLOCK / 2 + PANEL + lane] as u8;
+    let both = m.qs[at + PANEL_BLOCK / 2 + lane] as u8;
+    let high = (m.qs[at + PANEL_BLOCK / 2 + PANEL + lane / 2] as u8 >> (4 * (lane % 2))) & 0x0f;
+    let (sc, mn) = (both & 63, both >> 6 | high << 2);
     let h = (p * spr + c / QK_K) * 2 * PANEL;
     let d = m.half_scales[h + lane].to_f32();
     let dmin = m.half_scales[h + PANEL + lane].to_f32();
@@ -241,6 +335,13 @@ pub fn to_five_bit(m: &Q8Matrix) -> Option<Q8Matrix> {
 
 /// Row `r` as f32 (the embedding lookup of a panel matrix).
 pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
+    if m.layout == Layout::PanelsQ6K {
+        for (c, o) in out[..m.cols].iter_mut().enumerate() {
+            let (q, scale) = q6k_parts(m, r, c);
+            *o = scale * q as f32;
+        }
+        return;
+    }
     if m.layout == Layout::PanelsQ4K {
         for (c, o) in out[..m.cols].iter_mut().enumerate() {
             let (q, scale, min) = q4k_parts(m, r, c);
@@ -271,6 +372,26 @@ pub fn dequantize_row(m: &Q8Matrix, r: usize, out: &mut [f32]) {
 /// Reference kernel for the panel layout: output columns `r0..r1` of every activation row.
 pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
     let (k, bpr) = (w.cols, w.cols / QK);
+    if w.layout == Layout::PanelsQ6K {
+        for r in r0..r1 {
+            for m in 0..x.rows {
+                let mut acc = 0f32;
+                for b in 0..bpr {
+                    for half in 0..2 {
+                        let (mut dot, mut scale) = (0i32, 0.0);
+                        for i in half * QK / 2..(half + 1) * QK / 2 {
+                            let q;
+                            (q, scale) = q6k_parts(w, r, b * QK + i);
+                            dot += q * x.qs[m * k + b * QK + i] as i32;
+                        }
+                        acc = (dot as f32).mul_add(scale * x.scales[m * bpr + b], acc);
+                    }
+                }
+                out[m * w.rows + r] = acc;
+            }
+        }
+        return;
+    }
     if w.layout == Layout::PanelsQ4K {
         for r in r0..r1 {
             for m in 0..x.rows {
@@ -312,7 +433,9 @@ pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
 pub(super) mod vnni512 {
-    use super::{ActQ8, Layout, Q8Matrix, PANEL, PANEL_BLOCK, PANEL_BLOCK4, PANEL_BLOCK5, QK};
+    use super::{
+        ActQ8, Layout, Q8Matrix, PANEL, PANEL_BLOCK, PANEL_BLOCK4, PANEL_BLOCK5, PANEL_BLOCK6, QK,
+    };
     use std::arch::x86_64::*;
 
     /// How far ahead of the 64 bytes being read each panel stream asks for memory.
@@ -322,6 +445,7 @@ pub(super) mod vnni512 {
     const EIGHT: u8 = 0;
     const FIVE: u8 = 1;
     const Q4K: u8 = 2;
+    const Q6K: u8 = 3;
 
     /// `P` panels from panel `p0` against activation rows `m .. m + A`, in format `F`.
     ///
@@ -344,105 +468,155 @@ pub(super) mod vnni512 {
         let (block_bytes, offset) = match F {
             FIVE => (PANEL_BLOCK5, 16),
             Q4K => (PANEL_BLOCK4, 0),
+            Q6K => (PANEL_BLOCK6, 0),
             _ => (PANEL_BLOCK, 128),
         };
         let (nibble, sixteen) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
+        let bits = _mm512_set1_epi8(0x30);
+        let nibble_shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+        // Q6_K scales each 16 values: its blocks are summed and scaled in two halves.
+        let halves = if F == Q6K { 2 } else { 1 };
+        let spr = k / super::QK_K;
         for b in 0..bpr {
-            let mut sum = [[_mm512_setzero_si512(); A]; P];
-            for a in 0..A {
-                let start = _mm512_set1_epi32(-offset * x.sums[(m + a) * bpr + b]);
-                for p in 0..P {
-                    sum[p][a] = start;
-                }
-            }
-            // Two groups of 4 values at a time: one vector of nibbles in the five-bit panels.
-            for j in 0..QK / 8 {
-                let mut xb = [[_mm512_setzero_si512(); A]; 2];
-                for (h, xb) in xb.iter_mut().enumerate() {
-                    for a in 0..A {
-                        let at = (m + a) * k + b * QK + 8 * j + 4 * h;
-                        // SAFETY: row m + a < x.rows, value at + 3 < its row's end.
-                        let four = unsafe { std::ptr::read_unaligned(xq.add(at) as *const i32) };
-                        xb[a] = _mm512_set1_epi32(four);
-                    }
-                }
-                for p in 0..P {
-                    let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
-                    let pair = if F == Q4K {
-                        let at = block.wrapping_add(j * 64);
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                        // SAFETY: panel p0 + p exists, so its block b's 288 bytes do.
-                        let nibbles = unsafe { _mm512_loadu_si512(at as *const __m512i) };
-                        [
-                            _mm512_and_si512(nibbles, nibble),
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble),
-                        ]
-                    } else if F == FIVE {
-                        let at = block.wrapping_add(j * 64);
-                        // A hint only: it never faults, so an address past the matrix is harmless.
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                        // SAFETY: panel p0 + p exists, so its block b's 320 bytes do.
-                        let (nibbles, fifths) = unsafe {
-                            let bits = block.add(PANEL_BLOCK / 2 + 16 * j) as *const u64;
-                            (
-                                _mm512_loadu_si512(at as *const __m512i),
-                                [
-                                    std::ptr::read_unaligned(bits),
-                                    std::ptr::read_unaligned(bits.add(1)),
-                                ],
-                            )
-                        };
-                        let low = _mm512_and_si512(nibbles, nibble);
-                        let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
-                        [
-                            _mm512_mask_add_epi8(low, fifths[0], low, sixteen),
-                            _mm512_mask_add_epi8(high, fifths[1], high, sixteen),
-                        ]
+            for half in 0..halves {
+                let mut sum = [[_mm512_setzero_si512(); A]; P];
+                for a in 0..A {
+                    let at = (m + a) * bpr + b;
+                    let start = if F == Q6K {
+                        let first = x.half_sums[at];
+                        -32 * if half == 0 { first } else { x.sums[at] - first }
                     } else {
-                        let at = block.wrapping_add(j * 2 * 4 * PANEL);
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                        _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES + 64));
-                        // SAFETY: panel p0 + p exists, so its block b's groups 2j, 2j + 1 do.
-                        unsafe {
-                            [
-                                _mm512_loadu_si512(at as *const __m512i),
-                                _mm512_loadu_si512(at.add(64) as *const __m512i),
-                            ]
-                        }
+                        -offset * x.sums[at]
                     };
-                    for a in 0..A {
-                        sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[0], xb[0][a]);
-                        sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[1], xb[1][a]);
+                    for p in 0..P {
+                        sum[p][a] = _mm512_set1_epi32(start);
                     }
                 }
-            }
-            if F == Q4K {
-                // Per row: d·sc (the block's scale) and dmin·m (its minimum).
+                // Two groups of 4 values at a time: one vector of nibbles in the packed panels.
+                for j in half * QK / 8 / halves..(half + 1) * QK / 8 / halves {
+                    let mut xb = [[_mm512_setzero_si512(); A]; 2];
+                    for (h, xb) in xb.iter_mut().enumerate() {
+                        for a in 0..A {
+                            let at = (m + a) * k + b * QK + 8 * j + 4 * h;
+                            // SAFETY: row m + a < x.rows, value at + 3 < its row's end.
+                            let four =
+                                unsafe { std::ptr::read_unaligned(xq.add(at) as *const i32) };
+                            xb[a] = _mm512_set1_epi32(four);
+                        }
+                    }
+                    for p in 0..P {
+                        let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
+                        let pair = if F == Q4K || F == Q6K {
+                            let at = block.wrapping_add(j * 64);
+                            // A hint only: it never faults, so an address past the matrix is
+                            // harmless.
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                            // SAFETY: panel p0 + p exists, so its block b's bytes do.
+                            let nibbles = unsafe { _mm512_loadu_si512(at as *const __m512i) };
+                            let low = _mm512_and_si512(nibbles, nibble);
+                            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
+                            if F == Q6K {
+                                let at = block.wrapping_add(PANEL_BLOCK / 2 + 64 * (j / 2));
+                                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                                // SAFETY: as above; the high bits follow the nibbles.
+                                let pairs = unsafe { _mm512_loadu_si512(at as *const __m512i) };
+                                // Groups 2j and 2j + 1 take bits 4(j mod 2) and 4(j mod 2) + 2,
+                                // moved to bits 4 and 5 (16-bit shifts: the mask drops what
+                                // crosses between bytes).
+                                let (first, second) = if j % 2 == 0 {
+                                    (_mm512_slli_epi16::<4>(pairs), _mm512_slli_epi16::<2>(pairs))
+                                } else {
+                                    (pairs, _mm512_srli_epi16::<2>(pairs))
+                                };
+                                [
+                                    _mm512_or_si512(low, _mm512_and_si512(first, bits)),
+                                    _mm512_or_si512(high, _mm512_and_si512(second, bits)),
+                                ]
+                            } else {
+                                [low, high]
+                            }
+                        } else if F == FIVE {
+                            let at = block.wrapping_add(j * 64);
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                            // SAFETY: panel p0 + p exists, so its block b's 320 bytes do.
+                            let (nibbles, fifths) = unsafe {
+                                let bits = block.add(PANEL_BLOCK / 2 + 16 * j) as *const u64;
+                                (
+                                    _mm512_loadu_si512(at as *const __m512i),
+                                    [
+                                        std::ptr::read_unaligned(bits),
+                                        std::ptr::read_unaligned(bits.add(1)),
+                                    ],
+                                )
+                            };
+                            let low = _mm512_and_si512(nibbles, nibble);
+                            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
+                            [
+                                _mm512_mask_add_epi8(low, fifths[0], low, sixteen),
+                                _mm512_mask_add_epi8(high, fifths[1], high, sixteen),
+                            ]
+                        } else {
+                            let at = block.wrapping_add(j * 2 * 4 * PANEL);
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES + 64));
+                            // SAFETY: panel p0 + p exists, so its block b's groups 2j, 2j + 1 do.
+                            unsafe {
+                                [
+                                    _mm512_loadu_si512(at as *const __m512i),
+                                    _mm512_loadu_si512(at.add(64) as *const __m512i),
+                                ]
+                            }
+                        };
+                        for a in 0..A {
+                            sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[0], xb[0][a]);
+                            sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[1], xb[1][a]);
+                        }
+                    }
+                }
+                // Per row: the block's (or half's) scale, and Q4_K's minimum `dmin·m`.
                 let (mut scale, mut min) = ([_mm512_setzero_ps(); P], [_mm512_setzero_ps(); P]);
-                let spr = k / super::QK_K;
                 for p in 0..P {
                     let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
-                    let h = w
-                        .half_scales
-                        .as_ptr()
-                        .wrapping_add(((p0 + p) * spr + b * QK / super::QK_K) * 2 * PANEL);
-                    // SAFETY: panel p0 + p exists: its block's 16 scales and 16 minimums, and
-                    // its super-block's 16 d and 16 dmin.
+                    let panel = w.half_scales.as_ptr();
+                    // SAFETY: panel p0 + p exists: its block's scales (and Q4_K's minimums), and
+                    // its f16 scales for the block or its super-block.
                     unsafe {
-                        let at = block.add(PANEL_BLOCK / 2);
-                        let sc = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
-                        let mn =
-                            _mm512_cvtepu8_epi32(_mm_loadu_si128(at.add(PANEL) as *const __m128i));
-                        let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
-                        let dmin =
-                            _mm512_cvtph_ps(_mm256_loadu_si256(h.add(PANEL) as *const __m256i));
-                        scale[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                        min[p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+                        if F == Q4K {
+                            let h = panel.add(((p0 + p) * spr + b * QK / super::QK_K) * 2 * PANEL);
+                            let at = block.add(PANEL_BLOCK / 2);
+                            let both = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                            let sc = _mm512_and_si512(both, _mm512_set1_epi32(63));
+                            // Each byte of the minimums' high bits twice, then lane 2i's low
+                            // nibble and lane 2i + 1's high one.
+                            let high = _mm_loadl_epi64(at.add(PANEL) as *const __m128i);
+                            let high = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(high, high));
+                            let high = _mm512_srlv_epi32(high, nibble_shifts);
+                            let high = _mm512_and_si512(high, _mm512_set1_epi32(0x0f));
+                            let mn = _mm512_or_si512(
+                                _mm512_srli_epi32::<6>(both),
+                                _mm512_slli_epi32::<2>(high),
+                            );
+                            let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
+                            let dmin =
+                                _mm512_cvtph_ps(_mm256_loadu_si256(h.add(PANEL) as *const __m256i));
+                            scale[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                            min[p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
+                        } else if F == Q6K {
+                            let h = panel.add(((p0 + p) * spr + b * QK / super::QK_K) * PANEL);
+                            let at = block.add(PANEL_BLOCK * 3 / 4 + half * PANEL);
+                            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(at as *const __m128i));
+                            let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
+                            scale[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+                        } else {
+                            let h = panel.add(((p0 + p) * bpr + b) * PANEL);
+                            scale[p] = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
+                        }
                     }
                 }
                 for a in 0..A {
-                    let xs = x.scales[(m + a) * bpr + b];
-                    let xsum = _mm512_set1_ps(xs * x.sums[(m + a) * bpr + b] as f32);
+                    let at = (m + a) * bpr + b;
+                    let xs = x.scales[at];
+                    let xsum = _mm512_set1_ps(xs * x.sums[at] as f32);
                     let xs = _mm512_set1_ps(xs);
                     for p in 0..P {
                         let with_q = _mm512_fmadd_ps(
@@ -450,28 +624,12 @@ pub(super) mod vnni512 {
                             _mm512_mul_ps(scale[p], xs),
                             acc[p][a],
                         );
-                        acc[p][a] = _mm512_fnmadd_ps(min[p], xsum, with_q);
+                        acc[p][a] = if F == Q4K {
+                            _mm512_fnmadd_ps(min[p], xsum, with_q)
+                        } else {
+                            with_q
+                        };
                     }
-                }
-                continue;
-            }
-            let mut ws = [_mm512_setzero_ps(); P];
-            for p in 0..P {
-                let at = w
-                    .half_scales
-                    .as_ptr()
-                    .wrapping_add(((p0 + p) * bpr + b) * PANEL);
-                // SAFETY: panel p0 + p exists, so its 16 scales of block b (32 bytes) do.
-                ws[p] = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(at as *const __m256i) });
-            }
-            for a in 0..A {
-                let xs = _mm512_set1_ps(x.scales[(m + a) * bpr + b]);
-                for p in 0..P {
-                    acc[p][a] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(sum[p][a]),
-                        _mm512_mul_ps(ws[p], xs),
-                        acc[p][a],
-                    );
                 }
             }
         }
@@ -539,6 +697,8 @@ pub(super) mod vnni512 {
             // SAFETY: as above.
             Layout::PanelsQ4K => unsafe { rows::<Q4K>(w, x, r0, r1, out) },
             // SAFETY: as above.
+            Layout::PanelsQ6K => unsafe { rows::<Q6K>(w, x, r0, r1, out) },
+            // SAFETY: as above.
             _ => unsafe { rows::<EIGHT>(w, x, r0, r1, out) },
         }
     }
@@ -552,6 +712,10 @@ pub(super) mod vnni512 {
             x.sums.len(),
             x.scales.len(),
             "activation block sums missing"
+        );
+        assert!(
+            F != Q6K || x.half_sums.len() == x.scales.len(),
+            "activation half-block sums missing"
         );
         let (first, end) = (r0 / PANEL, r1.div_ceil(PANEL));
         // Activation rows are taken about 64 KiB at a time, so they stay in cache while the task's

@@ -106,6 +106,8 @@ pub enum Layout {
     Panels5,
     /// Panels of [`PANEL`] rows holding GGUF's Q4_K as it is (see [`super::panels`]).
     PanelsQ4K,
+    /// Panels of [`PANEL`] rows holding GGUF's Q6_K as it is (see [`super::panels`]).
+    PanelsQ6K,
 }
 
 /// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values and `scales` one
@@ -351,6 +353,8 @@ pub struct ActQ8 {
     pub scales: Vec<f32>,
     /// Sum of each block's values (kernels that offset the weights to unsigned correct with it).
     pub sums: Vec<i32>,
+    /// Sum of each block's first 16 values (for weights scaled per 16 values, as Q6_K's).
+    pub half_sums: Vec<i32>,
 }
 
 /// Quantizes `rows × cols` activations (row-major) block by block.
@@ -369,36 +373,45 @@ pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut Ac
     a.qs.resize(rows * cols, 0);
     a.scales.resize(rows * cols / QK, 0.0);
     a.sums.resize(rows * cols / QK, 0);
-    let quantize = |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [i32]| {
-        let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK));
-        for ((src, dst), (scale, sum)) in blocks.zip(scales.iter_mut().zip(sums.iter_mut())) {
-            *scale = quantize_block(src, dst);
-            *sum = dst.iter().map(|&v| v as i32).sum();
-        }
-    };
+    a.half_sums.resize(rows * cols / QK, 0);
+    let quantize =
+        |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [i32], halves: &mut [i32]| {
+            let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK));
+            let out = scales
+                .iter_mut()
+                .zip(sums.iter_mut().zip(halves.iter_mut()));
+            for ((src, dst), (scale, (sum, half))) in blocks.zip(out) {
+                *scale = quantize_block(src, dst);
+                *half = dst[..QK / 2].iter().map(|&v| v as i32).sum();
+                *sum = *half + dst[QK / 2..].iter().map(|&v| v as i32).sum::<i32>();
+            }
+        };
     // A prefill's activations (hundreds of rows) are split across the kernel pool: quantizing
     // them on one thread left the others idle for several percent of a prefill.
     let pool = super::SpinPool::global();
     let tasks = (x.len() / PARALLEL_QUANTIZE_VALUES).min(pool.threads());
     if tasks < 2 {
-        quantize(x, &mut a.qs, &mut a.scales, &mut a.sums);
+        quantize(x, &mut a.qs, &mut a.scales, &mut a.sums, &mut a.half_sums);
         return;
     }
     let per = rows.div_ceil(tasks) * cols;
     let parts: Vec<_> = x
         .chunks(per)
         .zip(a.qs.chunks_mut(per))
+        .zip(a.scales.chunks_mut(per / QK))
         .zip(
-            a.scales
+            a.sums
                 .chunks_mut(per / QK)
-                .zip(a.sums.chunks_mut(per / QK)),
+                .zip(a.half_sums.chunks_mut(per / QK)),
         )
-        .map(|((x, qs), (scales, sums))| std::sync::Mutex::new((x, qs, scales, sums)))
+        .map(|(((x, qs), scales), (sums, halves))| {
+            std::sync::Mutex::new((x, qs, scales, sums, halves))
+        })
         .collect();
     pool.run(parts.len(), &|t| {
         if let Ok(mut part) = parts[t].lock() {
-            let (x, qs, scales, sums) = &mut *part;
-            quantize(x, qs, scales, sums);
+            let (x, qs, scales, sums, halves) = &mut *part;
+            quantize(x, qs, scales, sums, halves);
         }
     });
 }

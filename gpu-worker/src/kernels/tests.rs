@@ -195,6 +195,12 @@ fn activations_quantized_across_the_pool_match_rows_quantized_alone() {
             "row {r}"
         );
         assert_eq!(&all.sums[r * bpr..(r + 1) * bpr], &one.sums[..], "row {r}");
+        let halves = &all.half_sums[r * bpr..(r + 1) * bpr];
+        assert_eq!(halves, &one.half_sums[..], "row {r}");
+        for (b, &h) in halves.iter().enumerate() {
+            let first = &all.qs[r * cols + b * QK..][..QK / 2];
+            assert_eq!(h, first.iter().map(|&v| v as i32).sum::<i32>(), "row {r}");
+        }
     }
 }
 
@@ -324,14 +330,26 @@ fn five_bit_panels_give_the_eight_bit_panels_results_exactly() {
     assert!(to_five_bit(&q8).is_none(), "row layout");
 }
 
-#[test]
-fn q4_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
+/// A k-quant's panels hold exactly the weights candle reads from the file's blocks, every kernel
+/// multiplies them alike, and the products are those of the file's weights within the activations'
+/// 8-bit rounding.
+fn k_quant_panels_match_candle(
+    dtype: GgmlDType,
+    convert: fn(usize, usize, &[u8]) -> Result<Q8Matrix, String>,
+    layout: Layout,
+    (file_bytes, panel_bytes): (usize, usize),
+) {
     let dev = Device::Cpu;
     for (rows, cols, m) in [(40, 512, 1), (37, 256, 5), (64, 1024, 9)] {
         let w = Tensor::from_vec(noise(rows * cols, 50), (rows, cols), &dev).unwrap();
-        let qt = QTensor::quantize(&w, GgmlDType::Q4K).unwrap();
-        let ours = from_q4_k(rows, cols, &qt.data().unwrap()).unwrap();
-        assert_eq!(ours.layout, Layout::PanelsQ4K);
+        let qt = QTensor::quantize(&w, dtype).unwrap();
+        let ours = convert(rows, cols, &qt.data().unwrap()).unwrap();
+        assert_eq!(ours.layout, layout);
+        assert_eq!(
+            ours.size_in_bytes(),
+            rows.next_multiple_of(PANEL) * cols / QK_K * panel_bytes,
+            "{dtype:?}: bytes per 256 values of a row"
+        );
         let exact: Vec<f32> = qt
             .dequantize(&dev)
             .unwrap()
@@ -373,10 +391,21 @@ fn q4_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
             );
         }
     }
-    assert!(from_q4_k(4, 320, &[0; 4 * 144])
+    assert!(convert(4, 320, &vec![0; 4 * file_bytes])
         .unwrap_err()
         .contains("multiple of 256"));
-    assert!(from_q4_k(4, 256, &[0; 100])
-        .unwrap_err()
-        .contains("expected 576 bytes"));
+    let want = format!("expected {} bytes", 4 * file_bytes);
+    assert!(convert(4, 256, &[0; 100]).unwrap_err().contains(&want));
+}
+
+#[test]
+fn q4_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
+    // 4.5 bits a weight, as the file holds them.
+    k_quant_panels_match_candle(GgmlDType::Q4K, from_q4_k, Layout::PanelsQ4K, (144, 144));
+}
+
+#[test]
+fn q6_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
+    // 6.5625 bits a weight, as the file holds them.
+    k_quant_panels_match_candle(GgmlDType::Q6K, from_q6_k, Layout::PanelsQ6K, (210, 210));
 }

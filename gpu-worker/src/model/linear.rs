@@ -123,42 +123,56 @@ impl Linear {
     }
 }
 
-/// Linear layers that read the same input (Q/K/V, gate/up). When all are 8-bit they are stacked
-/// into one matrix at load, so a step makes one parallel product instead of several.
+/// Linear layers that read the same input (Q/K/V, gate/up). Consecutive 8-bit members in the same
+/// layout are stacked into one matrix at load, so a step makes one parallel product instead of
+/// several; members in another layout (a Q8_0 value matrix beside five-bit query and key ones)
+/// keep their own, so each is read in its own format.
 #[derive(Debug)]
 pub struct LinearGroup {
-    fused: Option<Linear>,
-    parts: Vec<Linear>,
+    /// The stacked runs, each with how many members it holds.
+    runs: Vec<(Linear, usize)>,
     shapes: Vec<(usize, usize)>,
 }
 
 impl LinearGroup {
     pub fn new(parts: Vec<Linear>) -> Self {
         let shapes = parts.iter().map(Linear::shape).collect();
-        let q8: Vec<&Q8Matrix> = parts
-            .iter()
-            .filter_map(|p| {
-                if let Linear::Q8(m) = p {
-                    Some(&**m)
-                } else {
-                    None
+        let mut runs: Vec<(Vec<Linear>, usize)> = Vec::new();
+        for part in parts {
+            let joins = match (runs.last(), &part) {
+                (Some((run, _)), Linear::Q8(m)) => {
+                    matches!(&run[0], Linear::Q8(first) if first.layout == m.layout)
+                }
+                _ => false,
+            };
+            match runs.last_mut() {
+                Some((run, n)) if joins => {
+                    run.push(part);
+                    *n += 1;
+                }
+                _ => runs.push((vec![part], 1)),
+            }
+        }
+        let runs = runs
+            .into_iter()
+            .flat_map(|(mut run, n)| {
+                if n == 1 {
+                    return vec![(run.remove(0), 1)];
+                }
+                let q8: Vec<&Q8Matrix> = run
+                    .iter()
+                    .filter_map(|p| match p {
+                        Linear::Q8(m) => Some(&**m),
+                        _ => None,
+                    })
+                    .collect();
+                match Q8Matrix::concat_rows(&q8) {
+                    Some(m) => vec![(Linear::Q8(Arc::new(m)), n)],
+                    None => run.into_iter().map(|p| (p, 1)).collect(),
                 }
             })
             .collect();
-        if q8.len() == parts.len() {
-            if let Some(m) = Q8Matrix::concat_rows(&q8) {
-                return Self {
-                    fused: Some(Linear::Q8(Arc::new(m))),
-                    parts: Vec::new(),
-                    shapes,
-                };
-            }
-        }
-        Self {
-            fused: None,
-            parts,
-            shapes,
-        }
+        Self { runs, shapes }
     }
 
     /// `(output features, input features)` of each member.
@@ -173,35 +187,106 @@ impl LinearGroup {
         scratch: &mut Vec<f32>,
         outs: &mut [&mut Vec<f32>],
     ) -> Result<(), ModelError> {
-        let Some(fused) = &self.fused else {
-            for (p, o) in self.parts.iter().zip(outs.iter_mut()) {
-                p.forward(input, o)?;
+        let (mut member, mut outs) = (0, outs.iter_mut());
+        for (linear, n) in &self.runs {
+            let shapes = &self.shapes[member..member + n];
+            member += n;
+            if *n == 1 {
+                if let Some(o) = outs.next() {
+                    linear.forward(input, o)?;
+                }
+                continue;
             }
-            return Ok(());
-        };
-        fused.forward(input, scratch)?;
-        let total: usize = self.shapes.iter().map(|s| s.0).sum();
-        let mut at = 0;
-        for (&(width, _), o) in self.shapes.iter().zip(outs.iter_mut()) {
-            o.clear();
-            for row in scratch.chunks_exact(total) {
-                o.extend_from_slice(&row[at..at + width]);
+            linear.forward(input, scratch)?;
+            let total: usize = shapes.iter().map(|s| s.0).sum();
+            let mut at = 0;
+            for (&(width, _), o) in shapes.iter().zip(outs.by_ref()) {
+                o.clear();
+                for row in scratch.chunks_exact(total) {
+                    o.extend_from_slice(&row[at..at + width]);
+                }
+                at += width;
             }
-            at += width;
         }
         Ok(())
     }
 
-    /// The group's layers (one when fused), for packing at load.
+    /// The group's layers (one per stacked run), for packing at load.
     pub fn linears_mut(&mut self) -> impl Iterator<Item = &mut Linear> {
-        self.fused.iter_mut().chain(self.parts.iter_mut())
+        self.runs.iter_mut().map(|(linear, _)| linear)
     }
 
     pub fn size_in_bytes(&self) -> usize {
-        self.fused
+        self.runs.iter().map(|(l, _)| l.size_in_bytes()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::quantized::{GgmlDType, QTensor};
+
+    /// A `rows × cols` matrix from GGUF blocks of `dtype`, loaded as the model loader does.
+    fn matrix(rows: usize, cols: usize, dtype: GgmlDType, seed: u64) -> Linear {
+        let mut s = seed;
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 33) % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        let t = Tensor::from_vec(w, (rows, cols), &Device::Cpu).unwrap();
+        let data = QTensor::quantize(&t, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec();
+        let m = match dtype {
+            GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
+            _ => Q8Matrix::from_q8_0(rows, cols, &data),
+        };
+        let m = kernels::for_this_cpu(m.unwrap());
+        Linear::Q8(Arc::new(kernels::to_five_bit(&m).unwrap_or(m)))
+    }
+
+    #[test]
+    fn a_group_stacks_runs_of_one_layout_and_gives_each_member_its_own_output() {
+        // Query and key fit in 5 bits, value does not: where panels are used, q and k stack and v
+        // stays apart; elsewhere all three stack. Either way each output is the member's own.
+        let (cols, rows) = (64, [32, 16, 16]);
+        let members = || {
+            vec![
+                matrix(rows[0], cols, GgmlDType::Q5_0, 1),
+                matrix(rows[1], cols, GgmlDType::Q5_0, 2),
+                matrix(rows[2], cols, GgmlDType::Q8_0, 3),
+            ]
+        };
+        let group = LinearGroup::new(members());
+        let layouts: Vec<_> = members()
             .iter()
-            .chain(&self.parts)
-            .map(Linear::size_in_bytes)
-            .sum()
+            .map(|m| match m {
+                Linear::Q8(m) => m.layout,
+                _ => unreachable!("8-bit members"),
+            })
+            .collect();
+        let runs: Vec<usize> = group.runs.iter().map(|(_, n)| *n).collect();
+        if layouts[0] == layouts[2] {
+            assert_eq!(runs, [3]);
+        } else {
+            assert_eq!(runs, [2, 1], "{layouts:?}");
+        }
+        let x: Vec<f32> = (0..3 * cols).map(|i| (i as f32 * 0.37).sin()).collect();
+        let input = Input::new(&x, 3, cols);
+        let (mut a, mut b, mut c, mut scratch) = (vec![], vec![], vec![], vec![]);
+        group
+            .forward(&input, &mut scratch, &mut [&mut a, &mut b, &mut c])
+            .unwrap();
+        for (member, got) in members().iter().zip([&a, &b, &c]) {
+            let mut want = vec![];
+            member.forward(&input, &mut want).unwrap();
+            assert_eq!(got, &want);
+        }
     }
 }

@@ -86,11 +86,11 @@ impl Gguf<'_> {
         let m = match dtype {
             GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &data),
             GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
-            GgmlDType::Q4K => {
-                return match kernels::q4_k_for_this_cpu(rows, cols, &data) {
+            GgmlDType::Q4K | GgmlDType::Q6K => {
+                return match kernels::k_quant_for_this_cpu(dtype, rows, cols, &data) {
                     Some(m) => m.map(Some).map_err(|e| {
                         ModelError::Shape(format!(
-                            "{name}: Q4_K data for a {rows}x{cols} matrix: {e}"
+                            "{name}: {dtype:?} data for a {rows}x{cols} matrix: {e}"
                         ))
                     }),
                     None => Ok(None),
@@ -98,8 +98,13 @@ impl Gguf<'_> {
             }
             _ => return Ok(None),
         };
-        m.map(|m| Some(kernels::for_this_cpu(m)))
-            .map_err(|e| ModelError::Shape(format!("{name}: {e}")))
+        // Q5_0's values fit in 5 bits: where the panel kernels run, they are read so, as the file
+        // holds them (before any stacking, so a Q8_0 neighbour does not widen them).
+        m.map(|m| {
+            let m = kernels::for_this_cpu(m);
+            Some(kernels::to_five_bit(&m).unwrap_or(m))
+        })
+        .map_err(|e| ModelError::Shape(format!("{name}: {e}")))
     }
 
     fn linear(&self, name: &str) -> Result<Linear, ModelError> {
@@ -114,8 +119,9 @@ impl Gguf<'_> {
         )?;
         let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if !dense && cols % QK == 0 {
-            // Other block formats (Q6_K, ...; Q4_K where no kernel takes it as it is) are
-            // re-quantized to 8-bit blocks so every matrix runs through a batch-reusing kernel. The extra rounding is at most 1/254 of a
+            // Other block formats (Q4_K and Q6_K where no kernel takes them as they are, Q2_K,
+            // Q3_K, Q5_K, ...) are re-quantized to 8-bit blocks so every matrix runs through a
+            // batch-reusing kernel. The extra rounding is at most 1/254 of a
             // block's largest weight, far below the 4- and 6-bit formats' own quantization step.
             let w = qt
                 .dequantize(&Device::Cpu)?
@@ -210,13 +216,7 @@ pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
             .chain(l.gate_up.linears_mut())
             .chain([&mut l.o, &mut l.down]);
         matrices.extend(linears.filter_map(|lin| match lin {
-            Linear::Q8(m) => {
-                // Matrices whose values fit in 5 bits (Q5_0 in the file) are read as 5 bits.
-                if let Some(five) = kernels::to_five_bit(m) {
-                    *m = Arc::new(five);
-                }
-                Arc::get_mut(m)
-            }
+            Linear::Q8(m) => Arc::get_mut(m),
             _ => None,
         }));
     }
