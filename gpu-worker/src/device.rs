@@ -1,9 +1,10 @@
 //! Device selection and memory reporting: the one place that knows which device the worker runs
 //! on. Everything device-specific (the `cuda` feature included) stays behind this module.
 //!
-//! The forward pass is CPU code today. A `cuda` build links candle's CUDA backend and can check a
-//! CUDA device, but running the model on it is not built yet, so `cuda:N` is refused with an error
-//! that says so rather than silently running on the CPU.
+//! On the CPU the model runs on Hearth's own kernels. A `cuda` build opens `cuda:N` through
+//! candle, reads the device's name, compute capability and memory from the driver, and the model
+//! runs on it through the device-generic forward pass ([`crate::generic`]). One worker serves
+//! one GPU: a machine with several runs one worker per `--device cuda:N`.
 
 use std::fmt;
 use std::str::FromStr;
@@ -55,18 +56,20 @@ pub enum DeviceError {
     NoCudaSupport(u32),
     #[error("device: cuda:{ordinal} is not usable: {reason}")]
     CudaUnavailable { ordinal: u32, reason: String },
-    #[error("device: cuda:{0} is present, but the CUDA forward pass is not built yet; run with `--device cpu`")]
-    CudaForwardNotBuilt(u32),
 }
 
 /// The device the model runs on.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Device {
     /// `cpu` or `cuda`.
     pub kind: &'static str,
     pub ordinal: u32,
-    /// For people: CPU model and the kernel instruction set in use.
+    /// For people: the GPU's name, or the CPU model and the kernel instruction set in use.
     pub name: String,
+    /// `major.minor` on CUDA devices.
+    pub compute_capability: Option<String>,
+    /// The candle device tensors live on (the CPU for Hearth's kernels).
+    pub candle: candle_core::Device,
 }
 
 /// Opens the requested device.
@@ -95,11 +98,29 @@ fn cuda_present() -> bool {
 
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: u32) -> Result<Device, DeviceError> {
-    candle_core::Device::new_cuda(ordinal as usize).map_err(|e| DeviceError::CudaUnavailable {
+    let unusable = |reason: String| DeviceError::CudaUnavailable { ordinal, reason };
+    let candle =
+        candle_core::Device::new_cuda(ordinal as usize).map_err(|e| unusable(e.to_string()))?;
+    let ctx = cuda_context(&candle).map_err(unusable)?;
+    let name = ctx.name().map_err(|e| unusable(e.to_string()))?;
+    let (major, minor) = ctx
+        .compute_capability()
+        .map_err(|e| unusable(e.to_string()))?;
+    Ok(Device {
+        kind: "cuda",
         ordinal,
-        reason: e.to_string(),
-    })?;
-    Err(DeviceError::CudaForwardNotBuilt(ordinal))
+        name,
+        compute_capability: Some(format!("{major}.{minor}")),
+        candle,
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_context(
+    d: &candle_core::Device,
+) -> Result<std::sync::Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>, String> {
+    let cuda = d.as_cuda_device().map_err(|e| e.to_string())?;
+    Ok(cuda.cuda_stream().context().clone())
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -129,16 +150,43 @@ fn cpu() -> Device {
         kind: "cpu",
         ordinal: 0,
         name: format!("{model} ({isa}, {threads} threads)"),
+        compute_capability: None,
+        candle: candle_core::Device::Cpu,
     }
 }
 
 impl Device {
-    /// Memory in use and in total. On the CPU: this process's resident set and physical memory.
+    /// Memory in use, free and in total. On the CPU: this process's resident set, available
+    /// memory and physical memory; on CUDA the device's, from the driver.
     pub fn memory(&self) -> MemoryUse {
+        if let Some(m) = self.gpu_memory() {
+            return m;
+        }
         MemoryUse {
             used_bytes: rss_bytes() as u64,
+            free_bytes: proc_kb("/proc/meminfo", "MemAvailable:").map_or(0, |kb| kb as u64 * 1024),
             total_bytes: meminfo_total_bytes(),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn gpu_memory(&self) -> Option<MemoryUse> {
+        let (free, total) = cuda_context(&self.candle).ok()?.mem_get_info().ok()?;
+        Some(MemoryUse {
+            used_bytes: (total - free) as u64,
+            free_bytes: free as u64,
+            total_bytes: total as u64,
+        })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn gpu_memory(&self) -> Option<MemoryUse> {
+        None
+    }
+
+    /// Whether the model runs on a GPU (through the device-generic forward pass).
+    pub fn is_gpu(&self) -> bool {
+        self.kind != "cpu"
     }
 }
 
@@ -181,6 +229,8 @@ mod tests {
         assert_eq!(d.kind, "cpu");
         let m = d.memory();
         assert!(m.used_bytes > 0 && m.total_bytes > m.used_bytes, "{m:?}");
+        assert!(m.free_bytes > 0 && m.free_bytes <= m.total_bytes, "{m:?}");
+        assert_eq!((d.compute_capability.as_deref(), d.is_gpu()), (None, false));
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -2,6 +2,7 @@
 //!
 //! # Layout
 //! - [`model`]: Gemma weights (GGUF or safetensors) and the batched forward pass.
+//! - [`generic`]: the same forward pass on candle tensors, for CUDA devices (and candle's CPU).
 //! - [`kernels`]: CPU matrix kernels for 8-bit block weights that reuse each block across the batch.
 //! - [`kv`]: the KV block budget, block tables and paged K/V storage.
 //! - [`sampling`]: per-request token sampling with its own seeded RNG.
@@ -17,6 +18,7 @@ pub mod bench;
 pub mod device;
 pub mod engine;
 pub mod fixtures;
+pub mod generic;
 pub mod kernels;
 pub mod kv;
 pub mod model;

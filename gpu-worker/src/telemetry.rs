@@ -35,6 +35,7 @@ pub const SPEC_ACCEPTED: &str = "hearth_worker_spec_accepted_tokens_total";
 pub const DEVICE_MEMORY_USED: &str = "hearth_worker_device_memory_used_bytes";
 pub const DEVICE_MEMORY_TOTAL: &str = "hearth_worker_device_memory_total_bytes";
 pub const READY: &str = "hearth_worker_ready";
+pub const DEVICE_INFO: &str = "hearth_worker_device_info";
 
 pub use hearth_shared::telemetry::LATENCY_BUCKETS;
 const BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
@@ -110,6 +111,10 @@ fn describe() {
         "Device memory (CPU: physical memory)"
     );
     describe_gauge!(READY, "1 when the worker accepts generation requests");
+    describe_gauge!(
+        DEVICE_INFO,
+        "1, labelled with the device the model runs on (kind, ordinal, name, compute capability)"
+    );
 }
 
 /// Called by the engine thread after every step that ran the model.
@@ -126,6 +131,7 @@ pub fn record_step(summary: &StepSummary, elapsed: Duration, max_batch: usize) {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct MemoryUse {
     pub used_bytes: u64,
+    pub free_bytes: u64,
     pub total_bytes: u64,
 }
 
@@ -148,4 +154,16 @@ pub fn refresh(stats: &EngineStats, kv_block_bytes: usize, in_flight: usize, mem
     counter!(SPEC_ACCEPTED).absolute(stats.spec_accepted_tokens as u64);
     gauge!(DEVICE_MEMORY_USED).set(memory.used_bytes as f64);
     gauge!(DEVICE_MEMORY_TOTAL).set(memory.total_bytes as f64);
+}
+
+/// Publishes [`DEVICE_INFO`] for `device` (once, at start).
+pub fn device_info(device: &crate::device::Device) {
+    gauge!(
+        DEVICE_INFO,
+        "kind" => device.kind,
+        "ordinal" => device.ordinal.to_string(),
+        "name" => device.name.clone(),
+        "compute_capability" => device.compute_capability.clone().unwrap_or_default()
+    )
+    .set(1.0);
 }

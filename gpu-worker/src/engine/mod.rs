@@ -6,12 +6,14 @@
 //! `Started`, then `Token`s, then exactly one `Finished` or `Error`. Dropping the stream cancels the
 //! request at the next engine step.
 
+mod backend;
 mod error;
 pub mod lookup;
 mod scheduler;
 mod scripted;
 mod types;
 
+pub use backend::Weights;
 pub use error::EngineError;
 pub use scheduler::{Scheduler, StepSummary};
 pub use types::{
@@ -29,7 +31,6 @@ use std::time::{Duration, Instant};
 use hearth_shared::{RequestId, SessionId};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::model::Model;
 use crate::telemetry;
 
 /// Events of one request. Unbounded, but bounded in practice: a request produces at most
@@ -111,9 +112,10 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the engine thread over `model`.
-    pub fn start(model: Arc<Model>, config: EngineConfig) -> Result<Self, EngineError> {
-        let sched = Scheduler::new(model.clone(), config.clone())?;
+    /// Starts the engine thread over `weights` (an `Arc<Model>` for the CPU kernels, an
+    /// `Arc<GenericModel>` for the device-generic pass).
+    pub fn start(weights: impl Into<Weights>, config: EngineConfig) -> Result<Self, EngineError> {
+        let sched = Scheduler::new(weights, config.clone())?;
         let info = Arc::new(sched.model_info());
         let (tx, rx) = sync_channel(config.command_queue);
         let (cancels, cancel_rx) = std::sync::mpsc::channel();

@@ -7,20 +7,18 @@
 //! at once; their KV stays behind as the session's cache for the next turn.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 use std::time::Instant;
 
 use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
 use std::sync::Mutex;
 
+use super::backend::{Backend, Weights};
 use super::lookup;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
-use crate::kv::{
-    chain_hash, BlockAllocator, BlockId, DiskTier, KvStore, Packing, NO_BLOCK, ROOT_HASH,
-};
-use crate::model::{Model, SeqChunk};
+use crate::kv::{chain_hash, BlockAllocator, BlockId, DiskTier, Packing, NO_BLOCK, ROOT_HASH};
+use crate::model::SeqChunk;
 use crate::sampling::Sampler;
 
 /// Most remembered cancels of requests not yet seen.
@@ -159,14 +157,16 @@ const MIN_PREFILL_WITH_DECODES: usize = 32;
 
 #[derive(Debug)]
 pub struct Scheduler {
-    model: Arc<Model>,
+    /// The architecture's settings (sliding window, sizes), from the weights.
+    model_config: crate::model::GemmaConfig,
     config: EngineConfig,
     /// One decoding sequence's share of a step (layers and output projection) in prompt tokens'
     /// work (layers only): `1 + vocabulary × width / layer multiply-adds per token`.
     decode_cost: f64,
     info: ModelInfo,
     alloc: BlockAllocator,
-    kv: KvStore,
+    /// The forward pass and the K/V storage it reads and writes.
+    backend: Backend,
     waiting: Vec<Seq>,
     running: Vec<Seq>,
     sessions: HashMap<SessionId, SessionCache>,
@@ -191,8 +191,9 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    pub fn new(model: Arc<Model>, config: EngineConfig) -> Result<Self, EngineError> {
-        let c = &model.config;
+    pub fn new(weights: impl Into<Weights>, config: EngineConfig) -> Result<Self, EngineError> {
+        let weights = weights.into();
+        let c = weights.config();
         if config.block_size == 0 || config.max_batch == 0 || config.prefill_chunk == 0 {
             return Err(EngineError::Internal(
                 "block_size, max_batch and prefill_chunk must be positive".into(),
@@ -204,13 +205,7 @@ impl Scheduler {
                 config.prefill_share
             )));
         }
-        let block_bytes = KvStore::block_bytes(
-            c.num_layers,
-            config.block_size,
-            c.kv_dim(),
-            c.head_dim,
-            config.kv_dtype,
-        );
+        let block_bytes = weights.block_bytes(&config)?;
         let num_blocks = config.kv_budget_bytes / block_bytes;
         if num_blocks == 0 {
             return Err(EngineError::Internal(format!(
@@ -218,17 +213,15 @@ impl Scheduler {
                 config.kv_budget_bytes
             )));
         }
-        let default_stop_ids = [model.eos_id, model.end_of_turn_id]
-            .into_iter()
-            .flatten()
-            .collect();
+        let (bos_id, eos_id, end_of_turn_id) = weights.special();
+        let default_stop_ids = [eos_id, end_of_turn_id].into_iter().flatten().collect();
         let info = ModelInfo {
             architecture: c.architecture.clone(),
             context_length: c.context_length,
             vocab_size: c.vocab_size,
-            bos_id: model.bos_id,
-            eos_id: model.eos_id,
-            end_of_turn_id: model.end_of_turn_id,
+            bos_id,
+            eos_id,
+            end_of_turn_id,
             default_stop_ids,
             kv_capacity_tokens: num_blocks * config.block_size,
             block_size: config.block_size,
@@ -243,19 +236,10 @@ impl Scheduler {
             let globals = (0..c.num_layers).filter(|&l| !c.is_sliding(l)).collect();
             Packing::new(c.num_layers, globals)
         });
-        let kv = KvStore::new(
-            c.num_layers,
-            num_blocks,
-            config.block_size,
-            c.kv_dim(),
-            c.head_dim,
-            config.kv_dtype,
-        )
-        .with_packing(packing)
-        .with_key_balance(model.key_balance());
+        let backend = Backend::new(&weights, num_blocks, &config, packing)?;
         let disk = match &config.kv_disk {
             Some(d) => Some(
-                DiskTier::create(&d.dir, d.bytes, kv.saved_bytes(config.block_size)).map_err(
+                DiskTier::create(&d.dir, d.bytes, backend.saved_bytes(config.block_size)).map_err(
                     |e| EngineError::Internal(format!("KV disk tier in {}: {e}", d.dir.display())),
                 )?,
             ),
@@ -268,9 +252,9 @@ impl Scheduler {
                 + 3 * c.hidden_size * c.ffn_size);
         let decode_cost = 1.0 + (c.vocab_size * c.hidden_size) as f64 / layer_macs.max(1) as f64;
         Ok(Self {
-            kv,
+            model_config: c.clone(),
+            backend,
             alloc: BlockAllocator::new(num_blocks),
-            model,
             config,
             decode_cost,
             info,
@@ -451,19 +435,26 @@ impl Scheduler {
             return;
         };
         let (bs, n) = (self.config.block_size, c.tokens.len());
-        let kv = &self.kv;
+        let kv = &self.backend;
         // The packed blocks whole, then the table's other blocks.
         let (packed, trimmed) = (c.packed.len(), c.packed.len() * per);
         let records = packed + n.div_ceil(bs) - trimmed;
+        let mut failed = None;
         let stored = disk.spill(id.clone(), c.tokens.clone(), packed, records, |i, out| {
-            if i < packed {
+            let saved = if i < packed {
                 kv.save_block(c.packed[i], bs, out)
             } else {
                 let j = trimmed + i - packed;
                 kv.save_block(c.blocks[j], bs.min(n - j * bs), out)
+            };
+            if let Err(e) = saved {
+                failed.get_or_insert(e);
             }
         });
-        if !stored {
+        if let Some(e) = failed {
+            tracing::error!(session = %id, error = %e, "cannot copy a session cache to the disk tier");
+            disk.remove(id);
+        } else if !stored {
             tracing::debug!(session = %id, "session cache too large for the disk tier");
         }
     }
@@ -504,7 +495,11 @@ impl Scheduler {
                 None => bs,
                 Some(j) => bs.min(stored - (trimmed + j) * bs),
             };
-            self.kv.load_block(b, n, bytes);
+            if let Err(e) = self.backend.load_block(b, n, bytes) {
+                tracing::error!(session = %id, error = %e, "cannot restore a session cache from the disk tier");
+                self.alloc.release(&mut fresh);
+                return None;
+            }
         }
         drop(bytes);
         tokens.truncate(common);
@@ -649,7 +644,13 @@ impl Scheduler {
                 self.detach(s);
                 return Placement::Wait;
             };
-            self.kv.copy_block(s.blocks[at], fresh, s.kv_len % bs);
+            if let Err(e) = self.backend.copy_block(s.blocks[at], fresh, s.kv_len % bs) {
+                tracing::error!(error = %e, "cannot copy a cached K/V block; recomputing the prompt");
+                self.alloc.unref(fresh);
+                release(&mut self.alloc, &mut s.blocks, &mut s.packed);
+                s.kv_len = 0;
+                return self.place_cold(s, need_tokens);
+            }
             let old = std::mem::replace(&mut s.blocks[at], fresh);
             self.alloc.unref(old);
         }
@@ -769,13 +770,13 @@ impl Scheduler {
 
     /// Table blocks per packed block (1 when nothing is packed).
     fn pack_per(&self) -> usize {
-        self.kv.packing().map_or(1, |p| p.per)
+        self.backend.packing().map_or(1, |p| p.per)
     }
 
     /// Whether a cache with `packed` packed blocks can take its next token at position `at`: the
     /// sliding layers must still hold every position that token sees.
     fn resumable(&self, packed: usize, at: usize) -> bool {
-        let window = self.model.config.sliding_window.unwrap_or(usize::MAX);
+        let window = self.model_config.sliding_window.unwrap_or(usize::MAX);
         packed == 0
             || at + 1 >= (packed * self.pack_per() * self.config.block_size).saturating_add(window)
     }
@@ -788,11 +789,11 @@ impl Scheduler {
     fn trim(&mut self, ix: usize) {
         let (Some(margin), Some(window)) = (
             self.config.kv_window_margin,
-            self.model.config.sliding_window,
+            self.model_config.sliding_window,
         ) else {
             return;
         };
-        if self.kv.packing().is_none() {
+        if self.backend.packing().is_none() {
             return;
         }
         let (bs, per) = (self.config.block_size, self.pack_per());
@@ -806,7 +807,7 @@ impl Scheduler {
             };
             let g = s.packed.len();
             let src = &mut s.blocks[g * per..(g + 1) * per];
-            self.kv.pack(src, dst);
+            self.backend.pack(src, dst);
             for b in src.iter_mut() {
                 self.alloc.unref(std::mem::replace(b, NO_BLOCK));
             }
@@ -969,7 +970,7 @@ impl Scheduler {
             }
         }
         let mut logits = std::mem::take(&mut self.logits);
-        let result = self.model.forward(&chunks, &mut self.kv, &mut logits);
+        let result = self.backend.forward(&chunks, &mut logits);
         drop(chunks);
         match result {
             Ok(()) => {}

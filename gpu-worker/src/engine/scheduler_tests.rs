@@ -12,8 +12,8 @@ use super::*;
 use crate::engine::types::validate;
 use crate::engine::GenerateRequest;
 use crate::fixtures::{write_tiny_gguf, TinySpec};
-use crate::kv::KvDtype;
-use crate::model::load_gguf;
+use crate::kv::{KvDtype, KvStore};
+use crate::model::{load_gguf, Model};
 
 const VOCAB: u32 = 512;
 const BS: usize = 16;
@@ -95,10 +95,11 @@ fn outcome(rx: &mut Events) -> (usize, Vec<u32>) {
 
 /// The K/V of every position of `blocks`, every layer, as stored.
 fn contents(s: &Scheduler, blocks: &[BlockId]) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let layers = s.model.config.num_layers;
+    let layers = s.model_config.num_layers;
+    let kv = s.backend.host_store().unwrap();
     (0..layers)
         .flat_map(|l| (0..blocks.len() * BS).map(move |p| (l, p)))
-        .map(|(l, p)| s.kv.read(l, blocks, p))
+        .map(|(l, p)| kv.read(l, blocks, p))
         .collect()
 }
 

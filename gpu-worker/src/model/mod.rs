@@ -18,6 +18,7 @@ mod linear;
 mod load;
 pub(crate) mod ops;
 
+pub(crate) use config::special_tokens;
 pub use config::GemmaConfig;
 pub use linear::{Input, Linear, LinearGroup};
 pub use load::{load_gguf, load_safetensors};

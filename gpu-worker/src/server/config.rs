@@ -38,12 +38,22 @@ pub struct ServeConfig {
         default_value = "127.0.0.1:9091"
     )]
     pub metrics_listen: SocketAddr,
-    /// `auto`, `cpu` or `cuda:N`.
+    /// `auto`, `cpu` or `cuda:N` (one worker per GPU: run one with `cuda:1` for the second).
     #[arg(long, env = "HEARTH_WORKER_DEVICE", default_value = "auto")]
     pub device: DeviceSpec,
-    /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`).
-    #[arg(long, env = "HEARTH_WORKER_KV_BUDGET", default_value = "2GiB", value_parser = parse_bytes)]
-    pub kv_budget: u64,
+    /// Which forward pass runs the model: `kernels` (Hearth's CPU kernels), `candle` (the
+    /// device-generic pass on candle tensors, which CUDA devices use; on the CPU it is for
+    /// checking the two against each other) or `auto` (kernels on the CPU, candle on a GPU).
+    #[arg(long, env = "HEARTH_WORKER_FORWARD", value_enum, default_value_t = ForwardPass::Auto)]
+    pub forward: ForwardPass,
+    /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`) [default: 2GiB on the
+    /// CPU; on a GPU, --gpu-memory-fraction of the memory left free once the weights are loaded].
+    #[arg(long, env = "HEARTH_WORKER_KV_BUDGET", value_parser = parse_bytes)]
+    pub kv_budget: Option<u64>,
+    /// On a GPU without --kv-budget: the share of the device memory still free after loading
+    /// the weights that K/V memory takes (the rest is left for activations and other processes).
+    #[arg(long, env = "HEARTH_WORKER_GPU_MEMORY_FRACTION", default_value_t = 0.8)]
+    pub gpu_memory_fraction: f64,
     /// Element type of stored K/V: `f16` (default), `int8` (an f16 scale per 32 keys or 64 values;
     /// about half the bytes of f16) or `f32`.
     #[arg(long, env = "HEARTH_WORKER_KV_DTYPE", value_enum, default_value_t = KvDtype::F16)]
@@ -104,6 +114,17 @@ pub struct ServeConfig {
     pub engine_stall_secs: u64,
 }
 
+/// `--forward`: which forward pass runs the model.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ForwardPass {
+    Auto,
+    Kernels,
+    Candle,
+}
+
+/// Default K/V budget on the CPU.
+pub const DEFAULT_CPU_KV_BUDGET: usize = 2 << 30;
+
 /// A configuration that passed [`ServeConfig::validate`].
 #[derive(Debug, Clone)]
 pub struct ValidConfig {
@@ -112,6 +133,11 @@ pub struct ValidConfig {
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
     pub device: DeviceSpec,
+    pub forward: ForwardPass,
+    /// `--kv-budget` when given; otherwise the engine's budget is set once the device is known
+    /// (see [`ValidConfig::gpu_memory_fraction`]).
+    pub kv_budget_given: bool,
+    pub gpu_memory_fraction: f64,
     pub engine: EngineConfig,
     pub drain_timeout: Duration,
     /// Scripted mode (load tests): the token interval; no model is loaded.
@@ -190,8 +216,23 @@ impl ServeConfig {
                 format!("{} is more than 64 draft tokens", self.spec_tokens),
             ));
         }
-        if self.kv_budget == 0 {
+        if self.kv_budget == Some(0) {
             return Err(invalid("--kv-budget", "must be more than 0 bytes"));
+        }
+        if !(self.gpu_memory_fraction > 0.0 && self.gpu_memory_fraction <= 1.0) {
+            return Err(invalid(
+                "--gpu-memory-fraction",
+                format!(
+                    "{} is not a share above 0 and at most 1",
+                    self.gpu_memory_fraction
+                ),
+            ));
+        }
+        if self.forward == ForwardPass::Kernels && matches!(self.device, DeviceSpec::Cuda(_)) {
+            return Err(invalid(
+                "--forward",
+                "`kernels` runs on the CPU only; a CUDA device takes `candle` (or `auto`)",
+            ));
         }
         if self.listen == self.metrics_listen && self.listen.port() != 0 {
             return Err(invalid(
@@ -211,8 +252,11 @@ impl ServeConfig {
         });
         let engine = EngineConfig {
             kv_disk,
-            kv_budget_bytes: usize::try_from(self.kv_budget)
-                .map_err(|_| invalid("--kv-budget", "larger than this machine can address"))?,
+            kv_budget_bytes: match self.kv_budget {
+                Some(b) => usize::try_from(b)
+                    .map_err(|_| invalid("--kv-budget", "larger than this machine can address"))?,
+                None => DEFAULT_CPU_KV_BUDGET,
+            },
             max_batch: self.max_batch,
             max_waiting: self.max_waiting,
             prefill_chunk: self.prefill_chunk,
@@ -231,6 +275,9 @@ impl ServeConfig {
             listen: self.listen,
             metrics_listen: self.metrics_listen,
             device: self.device,
+            forward: self.forward,
+            kv_budget_given: self.kv_budget.is_some(),
+            gpu_memory_fraction: self.gpu_memory_fraction,
             engine,
             drain_timeout: Duration::from_secs(self.drain_timeout_secs),
             scripted: self.scripted_token_ms.map(Duration::from_millis),
@@ -314,6 +361,46 @@ mod tests {
             let err = parse_bytes(bad).expect_err(bad);
             assert!(err.contains(&format!("`{bad}`")), "{err}");
         }
+    }
+
+    fn validate(args: &[&str]) -> Result<ValidConfig, ConfigError> {
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            serve: ServeConfig,
+        }
+        let argv = ["hearth-worker", "--scripted-token-ms", "1"];
+        let cli = <Cli as clap::Parser>::try_parse_from(argv.iter().chain(args)).unwrap();
+        cli.serve.validate()
+    }
+
+    #[test]
+    fn the_kv_budget_defaults_on_the_cpu_and_gpu_flags_are_checked() {
+        let c = validate(&[]).unwrap();
+        assert_eq!(
+            (c.engine.kv_budget_bytes, c.kv_budget_given),
+            (2 << 30, false)
+        );
+        assert_eq!((c.forward, c.gpu_memory_fraction), (ForwardPass::Auto, 0.8));
+        let c = validate(&["--kv-budget", "1GiB", "--forward", "candle"]).unwrap();
+        assert_eq!(
+            (c.engine.kv_budget_bytes, c.kv_budget_given),
+            (1 << 30, true)
+        );
+        assert_eq!(c.forward, ForwardPass::Candle);
+        for bad in ["0", "1.5", "NaN"] {
+            let err = validate(&["--gpu-memory-fraction", bad])
+                .unwrap_err()
+                .to_string();
+            assert!(err.starts_with("--gpu-memory-fraction:"), "{bad}: {err}");
+        }
+        let err = validate(&["--device", "cuda:1", "--forward", "kernels"]).unwrap_err();
+        assert!(
+            err.to_string().contains("`kernels` runs on the CPU only"),
+            "{err}"
+        );
+        let err = validate(&["--kv-budget", "0"]).unwrap_err();
+        assert!(err.to_string().starts_with("--kv-budget:"), "{err}");
     }
 
     #[test]

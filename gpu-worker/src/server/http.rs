@@ -52,10 +52,30 @@ async fn render(State(h): State<Http>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 
+/// The phase (200 only when ready) and the device the model runs on, as JSON.
 async fn ready(State(h): State<Http>) -> impl IntoResponse {
-    match h.state.phase() {
+    let (status, phase) = match h.state.phase() {
         Phase::Ready => (StatusCode::OK, "ready"),
         Phase::Loading => (StatusCode::SERVICE_UNAVAILABLE, "loading"),
         Phase::Draining => (StatusCode::SERVICE_UNAVAILABLE, "draining"),
-    }
+    };
+    let d = &h.state.device;
+    let memory = d.memory();
+    let body = serde_json::json!({
+        "phase": phase,
+        "device": {
+            "kind": d.kind,
+            "ordinal": d.ordinal,
+            "name": d.name,
+            "compute_capability": d.compute_capability,
+            "memory_total_bytes": memory.total_bytes,
+            "memory_used_bytes": memory.used_bytes,
+            "memory_free_bytes": memory.free_bytes,
+        },
+    });
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
 }

@@ -38,8 +38,10 @@ use tokio::task::JoinHandle;
 use tonic::transport::server::TcpIncoming;
 
 use crate::device::{self, DeviceError};
-use crate::engine::{Engine, EngineError};
-use crate::model::{load_gguf, load_safetensors, Model, ModelError};
+use crate::engine::{Engine, EngineError, Weights};
+use crate::generic::GenericModel;
+use crate::model::{load_gguf, load_safetensors, ModelError};
+use config::ForwardPass;
 use state::{Loaded, WorkerState};
 
 /// How long cancelled sequences get to report `Finished` after the drain deadline, and the
@@ -118,8 +120,15 @@ impl Worker {
             grpc,
             http,
         } = self;
-        tracing::info!(device = %device.name, "device selected");
-        let state = WorkerState::new(device);
+        tracing::info!(
+            device = %device.name,
+            kind = device.kind,
+            ordinal = device.ordinal,
+            compute_capability = device.compute_capability.as_deref().unwrap_or("-"),
+            "device selected"
+        );
+        crate::telemetry::device_info(&device);
+        let state = WorkerState::new(device.clone());
         let (stop_tx, stop_rx) = watch::channel(false);
         let stopped = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;
@@ -163,7 +172,8 @@ impl Worker {
             )
         } else {
             let load_config = config.clone();
-            let load = tokio::task::spawn_blocking(move || load(&load_config));
+            let load_device = device.clone();
+            let load = tokio::task::spawn_blocking(move || load(&load_config, &load_device));
             let loaded = tokio::select! {
                 loaded = load => loaded??,
                 () = &mut shutdown => {
@@ -172,8 +182,9 @@ impl Worker {
                     return Ok(());
                 }
             };
-            let (model, info) = loaded;
-            (Engine::start(Arc::new(model), config.engine.clone())?, info)
+            let (weights, info) = loaded;
+            let engine_config = engine_config(&config, &device, &weights);
+            (Engine::start(weights, engine_config)?, info)
         };
         let (engine, info) = engine;
         state.set_ready(engine.handle(), info);
@@ -232,13 +243,49 @@ async fn drain(state: &Arc<WorkerState>, engine: &Engine, deadline: Duration) {
     }
 }
 
-/// Loads the model (and checks the tokenizer against it); runs on a blocking thread.
-fn load(config: &ValidConfig) -> Result<(Model, Loaded), ServeError> {
+/// The engine's configuration once the weights are on the device: on a GPU without
+/// `--kv-budget`, K/V takes `--gpu-memory-fraction` of the memory the weights left free.
+fn engine_config(
+    config: &ValidConfig,
+    device: &device::Device,
+    weights: &Weights,
+) -> crate::engine::EngineConfig {
+    let mut engine = config.engine.clone();
+    if device.is_gpu() && !config.kv_budget_given {
+        let free = device.memory().free_bytes as f64;
+        engine.kv_budget_bytes = (free * config.gpu_memory_fraction) as usize;
+        tracing::info!(
+            free_bytes = free as u64,
+            weights_bytes = weights.weights_bytes(),
+            kv_budget_bytes = engine.kv_budget_bytes,
+            "K/V budget from free device memory"
+        );
+    }
+    engine
+}
+
+/// Loads the model onto `device` with the forward pass `--forward` picks (and checks the
+/// tokenizer against it); runs on a blocking thread.
+fn load(config: &ValidConfig, device: &device::Device) -> Result<(Weights, Loaded), ServeError> {
     let path = &config.model;
-    let model = if path.is_dir() {
-        load_safetensors(path)?
+    let generic = match config.forward {
+        ForwardPass::Auto => device.is_gpu(),
+        ForwardPass::Kernels => false,
+        ForwardPass::Candle => true,
+    };
+    let model: Weights = if generic {
+        if path.is_dir() {
+            return Err(ModelError::Unsupported(format!(
+                "{}: the candle forward pass loads GGUF files; convert the checkpoint to GGUF",
+                path.display()
+            ))
+            .into());
+        }
+        Arc::new(GenericModel::load_gguf(path, &device.candle)?).into()
+    } else if path.is_dir() {
+        Arc::new(load_safetensors(path)?).into()
     } else {
-        load_gguf(path)?
+        Arc::new(load_gguf(path)?).into()
     };
     let mut loaded = Loaded {
         model_id: model_id(path),
@@ -261,12 +308,13 @@ fn model_id(path: &Path) -> String {
     name.strip_suffix(".gguf").unwrap_or(&name).to_string()
 }
 
-fn check_tokenizer(tok: &Tokenizer, model: &Model) -> Result<(), ServeError> {
-    let vocab = model.config.vocab_size;
+fn check_tokenizer(tok: &Tokenizer, model: &Weights) -> Result<(), ServeError> {
+    let vocab = model.config().vocab_size;
+    let (bos, eos, end_of_turn) = model.special();
     for (name, tok_id, model_id) in [
-        ("<bos>", tok.bos_id, model.bos_id),
-        ("<eos>", tok.eos_id, model.eos_id),
-        ("<end_of_turn>", tok.end_of_turn_id, model.end_of_turn_id),
+        ("<bos>", tok.bos_id, bos),
+        ("<eos>", tok.eos_id, eos),
+        ("<end_of_turn>", tok.end_of_turn_id, end_of_turn),
         ("<start_of_turn>", tok.start_of_turn_id, None),
     ] {
         if tok_id as usize >= vocab {

@@ -85,6 +85,8 @@ impl Worker for WorkerService {
                 name: d.name.clone(),
                 memory_total_bytes: memory.total_bytes,
                 memory_used_bytes: memory.used_bytes,
+                memory_free_bytes: memory.free_bytes,
+                compute_capability: d.compute_capability.clone().unwrap_or_default(),
             }),
             kv: Some(proto::KvCapacity {
                 block_size: m.block_size as u32,
