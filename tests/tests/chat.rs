@@ -421,6 +421,31 @@ async fn killing_the_worker_mid_stream_moves_the_reply_to_another() {
     assert_eq!(stored[1]["content"], json!(got.text));
     assert_eq!(stored[1]["status"], "complete");
     assert_eq!(stored[1]["completion_tokens"], 300);
+    // /readyz is public: it names the workers the same way, says which is down, and gives
+    // neither their addresses nor their errors (which can hold addresses).
+    let mut ready = Req::new("GET", "/readyz").send(s.addr()).await;
+    for _ in 0..100 {
+        if ready.json()["workers"][victim]["ready"] == false {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        ready = Req::new("GET", "/readyz").send(s.addr()).await;
+    }
+    let body = ready.text();
+    for w in &s.workers {
+        let port = w.grpc.rsplit(':').next().expect("port");
+        assert!(
+            !body.contains(port),
+            "/readyz names a worker's address: {body}"
+        );
+    }
+    let workers = ready.json()["workers"].clone();
+    assert_eq!(
+        workers[victim]["name"],
+        json!(format!("worker-{}", victim + 1))
+    );
+    assert_eq!(workers[victim]["ready"], false, "{body}");
+    assert_eq!(workers[1 - victim]["ready"], true, "{body}");
     s.finish().await;
 }
 

@@ -7,4 +7,4 @@ pub mod connection;
 pub mod pool;
 
 pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError};
-pub use pool::{prefix_keys, Affinity, Lease, PoolConfig, PoolError, WorkerPool};
+pub use pool::{prefix_keys, Affinity, Lease, PoolConfig, PoolError, WorkerPool, WorkerStatus};

@@ -80,10 +80,17 @@ struct SlotState {
     ready: bool,
     info: Option<proto::InfoResponse>,
     conn: Option<Arc<WorkerConnection>>,
-    last_error: Option<String>,
     /// The connection a failing health check took out of service, and since when: requests on
     /// it may still finish if the worker recovers, or are failed over after `stall_timeout`.
     suspect: Option<(Instant, Arc<WorkerConnection>)>,
+}
+
+/// A worker as `/readyz` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WorkerStatus {
+    pub name: String,
+    pub ready: bool,
+    pub in_flight: usize,
 }
 
 #[derive(Debug)]
@@ -468,18 +475,18 @@ impl WorkerPool {
             .min()
     }
 
-    /// One line per worker, for `/readyz` and logs.
-    pub fn describe(&self) -> Vec<serde_json::Value> {
+    /// One line per worker, for `/readyz`. Public, so it names each worker `worker-<n>` and
+    /// leaves out its address and last error (which can hold addresses); both are logged.
+    pub fn describe(&self) -> Vec<WorkerStatus> {
         self.slots
             .iter()
             .map(|s| {
                 let st = s.state();
-                serde_json::json!({
-                    "addr": s.addr,
-                    "ready": st.ready && st.conn.as_ref().is_some_and(|c| c.is_open()),
-                    "in_flight": s.in_flight.load(Ordering::SeqCst),
-                    "error": st.last_error,
-                })
+                WorkerStatus {
+                    name: s.name.clone(),
+                    ready: st.ready && st.conn.as_ref().is_some_and(|c| c.is_open()),
+                    in_flight: s.in_flight.load(Ordering::SeqCst),
+                }
             })
             .collect()
     }
@@ -797,7 +804,7 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
             .connect_timeout(Duration::from_secs(1))
             .timeout(Duration::from_secs(2)),
         Err(e) => {
-            slot.state().last_error = Some(format!("not a worker address: {e}"));
+            tracing::error!(worker = %slot.addr, error = %e, "not a worker address");
             return;
         }
     };
@@ -822,13 +829,14 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
             match outcome {
                 Ok(ready) => {
                     st.ready = ready;
-                    st.last_error = (!ready).then(|| "the worker is not ready".to_string());
                     // It answers again: what still runs on the old connection may finish.
                     st.suspect = None;
                 }
                 Err(e) => {
                     if st.ready {
                         tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
+                    } else {
+                        tracing::debug!(worker = %slot.addr, error = %e, "worker unavailable");
                     }
                     st.ready = false;
                     if let Some(conn) = st.conn.take().filter(|c| c.is_open()) {
@@ -847,7 +855,6 @@ async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
                             ));
                         }
                     }
-                    st.last_error = Some(e);
                 }
             }
         }
