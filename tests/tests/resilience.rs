@@ -118,6 +118,9 @@ async fn a_drained_worker_s_reply_fails_over_and_finishes_with_length() {
     let (mut s, home, _) = reply_outlives("drain", libc::SIGTERM, &[]).await;
     let status = s.workers[home].child.wait().expect("drained worker exits");
     assert!(status.success(), "{status}");
+    // It moved once, to the other worker, rather than ending where the drain cut it.
+    let failovers = metric(s.addr(), "hearth_worker_failovers_total").await;
+    assert_eq!(failovers, 1.0);
     s.finish().await;
 }
 
@@ -640,9 +643,73 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
     s.finish().await;
 }
 
+/// `--max-connections` holds connections past the cap in the backlog until one closes, and
+/// `--header-timeout-secs` closes connections that send no complete header, so idle clients can
+/// neither take every descriptor nor keep their places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_past_the_cap_wait_for_a_place_and_silent_ones_are_closed() {
+    use tokio::io::AsyncReadExt;
+    let s = Stack::scripted(
+        "conn_cap",
+        Db::Sqlite,
+        1,
+        40,
+        &["--max-connections", "4", "--header-timeout-secs", "3"],
+    )
+    .await;
+    // Four connections take every place: two send nothing, two half a header.
+    let mut idle = Vec::new();
+    for i in 0..4 {
+        let mut c = TcpStream::connect(s.addr()).await.expect("connect");
+        if i % 2 == 1 {
+            c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                .await
+                .expect("write");
+        }
+        idle.push(c);
+    }
+    let opened = Instant::now();
+    // A fifth connects (the kernel's backlog takes it) and sends a whole request, which is not
+    // answered while the four hold their places.
+    let mut fifth = TcpStream::connect(s.addr()).await.expect("connect");
+    fifth
+        .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        .await
+        .expect("write");
+    let mut answer = Vec::new();
+    let early = tokio::time::timeout(Duration::from_millis(1500), fifth.read_to_end(&mut answer));
+    assert!(
+        early.await.is_err(),
+        "a fifth connection was served beside four with --max-connections 4: {:?}",
+        String::from_utf8_lossy(&answer)
+    );
+    // The header deadline (3 s) closes the four; the fifth then takes a place and is answered.
+    for (i, c) in idle.iter_mut().enumerate() {
+        let mut buf = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(15), c.read_to_end(&mut buf)).await;
+        assert!(
+            closed.is_ok(),
+            "connection {i} without a complete header was still open {:?} after it opened",
+            opened.elapsed()
+        );
+    }
+    println!(
+        "silent connections closed {:?} after they opened",
+        opened.elapsed()
+    );
+    tokio::time::timeout(Duration::from_secs(15), fifth.read_to_end(&mut answer))
+        .await
+        .expect("the fifth connection was answered once a place freed")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    s.finish().await;
+}
+
 /// Another replica's live reply, saved by a machine whose clock is an hour behind this one's:
 /// the orphan sweep must leave it alone while the saves continue (its stored times are an hour
-/// "old" by this replica's clock), and fail it once they stop, keeping its text.
+/// "old" by this replica's clock), and so must a regenerate or a turn sent here, and the sweep
+/// fails it once they stop, keeping its text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_clocks() {
     use hearth_orchestrator::storage::{now_ms, Store};
@@ -693,6 +760,26 @@ async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_cl
             "streaming",
             "a reply saved 400 ms ago was failed as an orphan"
         );
+        if i == 2 {
+            // This replica must not take the session from it either: a regenerate would delete
+            // the other replica's reply, and a new turn would run beside it.
+            for (route, body) in [
+                ("regenerate", json!({"stream": false})),
+                ("messages", json!({"content": "me too", "stream": false})),
+            ] {
+                let r = Req::new("POST", &format!("/v1/sessions/{sid}/{route}"))
+                    .key(Some(&k))
+                    .json(&body)
+                    .send(s.addr())
+                    .await;
+                assert_eq!(r.status, 409, "{route} beside a live reply: {}", r.text());
+            }
+            assert_eq!(
+                history(s.addr(), &k, &sid).await.len(),
+                2,
+                "nothing changed"
+            );
+        }
     }
     // The replica dies: no more saves. Failed within --orphan-after-secs and a sweep or two.
     let (st, content) = loop {
@@ -710,6 +797,13 @@ async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_cl
         after >= Duration::from_millis(1900),
         "failed before --orphan-after-secs had passed: {after:?}"
     );
+    // Once failed, the session takes turns again.
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "again", "max_tokens": 2, "stream": false}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
     s.finish().await;
 }
 

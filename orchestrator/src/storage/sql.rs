@@ -14,10 +14,6 @@ use super::{Store, StoreError, StoreResult};
 /// Longest a query waits for a pooled connection before the database counts as unavailable.
 const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// A streaming reply written within this long is running somewhere (replies are saved at least
-/// every 5 s while they stream); an older one belongs to an orchestrator that died.
-const STREAMING_FRESH_MS: i64 = 20_000;
-
 #[derive(Debug, Clone)]
 pub struct SqlStore {
     pool: AnyPool,
@@ -132,13 +128,13 @@ impl SqlStore {
         // One reply per session across every replica: the session row is locked now, so of two
         // racing turns (a new message on one replica, a regenerate on another) the second sees
         // the first's reply streaming and is refused, and never deletes what the first stored.
-        // A streaming reply not written for a while belongs to a replica that died.
+        // A streaming reply whose replica died is failed by the orphan sweep, which judges
+        // silence on its own clock; comparing `updated_at` with this replica's clock here would
+        // let one whose clock runs ahead take the session from a live reply.
         let running: Option<String> = sqlx::query_scalar(
-            "SELECT id FROM messages WHERE session_id = $1 AND status = 'streaming' \
-             AND updated_at >= $2 LIMIT 1",
+            "SELECT id FROM messages WHERE session_id = $1 AND status = 'streaming' LIMIT 1",
         )
         .bind(session_id)
-        .bind(now - STREAMING_FRESH_MS)
         .fetch_optional(&mut *tx)
         .await
         .map_err(db_err)?;
