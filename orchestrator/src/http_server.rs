@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto::Builder;
+use hyper::server::conn::http1;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
@@ -67,9 +67,11 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
     hard_deadline: Duration,
 ) {
-    let mut builder = Builder::new(TokioExecutor::new());
+    // HTTP/1 only, served directly: an HTTP/1-or-2 server first reads a connection's opening
+    // bytes to tell the versions apart, with no deadline, so a client that connects and sends
+    // nothing would hold its place for good. Here the header deadline runs from the start.
+    let mut builder = http1::Builder::new();
     builder
-        .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_timeout);
     let builder = Arc::new(builder);
@@ -102,7 +104,7 @@ pub async fn serve(
         let mut stop = shutdown.clone();
         let open = open_rx.clone();
         tokio::spawn(async move {
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
+            let conn = builder.serve_connection(TokioIo::new(stream), service);
             tokio::pin!(conn);
             let mut stopping = false;
             loop {
