@@ -1,8 +1,10 @@
 //! Stop signals between orchestrator replicas, over Redis pub/sub.
 //!
 //! A reply runs on the replica that accepted it; a `POST …/stop` may arrive at another one. That
-//! replica publishes the session id on [`STOP_CHANNEL`]; every replica listens and stops its own
-//! running reply of that session, if it has one.
+//! replica subscribes to [`ENDED_CHANNEL`], then publishes the session id on [`STOP_CHANNEL`];
+//! every replica listens there and stops its own running reply of that session, if it has one,
+//! and once that reply is stored announces the session id on [`ENDED_CHANNEL`]. The stopping
+//! replica waits for that announcement instead of polling the database.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,15 +15,51 @@ use crate::generate::Streams;
 use crate::limits::Redis;
 
 pub const STOP_CHANNEL: &str = "hearth:stop";
+/// Session ids whose reply a stop ended, published once the reply is stored.
+pub const ENDED_CHANNEL: &str = "hearth:stop:ended";
 
 #[derive(Debug, Clone)]
 pub struct StopBus {
     conn: Redis,
+    /// For the subscriptions: pub/sub takes a connection of its own.
+    url: String,
+}
+
+/// A stop sent to the other replicas, whose end can be awaited.
+pub struct StopSent {
+    session_id: String,
+    ended: redis::aio::PubSub,
+}
+
+impl std::fmt::Debug for StopSent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StopSent")
+            .field("session_id", &self.session_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StopSent {
+    /// Waits until the replica running the reply says it has stored it; false after `limit`
+    /// (no replica ran it any more, or the one that did went away).
+    pub async fn ended(mut self, limit: Duration) -> bool {
+        let session_id = self.session_id;
+        let mut messages = self.ended.on_message();
+        let wait = async {
+            while let Some(msg) = messages.next().await {
+                if msg.get_payload::<String>().ok().as_deref() == Some(session_id.as_str()) {
+                    return true;
+                }
+            }
+            false
+        };
+        tokio::time::timeout(limit, wait).await.unwrap_or(false)
+    }
 }
 
 impl StopBus {
-    pub fn new(conn: Redis) -> Self {
-        Self { conn }
+    pub fn new(conn: Redis, url: String) -> Self {
+        Self { conn, url }
     }
 
     /// Asks every replica to stop the session's running reply; false if Redis is unreachable.
@@ -35,12 +73,38 @@ impl StopBus {
             .is_some()
     }
 
+    /// Like [`publish`](Self::publish), listening first for the reply's end; `None` if Redis is
+    /// unreachable.
+    pub async fn stop(&self, session_id: &str) -> Option<StopSent> {
+        let subscribe = async {
+            let client = redis::Client::open(self.url.as_str())?;
+            let mut ended = client.get_async_pubsub().await?;
+            ended.subscribe(ENDED_CHANNEL).await?;
+            Ok::<_, redis::RedisError>(ended)
+        };
+        let ended = match tokio::time::timeout(Duration::from_secs(1), subscribe).await {
+            Ok(Ok(ended)) => ended,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "stop not relayed: cannot subscribe");
+                return None;
+            }
+            Err(_) => {
+                tracing::warn!("stop not relayed: subscribing timed out");
+                return None;
+            }
+        };
+        self.publish(session_id).await.then(|| StopSent {
+            session_id: session_id.to_string(),
+            ended,
+        })
+    }
+
     /// Listens for stop signals for as long as the process runs, reconnecting after outages.
-    pub fn listen(url: String, streams: Arc<Streams>) -> tokio::task::JoinHandle<()> {
+    pub fn listen(self, streams: Arc<Streams>) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut failing = false;
             loop {
-                match listen_once(&url, &streams).await {
+                match self.listen_once(&streams).await {
                     Err(e) if !failing => {
                         tracing::warn!(error = %e, "redis stop channel lost; reconnecting");
                         failing = true;
@@ -52,21 +116,32 @@ impl StopBus {
             }
         })
     }
-}
 
-async fn listen_once(url: &str, streams: &Streams) -> redis::RedisResult<()> {
-    let client = redis::Client::open(url)?;
-    let mut pubsub = client.get_async_pubsub().await?;
-    pubsub.subscribe(STOP_CHANNEL).await?;
-    let mut messages = pubsub.on_message();
-    while let Some(msg) = messages.next().await {
-        let Ok(session_id) = msg.get_payload::<String>() else {
-            continue;
-        };
-        if let Some(live) = streams.get(&session_id).filter(|l| !l.is_finished()) {
+    async fn listen_once(&self, streams: &Streams) -> redis::RedisResult<()> {
+        let client = redis::Client::open(self.url.as_str())?;
+        let mut pubsub = client.get_async_pubsub().await?;
+        pubsub.subscribe(STOP_CHANNEL).await?;
+        let mut messages = pubsub.on_message();
+        while let Some(msg) = messages.next().await {
+            let Ok(session_id) = msg.get_payload::<String>() else {
+                continue;
+            };
+            let Some(live) = streams.get(&session_id).filter(|l| !l.is_finished()) else {
+                continue;
+            };
             tracing::info!(session = %session_id, "stopping a reply at another replica's request");
             live.stop();
+            let conn = self.conn.clone();
+            tokio::spawn(async move {
+                // A reply's outcome is stored before it is announced.
+                live.outcome().await;
+                conn.cmd::<i64>(
+                    redis::cmd("PUBLISH").arg(ENDED_CHANNEL).arg(&session_id),
+                    "stop's end not announced",
+                )
+                .await;
+            });
         }
+        Ok(())
     }
-    Ok(())
 }

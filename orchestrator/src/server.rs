@@ -136,11 +136,12 @@ impl App {
                 let conn = connect_redis(url)
                     .await
                     .with_context(|| format!("--redis-url {}: cannot connect", redact_url(url)))?;
-                let task = StopBus::listen(url.clone(), streams.clone());
+                let bus = StopBus::new(conn.clone(), url.clone());
+                let task = bus.clone().listen(streams.clone());
                 (
                     Limiter::redis(conn.clone()),
-                    Affinity::shared(conn.clone()),
-                    Some(StopBus::new(conn)),
+                    Affinity::shared(conn),
+                    Some(bus),
                     Some(task),
                 )
             }

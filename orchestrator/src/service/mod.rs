@@ -18,7 +18,6 @@ use std::time::Duration;
 use hearth_shared::chat::{render, ChatError, Message as ChatMessage, Role as ChatRole};
 use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::SamplingParams;
-use tokio::time::Instant;
 
 use crate::api::{ApiError, SessionId};
 use crate::auth::{authenticate, AuthError};
@@ -99,8 +98,11 @@ pub enum StopOutcome {
 #[derive(Debug)]
 pub struct Readiness {
     pub ready_workers: usize,
-    pub workers: Vec<serde_json::Value>,
+    pub workers: Vec<crate::workers::WorkerStatus>,
 }
+
+/// How long a stop waits for the reply to end and be stored.
+const STOP_WAIT: Duration = Duration::from_secs(10);
 
 /// Largest default reply length a session may store when no worker has reported its context yet.
 const MAX_SESSION_MAX_TOKENS: u32 = 1 << 20;
@@ -424,36 +426,33 @@ impl ChatService {
         let reply_id = if let Some(live) = self.running(id) {
             live.stop();
             // The outcome is stored before it is announced, so one read finds the final message.
-            let _ = tokio::time::timeout(Duration::from_secs(10), live.outcome()).await;
+            let _ = tokio::time::timeout(STOP_WAIT, live.outcome()).await;
             live.ids.message_id.clone()
         } else {
             let last = self.store.last_message(user_id, id).await?;
             let (Some(bus), Some(reply)) = (&self.stop_bus, last.filter(streaming)) else {
                 return Ok(StopOutcome::NothingRunning);
             };
-            if !bus.publish(id).await {
+            let Some(sent) = bus.stop(id).await else {
                 return Err(ApiError::Unavailable(
                     "the reply runs on another replica and Redis cannot be reached to stop it"
                         .into(),
                 ));
+            };
+            // Unless it ended before the stop was sent (then no replica runs it to answer), the
+            // replica running it says when it has stored the stopped reply.
+            let m = self.store.get_message(user_id, id, &reply.id).await?;
+            if streaming(&m) {
+                sent.ended(STOP_WAIT).await;
             }
             reply.id
         };
-        // The replica running it stores the stopped reply; wait for that, reading only that
-        // message and less often as the wait grows.
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let mut pause = Duration::from_millis(20);
-        loop {
-            let m = self.store.get_message(user_id, id, &reply_id).await?;
-            if !streaming(&m) {
-                return Ok(StopOutcome::Ended(Box::new(m)));
-            }
-            if Instant::now() + pause >= deadline {
-                return Ok(StopOutcome::NothingRunning);
-            }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(Duration::from_millis(500));
+        let m = self.store.get_message(user_id, id, &reply_id).await?;
+        if streaming(&m) {
+            // Its replica did not answer in time (it went away: the orphan sweep will end it).
+            return Ok(StopOutcome::NothingRunning);
         }
+        Ok(StopOutcome::Ended(Box::new(m)))
     }
 
     fn running(&self, session_id: &str) -> Option<Arc<Live>> {
