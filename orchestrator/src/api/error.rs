@@ -212,18 +212,6 @@ impl From<crate::workers::PoolError> for ApiError {
     }
 }
 
-/// A generation that failed before a non-streamed answer was sent.
-impl From<crate::generate::GenerationError> for ApiError {
-    fn from(e: crate::generate::GenerationError) -> Self {
-        use crate::generate::GenerationError as G;
-        match e {
-            G::Refused(m) => Self::Validation(m),
-            // The worker's detail was logged where it happened; the message names none.
-            G::Unavailable(m) | G::Internal(m) => Self::Unavailable(m),
-        }
-    }
-}
-
 impl From<crate::generate::Busy> for ApiError {
     fn from(e: crate::generate::Busy) -> Self {
         Self::Conflict(e.to_string())

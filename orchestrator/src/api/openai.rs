@@ -12,7 +12,7 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use hearth_shared::chat::Role as ChatRole;
-use hearth_shared::{FinishReason, SamplingParams};
+use hearth_shared::SamplingParams;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio_stream::StreamExt;
@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 
 use super::chat::sse;
 use super::{ApiError, AppState, ValidJson};
-use crate::generate::{End, Live, Outcome, RunEvent};
+use crate::generate::{Live, Outcome, RunEvent};
 use crate::service::{Caller, Conversation, GenOptions, ValidTurn};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`user`,
@@ -262,10 +262,10 @@ pub async fn completions(
             .await
             .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
         drop(guard);
-        let reason = match &outcome.end {
-            End::Finished(reason) => *reason,
-            End::Failed(e) => return Err(e.clone().into()),
-        };
+        let reason = outcome
+            .end
+            .openai_finish_reason()
+            .map_err(|e| ApiError::from(e.clone()))?;
         return Ok(Json(ChatCompletion {
             id,
             object: "chat.completion".into(),
@@ -278,7 +278,7 @@ pub async fn completions(
                     content: outcome.content.clone(),
                 },
                 logprobs: None,
-                finish_reason: finish_reason(reason).into(),
+                finish_reason: reason.into(),
             }],
             usage: Usage::of(&outcome),
         })
@@ -304,12 +304,12 @@ pub async fn completions(
                 }
                 RunEvent::Text(t) => yield data(chunk(json!({"content": t}), Value::Null)),
                 RunEvent::End(o) => {
-                    match &o.end {
-                        End::Failed(e) => {
+                    match o.end.openai_finish_reason() {
+                        Err(e) => {
                             yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
                         }
-                        End::Finished(reason) => {
-                            yield data(chunk(json!({}), json!(finish_reason(*reason))));
+                        Ok(reason) => {
+                            yield data(chunk(json!({}), json!(reason)));
                             if include_usage {
                                 let mut u = chunk(json!({}), Value::Null);
                                 u["choices"] = json!([]);
@@ -338,15 +338,6 @@ impl Drop for StopOnDrop {
         if !self.0.is_finished() {
             self.0.stop();
         }
-    }
-}
-
-/// OpenAI's `finish_reason`: it has no word for a full context (the reply was cut by length)
-/// or for a cancel (only a client that went away cancels here, so no one reads it).
-fn finish_reason(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop | FinishReason::Cancelled => "stop",
-        FinishReason::Length | FinishReason::ContextFull => "length",
     }
 }
 
@@ -442,22 +433,4 @@ pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelLis
             max_model_len: s.chat.context_length().map(|n| n as u64),
         }],
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::generate::GenerationError;
-
-    #[test]
-    fn ends_map_to_openai_finish_reasons_and_errors_to_http_statuses() {
-        assert_eq!(finish_reason(FinishReason::Stop), "stop");
-        assert_eq!(finish_reason(FinishReason::Cancelled), "stop");
-        assert_eq!(finish_reason(FinishReason::Length), "length");
-        assert_eq!(finish_reason(FinishReason::ContextFull), "length");
-        let status = |e: GenerationError| ApiError::from(e).status().as_u16();
-        assert_eq!(status(GenerationError::Refused("bad".into())), 422);
-        assert_eq!(status(GenerationError::Unavailable("none".into())), 503);
-        assert_eq!(status(GenerationError::Internal("broke".into())), 503);
-    }
 }

@@ -6,11 +6,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hearth_shared::FinishReason;
 use serde::Serialize;
 use tokio::sync::watch;
 
-use crate::storage::MessageStatus;
+pub use super::end::{End, GenerationError};
 
 /// How a reply ended, with what it said and cost.
 #[derive(Debug, Clone, PartialEq)]
@@ -23,77 +22,6 @@ pub struct Outcome {
     pub ttft_ms: Option<u64>,
     pub duration_ms: u64,
     pub worker: Option<String>,
-}
-
-/// The end of a generation: finished for a reason, or failed. Every answer derived from it (the
-/// stored status and finish reason, the SSE event, the OpenAI `finish_reason`, the HTTP error)
-/// is an exhaustive match on these, so a new reason cannot fall into another's answer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum End {
-    Finished(FinishReason),
-    Failed(GenerationError),
-}
-
-impl End {
-    /// The reply's stored status.
-    pub fn status(&self) -> MessageStatus {
-        match self {
-            Self::Finished(FinishReason::Cancelled) => MessageStatus::Stopped,
-            Self::Finished(
-                FinishReason::Stop | FinishReason::Length | FinishReason::ContextFull,
-            ) => MessageStatus::Complete,
-            Self::Failed(_) => MessageStatus::Error,
-        }
-    }
-
-    /// The stored and native `finish_reason`: `stop`, `length`, `context_full`, `cancelled` or
-    /// `error`.
-    pub fn finish_reason(&self) -> &'static str {
-        match self {
-            Self::Finished(r) => r.as_str(),
-            Self::Failed(_) => "error",
-        }
-    }
-
-    pub fn error(&self) -> Option<&GenerationError> {
-        match self {
-            Self::Finished(_) => None,
-            Self::Failed(e) => Some(e),
-        }
-    }
-}
-
-/// Why a generation failed; the message is for the client and names no internals.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum GenerationError {
-    /// No worker could take the request: none ready, all full, or every one it tried failed.
-    #[error("{0}")]
-    Unavailable(String),
-    /// A worker refused the request as invalid; any other would too.
-    #[error("{0}")]
-    Refused(String),
-    /// A worker could not run the request, or answered in a way Hearth does not know. Not
-    /// retried elsewhere: a request that breaks one worker must not be handed to every other.
-    #[error("{0}")]
-    Internal(String),
-}
-
-impl GenerationError {
-    /// Every [`GenerationError::kind`].
-    pub const KINDS: [&'static str; 3] = [
-        "service_unavailable",
-        "invalid_request_error",
-        "internal_error",
-    ];
-
-    /// The stable `error_type` of the SSE `error` event and the stored error.
-    pub fn kind(&self) -> &'static str {
-        match self {
-            Self::Unavailable(_) => "service_unavailable",
-            Self::Refused(_) => "invalid_request_error",
-            Self::Internal(_) => "internal_error",
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -315,6 +243,7 @@ impl Streams {
 
 #[cfg(test)]
 mod tests {
+    use hearth_shared::FinishReason;
     use tokio_stream::StreamExt;
 
     use super::*;
@@ -334,45 +263,6 @@ mod tests {
             worker: None,
         })));
         live
-    }
-
-    #[test]
-    fn every_end_has_one_status_finish_reason_and_error_type() {
-        use FinishReason::*;
-        use GenerationError::*;
-        use MessageStatus::*;
-        let cases = [
-            (End::Finished(Stop), Complete, "stop", None),
-            (End::Finished(Length), Complete, "length", None),
-            (End::Finished(ContextFull), Complete, "context_full", None),
-            (End::Finished(Cancelled), Stopped, "cancelled", None),
-            (
-                End::Failed(Unavailable("no worker".into())),
-                Error,
-                "error",
-                Some("service_unavailable"),
-            ),
-            (
-                End::Failed(Refused("bad".into())),
-                Error,
-                "error",
-                Some("invalid_request_error"),
-            ),
-            (
-                End::Failed(Internal("broke".into())),
-                Error,
-                "error",
-                Some("internal_error"),
-            ),
-        ];
-        for (end, status, reason, kind) in cases {
-            assert_eq!(end.status(), status, "{end:?}");
-            assert_eq!(end.finish_reason(), reason, "{end:?}");
-            assert_eq!(end.error().map(GenerationError::kind), kind, "{end:?}");
-            if let Some(kind) = kind {
-                assert!(GenerationError::KINDS.contains(&kind), "{kind}");
-            }
-        }
     }
 
     async fn collect(live: &Arc<Live>, from: usize) -> Vec<usize> {

@@ -14,6 +14,7 @@
 //! none (see [`crate::workers::Lease::yielded`]) stops there and continues, ahead of its user's
 //! new requests, once a place is free again.
 
+mod end;
 mod live;
 
 pub use live::{

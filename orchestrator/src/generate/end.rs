@@ -1,0 +1,172 @@
+//! How a generation ended, and every answer derived from it: the stored status and finish
+//! reason, the native SSE `error` event's `error_type`, the OpenAI `finish_reason`, and the HTTP
+//! error of a non-streamed reply. Each is one exhaustive match here, so a new reason or error
+//! cannot fall silently into another's answer.
+
+use hearth_shared::FinishReason;
+
+use crate::api::ApiError;
+use crate::storage::MessageStatus;
+
+/// The end of a generation: finished for a reason, or failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum End {
+    Finished(FinishReason),
+    Failed(GenerationError),
+}
+
+impl End {
+    /// The reply's stored status.
+    pub fn status(&self) -> MessageStatus {
+        match self {
+            Self::Finished(FinishReason::Cancelled) => MessageStatus::Stopped,
+            Self::Finished(
+                FinishReason::Stop | FinishReason::Length | FinishReason::ContextFull,
+            ) => MessageStatus::Complete,
+            Self::Failed(_) => MessageStatus::Error,
+        }
+    }
+
+    /// The stored and native `finish_reason`: `stop`, `length`, `context_full`, `cancelled` or
+    /// `error`.
+    pub fn finish_reason(&self) -> &'static str {
+        match self {
+            Self::Finished(r) => r.as_str(),
+            Self::Failed(_) => "error",
+        }
+    }
+
+    /// OpenAI's `finish_reason`, for a reply that finished: it has no word for a full context
+    /// (the reply was cut by length) or for a cancel (only a client that went away cancels
+    /// there, so no one reads it). A failed reply gets an error instead.
+    pub fn openai_finish_reason(&self) -> Result<&'static str, &GenerationError> {
+        match self {
+            Self::Finished(FinishReason::Stop | FinishReason::Cancelled) => Ok("stop"),
+            Self::Finished(FinishReason::Length | FinishReason::ContextFull) => Ok("length"),
+            Self::Failed(e) => Err(e),
+        }
+    }
+
+    pub fn error(&self) -> Option<&GenerationError> {
+        match self {
+            Self::Finished(_) => None,
+            Self::Failed(e) => Some(e),
+        }
+    }
+}
+
+/// Why a generation failed; the message is for the client and names no internals.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GenerationError {
+    /// No worker could take the request: none ready, all full, or every one it tried failed.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A worker refused the request as invalid; any other would too.
+    #[error("{0}")]
+    Refused(String),
+    /// A worker could not run the request, or answered in a way Hearth does not know. Not
+    /// retried elsewhere: a request that breaks one worker must not be handed to every other.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl GenerationError {
+    /// Every [`GenerationError::kind`].
+    pub const KINDS: [&'static str; 3] = [
+        "service_unavailable",
+        "invalid_request_error",
+        "internal_error",
+    ];
+
+    /// The stable `error_type` of the SSE `error` event and the stored error.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Unavailable(_) => "service_unavailable",
+            Self::Refused(_) => "invalid_request_error",
+            Self::Internal(_) => "internal_error",
+        }
+    }
+}
+
+/// A generation that failed before a non-streamed answer was sent.
+impl From<GenerationError> for ApiError {
+    fn from(e: GenerationError) -> Self {
+        match e {
+            GenerationError::Refused(m) => Self::Validation(m),
+            // The worker's detail was logged where it happened; the message names none.
+            GenerationError::Unavailable(m) | GenerationError::Internal(m) => Self::Unavailable(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use axum::http::StatusCode;
+
+    use super::*;
+
+    #[test]
+    fn every_end_has_one_status_finish_reason_error_type_and_openai_answer() {
+        use FinishReason::*;
+        use GenerationError::*;
+        use MessageStatus::*;
+        let ok = |r: &'static str| Ok::<_, StatusCode>(r);
+        let cases = [
+            (End::Finished(Stop), Complete, "stop", None, ok("stop")),
+            (
+                End::Finished(Length),
+                Complete,
+                "length",
+                None,
+                ok("length"),
+            ),
+            (
+                End::Finished(ContextFull),
+                Complete,
+                "context_full",
+                None,
+                ok("length"),
+            ),
+            (
+                End::Finished(Cancelled),
+                Stopped,
+                "cancelled",
+                None,
+                ok("stop"),
+            ),
+            (
+                End::Failed(Unavailable("no worker".into())),
+                Error,
+                "error",
+                Some("service_unavailable"),
+                Err(StatusCode::SERVICE_UNAVAILABLE),
+            ),
+            (
+                End::Failed(Refused("bad".into())),
+                Error,
+                "error",
+                Some("invalid_request_error"),
+                Err(StatusCode::UNPROCESSABLE_ENTITY),
+            ),
+            (
+                End::Failed(Internal("broke".into())),
+                Error,
+                "error",
+                Some("internal_error"),
+                Err(StatusCode::SERVICE_UNAVAILABLE),
+            ),
+        ];
+        for (end, status, reason, kind, openai) in cases {
+            assert_eq!(end.status(), status, "{end:?}");
+            assert_eq!(end.finish_reason(), reason, "{end:?}");
+            assert_eq!(end.error().map(GenerationError::kind), kind, "{end:?}");
+            if let Some(kind) = kind {
+                assert!(GenerationError::KINDS.contains(&kind), "{kind}");
+            }
+            let answer = end
+                .openai_finish_reason()
+                .map_err(|e| ApiError::from(e.clone()).status());
+            assert_eq!(answer, openai, "{end:?}");
+        }
+    }
+}
