@@ -75,6 +75,7 @@ fn sibling_bin(name: &str, package: &str, sources: &[&str]) -> PathBuf {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
     let newest = sources
         .iter()
+        .chain(COMMON_SOURCES.iter())
         .filter_map(|d| newest_source(&root.join(d)))
         .max();
     if let (Some(built), Some((changed, file))) = (built, newest) {
@@ -127,24 +128,30 @@ fn newest_source(dir: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
     newest
 }
 
+/// What every binary is built from besides its own crate: the shared crate and its build
+/// script (the generated gRPC types), and the locked dependency versions.
+const COMMON_SOURCES: [&str; 5] = [
+    "shared/src",
+    "shared/build.rs",
+    "shared/Cargo.toml",
+    "proto",
+    "Cargo.lock",
+];
+/// `migrations/` is embedded in `hearth` at build time.
 const ORCHESTRATOR_SOURCES: &[&str] = &[
     "orchestrator/src",
+    "orchestrator/build.rs",
     "orchestrator/Cargo.toml",
-    "shared/src",
-    "proto",
+    "migrations",
 ];
-const WORKER_SOURCES: &[&str] = &[
-    "gpu-worker/src",
-    "gpu-worker/Cargo.toml",
-    "shared/src",
-    "proto",
-];
+const WORKER_SOURCES: &[&str] = &["gpu-worker/src", "gpu-worker/Cargo.toml"];
 const E2E_SOURCES: &[&str] = &[
     "tests/src",
+    "tests/Cargo.toml",
     "orchestrator/src",
+    "orchestrator/build.rs",
+    "migrations",
     "gpu-worker/src",
-    "shared/src",
-    "proto",
 ];
 
 pub fn worker_bin() -> PathBuf {
