@@ -106,7 +106,8 @@ pub struct ServeArgs {
         default_value_t = 10_000
     )]
     pub max_messages_per_session: usize,
-    /// A client has this long from the first byte of a request to the end of its header.
+    /// A client has this long from opening a connection (or from the last reply on a kept-alive
+    /// one) to the end of a request's header.
     #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     pub header_timeout_secs: u64,
     /// A request's body must arrive within this long of its header, or it is answered 408.

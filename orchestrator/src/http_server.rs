@@ -21,7 +21,7 @@ use tokio::sync::{watch, Semaphore};
 /// Limits on connections.
 #[derive(Debug, Clone, Copy)]
 pub struct HttpLimits {
-    /// Time from a connection's first byte of a request to the end of its header.
+    /// Time from a connection's opening (or its last reply) to the end of a request's header.
     pub header_timeout: Duration,
     /// Open connections at most.
     pub max_connections: usize,
