@@ -15,7 +15,7 @@ use crate::telemetry::MemoryUse;
 /// What `--device` asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DeviceSpec {
-    /// The best available device (today: the CPU).
+    /// The first GPU where this build has CUDA support and the driver finds one, else the CPU.
     Auto,
     Cpu,
     Cuda(u32),
@@ -56,6 +56,8 @@ pub enum DeviceError {
     NoCudaSupport(u32),
     #[error("device: cuda:{ordinal} is not usable: {reason}")]
     CudaUnavailable { ordinal: u32, reason: String },
+    #[error("device: cannot read cuda:{ordinal}'s free memory: {reason} (pass --kv-budget)")]
+    MemoryUnknown { ordinal: u32, reason: String },
 }
 
 /// The device the model runs on.
@@ -75,25 +77,27 @@ pub struct Device {
 /// Opens the requested device.
 pub fn select(spec: DeviceSpec) -> Result<Device, DeviceError> {
     match spec {
-        DeviceSpec::Auto => {
-            if cuda_present() {
-                tracing::warn!("a CUDA device is present, but the forward pass runs on the CPU");
-            }
-            Ok(cpu())
-        }
+        DeviceSpec::Auto => Ok(first_gpu().unwrap_or_else(cpu)),
         DeviceSpec::Cpu => Ok(cpu()),
         DeviceSpec::Cuda(n) => open_cuda(n),
     }
 }
 
+/// `cuda:0`, where this build has CUDA support and the driver opens it.
 #[cfg(feature = "cuda")]
-fn cuda_present() -> bool {
-    candle_core::utils::cuda_is_available() && candle_core::Device::new_cuda(0).is_ok()
+fn first_gpu() -> Option<Device> {
+    match open_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            tracing::info!(error = %e, "no usable GPU; running on the CPU");
+            None
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_present() -> bool {
-    false
+fn first_gpu() -> Option<Device> {
+    None
 }
 
 #[cfg(feature = "cuda")]
@@ -157,22 +161,44 @@ fn cpu() -> Device {
 
 impl Device {
     /// Memory in use, free and in total. On the CPU: this process's resident set, available
-    /// memory and physical memory; on CUDA the device's, from the driver.
+    /// memory and physical memory; on CUDA the device's, from the driver (zeros, logged, if
+    /// the driver cannot say: never the host's figures in a GPU's place).
     pub fn memory(&self) -> MemoryUse {
-        if let Some(m) = self.gpu_memory() {
-            return m;
+        if !self.is_gpu() {
+            return MemoryUse {
+                used_bytes: rss_bytes() as u64,
+                free_bytes: proc_kb("/proc/meminfo", "MemAvailable:")
+                    .map_or(0, |kb| kb as u64 * 1024),
+                total_bytes: meminfo_total_bytes(),
+            };
         }
-        MemoryUse {
-            used_bytes: rss_bytes() as u64,
-            free_bytes: proc_kb("/proc/meminfo", "MemAvailable:").map_or(0, |kb| kb as u64 * 1024),
-            total_bytes: meminfo_total_bytes(),
+        self.gpu_memory().unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "device memory unknown");
+            MemoryUse::default()
+        })
+    }
+
+    /// Free device memory, to size the K/V budget from: an error, not a guess, if the driver
+    /// cannot tell.
+    pub fn free_bytes(&self) -> Result<u64, DeviceError> {
+        if self.is_gpu() {
+            self.gpu_memory().map(|m| m.free_bytes)
+        } else {
+            Ok(self.memory().free_bytes)
         }
     }
 
     #[cfg(feature = "cuda")]
-    fn gpu_memory(&self) -> Option<MemoryUse> {
-        let (free, total) = cuda_context(&self.candle).ok()?.mem_get_info().ok()?;
-        Some(MemoryUse {
+    fn gpu_memory(&self) -> Result<MemoryUse, DeviceError> {
+        let unknown = |reason: String| DeviceError::MemoryUnknown {
+            ordinal: self.ordinal,
+            reason,
+        };
+        let (free, total) = cuda_context(&self.candle)
+            .map_err(unknown)?
+            .mem_get_info()
+            .map_err(|e| unknown(e.to_string()))?;
+        Ok(MemoryUse {
             used_bytes: (total - free) as u64,
             free_bytes: free as u64,
             total_bytes: total as u64,
@@ -180,8 +206,8 @@ impl Device {
     }
 
     #[cfg(not(feature = "cuda"))]
-    fn gpu_memory(&self) -> Option<MemoryUse> {
-        None
+    fn gpu_memory(&self) -> Result<MemoryUse, DeviceError> {
+        Err(DeviceError::NoCudaSupport(self.ordinal))
     }
 
     /// Whether the model runs on a GPU (through the device-generic forward pass).

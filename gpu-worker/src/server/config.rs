@@ -234,6 +234,15 @@ impl ServeConfig {
                 "`kernels` runs on the CPU only; a CUDA device takes `candle` (or `auto`)",
             ));
         }
+        let candle =
+            self.forward == ForwardPass::Candle || matches!(self.device, DeviceSpec::Cuda(_));
+        if candle && self.kv_dtype == KvDtype::Int8 {
+            return Err(invalid(
+                "--kv-dtype",
+                "int8 K/V is a format of the CPU kernels; the candle forward pass (and so a \
+                 CUDA device) stores f16 or f32",
+            ));
+        }
         if self.listen == self.metrics_listen && self.listen.port() != 0 {
             return Err(invalid(
                 "--metrics-listen",
@@ -401,6 +410,14 @@ mod tests {
         );
         let err = validate(&["--kv-budget", "0"]).unwrap_err();
         assert!(err.to_string().starts_with("--kv-budget:"), "{err}");
+        for flags in [["--forward", "candle"], ["--device", "cuda:0"]] {
+            let err = validate(&[flags[0], flags[1], "--kv-dtype", "int8"]).unwrap_err();
+            assert!(
+                err.to_string().starts_with("--kv-dtype:"),
+                "{flags:?}: {err}"
+            );
+        }
+        assert!(validate(&["--forward", "candle", "--kv-dtype", "f16"]).is_ok());
     }
 
     #[test]

@@ -183,7 +183,7 @@ impl Worker {
                 }
             };
             let (weights, info) = loaded;
-            let engine_config = engine_config(&config, &device, &weights);
+            let engine_config = engine_config(&config, &device, &weights)?;
             (Engine::start(weights, engine_config)?, info)
         };
         let (engine, info) = engine;
@@ -249,10 +249,10 @@ fn engine_config(
     config: &ValidConfig,
     device: &device::Device,
     weights: &Weights,
-) -> crate::engine::EngineConfig {
+) -> Result<crate::engine::EngineConfig, DeviceError> {
     let mut engine = config.engine.clone();
     if device.is_gpu() && !config.kv_budget_given {
-        let free = device.memory().free_bytes as f64;
+        let free = device.free_bytes()? as f64;
         engine.kv_budget_bytes = (free * config.gpu_memory_fraction) as usize;
         tracing::info!(
             free_bytes = free as u64,
@@ -261,7 +261,7 @@ fn engine_config(
             "K/V budget from free device memory"
         );
     }
-    engine
+    Ok(engine)
 }
 
 /// Loads the model onto `device` with the forward pass `--forward` picks (and checks the
