@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda build-cuda
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -77,3 +77,13 @@ openapi:
 ## Type-check the worker with candle's CUDA backend (nvcc from PyPI; ~10 min; needs no GPU).
 check-cuda:
 	eval "$$(scripts/cuda-toolchain.sh)" && $(CARGO) check -p hearth-worker --features cuda
+
+## Build and link the CUDA worker without a GPU (link stubs stand in for the driver and the CUDA
+## libraries; ~20 min the first time), for the portable x86-64-v3 level, stripped, at
+## target/cuda/hearth-worker; then check that it runs: without a GPU `--device auto` serves on the
+## CPU and `--device cuda:0` is refused with a clear error.
+build-cuda:
+	eval "$$(scripts/cuda-toolchain.sh --link)" && RUSTFLAGS="-C target-cpu=x86-64-v3" \
+	  CARGO_TARGET_DIR=target/cuda $(CARGO) build --release -p hearth-worker --features cuda
+	strip -o target/cuda/hearth-worker target/cuda/release/hearth-worker
+	bash scripts/cuda-smoke.sh target/cuda/hearth-worker

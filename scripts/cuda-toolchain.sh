@@ -4,6 +4,11 @@
 # `--features cuda` build needs. Idempotent.
 #
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo check -p hearth-worker --features cuda
+#   eval "$(scripts/cuda-toolchain.sh --link)" && cargo build -p hearth-worker --features cuda
+#
+# With --link it also writes link stubs for the driver and the CUDA libraries candle links
+# (scripts/cuda-link-stubs.sh) where the build looks for them, so a `cuda` binary links on a
+# machine without a GPU; the GPU host supplies the real libraries at run time.
 #
 # HEARTH_CUDA_DIR (default ~/.cache/hearth/cuda) holds the environment; CUDA_COMPUTE_CAP (default
 # 90, Hopper) picks the GPU generation candle's kernels are compiled for.
@@ -24,6 +29,12 @@ if [ ! -x "$root/bin/nvcc" ]; then
     "$dir/venv/bin/pip" install --quiet nvidia-cuda-nvcc nvidia-cuda-runtime nvidia-cuda-cccl >&2
 fi
 "$root/bin/nvcc" --version | tail -1 >&2
+if [ "${1:-}" = "--link" ] && [ ! -e "$root/lib/stubs/libcuda.so" ]; then
+    bash "$(dirname "$0")/cuda-link-stubs.sh" "$root/lib/stubs" "${cudarc_version:0:2}" >&2
+    # The runtime library comes with the wheel, under its soname only; the linker wants the
+    # plain name (candle's kernels link it).
+    ln -sf "../$(cd "$root/lib" && ls libcudart.so.* | head -1)" "$root/lib/stubs/libcudart.so"
+fi
 
 cat <<ENV
 export CUDA_ROOT="$root" CUDA_PATH="$root" CUDA_HOME="$root"
