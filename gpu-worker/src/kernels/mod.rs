@@ -11,9 +11,10 @@
 //! portable scalar code); every path is tested against the scalar reference and against candle.
 //! Where AVX-512 VNNI runs, the model's matrices are loaded into the panel layout
 //! ([`for_this_cpu`], [`panels`]), whose kernel spends about a third of the row kernel's vector
-//! operations per multiply-add; elsewhere they stay row-major. There, Q5_0 matrices are also read
-//! in 5 bits and Q4_K and Q6_K matrices as they are ([`to_five_bit`], [`k_quant_for_this_cpu`]),
-//! so a decode step reads as many bytes as the file holds.
+//! operations per multiply-add. There and under AVX2, Q5_0 matrices are also read in 5 bits and
+//! Q4_K and Q6_K matrices as they are ([`to_five_bit`], [`k_quant_for_this_cpu`]), so a decode
+//! step reads as many bytes as the file holds; AVX2 keeps 8-bit matrices row-major (its panel
+//! kernel takes values of at most 6 bits), and portable code keeps every matrix so.
 
 mod panels;
 mod pool;
@@ -65,19 +66,32 @@ fn cached_isa() -> Isa {
     *ISA.get_or_init(detect_isa)
 }
 
-/// `m` in the layout this CPU's kernel reads fastest: panels where AVX-512 VNNI runs, rows
-/// elsewhere.
+/// `m` in the layout this CPU's kernels read fastest: panels where AVX-512 VNNI runs, five-bit
+/// panels for values that fit where AVX2 does, rows elsewhere.
 pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {
-    if cached_isa() == Isa::Avx512Vnni && m.layout == Layout::Rows {
-        to_panels(&m).unwrap_or(m)
-    } else {
-        m
+    if m.layout != Layout::Rows {
+        return m;
+    }
+    match cached_isa() {
+        Isa::Avx512Vnni => to_panels(&m).unwrap_or(m),
+        // The AVX2 panel kernel takes values of at most 6 bits: five-bit panels where they fit
+        // (GGUF's Q5_0), rows otherwise.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 if fits_five_bits(&m) => to_panels(&m).and_then(|p| to_five_bit(&p)).unwrap_or(m),
+        _ => m,
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+/// Whether every value of a row-layout matrix lies in `[-16, 15]`.
+fn fits_five_bits(m: &Q8Matrix) -> bool {
+    use rayon::prelude::*;
+    m.qs.par_iter().all(|v| (-16..16).contains(v))
+}
+
 /// A GGUF Q4_K or Q6_K matrix in the layout this CPU's kernel reads as it is (Q4_K or Q6_K panels,
-/// where AVX-512 VNNI runs); `None` for other formats or where there is none, and the caller
-/// re-quantizes it to 8-bit blocks.
+/// where AVX-512 VNNI or AVX2 runs); `None` for other formats or where there is none, and the
+/// caller re-quantizes it to 8-bit blocks.
 pub fn k_quant_for_this_cpu(
     dtype: candle_core::quantized::GgmlDType,
     rows: usize,
@@ -85,7 +99,7 @@ pub fn k_quant_for_this_cpu(
     data: &[u8],
 ) -> Option<Result<Q8Matrix, String>> {
     use candle_core::quantized::GgmlDType;
-    if cached_isa() != Isa::Avx512Vnni || !cols.is_multiple_of(QK_K) {
+    if cached_isa() == Isa::Scalar || !cols.is_multiple_of(QK_K) {
         return None;
     }
     match dtype {
@@ -144,6 +158,11 @@ pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
                 Isa::Avx512Vnni => unsafe { panels::vnni512::matmul_rows(w, x, r0, r1, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Isa::Avx2 if panels::avx2::takes(w.layout) => unsafe {
+                    panels::avx2::matmul_rows(w, x, r0, r1, out)
+                },
                 _ => panels::matmul_rows_scalar(w, x, r0, r1, out),
             }
         });

@@ -54,13 +54,13 @@ use half::f16;
 pub const PANEL: usize = 16;
 
 /// Bytes of one panel's block: [`PANEL`] rows × [`QK`] values.
-const PANEL_BLOCK: usize = PANEL * QK;
+pub(super) const PANEL_BLOCK: usize = PANEL * QK;
 /// Bytes of one five-bit panel's block: 256 of nibbles, 64 of fifth bits.
-const PANEL_BLOCK5: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 8;
+pub(super) const PANEL_BLOCK5: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 8;
 /// Bytes of one Q4_K panel's block: 256 of nibbles, then 16 scales and 16 minimums in 6 bits each.
-const PANEL_BLOCK4: usize = PANEL_BLOCK / 2 + 3 * PANEL / 2;
+pub(super) const PANEL_BLOCK4: usize = PANEL_BLOCK / 2 + 3 * PANEL / 2;
 /// Bytes of one Q6_K panel's block: 256 of low nibbles, 128 of high bit pairs, 2 × 16 scales.
-const PANEL_BLOCK6: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 4 + 2 * PANEL;
+pub(super) const PANEL_BLOCK6: usize = PANEL_BLOCK / 2 + PANEL_BLOCK / 4 + 2 * PANEL;
 /// Bytes per Q6_K super-block in a GGUF file: `u8 ql[128], u8 qh[64], i8 scales[16], f16 d`.
 const Q6K_BYTES: usize = 210;
 /// Values per k-quant super-block (one `d`, and Q4_K's one `dmin`).
@@ -429,6 +429,11 @@ pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, 
         }
     }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[path = "panels_avx2.rs"]
+#[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
+pub(super) mod avx2;
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.

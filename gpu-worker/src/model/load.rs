@@ -98,8 +98,9 @@ impl Gguf<'_> {
             }
             _ => return Ok(None),
         };
-        // Q5_0's values fit in 5 bits: where the panel kernels run, they are read so, as the file
-        // holds them (before any stacking, so a Q8_0 neighbour does not widen them).
+        // Q5_0's values fit in 5 bits: where the panel kernels run (AVX-512 VNNI or AVX2), they
+        // are read so, as the file holds them (before any stacking, so a Q8_0 neighbour does not
+        // widen them).
         m.map(|m| {
             let m = kernels::for_this_cpu(m);
             Some(kernels::to_five_bit(&m).unwrap_or(m))
