@@ -430,6 +430,32 @@ pub(super) fn matmul_rows_scalar(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, 
     }
 }
 
+/// Checks a panel kernel's arguments, and returns its first and past-the-end panels and how
+/// many activation rows to take at a time (about 64 KiB of them, so they stay in cache while the
+/// task's panels pass over them).
+fn task_bounds(
+    w: &Q8Matrix,
+    x: &ActQ8,
+    r0: usize,
+    r1: usize,
+    out: &[f32],
+) -> (usize, usize, usize) {
+    assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
+    assert!(r0.is_multiple_of(PANEL), "a task must start at a panel");
+    assert!(out.len() >= x.rows * w.rows);
+    assert_eq!(
+        x.sums.len(),
+        x.scales.len(),
+        "activation block sums missing"
+    );
+    assert!(
+        w.layout != Layout::PanelsQ6K || x.half_sums.len() == x.scales.len(),
+        "activation half-block sums missing"
+    );
+    let block = (65_536 / w.cols.max(1)).max(4).next_multiple_of(4);
+    (r0 / PANEL, r1.div_ceil(PANEL), block)
+}
+
 #[cfg(target_arch = "x86_64")]
 #[path = "panels_avx2.rs"]
 #[allow(clippy::needless_range_loop)] // Index loops over register tiles read clearer than zips.
@@ -710,22 +736,7 @@ pub(super) mod vnni512 {
 
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn rows<const F: u8>(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
-        assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
-        assert!(r0.is_multiple_of(PANEL), "a task must start at a panel");
-        assert!(out.len() >= x.rows * w.rows);
-        assert_eq!(
-            x.sums.len(),
-            x.scales.len(),
-            "activation block sums missing"
-        );
-        assert!(
-            F != Q6K || x.half_sums.len() == x.scales.len(),
-            "activation half-block sums missing"
-        );
-        let (first, end) = (r0 / PANEL, r1.div_ceil(PANEL));
-        // Activation rows are taken about 64 KiB at a time, so they stay in cache while the task's
-        // panels pass over them.
-        let block = (65_536 / w.cols.max(1)).max(4).next_multiple_of(4);
+        let (first, end, block) = super::task_bounds(w, x, r0, r1, out);
         let mut m0 = 0;
         while m0 < x.rows {
             let ms = (m0, (m0 + block).min(x.rows));

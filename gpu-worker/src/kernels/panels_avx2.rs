@@ -289,20 +289,7 @@ pub unsafe fn matmul_rows(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &m
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn rows<const F: u8>(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
-    assert!(r1 <= w.rows && w.cols == x.cols && w.cols.is_multiple_of(QK));
-    assert!(r0.is_multiple_of(PANEL), "a task must start at a panel");
-    assert!(out.len() >= x.rows * w.rows);
-    assert_eq!(
-        x.sums.len(),
-        x.scales.len(),
-        "activation block sums missing"
-    );
-    assert!(
-        F != Q6K || x.half_sums.len() == x.scales.len(),
-        "activation half-block sums missing"
-    );
-    let (first, end) = (r0 / PANEL, r1.div_ceil(PANEL));
-    let block = (65_536 / w.cols.max(1)).max(4).next_multiple_of(4);
+    let (first, end, block) = super::task_bounds(w, x, r0, r1, out);
     let mut m0 = 0;
     while m0 < x.rows {
         let ms = (m0, (m0 + block).min(x.rows));
