@@ -2,15 +2,14 @@
 //! multi-turn time to first token with and without session reuse. Prints one JSON document.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_shared::SessionId;
 use serde_json::{json, Value};
 
-use crate::engine::{Engine, EngineConfig, EngineEvent, EventStream, GenerateRequest};
+use crate::engine::{Engine, EngineConfig, EngineEvent, EventStream, GenerateRequest, Weights};
 use crate::kv::KvDtype;
-use crate::model::{load_gguf, Model};
+use crate::server::config::RunOn;
 
 /// Options of a benchmark run (also the `hearth-worker bench` flags).
 #[derive(Debug, Clone, clap::Args)]
@@ -18,6 +17,8 @@ pub struct BenchOptions {
     /// GGUF model file (default: the fetched Gemma 3 270M in the models directory).
     #[arg(long, env = "HEARTH_MODEL")]
     pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub run_on: RunOn,
     /// Prompt length of the prefill measurement.
     #[arg(long, default_value_t = 512)]
     pub prefill_tokens: usize,
@@ -129,17 +130,29 @@ fn progress(msg: &str) {
 /// Runs every measurement on the model at `model` and returns the JSON report.
 pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Result<Value> {
     let turns = o.turns as usize;
+    o.run_on.check(o.kv_dtype)?;
+    let device = crate::device::select(o.run_on.device)?;
+    let forward = if o.run_on.candle_on(&device) {
+        "candle"
+    } else {
+        "kernels"
+    };
+    progress(&format!(
+        "device {}:{} ({}), forward pass {forward}",
+        device.kind, device.ordinal, device.name
+    ));
     let rss_before = crate::device::rss_bytes();
     let t = Instant::now();
-    let model: Arc<Model> = Arc::new(load_gguf(model_path)?);
+    let model = crate::server::load_weights(model_path, &o.run_on, &device)?;
     let load_s = t.elapsed().as_secs_f64();
     let rss_loaded = crate::device::rss_bytes();
+    let memory_loaded = device.memory();
     progress(&format!(
         "loaded {} in {load_s:.2}s, rss {} MB",
         model_path.display(),
         rss_loaded >> 20
     ));
-    let vocab = model.config.vocab_size;
+    let vocab = model.config().vocab_size;
     let engine = start_engine(&model, o)?;
     // With the engine started, its KV budget reserved and nothing run yet: a worker at idle.
     let rss_idle = crate::device::rss_bytes();
@@ -303,7 +316,18 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     };
     Ok(json!({
         "model": model_path.display().to_string(),
-        "architecture": model.config.architecture,
+        "architecture": model.config().architecture,
+        "device": {
+            "kind": device.kind,
+            "ordinal": device.ordinal,
+            "name": device.name,
+            "compute_capability": device.compute_capability,
+            // Process memory on the CPU, device memory on a GPU, once the weights are loaded.
+            "memory_total_mb": memory_loaded.total_bytes >> 20,
+            "memory_used_mb_loaded": memory_loaded.used_bytes >> 20,
+        },
+        "forward": forward,
+        "dense_gemm_tokens": o.run_on.dense_gemm_tokens,
         "kernel_isa": format!("{:?}", crate::kernels::detect_isa()),
         "compiled_with_avx512": cfg!(target_feature = "avx512f"),
         "compiled_with_avx2": cfg!(target_feature = "avx2"),
@@ -432,12 +456,12 @@ fn interference(
 
 /// An engine with the benchmark's KV budget and element type, no speculation, other settings at
 /// their defaults.
-fn start_engine(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Engine> {
+fn start_engine(model: &Weights, o: &BenchOptions) -> anyhow::Result<Engine> {
     start_engine_speculating(model, o, 0)
 }
 
 fn start_engine_speculating(
-    model: &Arc<Model>,
+    model: &Weights,
     o: &BenchOptions,
     spec_tokens: usize,
 ) -> anyhow::Result<Engine> {
@@ -457,8 +481,8 @@ fn start_engine_speculating(
 /// lookup, on two prompts: 16 arbitrary tokens (what the plain decode run measures; drafts come
 /// only from the reply repeating itself), and a 256-token passage followed by its first 32
 /// tokens again (a reply that quotes or edits its prompt: the model goes on copying).
-fn speculation(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
-    let vocab = model.config.vocab_size;
+fn speculation(model: &Weights, o: &BenchOptions) -> anyhow::Result<Value> {
+    let vocab = model.config().vocab_size;
     let passage = tokens(256, 7000, vocab);
     let mut quoting = passage.clone();
     quoting.extend_from_slice(&passage[..32]);
@@ -504,9 +528,9 @@ fn speculation(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
 /// The KV memory one idle session of `--warm-tokens` tokens holds, as configured (element type,
 /// sliding-window packing), against every layer of every position in f32 (the engine before f16
 /// K/V and packing).
-fn warm_sessions(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
+fn warm_sessions(model: &Weights, o: &BenchOptions) -> anyhow::Result<Value> {
     use crate::kv::KvStore;
-    let (n, c) = (o.warm_tokens, &model.config);
+    let (n, c) = (o.warm_tokens, model.config());
     let engine = start_engine(model, o)?;
     let h = engine.handle();
     let bs = h.model_info().block_size;
@@ -550,15 +574,17 @@ fn warm_sessions(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> 
 
 /// A session evicted to the disk tier and restored for its next turn, against the same turn
 /// recomputed from scratch (a prompt of the same length that nothing has cached).
-fn disk_tier(model: &Arc<Model>, o: &BenchOptions) -> anyhow::Result<Value> {
-    let vocab = model.config.vocab_size;
+fn disk_tier(model: &Weights, o: &BenchOptions) -> anyhow::Result<Value> {
+    let vocab = model.config().vocab_size;
     let n = o.disk_tokens;
-    let c = &model.config;
-    let block =
-        crate::kv::KvStore::block_bytes(c.num_layers, 16, c.kv_dim(), c.head_dim, o.kv_dtype);
+    let block = model.block_bytes(&EngineConfig {
+        kv_dtype: o.kv_dtype,
+        ..Default::default()
+    })?;
     let dir = std::env::temp_dir().join(format!("hearth-bench-kv-{}", std::process::id()));
     // Memory for two such sessions: the third pushes the first out to disk.
-    let blocks = 2 * (n + 64).div_ceil(16) + 8;
+    let bs = EngineConfig::default().block_size;
+    let blocks = 2 * (n + 64).div_ceil(bs) + 8;
     let engine = Engine::start(
         model.clone(),
         EngineConfig {

@@ -14,18 +14,22 @@ use common::*;
 use hearth_shared::SessionId;
 use hearth_worker::engine::{DiskConfig, Engine, EngineConfig, GenerateRequest};
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
-use hearth_worker::generic::{DeviceKv, GenericModel};
+use hearth_worker::generic::{DeviceKv, GenericModel, LoadOptions};
 use hearth_worker::kv::{KvDtype, KvStore};
 use hearth_worker::model::{load_gguf, Model, SeqChunk};
 
 const VOCAB: u32 = 512;
 
 fn both(spec: &TinySpec) -> (Arc<Model>, Arc<GenericModel>) {
+    both_with(spec, LoadOptions::default())
+}
+
+fn both_with(spec: &TinySpec, options: LoadOptions) -> (Arc<Model>, Arc<GenericModel>) {
     let path = temp_dir("generic").join("tiny.gguf");
     write_tiny_gguf(&path, spec).unwrap();
     (
         Arc::new(load_gguf(&path).unwrap()),
-        Arc::new(GenericModel::load_gguf(&path, &Device::Cpu).unwrap()),
+        Arc::new(GenericModel::load_gguf(&path, &Device::Cpu, options).unwrap()),
     )
 }
 
@@ -86,16 +90,26 @@ fn same_top(a: &[f32], b: &[f32], vocab: usize) -> (usize, usize) {
     (same, a.len() / vocab)
 }
 
+/// Both steps' logits from the candle pass.
+fn candle_steps(generic: &GenericModel) -> (Vec<f32>, Vec<f32>) {
+    let c = &generic.config;
+    let mut kv =
+        DeviceKv::new(&Device::Cpu, c.num_layers, 8, 16, c.kv_dim(), KvDtype::F32).unwrap();
+    two_steps(|chunks, out| generic.forward(chunks, &mut kv, out).unwrap())
+}
+
 /// The largest logit difference (relative to the largest logit) and the rows with the same top
 /// token, over both steps; asserts the former is within `tolerance`.
 fn compare(spec: &TinySpec, tolerance: f32) -> (f32, usize, usize) {
-    let (native, generic) = both(spec);
+    compare_with(spec, LoadOptions::default(), tolerance)
+}
+
+fn compare_with(spec: &TinySpec, options: LoadOptions, tolerance: f32) -> (f32, usize, usize) {
+    let (native, generic) = both_with(spec, options);
     let c = &native.config;
     let mut store = KvStore::new(c.num_layers, 8, 16, c.kv_dim(), c.head_dim, KvDtype::F32);
     let want = two_steps(|chunks, out| native.forward(chunks, &mut store, out).unwrap());
-    let mut kv =
-        DeviceKv::new(&Device::Cpu, c.num_layers, 8, 16, c.kv_dim(), KvDtype::F32).unwrap();
-    let got = two_steps(|chunks, out| generic.forward(chunks, &mut kv, out).unwrap());
+    let got = candle_steps(&generic);
     assert_eq!(want.0.len(), (20 + 7 + 40) * c.vocab_size);
     assert_eq!(want.1.len(), (1 + 3 + 5) * c.vocab_size);
     let err = worst(&want.0, &got.0).max(worst(&want.1, &got.1));
@@ -126,6 +140,42 @@ fn the_candle_pass_gives_the_kernels_logits_for_a_batch_at_different_positions()
         "largest logit difference: f32 {f32_err:.2e}, quantized {q_err:.2e}; quantized top token \
          the same at {q_same}/{q_rows} positions"
     );
+}
+
+#[test]
+fn dense_f16_matrices_serve_the_large_steps_within_tolerance() {
+    // The first step (67 tokens) goes through the f16 copies, the second (9) through the blocks.
+    let dense = LoadOptions {
+        dense_gemm_tokens: Some(10),
+    };
+    for quantized in [false, true] {
+        let spec = TinySpec {
+            quantized,
+            ..Default::default()
+        };
+        // f16 weights and activations against the kernels' f32 (or 8-bit) arithmetic.
+        let tolerance = if quantized { 0.1 } else { 1e-2 };
+        let (err, same, rows) = compare_with(&spec, dense, tolerance);
+        eprintln!("quantized {quantized}: largest logit difference {err:.2e}, top token the same at {same}/{rows} positions");
+        assert!(
+            same * 10 >= rows * 9,
+            "top token differs at {} of {rows} positions",
+            rows - same
+        );
+        let (_, blocks_only) = both(&spec);
+        let (_, with_copies) = both_with(&spec, dense);
+        assert!(
+            with_copies.weights_bytes() > blocks_only.weights_bytes(),
+            "the f16 copies are not counted: {} bytes",
+            with_copies.weights_bytes()
+        );
+        // The large step really took the f16 path: its logits differ from the blocks' own.
+        let (a, b) = (candle_steps(&blocks_only), candle_steps(&with_copies));
+        assert_ne!(
+            a.0, b.0,
+            "quantized {quantized}: the 67-token step ignored the f16 copies"
+        );
+    }
 }
 
 #[test]

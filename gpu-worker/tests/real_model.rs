@@ -378,10 +378,11 @@ fn argmax_rows(logits: &[f32], vocab: usize) -> Vec<u32> {
 #[test]
 fn the_candle_forward_pass_agrees_with_llama_cpp_and_with_the_kernels() {
     use candle_core::Device;
-    use hearth_worker::generic::{DeviceKv, GenericModel};
+    use hearth_worker::generic::{DeviceKv, GenericModel, LoadOptions};
     use hearth_worker::kv::KvDtype;
     let path = require("gemma-3-270m-q4_k_m.gguf");
-    let generic = Arc::new(GenericModel::load_gguf(&path, &Device::Cpu).unwrap());
+    let generic =
+        Arc::new(GenericModel::load_gguf(&path, &Device::Cpu, LoadOptions::default()).unwrap());
     let c = generic.config.clone();
     // Teacher-forced against llama.cpp's own greedy tokens, as the kernels are above.
     agrees_with_llama_cpp("candle", |all, n| {

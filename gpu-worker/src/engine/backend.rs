@@ -56,7 +56,7 @@ impl Weights {
     }
 
     /// Bytes of one KV block under `config`.
-    pub(super) fn block_bytes(&self, config: &EngineConfig) -> Result<usize, EngineError> {
+    pub fn block_bytes(&self, config: &EngineConfig) -> Result<usize, EngineError> {
         let c = self.config();
         match self {
             Self::Native(_) => Ok(KvStore::block_bytes(

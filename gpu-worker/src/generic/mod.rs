@@ -2,10 +2,13 @@
 //! candle tensors so one piece of code runs on `Device::Cuda(n)` and on candle's CPU device.
 //!
 //! Weights come from the GGUF file onto the device as they are stored: block-quantized matrices
-//! stay quantized ([`QMatMul`]: candle's quantized kernels, which on CUDA multiply small batches
-//! straight from the blocks and larger ones through dequantized half-precision GEMM), norm
-//! vectors become f32 tensors, and the token embedding is one quantized table shared with the
-//! tied output projection (rows are dequantized as they are looked up, never the whole table).
+//! stay quantized ([`QMatMul`]: candle's quantized kernels, which on CUDA multiply up to 8 rows
+//! with matrix-vector kernels and more with tiled int8 kernels, both reading the blocks as
+//! stored), norm vectors become f32 tensors, and the token embedding is one quantized table
+//! shared with the tied output projection (rows are dequantized as they are looked up, never the
+//! whole table). With [`LoadOptions::dense_gemm_tokens`], the layers' matrices also get a
+//! dequantized f16 copy, and steps of at least that many tokens multiply through it (cuBLAS on
+//! CUDA): an alternative for prefill and large batches, to be chosen by measuring.
 //!
 //! A step takes the same [`SeqChunk`]s as the CPU engine: every sequence's new tokens at their own
 //! positions, with their own block tables. Linear layers see all tokens of the step as one
@@ -32,17 +35,46 @@ use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::model::{special_tokens, GemmaConfig, ModelError, SeqChunk};
 
+/// How [`GenericModel::load_gguf`] lays the weights out on the device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadOptions {
+    /// Steps of at least this many tokens multiply the layers' matrices through dequantized f16
+    /// copies (kept beside the stored blocks) instead of the quantized kernels; `None`: never.
+    pub dense_gemm_tokens: Option<usize>,
+}
+
+/// One weight matrix of a layer: its stored blocks, and under
+/// [`LoadOptions::dense_gemm_tokens`] a dequantized f16 copy.
+#[derive(Debug)]
+struct Linear {
+    blocks: QMatMul,
+    dense: Option<Tensor>,
+}
+
+impl Linear {
+    /// `x · wᵀ` for `x` of `[tokens, in]`: through the f16 copy when `dense` and there is one.
+    fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, ModelError> {
+        Ok(match &self.dense {
+            Some(w) if dense => x
+                .to_dtype(DType::F16)?
+                .matmul(&w.t()?)?
+                .to_dtype(DType::F32)?,
+            _ => self.blocks.forward(x)?,
+        })
+    }
+}
+
 /// One layer's weights on the device (GGUF tensor `blk.N.<name>`).
 #[derive(Debug)]
 struct Layer {
     /// `attn_norm.weight`
     attn_norm: Tensor,
     /// `attn_q`, `attn_k`, `attn_v`
-    q: QMatMul,
-    k: QMatMul,
-    v: QMatMul,
+    q: Linear,
+    k: Linear,
+    v: Linear,
     /// `attn_output`
-    o: QMatMul,
+    o: Linear,
     /// `attn_q_norm`, `attn_k_norm` (Gemma 3)
     q_norm: Option<Tensor>,
     k_norm: Option<Tensor>,
@@ -51,9 +83,9 @@ struct Layer {
     /// `ffn_norm`
     ffn_norm: Tensor,
     /// `ffn_gate`, `ffn_up`, `ffn_down`
-    gate: QMatMul,
-    up: QMatMul,
-    down: QMatMul,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
     /// `post_ffw_norm` (Gemma 2 and 3)
     post_ffn_norm: Option<Tensor>,
 }
@@ -76,12 +108,18 @@ pub struct GenericModel {
     inv_freq_global: Vec<f32>,
     inv_freq_local: Vec<f32>,
     weights_bytes: usize,
+    /// [`LoadOptions::dense_gemm_tokens`]
+    dense_gemm_tokens: Option<usize>,
 }
 
 impl GenericModel {
     /// Loads a Gemma GGUF file onto `device`.
-    pub fn load_gguf(path: &Path, device: &Device) -> Result<Self, ModelError> {
-        let mut f = GgufReader::open(path, device)?;
+    pub fn load_gguf(
+        path: &Path,
+        device: &Device,
+        options: LoadOptions,
+    ) -> Result<Self, ModelError> {
+        let mut f = GgufReader::open(path, device, options.dense_gemm_tokens.is_some())?;
         let config = GemmaConfig::from_gguf(&f.content)?;
         let (bos_id, eos_id, end_of_turn_id) = special_tokens(&f.content.metadata);
         let embedding = Arc::new(f.tensor("token_embd.weight")?);
@@ -96,17 +134,17 @@ impl GenericModel {
             let n = |s: &str| format!("blk.{i}.{s}.weight");
             layers.push(Layer {
                 attn_norm: f.vector(&n("attn_norm"))?,
-                q: f.matrix(&n("attn_q"))?,
-                k: f.matrix(&n("attn_k"))?,
-                v: f.matrix(&n("attn_v"))?,
-                o: f.matrix(&n("attn_output"))?,
+                q: f.linear(&n("attn_q"))?,
+                k: f.linear(&n("attn_k"))?,
+                v: f.linear(&n("attn_v"))?,
+                o: f.linear(&n("attn_output"))?,
                 q_norm: f.opt_vector(&n("attn_q_norm"))?,
                 k_norm: f.opt_vector(&n("attn_k_norm"))?,
                 post_attn_norm: f.opt_vector(&n("post_attention_norm"))?,
                 ffn_norm: f.vector(&n("ffn_norm"))?,
-                gate: f.matrix(&n("ffn_gate"))?,
-                up: f.matrix(&n("ffn_up"))?,
-                down: f.matrix(&n("ffn_down"))?,
+                gate: f.linear(&n("ffn_gate"))?,
+                up: f.linear(&n("ffn_up"))?,
+                down: f.linear(&n("ffn_down"))?,
                 post_ffn_norm: f.opt_vector(&n("post_ffw_norm"))?,
             });
         }
@@ -128,6 +166,7 @@ impl GenericModel {
             output_norm,
             output,
             weights_bytes: f.bytes,
+            dense_gemm_tokens: options.dense_gemm_tokens,
         })
     }
 
@@ -195,6 +234,7 @@ impl GenericModel {
             )));
         }
         let n_tok = ids.len();
+        let dense = self.dense_gemm_tokens.is_some_and(|min| n_tok >= min);
         let mut x = self
             .embedding
             .embedding(&Tensor::new(ids.as_slice(), dev)?)?
@@ -228,9 +268,9 @@ impl GenericModel {
                 (&rope_global, &spans[0])
             };
             let hn = rms_norm(&x, &layer.attn_norm, c.rms_eps)?;
-            let mut q = layer.q.forward(&hn)?.reshape((n_tok, nh, hd))?;
-            let mut k = layer.k.forward(&hn)?.reshape((n_tok, nkv, hd))?;
-            let v = layer.v.forward(&hn)?;
+            let mut q = layer.q.forward(&hn, dense)?.reshape((n_tok, nh, hd))?;
+            let mut k = layer.k.forward(&hn, dense)?.reshape((n_tok, nkv, hd))?;
+            let v = layer.v.forward(&hn, dense)?;
             if let Some(w) = &layer.q_norm {
                 q = rms_norm(&q, w, c.rms_eps)?;
             }
@@ -249,16 +289,16 @@ impl GenericModel {
                 off += n;
             }
             let attn = Tensor::cat(&outs, 0)?;
-            let mut o = layer.o.forward(&attn)?;
+            let mut o = layer.o.forward(&attn, dense)?;
             if let Some(w) = &layer.post_attn_norm {
                 o = rms_norm(&o, w, c.rms_eps)?;
             }
             x = (x + o)?;
 
             let hn = rms_norm(&x, &layer.ffn_norm, c.rms_eps)?;
-            let g = layer.gate.forward(&hn)?.gelu()?;
-            let u = layer.up.forward(&hn)?;
-            let mut d = layer.down.forward(&(g * u)?)?;
+            let g = layer.gate.forward(&hn, dense)?.gelu()?;
+            let u = layer.up.forward(&hn, dense)?;
+            let mut d = layer.down.forward(&(g * u)?, dense)?;
             if let Some(w) = &layer.post_ffn_norm {
                 d = rms_norm(&d, w, c.rms_eps)?;
             }
@@ -274,10 +314,12 @@ struct GgufReader {
     reader: BufReader<File>,
     device: Device,
     bytes: usize,
+    /// Give layer matrices a dequantized f16 copy.
+    dense: bool,
 }
 
 impl GgufReader {
-    fn open(path: &Path, device: &Device) -> Result<Self, ModelError> {
+    fn open(path: &Path, device: &Device, dense: bool) -> Result<Self, ModelError> {
         let io = |reason: String| ModelError::Io {
             path: path.display().to_string(),
             reason,
@@ -290,6 +332,7 @@ impl GgufReader {
             reader,
             device: device.clone(),
             bytes: 0,
+            dense,
         })
     }
 
@@ -309,6 +352,22 @@ impl GgufReader {
     /// A matrix, kept in its stored format.
     fn matrix(&mut self, name: &str) -> Result<QMatMul, ModelError> {
         Ok(QMatMul::from_qtensor(self.tensor(name)?)?)
+    }
+
+    /// A layer's matrix: its stored blocks, and a dequantized f16 copy when asked for.
+    fn linear(&mut self, name: &str) -> Result<Linear, ModelError> {
+        let t = self.tensor(name)?;
+        let dense = if self.dense {
+            let w = t.dequantize_f16(&self.device)?;
+            self.bytes += w.elem_count() * DType::F16.size_in_bytes();
+            Some(w)
+        } else {
+            None
+        };
+        Ok(Linear {
+            blocks: QMatMul::from_qtensor(t)?,
+            dense,
+        })
     }
 
     /// A norm's weights, as f32.

@@ -38,14 +38,8 @@ pub struct ServeConfig {
         default_value = "127.0.0.1:9091"
     )]
     pub metrics_listen: SocketAddr,
-    /// `auto`, `cpu` or `cuda:N` (one worker per GPU: run one with `cuda:1` for the second).
-    #[arg(long, env = "HEARTH_WORKER_DEVICE", default_value = "auto")]
-    pub device: DeviceSpec,
-    /// Which forward pass runs the model: `kernels` (Hearth's CPU kernels), `candle` (the
-    /// device-generic pass on candle tensors, which CUDA devices use; on the CPU it is for
-    /// checking the two against each other) or `auto` (kernels on the CPU, candle on a GPU).
-    #[arg(long, env = "HEARTH_WORKER_FORWARD", value_enum, default_value_t = ForwardPass::Auto)]
-    pub forward: ForwardPass,
+    #[command(flatten)]
+    pub run_on: RunOn,
     /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`) [default: 2GiB on the
     /// CPU; on a GPU, --gpu-memory-fraction of the memory left free once the weights are loaded].
     #[arg(long, env = "HEARTH_WORKER_KV_BUDGET", value_parser = parse_bytes)]
@@ -114,6 +108,70 @@ pub struct ServeConfig {
     pub engine_stall_secs: u64,
 }
 
+/// Where the model runs and which forward pass runs it (`serve` and `bench` both take these).
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunOn {
+    /// `auto`, `cpu` or `cuda:N` (one worker per GPU: run one with `cuda:1` for the second).
+    #[arg(long, env = "HEARTH_WORKER_DEVICE", default_value = "auto")]
+    pub device: DeviceSpec,
+    /// Which forward pass runs the model: `kernels` (Hearth's CPU kernels), `candle` (the
+    /// device-generic pass on candle tensors, which CUDA devices use; on the CPU it is for
+    /// checking the two against each other) or `auto` (kernels on the CPU, candle on a GPU).
+    #[arg(long, env = "HEARTH_WORKER_FORWARD", value_enum, default_value_t = ForwardPass::Auto)]
+    pub forward: ForwardPass,
+    /// The candle forward pass only: steps of at least this many tokens (prefill, large
+    /// batches) multiply through dequantized f16 copies of the weight matrices (cuBLAS on CUDA)
+    /// instead of the quantized kernels. The copies take 2 bytes per weight beside the stored
+    /// blocks. Off unless given.
+    #[arg(long, env = "HEARTH_WORKER_DENSE_GEMM_TOKENS")]
+    pub dense_gemm_tokens: Option<usize>,
+}
+
+impl RunOn {
+    /// Refuses combinations that cannot run, naming the flag.
+    pub fn check(&self, kv_dtype: KvDtype) -> Result<(), ConfigError> {
+        let cuda = matches!(self.device, DeviceSpec::Cuda(_));
+        if self.forward == ForwardPass::Kernels && cuda {
+            return Err(invalid(
+                "--forward",
+                "`kernels` runs on the CPU only; a CUDA device takes `candle` (or `auto`)",
+            ));
+        }
+        let candle = self.forward == ForwardPass::Candle || cuda;
+        if candle && kv_dtype == KvDtype::Int8 {
+            return Err(invalid(
+                "--kv-dtype",
+                "int8 K/V is a format of the CPU kernels; the candle forward pass (and so a \
+                 CUDA device) stores f16 or f32",
+            ));
+        }
+        match self.dense_gemm_tokens {
+            Some(0) => Err(invalid("--dense-gemm-tokens", "must be at least 1 token")),
+            Some(_) if self.forward == ForwardPass::Kernels => Err(invalid(
+                "--dense-gemm-tokens",
+                "applies to the candle forward pass; `kernels` choose their own GEMM",
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether the candle forward pass runs on `device` (a GPU, or `--forward candle`).
+    pub fn candle_on(&self, device: &crate::device::Device) -> bool {
+        match self.forward {
+            ForwardPass::Auto => device.is_gpu(),
+            ForwardPass::Kernels => false,
+            ForwardPass::Candle => true,
+        }
+    }
+
+    /// What the candle pass loads with these flags.
+    pub fn generic_options(&self) -> crate::generic::LoadOptions {
+        crate::generic::LoadOptions {
+            dense_gemm_tokens: self.dense_gemm_tokens,
+        }
+    }
+}
+
 /// `--forward`: which forward pass runs the model.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ForwardPass {
@@ -132,8 +190,7 @@ pub struct ValidConfig {
     pub tokenizer: Option<PathBuf>,
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
-    pub device: DeviceSpec,
-    pub forward: ForwardPass,
+    pub run_on: RunOn,
     /// `--kv-budget` when given; otherwise the engine's budget is set once the device is known
     /// (see [`ValidConfig::gpu_memory_fraction`]).
     pub kv_budget_given: bool,
@@ -228,21 +285,7 @@ impl ServeConfig {
                 ),
             ));
         }
-        if self.forward == ForwardPass::Kernels && matches!(self.device, DeviceSpec::Cuda(_)) {
-            return Err(invalid(
-                "--forward",
-                "`kernels` runs on the CPU only; a CUDA device takes `candle` (or `auto`)",
-            ));
-        }
-        let candle =
-            self.forward == ForwardPass::Candle || matches!(self.device, DeviceSpec::Cuda(_));
-        if candle && self.kv_dtype == KvDtype::Int8 {
-            return Err(invalid(
-                "--kv-dtype",
-                "int8 K/V is a format of the CPU kernels; the candle forward pass (and so a \
-                 CUDA device) stores f16 or f32",
-            ));
-        }
+        self.run_on.check(self.kv_dtype)?;
         if self.listen == self.metrics_listen && self.listen.port() != 0 {
             return Err(invalid(
                 "--metrics-listen",
@@ -283,8 +326,7 @@ impl ServeConfig {
             tokenizer: self.tokenizer,
             listen: self.listen,
             metrics_listen: self.metrics_listen,
-            device: self.device,
-            forward: self.forward,
+            run_on: self.run_on,
             kv_budget_given: self.kv_budget.is_some(),
             gpu_memory_fraction: self.gpu_memory_fraction,
             engine,
@@ -390,13 +432,16 @@ mod tests {
             (c.engine.kv_budget_bytes, c.kv_budget_given),
             (2 << 30, false)
         );
-        assert_eq!((c.forward, c.gpu_memory_fraction), (ForwardPass::Auto, 0.8));
+        assert_eq!(
+            (c.run_on.forward, c.gpu_memory_fraction),
+            (ForwardPass::Auto, 0.8)
+        );
         let c = validate(&["--kv-budget", "1GiB", "--forward", "candle"]).unwrap();
         assert_eq!(
             (c.engine.kv_budget_bytes, c.kv_budget_given),
             (1 << 30, true)
         );
-        assert_eq!(c.forward, ForwardPass::Candle);
+        assert_eq!(c.run_on.forward, ForwardPass::Candle);
         for bad in ["0", "1.5", "NaN"] {
             let err = validate(&["--gpu-memory-fraction", bad])
                 .unwrap_err()
@@ -418,6 +463,21 @@ mod tests {
             );
         }
         assert!(validate(&["--forward", "candle", "--kv-dtype", "f16"]).is_ok());
+        for (flags, says) in [
+            (&["--dense-gemm-tokens", "0"][..], "at least 1"),
+            (
+                &["--forward", "kernels", "--dense-gemm-tokens", "64"][..],
+                "candle forward pass",
+            ),
+        ] {
+            let err = validate(flags).unwrap_err().to_string();
+            assert!(
+                err.starts_with("--dense-gemm-tokens:") && err.contains(says),
+                "{flags:?}: {err}"
+            );
+        }
+        let c = validate(&["--forward", "candle", "--dense-gemm-tokens", "64"]).unwrap();
+        assert_eq!(c.run_on.generic_options().dense_gemm_tokens, Some(64));
     }
 
     #[test]

@@ -41,7 +41,7 @@ use crate::device::{self, DeviceError};
 use crate::engine::{Engine, EngineError, Weights};
 use crate::generic::GenericModel;
 use crate::model::{load_gguf, load_safetensors, ModelError};
-use config::ForwardPass;
+use config::RunOn;
 use state::{Loaded, WorkerState};
 
 /// How long cancelled sequences get to report `Finished` after the drain deadline, and the
@@ -86,7 +86,7 @@ pub struct Worker {
 impl Worker {
     /// Opens the device and binds both listeners; nothing is served yet.
     pub async fn bind(config: ValidConfig) -> Result<Self, ServeError> {
-        let device = device::select(config.device)?;
+        let device = device::select(config.run_on.device)?;
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await
@@ -268,25 +268,7 @@ fn engine_config(
 /// tokenizer against it); runs on a blocking thread.
 fn load(config: &ValidConfig, device: &device::Device) -> Result<(Weights, Loaded), ServeError> {
     let path = &config.model;
-    let generic = match config.forward {
-        ForwardPass::Auto => device.is_gpu(),
-        ForwardPass::Kernels => false,
-        ForwardPass::Candle => true,
-    };
-    let model: Weights = if generic {
-        if path.is_dir() {
-            return Err(ModelError::Unsupported(format!(
-                "{}: the candle forward pass loads GGUF files; convert the checkpoint to GGUF",
-                path.display()
-            ))
-            .into());
-        }
-        Arc::new(GenericModel::load_gguf(path, &device.candle)?).into()
-    } else if path.is_dir() {
-        Arc::new(load_safetensors(path)?).into()
-    } else {
-        Arc::new(load_gguf(path)?).into()
-    };
+    let model = load_weights(path, &config.run_on, device)?;
     let mut loaded = Loaded {
         model_id: model_id(path),
         ..Loaded::default()
@@ -298,6 +280,33 @@ fn load(config: &ValidConfig, device: &device::Device) -> Result<(Weights, Loade
         loaded.pad_id = tok.pad_id;
     }
     Ok((model, loaded))
+}
+
+/// The model at `path` (a GGUF file, or for the kernels a safetensors checkpoint directory),
+/// loaded for the forward pass `run_on` picks on `device`.
+pub fn load_weights(
+    path: &Path,
+    run_on: &RunOn,
+    device: &device::Device,
+) -> Result<Weights, ModelError> {
+    if run_on.candle_on(device) {
+        if path.is_dir() {
+            return Err(ModelError::Unsupported(format!(
+                "{}: the candle forward pass loads GGUF files; convert the checkpoint to GGUF",
+                path.display()
+            )));
+        }
+        let options = run_on.generic_options();
+        return Ok(Arc::new(GenericModel::load_gguf(path, &device.candle, options)?).into());
+    }
+    if run_on.dense_gemm_tokens.is_some() {
+        tracing::warn!("--dense-gemm-tokens applies to the candle forward pass; the kernels run");
+    }
+    Ok(if path.is_dir() {
+        Arc::new(load_safetensors(path)?).into()
+    } else {
+        Arc::new(load_gguf(path)?).into()
+    })
 }
 
 fn model_id(path: &Path) -> String {
