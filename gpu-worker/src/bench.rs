@@ -132,15 +132,6 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     let turns = o.turns as usize;
     o.run_on.check(o.kv_dtype)?;
     let device = crate::device::select(o.run_on.device)?;
-    let forward = if o.run_on.candle_on(&device) {
-        "candle"
-    } else {
-        "kernels"
-    };
-    progress(&format!(
-        "device {}:{} ({}), forward pass {forward}",
-        device.kind, device.ordinal, device.name
-    ));
     let rss_before = crate::device::rss_bytes();
     let t = Instant::now();
     let model = crate::server::load_weights(model_path, &o.run_on, &device)?;
@@ -148,8 +139,12 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     let rss_loaded = crate::device::rss_bytes();
     let memory_loaded = device.memory();
     progress(&format!(
-        "loaded {} in {load_s:.2}s, rss {} MB",
+        "loaded {} in {load_s:.2}s on {}:{} ({}) for the {} forward pass, rss {} MB",
         model_path.display(),
+        device.kind,
+        device.ordinal,
+        device.name,
+        model.forward_pass(),
         rss_loaded >> 20
     ));
     let vocab = model.config().vocab_size;
@@ -326,7 +321,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
             "memory_total_mb": memory_loaded.total_bytes >> 20,
             "memory_used_mb_loaded": memory_loaded.used_bytes >> 20,
         },
-        "forward": forward,
+        "forward": model.forward_pass(),
         "dense_gemm_tokens": o.run_on.dense_gemm_tokens,
         "kernel_isa": format!("{:?}", crate::kernels::detect_isa()),
         "compiled_with_avx512": cfg!(target_feature = "avx512f"),

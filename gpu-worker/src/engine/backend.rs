@@ -47,6 +47,14 @@ impl Weights {
         }
     }
 
+    /// `--forward`'s name for the pass these weights run on.
+    pub fn forward_pass(&self) -> &'static str {
+        match self {
+            Self::Native(_) => "kernels",
+            Self::Generic(_) => "candle",
+        }
+    }
+
     /// Bytes of weights held (on the device for the generic pass).
     pub fn weights_bytes(&self) -> usize {
         match self {

@@ -48,17 +48,15 @@ pub struct LoadOptions {
 #[derive(Debug)]
 struct Linear {
     blocks: QMatMul,
-    dense: Option<Tensor>,
+    /// [`QMatMul::TensorF16`]: activations go to f16 for the product and back.
+    dense: Option<QMatMul>,
 }
 
 impl Linear {
     /// `x · wᵀ` for `x` of `[tokens, in]`: through the f16 copy when `dense` and there is one.
     fn forward(&self, x: &Tensor, dense: bool) -> Result<Tensor, ModelError> {
         Ok(match &self.dense {
-            Some(w) if dense => x
-                .to_dtype(DType::F16)?
-                .matmul(&w.t()?)?
-                .to_dtype(DType::F32)?,
+            Some(copy) if dense => copy.forward(x)?,
             _ => self.blocks.forward(x)?,
         })
     }
@@ -360,7 +358,7 @@ impl GgufReader {
         let dense = if self.dense {
             let w = t.dequantize_f16(&self.device)?;
             self.bytes += w.elem_count() * DType::F16.size_in_bytes();
-            Some(w)
+            Some(QMatMul::TensorF16(w))
         } else {
             None
         };
