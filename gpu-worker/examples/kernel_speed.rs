@@ -1,23 +1,43 @@
-//! Throughput of the 8-bit matmul kernel: the output projection's shape (262144 x 640) at several
-//! batch sizes, then Gemma 3 270M's layer shapes at one row (decode) and 512 rows (prefill), in the
-//! row layout and, where this CPU has AVX-512 VNNI, the panel layout the model loads into:
+//! Throughput of the matmul kernels: the output projection's shape (262144 x 640, 8-bit) at several
+//! batch sizes, then Gemma 3 270M's layer shapes at one row (decode), 16 rows (a batched decode
+//! step) and 512 rows (prefill), in the row layout and, where this CPU has AVX-512 VNNI, the panel
+//! layout the model loads into; last, the layer shapes in the formats the Q4_K_M file holds them
+//! (Q5_0 for the 640-wide matrices, Q4_K and Q6_K for the others), as the model loads them:
 //! `cargo run --release -p hearth-worker --example kernel_speed`.
 #![allow(clippy::print_stdout)]
 
-use hearth_worker::kernels::{for_this_cpu, matmul_q8, quantize_activations, Layout, Q8Matrix};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{Device, Tensor};
+use hearth_worker::kernels::{
+    for_this_cpu, k_quant_for_this_cpu, matmul_q8, quantize_activations, Layout, Q8Matrix,
+};
 use std::time::Instant;
 
 /// The matrix in the row layout, and in the panel layout when this CPU's kernel takes it.
 fn matrices(rows: usize, cols: usize) -> Vec<Q8Matrix> {
-    let w: Vec<f32> = (0..rows * cols)
-        .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
-        .collect();
-    let m = Q8Matrix::quantize(rows, cols, &w);
+    let m = Q8Matrix::quantize(rows, cols, &weights(rows, cols));
     let fast = for_this_cpu(m.clone());
     if fast.layout == Layout::Rows {
         vec![m]
     } else {
         vec![m, fast]
+    }
+}
+
+fn weights(rows: usize, cols: usize) -> Vec<f32> {
+    (0..rows * cols)
+        .map(|i| ((i * 7919) % 255) as f32 / 127.0 - 1.0)
+        .collect()
+}
+
+/// The matrix in GGUF format `dtype`, loaded as the model loads a file's matrix of that format.
+fn from_file_format(rows: usize, cols: usize, dtype: GgmlDType) -> Q8Matrix {
+    let w = Tensor::from_vec(weights(rows, cols), (rows, cols), &Device::Cpu).expect("shape");
+    let q = QTensor::quantize(&w, dtype).expect("quantizes");
+    let data = q.data().expect("bytes");
+    match k_quant_for_this_cpu(dtype, rows, cols, &data) {
+        Some(m) => m.expect("k-quant blocks"),
+        None => for_this_cpu(Q8Matrix::from_q5_0(rows, cols, &data).expect("Q5_0 blocks")),
     }
 }
 
@@ -95,7 +115,7 @@ fn main() {
     // Fused QKV, fused gate/up, down, attention output.
     for (rows, cols) in [(1536usize, 640usize), (4096, 640), (640, 2048), (640, 1024)] {
         for w in matrices(rows, cols) {
-            for m in [1usize, 512] {
+            for m in [1usize, 16, 512] {
                 let s = time(&w, m, 20_000_000_000);
                 println!(
                     "layer {rows}x{cols} {:?}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
@@ -104,6 +124,25 @@ fn main() {
                     (rows * cols * m) as f64 / s / 1e9,
                 );
             }
+        }
+    }
+    // As the Q4_K_M file holds Gemma 3 270M's layers: the 640-wide ones in Q5_0.
+    for (rows, cols, dtype) in [
+        (1536usize, 640usize, GgmlDType::Q5_0),
+        (4096, 640, GgmlDType::Q5_0),
+        (640, 2048, GgmlDType::Q4K),
+        (640, 2048, GgmlDType::Q6K),
+        (640, 1024, GgmlDType::Q4K),
+    ] {
+        let w = from_file_format(rows, cols, dtype);
+        for m in [1usize, 16, 512] {
+            let s = time(&w, m, 20_000_000_000);
+            println!(
+                "layer {rows}x{cols} {dtype:?} as {:?}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
+                w.layout,
+                s * 1e3,
+                (rows * cols * m) as f64 / s / 1e9,
+            );
         }
     }
 }

@@ -20,6 +20,14 @@
 //! Each output is `Σ_b scale_w · scale_x · dot_b`, summed block by block in order, so a row's result
 //! does not depend on which other rows share its tile or its batch.
 //!
+//! The AVX-512 kernel goes panel by panel: each block of the panel is rebuilt in registers once
+//! (eight vectors of bytes, whatever the format) and serves up to 16 activation rows, whose 4
+//! values go from memory straight into the `vpdpbusd` as broadcasts. A panel (11 KB at 640 columns
+//! in 8 bits) stays in L1 while the rows pass over it, and is read from memory once per batch. An
+//! earlier kernel kept tiles of 2 panels × 4 rows in registers with the broadcasts beside them: it
+//! ran out of registers, re-read each panel once per 4 rows and unpacked it as often, and reached
+//! about half the multiply-add rate.
+//!
 //! **Five-bit panels** ([`Layout::Panels5`]) hold matrices whose values all lie in `[-16, 15]`
 //! (GGUF's Q5_0, widened at load) in 5 bits plus the f16 scale, as the file does, instead of 8:
 //! the decode step reads fewer bytes. A panel's block is 320 bytes: four 64-byte vectors of
@@ -466,11 +474,18 @@ pub(super) mod avx2;
 pub(super) mod vnni512 {
     use super::{
         ActQ8, Layout, Q8Matrix, PANEL, PANEL_BLOCK, PANEL_BLOCK4, PANEL_BLOCK5, PANEL_BLOCK6, QK,
+        QK_K,
     };
     use std::arch::x86_64::*;
 
     /// How far ahead of the 64 bytes being read each panel stream asks for memory.
     const PREFETCH_BYTES: usize = 2048;
+    /// Activation rows [`panel_rows`] takes at a time, at most: 16 accumulators beside the
+    /// block's 8 weight vectors.
+    const ROWS_AT_ONCE: usize = 16;
+    /// Rows of [`panel_rows`] whose sums are interleaved, so that several independent chains of
+    /// multiply-adds are in flight.
+    const CHAINS: usize = 4;
 
     /// The panel formats, as the kernels' const parameter.
     const EIGHT: u8 = 0;
@@ -478,185 +493,260 @@ pub(super) mod vnni512 {
     const Q4K: u8 = 2;
     const Q6K: u8 = 3;
 
-    /// `P` panels from panel `p0` against activation rows `m .. m + A`, in format `F`.
+    /// Bytes of one panel's block in format `F`.
+    const fn block_bytes(f: u8) -> usize {
+        match f {
+            FIVE => PANEL_BLOCK5,
+            Q4K => PANEL_BLOCK4,
+            Q6K => PANEL_BLOCK6,
+            _ => PANEL_BLOCK,
+        }
+    }
+
+    /// What each activation block starts its sums at, and Q4_K's minimum term, made once per
+    /// task for the rows it takes: `first`/`second` are the integer start of a block (or of
+    /// Q6_K's two halves), `min` is Q4_K's `x_s·Σx`.
+    struct Starts {
+        first: Vec<i32>,
+        second: Vec<i32>,
+        min: Vec<f32>,
+    }
+
+    impl Starts {
+        /// For activation blocks `range` (row-major by row, then block).
+        fn new<const F: u8>(x: &ActQ8, range: std::ops::Range<usize>) -> Self {
+            let sums = &x.sums[range.clone()];
+            let (first, second, min) = match F {
+                // The 8-bit and 5-bit values are stored offset by 128 and 16.
+                EIGHT => (
+                    sums.iter().map(|&s| -128 * s).collect(),
+                    Vec::new(),
+                    Vec::new(),
+                ),
+                FIVE => (
+                    sums.iter().map(|&s| -16 * s).collect(),
+                    Vec::new(),
+                    Vec::new(),
+                ),
+                Q4K => (
+                    vec![0; sums.len()],
+                    Vec::new(),
+                    x.scales[range.clone()]
+                        .iter()
+                        .zip(sums)
+                        .map(|(&d, &s)| d * s as f32)
+                        .collect(),
+                ),
+                // Q6_K's values are offset by 32 and each half of a block scaled on its own.
+                _ => {
+                    let halves = &x.half_sums[range];
+                    (
+                        halves.iter().map(|&h| -32 * h).collect(),
+                        halves
+                            .iter()
+                            .zip(sums)
+                            .map(|(&h, &s)| -32 * (s - h))
+                            .collect(),
+                        Vec::new(),
+                    )
+                }
+            };
+            Starts { first, second, min }
+        }
+    }
+
+    /// Block `b` of panel `p` as eight vectors of unsigned bytes, one per group of 4 values (4 of
+    /// each of the panel's 16 rows), rebuilt in registers from format `F`.
     ///
     /// # Safety
-    /// AVX-512 F, BW and VNNI; panels `p0 .. p0 + P` exist, rows `m .. m + A` of `x` exist, and
-    /// `out` holds `x.rows × w.rows` values.
+    /// AVX-512 F and BW; panel `p` of `w` exists.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     #[inline]
-    unsafe fn tile<const P: usize, const A: usize, const F: u8>(
+    unsafe fn unpack<const F: u8>(w: &Q8Matrix, p: usize, b: usize) -> [__m512i; QK / 4] {
+        let block =
+            w.qs.as_ptr()
+                .wrapping_add((p * (w.cols / QK) + b) * block_bytes(F));
+        let load = |at: *const i8| {
+            // A hint only: it never faults, so an address past the matrix is harmless.
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
+            // SAFETY: callers pass addresses inside panel p's block b.
+            unsafe { _mm512_loadu_si512(at as *const __m512i) }
+        };
+        let mut v = [_mm512_setzero_si512(); QK / 4];
+        if F == EIGHT {
+            for (g, v) in v.iter_mut().enumerate() {
+                *v = load(block.wrapping_add(64 * g));
+            }
+            return v;
+        }
+        let nibble = _mm512_set1_epi8(0x0f);
+        // Two groups per vector of nibbles: 2j in the low ones, 2j + 1 in the high ones.
+        for j in 0..QK / 8 {
+            let nibbles = load(block.wrapping_add(64 * j));
+            let low = _mm512_and_si512(nibbles, nibble);
+            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
+            (v[2 * j], v[2 * j + 1]) = match F {
+                FIVE => {
+                    // SAFETY: the block's fifth bits follow its nibbles.
+                    let fifths = unsafe {
+                        let bits = block.add(PANEL_BLOCK / 2 + 16 * j) as *const u64;
+                        [
+                            std::ptr::read_unaligned(bits),
+                            std::ptr::read_unaligned(bits.add(1)),
+                        ]
+                    };
+                    let sixteen = _mm512_set1_epi8(16);
+                    (
+                        _mm512_mask_add_epi8(low, fifths[0], low, sixteen),
+                        _mm512_mask_add_epi8(high, fifths[1], high, sixteen),
+                    )
+                }
+                Q6K => {
+                    let pairs = load(block.wrapping_add(PANEL_BLOCK / 2 + 64 * (j / 2)));
+                    // Groups 2j and 2j + 1 take bits 4(j mod 2) and 4(j mod 2) + 2, moved to
+                    // bits 4 and 5 (16-bit shifts: the mask drops what crosses between bytes).
+                    let (first, second) = if j % 2 == 0 {
+                        (_mm512_slli_epi16::<4>(pairs), _mm512_slli_epi16::<2>(pairs))
+                    } else {
+                        (pairs, _mm512_srli_epi16::<2>(pairs))
+                    };
+                    let bits = _mm512_set1_epi8(0x30);
+                    (
+                        _mm512_or_si512(low, _mm512_and_si512(first, bits)),
+                        _mm512_or_si512(high, _mm512_and_si512(second, bits)),
+                    )
+                }
+                _ => (low, high),
+            };
+        }
+        v
+    }
+
+    /// Block `b` of panel `p`'s 16 row scales (for Q6_K, one per half of the block) and, for
+    /// Q4_K, its 16 minimums `dmin·m`.
+    ///
+    /// # Safety
+    /// AVX-512 F; panel `p` of `w` exists.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn scales<const F: u8>(w: &Q8Matrix, p: usize, b: usize) -> ([__m512; 2], __m512) {
+        let (bpr, spr) = (w.cols / QK, w.cols / QK_K);
+        let block = w.qs.as_ptr().wrapping_add((p * bpr + b) * block_bytes(F));
+        let half = w.half_scales.as_ptr();
+        let f16s = |at: *const half::f16| {
+            // SAFETY: callers pass 16 scales of panel p.
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(at as *const __m256i)) }
+        };
+        // SAFETY: panel p exists: its block's scales (and Q4_K's minimums), and its f16 scales
+        // for the block or its super-block.
+        unsafe {
+            match F {
+                Q4K => {
+                    let h = half.add((p * spr + b * QK / QK_K) * 2 * PANEL);
+                    let at = block.add(PANEL_BLOCK / 2);
+                    let both = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
+                    let sc = _mm512_and_si512(both, _mm512_set1_epi32(63));
+                    // Each byte of the minimums' high bits twice, then lane 2i's low nibble and
+                    // lane 2i + 1's high one.
+                    let high = _mm_loadl_epi64(at.add(PANEL) as *const __m128i);
+                    let high = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(high, high));
+                    let shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+                    let high = _mm512_srlv_epi32(high, shifts);
+                    let high = _mm512_and_si512(high, _mm512_set1_epi32(0x0f));
+                    let mn =
+                        _mm512_or_si512(_mm512_srli_epi32::<6>(both), _mm512_slli_epi32::<2>(high));
+                    let scale = _mm512_mul_ps(f16s(h), _mm512_cvtepi32_ps(sc));
+                    let min = _mm512_mul_ps(f16s(h.add(PANEL)), _mm512_cvtepi32_ps(mn));
+                    ([scale; 2], min)
+                }
+                Q6K => {
+                    let d = f16s(half.add((p * spr + b * QK / QK_K) * PANEL));
+                    let at = block.add(PANEL_BLOCK * 3 / 4);
+                    let sc = |h: usize| {
+                        let sc = _mm_loadu_si128(at.add(h * PANEL) as *const __m128i);
+                        _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)))
+                    };
+                    ([sc(0), sc(1)], _mm512_setzero_ps())
+                }
+                _ => (
+                    [f16s(half.add((p * bpr + b) * PANEL)); 2],
+                    _mm512_setzero_ps(),
+                ),
+            }
+        }
+    }
+
+    /// Rows `m .. m + A` against panel `p`, every block: each block of the panel is rebuilt in
+    /// registers once and serves all `A` rows, whose values go straight from memory into the
+    /// multiply-adds as broadcasts. Each row's result is `Σ_b scale_w · scale_x · dot_b`, added
+    /// block by block in order, whatever `A` is.
+    ///
+    /// # Safety
+    /// AVX-512 F, BW and VNNI; `w` is in format `F` and panel `p` exists; rows `m .. m + A` of
+    /// `x` exist, and `starts` covers rows `m0 ..` from before `m`; `out` holds
+    /// `x.rows × w.rows` values.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[inline]
+    unsafe fn panel_rows<const A: usize, const F: u8>(
         w: &Q8Matrix,
         x: &ActQ8,
-        p0: usize,
+        (starts, m0): (&Starts, usize),
+        p: usize,
         m: usize,
         out: &mut [f32],
     ) {
         let (k, bpr) = (w.cols, w.cols / QK);
-        let wq = w.qs.as_ptr();
-        let xq = x.qs.as_ptr();
-        let mut acc = [[_mm512_setzero_ps(); A]; P];
-        let (block_bytes, offset) = match F {
-            FIVE => (PANEL_BLOCK5, 16),
-            Q4K => (PANEL_BLOCK4, 0),
-            Q6K => (PANEL_BLOCK6, 0),
-            _ => (PANEL_BLOCK, 128),
-        };
-        let (nibble, sixteen) = (_mm512_set1_epi8(0x0f), _mm512_set1_epi8(16));
-        let bits = _mm512_set1_epi8(0x30);
-        let nibble_shifts = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
-        // Q6_K scales each 16 values: its blocks are summed and scaled in two halves.
+        // Q6_K is scaled each 16 values: its blocks are summed and scaled in two halves.
         let halves = if F == Q6K { 2 } else { 1 };
-        let spr = k / super::QK_K;
+        let mut acc = [_mm512_setzero_ps(); A];
         for b in 0..bpr {
-            for half in 0..halves {
-                let mut sum = [[_mm512_setzero_si512(); A]; P];
-                for a in 0..A {
-                    let at = (m + a) * bpr + b;
-                    let start = if F == Q6K {
-                        let first = x.half_sums[at];
-                        -32 * if half == 0 { first } else { x.sums[at] - first }
-                    } else {
-                        -offset * x.sums[at]
-                    };
-                    for p in 0..P {
-                        sum[p][a] = _mm512_set1_epi32(start);
-                    }
-                }
-                // Two groups of 4 values at a time: one vector of nibbles in the packed panels.
-                for j in half * QK / 8 / halves..(half + 1) * QK / 8 / halves {
-                    let mut xb = [[_mm512_setzero_si512(); A]; 2];
-                    for (h, xb) in xb.iter_mut().enumerate() {
-                        for a in 0..A {
-                            let at = (m + a) * k + b * QK + 8 * j + 4 * h;
-                            // SAFETY: row m + a < x.rows, value at + 3 < its row's end.
-                            let four =
-                                unsafe { std::ptr::read_unaligned(xq.add(at) as *const i32) };
-                            xb[a] = _mm512_set1_epi32(four);
-                        }
-                    }
-                    for p in 0..P {
-                        let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
-                        let pair = if F == Q4K || F == Q6K {
-                            let at = block.wrapping_add(j * 64);
-                            // A hint only: it never faults, so an address past the matrix is
-                            // harmless.
-                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                            // SAFETY: panel p0 + p exists, so its block b's bytes do.
-                            let nibbles = unsafe { _mm512_loadu_si512(at as *const __m512i) };
-                            let low = _mm512_and_si512(nibbles, nibble);
-                            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
-                            if F == Q6K {
-                                let at = block.wrapping_add(PANEL_BLOCK / 2 + 64 * (j / 2));
-                                _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                                // SAFETY: as above; the high bits follow the nibbles.
-                                let pairs = unsafe { _mm512_loadu_si512(at as *const __m512i) };
-                                // Groups 2j and 2j + 1 take bits 4(j mod 2) and 4(j mod 2) + 2,
-                                // moved to bits 4 and 5 (16-bit shifts: the mask drops what
-                                // crosses between bytes).
-                                let (first, second) = if j % 2 == 0 {
-                                    (_mm512_slli_epi16::<4>(pairs), _mm512_slli_epi16::<2>(pairs))
-                                } else {
-                                    (pairs, _mm512_srli_epi16::<2>(pairs))
-                                };
-                                [
-                                    _mm512_or_si512(low, _mm512_and_si512(first, bits)),
-                                    _mm512_or_si512(high, _mm512_and_si512(second, bits)),
-                                ]
-                            } else {
-                                [low, high]
-                            }
-                        } else if F == FIVE {
-                            let at = block.wrapping_add(j * 64);
-                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                            // SAFETY: panel p0 + p exists, so its block b's 320 bytes do.
-                            let (nibbles, fifths) = unsafe {
-                                let bits = block.add(PANEL_BLOCK / 2 + 16 * j) as *const u64;
-                                (
-                                    _mm512_loadu_si512(at as *const __m512i),
-                                    [
-                                        std::ptr::read_unaligned(bits),
-                                        std::ptr::read_unaligned(bits.add(1)),
-                                    ],
-                                )
-                            };
-                            let low = _mm512_and_si512(nibbles, nibble);
-                            let high = _mm512_and_si512(_mm512_srli_epi16::<4>(nibbles), nibble);
-                            [
-                                _mm512_mask_add_epi8(low, fifths[0], low, sixteen),
-                                _mm512_mask_add_epi8(high, fifths[1], high, sixteen),
-                            ]
+            // SAFETY: panel p exists.
+            let (wv, (scale, min)) = unsafe { (unpack::<F>(w, p, b), scales::<F>(w, p, b)) };
+            for a0 in (0..A).step_by(CHAINS) {
+                let chains = CHAINS.min(A - a0);
+                for half in 0..halves {
+                    let mut sum = [_mm512_setzero_si512(); CHAINS];
+                    for c in 0..chains {
+                        let at = (m + a0 + c - m0) * bpr + b;
+                        let start = if half == 0 {
+                            &starts.first
                         } else {
-                            let at = block.wrapping_add(j * 2 * 4 * PANEL);
-                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES));
-                            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(PREFETCH_BYTES + 64));
-                            // SAFETY: panel p0 + p exists, so its block b's groups 2j, 2j + 1 do.
-                            unsafe {
-                                [
-                                    _mm512_loadu_si512(at as *const __m512i),
-                                    _mm512_loadu_si512(at.add(64) as *const __m512i),
-                                ]
-                            }
+                            &starts.second
                         };
-                        for a in 0..A {
-                            sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[0], xb[0][a]);
-                            sum[p][a] = _mm512_dpbusd_epi32(sum[p][a], pair[1], xb[1][a]);
+                        // SAFETY: `starts` covers row m + a0 + c.
+                        sum[c] = _mm512_set1_epi32(unsafe { *start.get_unchecked(at) });
+                    }
+                    for g in half * QK / 4 / halves..(half + 1) * QK / 4 / halves {
+                        for c in 0..chains {
+                            let at = (m + a0 + c) * k + b * QK + 4 * g;
+                            // SAFETY: row m + a0 + c < x.rows, value at + 3 < its row's end.
+                            let four = unsafe {
+                                std::ptr::read_unaligned(x.qs.as_ptr().add(at) as *const i32)
+                            };
+                            sum[c] = _mm512_dpbusd_epi32(sum[c], wv[g], _mm512_set1_epi32(four));
                         }
                     }
-                }
-                // Per row: the block's (or half's) scale, and Q4_K's minimum `dmin·m`.
-                let (mut scale, mut min) = ([_mm512_setzero_ps(); P], [_mm512_setzero_ps(); P]);
-                for p in 0..P {
-                    let block = wq.wrapping_add(((p0 + p) * bpr + b) * block_bytes);
-                    let panel = w.half_scales.as_ptr();
-                    // SAFETY: panel p0 + p exists: its block's scales (and Q4_K's minimums), and
-                    // its f16 scales for the block or its super-block.
-                    unsafe {
-                        if F == Q4K {
-                            let h = panel.add(((p0 + p) * spr + b * QK / super::QK_K) * 2 * PANEL);
-                            let at = block.add(PANEL_BLOCK / 2);
-                            let both = _mm512_cvtepu8_epi32(_mm_loadu_si128(at as *const __m128i));
-                            let sc = _mm512_and_si512(both, _mm512_set1_epi32(63));
-                            // Each byte of the minimums' high bits twice, then lane 2i's low
-                            // nibble and lane 2i + 1's high one.
-                            let high = _mm_loadl_epi64(at.add(PANEL) as *const __m128i);
-                            let high = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(high, high));
-                            let high = _mm512_srlv_epi32(high, nibble_shifts);
-                            let high = _mm512_and_si512(high, _mm512_set1_epi32(0x0f));
-                            let mn = _mm512_or_si512(
-                                _mm512_srli_epi32::<6>(both),
-                                _mm512_slli_epi32::<2>(high),
-                            );
-                            let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
-                            let dmin =
-                                _mm512_cvtph_ps(_mm256_loadu_si256(h.add(PANEL) as *const __m256i));
-                            scale[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                            min[p] = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn));
-                        } else if F == Q6K {
-                            let h = panel.add(((p0 + p) * spr + b * QK / super::QK_K) * PANEL);
-                            let at = block.add(PANEL_BLOCK * 3 / 4 + half * PANEL);
-                            let sc = _mm512_cvtepi8_epi32(_mm_loadu_si128(at as *const __m128i));
-                            let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
-                            scale[p] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
-                        } else {
-                            let h = panel.add(((p0 + p) * bpr + b) * PANEL);
-                            scale[p] = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
-                        }
-                    }
-                }
-                for a in 0..A {
-                    let at = (m + a) * bpr + b;
-                    let xs = x.scales[at];
-                    let xsum = _mm512_set1_ps(xs * x.sums[at] as f32);
-                    let xs = _mm512_set1_ps(xs);
-                    for p in 0..P {
+                    for c in 0..chains {
+                        let a = a0 + c;
+                        let at = (m + a) * bpr + b;
+                        // SAFETY: row m + a < x.rows has block b's scale, and `starts` its entry.
+                        let (xs, xmin) = unsafe {
+                            (
+                                *x.scales.get_unchecked(at),
+                                if F == Q4K {
+                                    *starts.min.get_unchecked(at - m0 * bpr)
+                                } else {
+                                    0.0
+                                },
+                            )
+                        };
                         let with_q = _mm512_fmadd_ps(
-                            _mm512_cvtepi32_ps(sum[p][a]),
-                            _mm512_mul_ps(scale[p], xs),
-                            acc[p][a],
+                            _mm512_cvtepi32_ps(sum[c]),
+                            _mm512_mul_ps(scale[half], _mm512_set1_ps(xs)),
+                            acc[a],
                         );
-                        acc[p][a] = if F == Q4K {
-                            _mm512_fnmadd_ps(min[p], xsum, with_q)
+                        acc[a] = if F == Q4K {
+                            _mm512_fnmadd_ps(min, _mm512_set1_ps(xmin), with_q)
                         } else {
                             with_q
                         };
@@ -664,55 +754,14 @@ pub(super) mod vnni512 {
                 }
             }
         }
-        for p in 0..P {
-            let row = (p0 + p) * PANEL;
-            // The last panel may be padding past the matrix's rows: those lanes are not stored.
-            let valid = (w.rows - row).min(PANEL);
-            let mask = ((1u32 << valid) - 1) as __mmask16;
-            for a in 0..A {
-                // SAFETY: cells (m + a, row .. row + valid) lie inside `out`.
-                unsafe {
-                    _mm512_mask_storeu_ps(
-                        out.as_mut_ptr().add((m + a) * w.rows + row),
-                        mask,
-                        acc[p][a],
-                    )
-                };
-            }
-        }
-    }
-
-    /// Panels `p0 .. p0 + P` against activation rows `m0..m1`: four at a time (two panels per
-    /// tile, 16 accumulators), then one at a time (all `P` panels per tile).
-    ///
-    /// # Safety
-    /// As [`tile`], for every panel and row named.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn panels<const P: usize, const F: u8>(
-        w: &Q8Matrix,
-        x: &ActQ8,
-        p0: usize,
-        (m0, m1): (usize, usize),
-        out: &mut [f32],
-    ) {
-        let mut m = m0;
-        while m + 4 <= m1 {
-            let mut p = 0;
-            while p + 2 <= P {
-                // SAFETY: as this function's contract.
-                unsafe { tile::<2, 4, F>(w, x, p0 + p, m, out) };
-                p += 2;
-            }
-            if p < P {
-                // SAFETY: as above.
-                unsafe { tile::<1, 4, F>(w, x, p0 + p, m, out) };
-            }
-            m += 4;
-        }
-        while m < m1 {
-            // SAFETY: as above.
-            unsafe { tile::<P, 1, F>(w, x, p0, m, out) };
-            m += 1;
+        let row = p * PANEL;
+        // The last panel may be padding past the matrix's rows: those lanes are not stored.
+        let mask = ((1u32 << (w.rows - row).min(PANEL)) - 1) as __mmask16;
+        for a in 0..A {
+            // SAFETY: cells (m + a, row .. row + valid) lie inside `out`.
+            unsafe {
+                _mm512_mask_storeu_ps(out.as_mut_ptr().add((m + a) * w.rows + row), mask, acc[a])
+            };
         }
     }
 
@@ -734,24 +783,40 @@ pub(super) mod vnni512 {
         }
     }
 
+    /// The task's panels against the activation rows, a block of rows at a time (they stay in
+    /// cache while the panels pass over them) and panel by panel within it: a panel (about 11 KB
+    /// at 640 columns in 8 bits) stays in L1 while the block's rows pass over it.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn rows<const F: u8>(w: &Q8Matrix, x: &ActQ8, r0: usize, r1: usize, out: &mut [f32]) {
         let (first, end, block) = super::task_bounds(w, x, r0, r1, out);
+        let bpr = w.cols / QK;
         let mut m0 = 0;
         while m0 < x.rows {
-            let ms = (m0, (m0 + block).min(x.rows));
-            let mut p = first;
-            while p + 4 <= end {
-                // SAFETY: panels p .. p + 4 < end exist; rows ms lie inside x.
-                unsafe { panels::<4, F>(w, x, p, ms, out) };
-                p += 4;
+            let m1 = (m0 + block).min(x.rows);
+            let starts = Starts::new::<F>(x, m0 * bpr..m1 * bpr);
+            let s = (&starts, m0);
+            for p in first..end {
+                let mut m = m0;
+                // SAFETY (each call): panel p < end exists, rows m .. m + A <= m1 lie inside x
+                // and `starts` covers them.
+                while m + ROWS_AT_ONCE <= m1 {
+                    unsafe { panel_rows::<ROWS_AT_ONCE, F>(w, x, s, p, m, out) };
+                    m += ROWS_AT_ONCE;
+                }
+                if m + 8 <= m1 {
+                    unsafe { panel_rows::<8, F>(w, x, s, p, m, out) };
+                    m += 8;
+                }
+                if m + 4 <= m1 {
+                    unsafe { panel_rows::<4, F>(w, x, s, p, m, out) };
+                    m += 4;
+                }
+                while m < m1 {
+                    unsafe { panel_rows::<1, F>(w, x, s, p, m, out) };
+                    m += 1;
+                }
             }
-            while p < end {
-                // SAFETY: as above.
-                unsafe { panels::<1, F>(w, x, p, ms, out) };
-                p += 1;
-            }
-            m0 = ms.1;
+            m0 = m1;
         }
     }
 }

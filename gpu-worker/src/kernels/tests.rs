@@ -242,22 +242,38 @@ fn the_panel_layout_gives_the_row_layout_s_products_and_rows() {
 
 #[test]
 fn a_panel_row_s_result_does_not_depend_on_its_batch() {
-    // The engine's bit-identity between batched, chunked and cached tokens rests on this.
-    let (rows, cols) = (100, 640);
-    let w = to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, 23))).unwrap();
-    let x = noise(7 * cols, 24);
-    for isa in all_isas() {
-        let mut batch = vec![0f32; 7 * rows];
-        matmul_q8_with(isa, &w, &quantize_activations(&x, 7, cols), &mut batch);
-        for m in 0..7 {
-            let mut one = vec![0f32; rows];
-            let row = quantize_activations(&x[m * cols..(m + 1) * cols], 1, cols);
-            matmul_q8_with(isa, &w, &row, &mut one);
-            assert_eq!(
-                &batch[m * rows..(m + 1) * rows],
-                &one[..],
-                "{isa:?} row {m}"
-            );
+    // The engine's bit-identity between batched, chunked and cached tokens rests on this. 29 rows
+    // take the kernels' 16-, 8-, 4- and 1-row tiles; every panel format.
+    let (rows, cols, n) = (100, 768, 29);
+    let file = |dtype| {
+        let w = Tensor::from_vec(noise(rows * cols, 23), (rows, cols), &Device::Cpu).unwrap();
+        QTensor::quantize(&w, dtype)
+            .unwrap()
+            .data()
+            .unwrap()
+            .to_vec()
+    };
+    let eight = to_panels(&Q8Matrix::quantize(rows, cols, &noise(rows * cols, 23))).unwrap();
+    let five = Q8Matrix::from_q5_0(rows, cols, &file(GgmlDType::Q5_0)).unwrap();
+    let five = to_five_bit(&to_panels(&five).unwrap()).unwrap();
+    let q4k = from_q4_k(rows, cols, &file(GgmlDType::Q4K)).unwrap();
+    let q6k = from_q6_k(rows, cols, &file(GgmlDType::Q6K)).unwrap();
+    let x = noise(n * cols, 24);
+    for w in [eight, five, q4k, q6k] {
+        for isa in all_isas() {
+            let mut batch = vec![0f32; n * rows];
+            matmul_q8_with(isa, &w, &quantize_activations(&x, n, cols), &mut batch);
+            for m in 0..n {
+                let mut one = vec![0f32; rows];
+                let row = quantize_activations(&x[m * cols..(m + 1) * cols], 1, cols);
+                matmul_q8_with(isa, &w, &row, &mut one);
+                assert_eq!(
+                    &batch[m * rows..(m + 1) * rows],
+                    &one[..],
+                    "{isa:?} {:?} row {m}",
+                    w.layout
+                );
+            }
         }
     }
 }
@@ -298,7 +314,7 @@ fn panels_keep_f16_scales_and_refuse_a_matrix_whose_scales_are_not_f16() {
 #[test]
 fn five_bit_panels_give_the_eight_bit_panels_results_exactly() {
     // Q5_0 as a GGUF file holds it; odd batches and a part-filled last panel.
-    for (rows, cols, m) in [(40, 640, 1), (131, 640, 9), (256, 128, 16)] {
+    for (rows, cols, m) in [(40, 640, 1), (131, 640, 29), (256, 128, 16)] {
         let (w, x, _) = candle_reference(GgmlDType::Q5_0, rows, cols, m, 40 + rows as u64);
         let eight = to_panels(&w).unwrap();
         let five = to_five_bit(&eight).expect("Q5_0 values fit in 5 bits");
@@ -340,7 +356,7 @@ fn k_quant_panels_match_candle(
     (file_bytes, panel_bytes): (usize, usize),
 ) {
     let dev = Device::Cpu;
-    for (rows, cols, m) in [(40, 512, 1), (37, 256, 5), (64, 1024, 9)] {
+    for (rows, cols, m) in [(40, 512, 1), (37, 256, 5), (64, 1024, 9), (48, 512, 29)] {
         let w = Tensor::from_vec(noise(rows * cols, 50), (rows, cols), &dev).unwrap();
         let qt = QTensor::quantize(&w, dtype).unwrap();
         let ours = convert(rows, cols, &qt.data().unwrap()).unwrap();
