@@ -100,7 +100,13 @@ impl Sampler {
             }
         }
         let token = if self.params.is_greedy() {
-            argmax(logits)
+            // The maximum is already known unless the penalty moved logits.
+            let top = if original.is_empty() {
+                max
+            } else {
+                max_of(logits)
+            };
+            first_index_of(logits, top)
         } else {
             self.sample_stochastic(logits)
         };
@@ -202,9 +208,8 @@ fn sum_exp(xs: &[f32], max: f32) -> f32 {
     acc.iter().sum::<f32>() + rest.iter().map(|&v| exp(v - max)).sum::<f32>()
 }
 
-/// Index of the first largest value.
-fn argmax(xs: &[f32]) -> u32 {
-    let max = max_of(xs);
+/// Index of the first value equal to `max`, the largest (0 if none is).
+fn first_index_of(xs: &[f32], max: f32) -> u32 {
     xs.iter().position(|&v| v == max).map_or(0, |i| i as u32)
 }
 
@@ -252,7 +257,7 @@ mod tests {
     #[test]
     fn top_k_one_is_greedy_and_top_k_limits_choices() {
         let l = logits();
-        let best = argmax(&l);
+        let best = first_index_of(&l, max_of(&l));
         let mut s = Sampler::new(SamplingParams {
             temperature: 5.0,
             top_k: 1,

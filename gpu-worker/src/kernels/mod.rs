@@ -66,6 +66,14 @@ fn cached_isa() -> Isa {
     *ISA.get_or_init(detect_isa)
 }
 
+/// Whether AVX-512 F and BW run here (the activation quantizer's fast path), checked once.
+#[cfg(target_arch = "x86_64")]
+fn has_avx512() -> bool {
+    static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AVX512
+        .get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
+}
+
 /// `m` in the layout this CPU's kernels read fastest: panels where AVX-512 VNNI runs, five-bit
 /// panels for values that fit where AVX2 does, rows elsewhere.
 pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {

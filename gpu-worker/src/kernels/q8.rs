@@ -376,15 +376,14 @@ pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut Ac
     a.half_sums.resize(rows * cols / QK, 0);
     let quantize =
         |x: &[f32], qs: &mut [i8], scales: &mut [f32], sums: &mut [i32], halves: &mut [i32]| {
-            let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK));
-            let out = scales
-                .iter_mut()
-                .zip(sums.iter_mut().zip(halves.iter_mut()));
-            for ((src, dst), (scale, (sum, half))) in blocks.zip(out) {
-                *scale = quantize_block(src, dst);
-                *half = dst[..QK / 2].iter().map(|&v| v as i32).sum();
-                *sum = *half + dst[QK / 2..].iter().map(|&v| v as i32).sum::<i32>();
+            #[cfg(target_arch = "x86_64")]
+            if super::has_avx512() {
+                // SAFETY: AVX-512 F and BW were detected; the slices are whole blocks and their
+                // entries (`quantize_blocks` checks).
+                unsafe { super::x86::quantize512::quantize_blocks(x, qs, scales, sums, halves) };
+                return;
             }
+            quantize_blocks(x, qs, scales, sums, halves);
         };
     // A prefill's activations (hundreds of rows) are split across the kernel pool: quantizing
     // them on one thread left the others idle for several percent of a prefill.
@@ -414,6 +413,27 @@ pub fn quantize_activations_into(x: &[f32], rows: usize, cols: usize, a: &mut Ac
             quantize(x, qs, scales, sums, halves);
         }
     });
+}
+
+/// The blocks of `x` quantized into `qs` ([`quantize_block`]), with each block's scale, the sum
+/// of its values and the sum of its first half's (portable code; AVX-512 has its own, equal bit
+/// for bit).
+pub(super) fn quantize_blocks(
+    x: &[f32],
+    qs: &mut [i8],
+    scales: &mut [f32],
+    sums: &mut [i32],
+    halves: &mut [i32],
+) {
+    let blocks = x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK));
+    let out = scales
+        .iter_mut()
+        .zip(sums.iter_mut().zip(halves.iter_mut()));
+    for ((src, dst), (scale, (sum, half))) in blocks.zip(out) {
+        *scale = quantize_block(src, dst);
+        *half = dst[..QK / 2].iter().map(|&v| v as i32).sum();
+        *sum = *half + dst[QK / 2..].iter().map(|&v| v as i32).sum::<i32>();
+    }
 }
 
 /// Activation values from which [`quantize_activations`] splits the work across threads.

@@ -425,3 +425,66 @@ fn q6_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
     // 6.5625 bits a weight, as the file holds them.
     k_quant_panels_match_candle(GgmlDType::Q6K, from_q6_k, Layout::PanelsQ6K, (210, 210));
 }
+
+#[test]
+#[cfg(target_arch = "x86_64")]
+fn the_avx512_activation_quantizer_gives_the_portable_blocks_bit_for_bit() {
+    if !has_avx512() {
+        return;
+    }
+    // Noise at several magnitudes, an all-zero block, ties at .5 once scaled (amax 127 makes the
+    // scale 1), huge, infinite and subnormal values, and a block with a single nonzero value.
+    let mut x = Vec::new();
+    for scale in [1e-3f32, 1.0, 37.0, 1e20] {
+        x.extend(
+            noise(32 * 40, scale.to_bits() as u64)
+                .iter()
+                .map(|v| v * scale),
+        );
+    }
+    x.extend([0.0; 32]);
+    x.extend((0..32).map(|i| {
+        if i == 0 {
+            127.0
+        } else {
+            (i as f32 - 16.0) + 0.5
+        }
+    }));
+    x.extend((0..32).map(|i| (i as f32 - 15.5) * f32::MIN_POSITIVE / 4.0));
+    x.extend((0..32).map(|i| if i == 7 { -3.0 } else { 0.0 }));
+    x.extend((0..32).map(|i| if i == 9 { f32::INFINITY } else { i as f32 }));
+    let blocks = x.len() / QK;
+    let run = |fast: bool| {
+        let (mut qs, mut scales) = (vec![0i8; x.len()], vec![0f32; blocks]);
+        let (mut sums, mut halves) = (vec![0i32; blocks], vec![0i32; blocks]);
+        if fast {
+            // SAFETY: AVX-512 was detected above; the buffers fit the blocks.
+            unsafe {
+                x86::quantize512::quantize_blocks(&x, &mut qs, &mut scales, &mut sums, &mut halves)
+            };
+        } else {
+            q8::quantize_blocks(&x, &mut qs, &mut scales, &mut sums, &mut halves);
+        }
+        (
+            qs,
+            scales.iter().map(|s| s.to_bits()).collect::<Vec<_>>(),
+            sums,
+            halves,
+        )
+    };
+    let (fast, portable) = (run(true), run(false));
+    for b in 0..blocks {
+        let at = b * QK..(b + 1) * QK;
+        assert!(
+            fast.0[at.clone()] == portable.0[at.clone()]
+                && (fast.1[b], fast.2[b], fast.3[b])
+                    == (portable.1[b], portable.2[b], portable.3[b]),
+            "block {b} of {blocks}: {:?} {:?} vs {:?} {:?}",
+            &fast.0[at.clone()],
+            (fast.1[b], fast.2[b], fast.3[b]),
+            &portable.0[at],
+            (portable.1[b], portable.2[b], portable.3[b]),
+        );
+    }
+    assert!(portable.0.iter().any(|&v| v == 127) && portable.0.iter().any(|&v| v == -127));
+}

@@ -360,3 +360,58 @@ pub(super) mod vnni512 {
         }
     }
 }
+
+/// Activation quantization with AVX-512: the same blocks, scales and sums as the portable
+/// [`super::q8::quantize_blocks`], bit for bit (for any input without NaN). Every step is exact
+/// or rounds as the portable code does: the largest magnitude (order-free), the scale and its
+/// inverse (the same scalar divisions), one product per value, the clamp to ±127, then
+/// conversion with round-to-nearest-even (the default rounding mode, as `round_ties_even`).
+pub(super) mod quantize512 {
+    use super::QK;
+    use std::arch::x86_64::*;
+
+    /// Quantizes the blocks of `x` into `qs`, with each block's scale, sum and first half's sum.
+    ///
+    /// # Safety
+    /// AVX-512 F; `x` and `qs` hold whole blocks, and `scales`, `sums` and `halves` one entry
+    /// per block.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn quantize_blocks(
+        x: &[f32],
+        qs: &mut [i8],
+        scales: &mut [f32],
+        sums: &mut [i32],
+        halves: &mut [i32],
+    ) {
+        assert_eq!(QK, 32, "two 16-value vectors per block");
+        let n = x.len() / QK;
+        assert!(qs.len() >= n * QK && scales.len() >= n && sums.len() >= n && halves.len() >= n);
+        let (lo, hi) = (_mm512_set1_ps(-127.0), _mm512_set1_ps(127.0));
+        for b in 0..n {
+            // SAFETY: block b's 32 values lie inside `x` and `qs` (checked above).
+            unsafe {
+                let src = x.as_ptr().add(b * QK);
+                let (v0, v1) = (_mm512_loadu_ps(src), _mm512_loadu_ps(src.add(16)));
+                let amax =
+                    _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+                let d = amax / 127.0;
+                let inv = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+                // Clamped as floats (a subnormal block's inverse scale is infinite), and NaN
+                // to 0 as the portable conversion makes it.
+                let q = |v| {
+                    let p = _mm512_mul_ps(v, inv);
+                    let ordered = _mm512_cmp_ps_mask::<_CMP_ORD_Q>(p, p);
+                    _mm512_maskz_cvtps_epi32(ordered, _mm512_min_ps(_mm512_max_ps(p, lo), hi))
+                };
+                let (q0, q1) = (q(v0), q(v1));
+                let dst = qs.as_mut_ptr().add(b * QK);
+                _mm_storeu_si128(dst as *mut __m128i, _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128(dst.add(16) as *mut __m128i, _mm512_cvtepi32_epi8(q1));
+                let half = _mm512_reduce_add_epi32(q0);
+                *scales.get_unchecked_mut(b) = d;
+                *halves.get_unchecked_mut(b) = half;
+                *sums.get_unchecked_mut(b) = half + _mm512_reduce_add_epi32(q1);
+            }
+        }
+    }
+}
