@@ -486,5 +486,5 @@ fn the_avx512_activation_quantizer_gives_the_portable_blocks_bit_for_bit() {
             (portable.1[b], portable.2[b], portable.3[b]),
         );
     }
-    assert!(portable.0.iter().any(|&v| v == 127) && portable.0.iter().any(|&v| v == -127));
+    assert!(portable.0.contains(&127) && portable.0.contains(&-127));
 }
