@@ -119,18 +119,37 @@ fn slice<'q>(
         }
         for r in 0..rows {
             let q = qrows(t0 + r);
-            for j in first(r).max(j0)..=last(r).min(j0 + n - 1) {
+            let mut put = |j: usize, h: usize, d: f32| {
+                let mut v = d * scale;
+                if let Some(cap) = c.attn_logit_softcap {
+                    v = (v / cap).tanh() * cap;
+                }
+                let at = r * group + h;
+                scores[at * span + j - lo] = v;
+                max[at] = max[at].max(v);
+            };
+            let (a, b) = (first(r).max(j0), last(r).min(j0 + n - 1));
+            let mut j = a;
+            // Four keys at a time where the heads come in fours: the same sums, reduced together.
+            #[cfg(target_arch = "x86_64")]
+            if group == 4 && hd % LANES == 0 && dots4x4::available() {
+                while j + 4 <= b + 1 {
+                    let keys = &tile[(j - j0) * hd..(j + 4 - j0) * hd];
+                    // SAFETY: AVX-512 F is available (checked); 4 query rows and 4 keys of `hd`.
+                    let d = unsafe { dots4x4::scores(q, keys) };
+                    for (i, &d) in d.iter().enumerate() {
+                        put(j + i / 4, i % 4, d);
+                    }
+                    j += 4;
+                }
+            }
+            while j <= b {
                 let key = &tile[(j - j0) * hd..(j - j0 + 1) * hd];
                 dots(q, key, &mut row_scores);
                 for (h, &d) in row_scores.iter().enumerate() {
-                    let mut v = d * scale;
-                    if let Some(cap) = c.attn_logit_softcap {
-                        v = (v / cap).tanh() * cap;
-                    }
-                    let at = r * group + h;
-                    scores[at * span + j - lo] = v;
-                    max[at] = max[at].max(v);
+                    put(j, h, d);
                 }
+                j += 1;
             }
         }
         j0 += n;
@@ -142,9 +161,10 @@ fn slice<'q>(
         for h in 0..group {
             let at = r * group + h;
             let row = &mut scores[at * span + a..=at * span + b];
+            // The exponentials vectorize on their own; the sum stays in position order.
+            row.iter_mut().for_each(|v| *v = ops::exp(*v - max[at]));
             let mut sum = 0.0;
-            for v in row.iter_mut() {
-                *v = ops::exp(*v - max[at]);
+            for v in row.iter() {
                 sum += *v;
             }
             let inv = 1.0 / sum;
@@ -177,6 +197,80 @@ fn slice<'q>(
 
 /// Lanes of the attention kernels' accumulators (one 512-bit or two 256-bit vectors).
 const LANES: usize = 16;
+
+/// Scores of 4 query heads against 4 keys with AVX-512, equal bit for bit to [`dots`] for each
+/// pair: each of the 16 accumulators takes its products lane by lane in the same order, and the
+/// 16 are then reduced together by shuffles that add the same pairs in the same order as
+/// [`reduce`] (lanes `l` and `l + 8`, then `l + 4`, `l + 2`, `l + 1`), so a score does not depend
+/// on whether it was computed here or alone. The scalar reduction of each score cost about as
+/// much as its products.
+#[cfg(target_arch = "x86_64")]
+mod dots4x4 {
+    use super::LANES;
+    use std::arch::x86_64::*;
+
+    pub(super) fn available() -> bool {
+        static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX512.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    }
+
+    /// `out[4·j + h] = q_h · key_j` for the 4 rows `q_h` of `qs` and the 4 rows `key_j` of
+    /// `keys`.
+    ///
+    /// # Safety
+    /// AVX-512 F; `qs` and `keys` hold 4 rows each of the same width, a multiple of 16.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores(qs: &[f32], keys: &[f32]) -> [f32; 16] {
+        let hd = keys.len() / 4;
+        assert!(qs.len() == 4 * hd && keys.len() == 4 * hd && hd % LANES == 0);
+        let (q, k) = (qs.as_ptr(), keys.as_ptr());
+        let mut acc = [_mm512_setzero_ps(); 16];
+        for c in (0..hd).step_by(LANES) {
+            // SAFETY: c + 16 <= hd, within each of the 4 rows (checked above).
+            unsafe {
+                let qv = [0, 1, 2, 3].map(|h| _mm512_loadu_ps(q.add(h * hd + c)));
+                for j in 0..4 {
+                    let kv = _mm512_loadu_ps(k.add(j * hd + c));
+                    for h in 0..4 {
+                        acc[4 * h + j] = _mm512_fmadd_ps(qv[h], kv, acc[4 * h + j]);
+                    }
+                }
+            }
+        }
+        // Lanes l + 8 onto l: two accumulators' halves per vector.
+        let mut s1 = [_mm512_setzero_ps(); 8];
+        for (i, s) in s1.iter_mut().enumerate() {
+            let (a, b) = (acc[2 * i], acc[2 * i + 1]);
+            let low = _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b);
+            let high = _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b);
+            *s = _mm512_add_ps(low, high);
+        }
+        // Then l + 4: each 128-bit block holds one accumulator's 4 remaining lanes.
+        let mut s2 = [_mm512_setzero_ps(); 4];
+        for (i, s) in s2.iter_mut().enumerate() {
+            let (a, b) = (s1[2 * i], s1[2 * i + 1]);
+            let low = _mm512_shuffle_f32x4::<0b10_00_10_00>(a, b);
+            let high = _mm512_shuffle_f32x4::<0b11_01_11_01>(a, b);
+            *s = _mm512_add_ps(low, high);
+        }
+        // Then l + 2 and l + 1, within 128-bit blocks.
+        let mut s3 = [_mm512_setzero_ps(); 2];
+        for (i, s) in s3.iter_mut().enumerate() {
+            let (a, b) = (s2[2 * i], s2[2 * i + 1]);
+            let low = _mm512_shuffle_ps::<0b01_00_01_00>(a, b);
+            let high = _mm512_shuffle_ps::<0b11_10_11_10>(a, b);
+            *s = _mm512_add_ps(low, high);
+        }
+        let low = _mm512_shuffle_ps::<0b10_00_10_00>(s3[0], s3[1]);
+        let high = _mm512_shuffle_ps::<0b11_01_11_01>(s3[0], s3[1]);
+        let sum = _mm512_add_ps(low, high);
+        // Accumulator 4h + j ended in lane 4·(i mod 4) + i / 4 for i = 4h + j: lane 4j + h.
+        let mut out = [0f32; 16];
+        // SAFETY: 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), sum) };
+        out
+    }
+}
 
 /// `out[i] = q_i · key` for each of the `out.len()` rows `q_i` of `qs` (`key.len()` values each).
 ///
@@ -305,6 +399,35 @@ fn accumulate_n<const N: usize>(
                 s = w(h, j).mul_add(values[j * hd + c], s);
             }
             o[h * hd + c] = s;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn four_heads_by_four_keys_score_as_each_pair_alone() {
+        if !dots4x4::available() {
+            return;
+        }
+        let hd = 256;
+        let qs = crate::fixtures::noise(4 * hd, 1, 3.0);
+        let keys = crate::fixtures::noise(4 * hd, 2, 5.0);
+        // SAFETY: AVX-512 F is available; 4 rows of 256 each.
+        let got = unsafe { dots4x4::scores(&qs, &keys) };
+        for j in 0..4 {
+            let mut want = [0f32; 4];
+            dots(&qs, &keys[j * hd..(j + 1) * hd], &mut want);
+            for h in 0..4 {
+                assert_eq!(
+                    got[4 * j + h].to_bits(),
+                    want[h].to_bits(),
+                    "head {h}, key {j}"
+                );
+            }
         }
     }
 }
