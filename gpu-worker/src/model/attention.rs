@@ -132,7 +132,7 @@ fn slice<'q>(
             let mut j = a;
             // Four keys at a time where the heads come in fours: the same sums, reduced together.
             #[cfg(target_arch = "x86_64")]
-            if group == 4 && hd % LANES == 0 && dots4x4::available() {
+            if group == 4 && hd.is_multiple_of(LANES) && dots4x4::available() {
                 while j + 4 <= b + 1 {
                     let keys = &tile[(j - j0) * hd..(j + 4 - j0) * hd];
                     // SAFETY: AVX-512 F is available (checked); 4 query rows and 4 keys of `hd`.
@@ -222,7 +222,7 @@ mod dots4x4 {
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn scores(qs: &[f32], keys: &[f32]) -> [f32; 16] {
         let hd = keys.len() / 4;
-        assert!(qs.len() == 4 * hd && keys.len() == 4 * hd && hd % LANES == 0);
+        assert!(qs.len() == 4 * hd && keys.len() == 4 * hd && hd.is_multiple_of(LANES));
         let (q, k) = (qs.as_ptr(), keys.as_ptr());
         let mut acc = [_mm512_setzero_ps(); 16];
         for c in (0..hd).step_by(LANES) {
