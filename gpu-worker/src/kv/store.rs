@@ -156,6 +156,35 @@ impl Slab {
         }
     }
 
+    /// Asks for head `g` of the row in `slot` to be brought into cache (a hint: it never faults).
+    #[inline]
+    fn prefetch(&self, slot: usize, g: usize, (d, hd): (usize, usize)) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            let o = slot * d + g * hd;
+            let lines = |start: *const i8, bytes: usize| {
+                for at in (0..bytes).step_by(64) {
+                    // SAFETY: a prefetch never faults, whatever the address.
+                    unsafe { _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(at)) };
+                }
+            };
+            match self {
+                Self::F32(v) => lines(v.as_ptr().wrapping_add(o).cast(), hd * 4),
+                Self::F16(v) => lines(v.as_ptr().wrapping_add(o).cast(), hd * 2),
+                Self::Int8 { q, scales, group } => {
+                    lines(q.as_ptr().wrapping_add(o), hd);
+                    lines(
+                        scales.as_ptr().wrapping_add(o / group).cast(),
+                        hd / group * 2,
+                    );
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (slot, g, d, hd);
+    }
+
     /// Head `g` of the row in `slot`, as f32 into `dst` (`head_dim` values).
     #[inline]
     fn head(
@@ -502,6 +531,16 @@ impl KvStore {
     pub fn key(&self, layer: usize, (at, slot): (usize, usize), g: usize, dst: &mut [f32]) {
         let unbalance = self.key_balance.get(layer).map(|(_, inv)| inv.as_slice());
         self.k[at].head(slot, g, (self.kv_dim, self.head_dim), unbalance, dst)
+    }
+
+    /// Asks for KV head `g` of the key and the value at `loc` (as [`KvStore::rows`] gives it) to
+    /// be brought into cache: attention issues it a tile ahead of the rows it converts, whose
+    /// blocks lie scattered over the slab.
+    #[inline]
+    pub fn prefetch(&self, (at, slot): (usize, usize), g: usize) {
+        let dims = (self.kv_dim, self.head_dim);
+        self.k[at].prefetch(slot, g, dims);
+        self.v[at].prefetch(slot, g, dims);
     }
 
     /// KV head `g` of the value in `slot` of `layer`, as f32 into `dst` (`head_dim` values).

@@ -109,12 +109,17 @@ fn slice<'q>(
     let mut max = vec![f32::NEG_INFINITY; rows * group];
     let mut tile = vec![0f32; KEY_TILE * hd];
 
-    let mut locs = kv.rows(layer, ch.blocks, ch.packed, lo..=hi);
+    // Where each position's rows are; the next tile's are asked for while this one is read.
+    let locs: Vec<(usize, usize)> = kv.rows(layer, ch.blocks, ch.packed, lo..=hi).collect();
     let mut j0 = lo;
     let mut row_scores = vec![0f32; group];
     while j0 <= hi {
         let n = KEY_TILE.min(hi + 1 - j0);
-        for (dst, loc) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
+        let ahead = (j0 + n - lo)..(j0 + 2 * n - lo).min(span);
+        for &loc in &locs[ahead] {
+            kv.prefetch(loc, g);
+        }
+        for (dst, &loc) in tile.chunks_exact_mut(hd).zip(&locs[j0 - lo..j0 - lo + n]) {
             kv.key(layer, loc, g, dst);
         }
         for r in 0..rows {
@@ -173,11 +178,10 @@ fn slice<'q>(
     }
 
     let mut out = vec![0f32; rows * group * hd];
-    let mut locs = kv.rows(layer, ch.blocks, ch.packed, lo..=hi);
     let mut j0 = lo;
     while j0 <= hi {
         let n = KEY_TILE.min(hi + 1 - j0);
-        for (dst, (at, slot)) in tile.chunks_exact_mut(hd).zip(locs.by_ref().take(n)) {
+        for (dst, &(at, slot)) in tile.chunks_exact_mut(hd).zip(&locs[j0 - lo..j0 - lo + n]) {
             kv.value(at, slot, g, dst);
         }
         for r in 0..rows {
