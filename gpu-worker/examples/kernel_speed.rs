@@ -115,15 +115,7 @@ fn main() {
     // Fused QKV, fused gate/up, down, attention output.
     for (rows, cols) in [(1536usize, 640usize), (4096, 640), (640, 2048), (640, 1024)] {
         for w in matrices(rows, cols) {
-            for m in [1usize, 16, 512] {
-                let s = time(&w, m, 20_000_000_000);
-                println!(
-                    "layer {rows}x{cols} {:?}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
-                    w.layout,
-                    s * 1e3,
-                    (rows * cols * m) as f64 / s / 1e9,
-                );
-            }
+            layer(&format!("{rows}x{cols} {:?}", w.layout), &w);
         }
     }
     // As the Q4_K_M file holds Gemma 3 270M's layers: the 640-wide ones in Q5_0.
@@ -135,14 +127,18 @@ fn main() {
         (640, 1024, GgmlDType::Q4K),
     ] {
         let w = from_file_format(rows, cols, dtype);
-        for m in [1usize, 16, 512] {
-            let s = time(&w, m, 20_000_000_000);
-            println!(
-                "layer {rows}x{cols} {dtype:?} as {:?}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
-                w.layout,
-                s * 1e3,
-                (rows * cols * m) as f64 / s / 1e9,
-            );
-        }
+        layer(&format!("{rows}x{cols} {dtype:?} as {:?}", w.layout), &w);
+    }
+}
+
+/// A layer-sized product at 1 row (decode), 16 (a batched step) and 512 (prefill).
+fn layer(label: &str, w: &Q8Matrix) {
+    for m in [1usize, 16, 512] {
+        let s = time(w, m, 20_000_000_000);
+        println!(
+            "layer {label}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
+            s * 1e3,
+            (w.rows * w.cols * m) as f64 / s / 1e9,
+        );
     }
 }
