@@ -66,12 +66,11 @@ fn cached_isa() -> Isa {
     *ISA.get_or_init(detect_isa)
 }
 
-/// Whether AVX-512 F and BW run here (the activation quantizer's fast path), checked once.
+/// Whether AVX-512 F and BW run here: the activation quantizer's and attention's fast paths.
+/// (`is_x86_feature_detected!` caches what it finds.)
 #[cfg(target_arch = "x86_64")]
-fn has_avx512() -> bool {
-    static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *AVX512
-        .get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw"))
+pub(crate) fn has_avx512() -> bool {
+    is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
 }
 
 /// `m` in the layout this CPU's kernels read fastest: panels where AVX-512 VNNI runs, five-bit

@@ -505,7 +505,7 @@ pub(super) mod vnni512 {
 
     /// What each activation block starts its sums at, and Q4_K's minimum term, made once per
     /// task for the rows it takes: `first`/`second` are the integer start of a block (or of
-    /// Q6_K's two halves), `min` is Q4_K's `x_s·Σx`.
+    /// Q6_K's two halves; none for Q4_K, whose sums start at 0), `min` is Q4_K's `x_s·Σx`.
     struct Starts {
         first: Vec<i32>,
         second: Vec<i32>,
@@ -528,8 +528,9 @@ pub(super) mod vnni512 {
                     Vec::new(),
                     Vec::new(),
                 ),
+                // Q4_K's values are unsigned as stored: its sums start at 0.
                 Q4K => (
-                    vec![0; sums.len()],
+                    Vec::new(),
                     Vec::new(),
                     x.scales[range.clone()]
                         .iter()
@@ -706,7 +707,8 @@ pub(super) mod vnni512 {
                 let chains = CHAINS.min(A - a0);
                 for half in 0..halves {
                     let mut sum = [_mm512_setzero_si512(); CHAINS];
-                    for c in 0..chains {
+                    // Q4_K's sums start at 0 (its `starts` are empty).
+                    for c in (0..chains).filter(|_| F != Q4K) {
                         let at = (m + a0 + c - m0) * bpr + b;
                         let start = if half == 0 {
                             &starts.first

@@ -373,8 +373,8 @@ pub(super) mod quantize512 {
     /// Quantizes the blocks of `x` into `qs`, with each block's scale, sum and first half's sum.
     ///
     /// # Safety
-    /// AVX-512 F; `x` and `qs` hold whole blocks, and `scales`, `sums` and `halves` one entry
-    /// per block.
+    /// AVX-512 F and BW; `x` and `qs` hold whole blocks, and `scales`, `sums` and `halves` one
+    /// entry per block.
     #[target_feature(enable = "avx512f,avx512bw")]
     pub unsafe fn quantize_blocks(
         x: &[f32],

@@ -137,7 +137,7 @@ fn slice<'q>(
             let mut j = a;
             // Four keys at a time where the heads come in fours: the same sums, reduced together.
             #[cfg(target_arch = "x86_64")]
-            if group == 4 && hd.is_multiple_of(LANES) && dots4x4::available() {
+            if group == 4 && hd.is_multiple_of(LANES) && crate::kernels::has_avx512() {
                 while j + 4 <= b + 1 {
                     let keys = &tile[(j - j0) * hd..(j + 4 - j0) * hd];
                     // SAFETY: AVX-512 F is available (checked); 4 query rows and 4 keys of `hd`.
@@ -168,10 +168,7 @@ fn slice<'q>(
             let row = &mut scores[at * span + a..=at * span + b];
             // The exponentials vectorize on their own; the sum stays in position order.
             row.iter_mut().for_each(|v| *v = ops::exp(*v - max[at]));
-            let mut sum = 0.0;
-            for v in row.iter() {
-                sum += *v;
-            }
+            let sum: f32 = row.iter().sum();
             let inv = 1.0 / sum;
             row.iter_mut().for_each(|v| *v *= inv);
         }
@@ -212,11 +209,6 @@ const LANES: usize = 16;
 mod dots4x4 {
     use super::LANES;
     use std::arch::x86_64::*;
-
-    pub(super) fn available() -> bool {
-        static AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *AVX512.get_or_init(|| is_x86_feature_detected!("avx512f"))
-    }
 
     /// `out[4·j + h] = q_h · key_j` for the 4 rows `q_h` of `qs` and the 4 rows `key_j` of
     /// `keys`.
@@ -414,7 +406,7 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn four_heads_by_four_keys_score_as_each_pair_alone() {
-        if !dots4x4::available() {
+        if !crate::kernels::has_avx512() {
             return;
         }
         let hd = 256;
