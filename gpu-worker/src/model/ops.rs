@@ -46,14 +46,19 @@ pub fn exp(x: f32) -> f32 {
     const LN2_LO: f32 = -2.121_944_4e-4;
     const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
     let x = x.clamp(-87.0, 88.0);
-    let k = (x * LOG2E + ROUND) - ROUND;
+    let shifted = x * LOG2E + ROUND;
+    let k = shifted - ROUND;
     let r = x - k * LN2_HI - k * LN2_LO;
     // e^r on [-ln2/2, ln2/2], Taylor to degree 6 (relative error below 2e-7).
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    p * f32::from_bits(((k as i32 + 127) << 23) as u32)
+    // The integer k, |k| <= 127, is in `shifted`'s low mantissa bits (its unit there is 1): read
+    // it from the bits rather than by `as i32`, whose saturating conversion LLVM does not
+    // vectorize.
+    let k = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    p * f32::from_bits(((k + 127) << 23) as u32)
 }
 
 /// GELU (tanh approximation) of `gate`, times `up`, into `gate`.
