@@ -80,11 +80,20 @@ impl Sampler {
     }
 
     /// Picks a token from `logits` (modified in place); `history` holds the tokens seen so far
-    /// (for the repetition penalty). Returns the token and its log-probability under the model's
-    /// unmodified distribution.
-    pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> (u32, f32) {
-        let max = max_of(logits);
-        let lse = max + sum_exp(logits, max).ln();
+    /// (for the repetition penalty), `summary` the row's [`LogitSummary`] where the forward pass
+    /// made it (it is made here otherwise). Returns the token and its log-probability under the
+    /// model's unmodified distribution.
+    pub fn sample(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        summary: Option<LogitSummary>,
+    ) -> (u32, f32) {
+        let LogitSummary {
+            max: _,
+            argmax,
+            lse,
+        } = summary.unwrap_or_else(|| LogitSummary::of(logits));
         // Penalized tokens' unmodified logits (each seen token once, however often it appears).
         let mut original = std::collections::HashMap::new();
         let penalty = self.params.repetition_penalty;
@@ -100,13 +109,12 @@ impl Sampler {
             }
         }
         let token = if self.params.is_greedy() {
-            // The maximum is already known unless the penalty moved logits.
-            let top = if original.is_empty() {
-                max
+            // The first maximum is already known unless the penalty moved logits.
+            if original.is_empty() {
+                argmax
             } else {
-                max_of(logits)
-            };
-            first_index_of(logits, top)
+                first_index_of(logits, max_of(logits))
+            }
         } else {
             self.sample_stochastic(logits)
         };
@@ -176,6 +184,94 @@ impl Sampler {
     }
 }
 
+/// What sampling needs of a row of logits besides the logits: the largest, where it first occurs,
+/// and the log of the sum of their exponentials. The forward pass makes it a [`Piece`] at a time,
+/// while the output projection's results are still in cache, so sampling need not read the
+/// 262k-wide row from memory again (three times: for the maximum, the sum and the argmax).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LogitSummary {
+    pub max: f32,
+    pub argmax: u32,
+    /// `ln Σ e^x`.
+    pub lse: f32,
+}
+
+/// Columns of a [`Piece`]: pieces start at multiples of it, whatever the batch, so a row's summary
+/// does not depend on the rows beside it.
+pub const PIECE: usize = 1024;
+
+/// One piece of a row of logits: its first column, its largest value and `Σ e^(x - max)` over it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Piece {
+    pub start: usize,
+    pub max: f32,
+    pub sum: f32,
+}
+
+impl Piece {
+    pub fn of(start: usize, xs: &[f32]) -> Self {
+        let max = max_of(xs);
+        Self {
+            start,
+            max,
+            sum: sum_exp(xs, max),
+        }
+    }
+
+    /// The pieces of `row`, whose first column is `start` (a multiple of [`PIECE`]).
+    pub fn all_of(start: usize, row: &[f32]) -> impl Iterator<Item = Self> + '_ {
+        row.chunks(PIECE)
+            .enumerate()
+            .map(move |(i, xs)| Self::of(start + i * PIECE, xs))
+    }
+}
+
+impl LogitSummary {
+    /// The summary of a whole row.
+    pub fn of(row: &[f32]) -> Self {
+        let pieces: Vec<Piece> = Piece::all_of(0, row).collect();
+        Self::combine(&pieces, row)
+    }
+
+    /// The summaries of rows of `vocab` logits from their pieces, each with its row's index, in
+    /// any order (as a forward pass's tasks finish).
+    pub fn of_pieces(mut pieces: Vec<(usize, Piece)>, logits: &[f32], vocab: usize) -> Vec<Self> {
+        pieces.sort_unstable_by_key(|&(r, p)| (r, p.start));
+        let mut rest = pieces.as_slice();
+        logits
+            .chunks_exact(vocab.max(1))
+            .enumerate()
+            .map(|(r, row)| {
+                let (mine, tail) = rest.split_at(rest.partition_point(|&(pr, _)| pr == r));
+                rest = tail;
+                let mine: Vec<Piece> = mine.iter().map(|&(_, p)| p).collect();
+                Self::combine(&mine, row)
+            })
+            .collect()
+    }
+
+    /// The summary of `row` from its pieces, in column order; `row` is read only in the piece
+    /// whose maximum is the row's, for the first position of it.
+    pub fn combine(pieces: &[Piece], row: &[f32]) -> Self {
+        let max = pieces
+            .iter()
+            .fold(f32::NEG_INFINITY, |m, p| if p.max > m { p.max } else { m });
+        let sum: f32 = pieces.iter().map(|p| p.sum * exp(p.max - max)).sum();
+        let argmax = pieces.iter().position(|p| p.max == max).map_or(0, |i| {
+            let (start, end) = (
+                pieces[i].start,
+                pieces.get(i + 1).map_or(row.len(), |p| p.start),
+            );
+            start as u32 + first_index_of(&row[start..end], max)
+        });
+        Self {
+            max,
+            argmax,
+            lse: max + sum.ln(),
+        }
+    }
+}
+
 /// Lanes of the vectorized reductions below: independent accumulators that LLVM keeps in SIMD
 /// registers (a single running value would serialize the 262k-wide loops).
 const LANES: usize = 16;
@@ -227,7 +323,7 @@ mod tests {
     fn greedy_takes_the_argmax_with_its_logprob() {
         let mut s = Sampler::new(SamplingParams::greedy());
         let mut l = vec![0.0, 2.0, 1.0];
-        let (t, lp) = s.sample(&mut l, &[]);
+        let (t, lp) = s.sample(&mut l, &[], None);
         assert_eq!(t, 1);
         let want = 2.0 - (1f32 + 2f32.exp() + 1f32.exp()).ln();
         assert!((lp - want).abs() < 1e-5);
@@ -243,14 +339,16 @@ mod tests {
         let run = |seed| {
             let mut s = Sampler::new(params(seed));
             (0..50)
-                .map(|_| s.sample(&mut logits(), &[]).0)
+                .map(|_| s.sample(&mut logits(), &[], None).0)
                 .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
         // A continuation that skips the first 20 draws picks what the uncut run picked next.
         let mut cont = Sampler::continuing(params(42), 20);
-        let rest: Vec<u32> = (0..30).map(|_| cont.sample(&mut logits(), &[]).0).collect();
+        let rest: Vec<u32> = (0..30)
+            .map(|_| cont.sample(&mut logits(), &[], None).0)
+            .collect();
         assert_eq!(rest, run(42)[20..]);
     }
 
@@ -264,7 +362,7 @@ mod tests {
             seed: Some(1),
             ..Default::default()
         });
-        assert_eq!(s.sample(&mut l.clone(), &[]).0, best);
+        assert_eq!(s.sample(&mut l.clone(), &[], None).0, best);
         let mut sorted = l.clone();
         sorted.sort_by(|a, b| b.total_cmp(a));
         let threshold = sorted[4];
@@ -275,7 +373,7 @@ mod tests {
             ..Default::default()
         });
         for _ in 0..200 {
-            let (t, _) = s.sample(&mut l.clone(), &[]);
+            let (t, _) = s.sample(&mut l.clone(), &[], None);
             assert!(l[t as usize] >= threshold);
         }
     }
@@ -301,9 +399,56 @@ mod tests {
         ] {
             let mut s = Sampler::new(params);
             for _ in 0..200 {
-                assert_eq!(s.sample(&mut l.clone(), &[]).0, 7);
+                assert_eq!(s.sample(&mut l.clone(), &[], None).0, 7);
             }
         }
+    }
+
+    #[test]
+    fn a_summary_made_piece_by_piece_is_the_rows_maximum_first_argmax_and_log_sum_exp() {
+        // Three pieces and a short fourth; the maximum appears first in the third piece, again
+        // later in it and in the last, and the pieces arrive out of order and mixed with another
+        // row's.
+        let vocab = 3 * PIECE + 100;
+        let row = |shift: f32| -> Vec<f32> {
+            (0..vocab)
+                .map(|i| ((i * 7919) % 1000) as f32 / 100.0 - shift)
+                .collect()
+        };
+        let (mut a, b) = (row(0.0), row(3.0));
+        for at in [2 * PIECE + 17, 2 * PIECE + 900, 3 * PIECE + 5] {
+            a[at] = 12.5;
+        }
+        let logits: Vec<f32> = a.iter().chain(&b).copied().collect();
+        let mut pieces: Vec<(usize, Piece)> = [(1, &b), (0, &a)]
+            .iter()
+            .flat_map(|&(r, xs)| Piece::all_of(0, xs).map(move |p| (r, p)))
+            .collect();
+        pieces.reverse();
+        let got = LogitSummary::of_pieces(pieces, &logits, vocab);
+        for (s, xs) in got.iter().zip([&a, &b]) {
+            assert_eq!(*s, LogitSummary::of(xs));
+            let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            assert_eq!(s.max, max);
+            assert_eq!(
+                s.argmax as usize,
+                xs.iter().position(|&v| v == max).unwrap()
+            );
+            let lse = max as f64
+                + xs.iter()
+                    .map(|&v| ((v - max) as f64).exp())
+                    .sum::<f64>()
+                    .ln();
+            assert!((s.lse as f64 - lse).abs() < 1e-5, "{} vs {lse}", s.lse);
+        }
+        assert_eq!(got[0].argmax as usize, 2 * PIECE + 17);
+        // Sampling with the summary picks and scores as it does without one.
+        let mut with = Sampler::new(SamplingParams::greedy());
+        let mut without = Sampler::new(SamplingParams::greedy());
+        assert_eq!(
+            with.sample(&mut a.clone(), &[], Some(got[0])),
+            without.sample(&mut a.clone(), &[], None)
+        );
     }
 
     #[test]
@@ -313,7 +458,7 @@ mod tests {
             ..Default::default()
         });
         let mut l = vec![1.0, 3.0, 2.0];
-        let (t, lp) = s.sample(&mut l, &[1]);
+        let (t, lp) = s.sample(&mut l, &[1], None);
         assert_eq!(t, 2);
         // The logprob is the model's, before the penalty.
         let want = 2.0 - (1f32.exp() + 3f32.exp() + 2f32.exp()).ln();

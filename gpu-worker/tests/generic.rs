@@ -17,6 +17,7 @@ use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
 use hearth_worker::generic::{DeviceKv, GenericModel, LoadOptions};
 use hearth_worker::kv::{KvDtype, KvStore};
 use hearth_worker::model::{load_gguf, Model, SeqChunk};
+use hearth_worker::sampling::LogitSummary;
 
 const VOCAB: u32 = 512;
 
@@ -108,7 +109,18 @@ fn compare_with(spec: &TinySpec, options: LoadOptions, tolerance: f32) -> (f32, 
     let (native, generic) = both_with(spec, options);
     let c = &native.config;
     let mut store = KvStore::new(c.num_layers, 8, 16, c.kv_dim(), c.head_dim, KvDtype::F32);
-    let want = two_steps(|chunks, out| native.forward(chunks, &mut store, out).unwrap());
+    let want = two_steps(|chunks, out| {
+        let mut summaries = Vec::new();
+        native
+            .forward(chunks, &mut store, out, &mut summaries)
+            .unwrap();
+        // The summaries the projection's tasks made are those of the finished rows.
+        let rows: Vec<LogitSummary> = out
+            .chunks_exact(c.vocab_size)
+            .map(LogitSummary::of)
+            .collect();
+        assert_eq!(summaries, rows);
+    });
     let got = candle_steps(&generic);
     assert_eq!(want.0.len(), (20 + 7 + 40) * c.vocab_size);
     assert_eq!(want.1.len(), (1 + 3 + 5) * c.vocab_size);

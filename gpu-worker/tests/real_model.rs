@@ -348,6 +348,7 @@ fn the_forward_pass_agrees_with_llama_cpp_at_99_percent_of_1024_greedy_positions
                 &[chunk(&blocks, &all[..n - 1], 0, 0)],
                 &mut kv,
                 &mut Vec::new(),
+                &mut Vec::new(),
             )
             .unwrap();
         model

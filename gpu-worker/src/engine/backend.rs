@@ -9,6 +9,7 @@ use super::{EngineConfig, EngineError};
 use crate::generic::{DeviceKv, GenericModel};
 use crate::kv::{BlockId, KvStore, Packing};
 use crate::model::{GemmaConfig, Model, ModelError, SeqChunk};
+use crate::sampling::LogitSummary;
 
 /// Loaded weights, for either forward pass.
 #[derive(Debug, Clone)]
@@ -134,14 +135,20 @@ impl Backend {
         })
     }
 
+    /// One step's logits, and their rows' summaries where the pass makes them (the CPU kernels
+    /// do; `summaries` is left empty otherwise, and sampling makes them from the rows).
     pub(super) fn forward(
         &mut self,
         chunks: &[SeqChunk<'_>],
         logits: &mut Vec<f32>,
+        summaries: &mut Vec<LogitSummary>,
     ) -> Result<(), ModelError> {
         match self {
-            Self::Native { model, kv } => model.forward(chunks, kv, logits),
-            Self::Generic { model, kv } => model.forward(chunks, kv, logits),
+            Self::Native { model, kv } => model.forward(chunks, kv, logits, summaries),
+            Self::Generic { model, kv } => {
+                summaries.clear();
+                model.forward(chunks, kv, logits)
+            }
         }
     }
 

@@ -19,7 +19,7 @@ use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
 use crate::kv::{chain_hash, BlockAllocator, BlockId, DiskTier, Packing, NO_BLOCK, ROOT_HASH};
 use crate::model::SeqChunk;
-use crate::sampling::Sampler;
+use crate::sampling::{LogitSummary, Sampler};
 
 /// Most remembered cancels of requests not yet seen.
 const EARLY_CANCELS_MAX: usize = 4096;
@@ -970,7 +970,8 @@ impl Scheduler {
             }
         }
         let mut logits = std::mem::take(&mut self.logits);
-        let result = self.backend.forward(&chunks, &mut logits);
+        let mut summaries = Vec::new();
+        let result = self.backend.forward(&chunks, &mut logits, &mut summaries);
         drop(chunks);
         match result {
             Ok(()) => {}
@@ -989,19 +990,23 @@ impl Scheduler {
         // Every sequence's rows of logits; plain ones are sampled in parallel (262k-wide rows),
         // drafts verified one row after another.
         let vocab = self.info.vocab_size;
-        let mut plain: Vec<(usize, &mut [f32])> = Vec::new();
-        let mut drafts: Vec<(usize, &mut [f32])> = Vec::new();
+        let mut plain: Vec<(usize, &mut [f32], Option<LogitSummary>)> = Vec::new();
+        let mut drafts: Vec<(usize, &mut [f32], &[LogitSummary])> = Vec::new();
         let mut rest: &mut [f32] = &mut logits;
+        // Empty where the forward pass makes no summaries.
+        let mut rest_summaries: &[LogitSummary] = &summaries;
         for (&ix, &r) in order.iter().zip(&rows) {
             if r == 0 {
                 continue;
             }
             let (mine, tail) = std::mem::take(&mut rest).split_at_mut(r * vocab);
             rest = tail;
+            let (my_summaries, tail) = rest_summaries.split_at(r.min(rest_summaries.len()));
+            rest_summaries = tail;
             if self.running[ix].draft > 0 {
-                drafts.push((ix, mine));
+                drafts.push((ix, mine, my_summaries));
             } else {
-                plain.push((ix, mine));
+                plain.push((ix, mine, my_summaries.first().copied()));
             }
         }
         let picks = sample_rows(&mut self.running, plain);
@@ -1012,8 +1017,9 @@ impl Scheduler {
             }
         }
         let most = self.config.spec_tokens;
-        for (ix, rows) in drafts {
-            let (accepted, drafted, end) = verify(&mut self.running[ix], rows, vocab, ctx, most);
+        for (ix, rows, summaries) in drafts {
+            let (accepted, drafted, end) =
+                verify(&mut self.running[ix], rows, summaries, vocab, ctx, most);
             self.spec_drafted += drafted;
             self.spec_accepted += accepted;
             summary.decode_tokens += accepted;
@@ -1042,22 +1048,26 @@ impl Scheduler {
 
 /// Samples one token from each row, in parallel on the kernel pool (whose helpers are already
 /// awake: handing this to another pool would leave a spinning helper competing for the cores).
-fn sample_rows(running: &mut [Seq], rows: Vec<(usize, &mut [f32])>) -> Vec<(usize, u32, f32)> {
+fn sample_rows(
+    running: &mut [Seq],
+    rows: Vec<(usize, &mut [f32], Option<LogitSummary>)>,
+) -> Vec<(usize, u32, f32)> {
     let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
-    let work: Vec<Mutex<(usize, &mut Seq, &mut [f32])>> = rows
+    type Work<'a> = (usize, &'a mut Seq, &'a mut [f32], Option<LogitSummary>);
+    let work: Vec<Mutex<Work<'_>>> = rows
         .into_iter()
-        .filter_map(|(ix, row)| {
+        .filter_map(|(ix, row, summary)| {
             seqs.get_mut(ix)
                 .and_then(Option::take)
-                .map(|s| Mutex::new((ix, s, row)))
+                .map(|s| Mutex::new((ix, s, row, summary)))
         })
         .collect();
     let picks: Vec<Mutex<(usize, u32, f32)>> =
         work.iter().map(|_| Mutex::new((0, 0, 0.0))).collect();
     SpinPool::global().run(work.len(), &|i| {
         if let (Ok(mut w), Ok(mut p)) = (work[i].lock(), picks[i].lock()) {
-            let (ix, s, row) = &mut *w;
-            let (t, lp) = s.sampler.sample(row, &s.tokens);
+            let (ix, s, row, summary) = &mut *w;
+            let (t, lp) = s.sampler.sample(row, &s.tokens, *summary);
             *p = (*ix, t, lp);
         }
     });
@@ -1099,6 +1109,7 @@ fn emit(s: &mut Seq, token: u32, logprob: f32, ctx: usize) -> Option<FinishReaso
 fn verify(
     s: &mut Seq,
     rows: &mut [f32],
+    summaries: &[LogitSummary],
     vocab: usize,
     ctx: usize,
     most: usize,
@@ -1109,7 +1120,7 @@ fn verify(
     let mut kept = 0;
     let mut end = None;
     for (j, row) in rows.chunks_exact_mut(vocab).enumerate() {
-        let (token, logprob) = s.sampler.sample(row, &s.tokens);
+        let (token, logprob) = s.sampler.sample(row, &s.tokens, summaries.get(j).copied());
         end = emit(s, token, logprob, ctx);
         if end.is_some() || draft.get(j) != Some(&token) {
             break;

@@ -137,65 +137,101 @@ pub fn matmul_q8(w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
 }
 
 pub fn matmul_q8_with(isa: Isa, w: &Q8Matrix, x: &ActQ8, out: &mut [f32]) {
+    matmul_tasks(isa, w, x, out, None)
+}
+
+/// What a task of [`matmul_q8_then`] does with its outputs while they are still in cache: it gets
+/// the task's output columns and, for each activation row in order, that row's values in them.
+pub type Then<'a> = &'a (dyn Fn(std::ops::Range<usize>, &mut [&mut [f32]]) + Sync);
+
+/// [`matmul_q8`], whose tasks each hand their outputs to `then` as soon as they are computed.
+/// Tasks cover whole multiples of `piece` output columns (itself a multiple of [`PANEL`]), fewer
+/// of them the more rows there are, so a task's outputs stay in cache for `then`; a task's first
+/// column is always a multiple of `piece`, whatever the batch.
+pub fn matmul_q8_then(w: &Q8Matrix, x: &ActQ8, out: &mut [f32], piece: usize, then: Then<'_>) {
+    matmul_tasks(cached_isa(), w, x, out, Some((piece, then)))
+}
+
+fn matmul_tasks(
+    isa: Isa,
+    w: &Q8Matrix,
+    x: &ActQ8,
+    out: &mut [f32],
+    then: Option<(usize, Then<'_>)>,
+) {
     assert_eq!(w.cols, x.cols, "weight and activation widths differ");
     assert_eq!(out.len(), w.rows * x.rows, "output has the wrong size");
     let n = w.rows;
     let ptr = OutPtr(out.as_mut_ptr());
     let pool = SpinPool::global();
     let threads = pool.threads();
-    let work = n * w.cols * x.rows.max(1);
-    // As many tasks as the work justifies, up to a few per thread, and a multiple of the thread
-    // count so no thread is left finishing a last task alone.
-    let mut tasks = (work / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
-    if tasks >= threads {
-        tasks -= tasks % threads;
-    }
     let panels = w.layout != Layout::Rows;
-    let per_task = n
-        .div_ceil(tasks)
-        .next_multiple_of(if panels { PANEL } else { 4 });
+    let per_task = match then {
+        // Whole pieces: as many as keep a task's outputs near 32 KiB, and at least one.
+        Some((piece, _)) => {
+            assert!(
+                piece > 0 && piece.is_multiple_of(PANEL),
+                "pieces are whole panels"
+            );
+            piece * (8192 / (piece * x.rows.max(1))).max(1)
+        }
+        None => {
+            let work = n * w.cols * x.rows.max(1);
+            // As many tasks as the work justifies, up to a few per thread, and a multiple of the
+            // thread count so no thread is left finishing a last task alone.
+            let mut tasks = (work / MIN_TASK_WORK).clamp(1, threads * TASKS_PER_THREAD);
+            if tasks >= threads {
+                tasks -= tasks % threads;
+            }
+            n.div_ceil(tasks)
+                .next_multiple_of(if panels { PANEL } else { 4 })
+        }
+    };
     let tasks = n.div_ceil(per_task);
-    if panels {
-        pool.run(tasks, &|t| {
-            let r0 = t * per_task;
-            let r1 = (r0 + per_task).min(n);
-            // SAFETY: as below, each task writes only its own columns r0..r1.
+    // The VNNI row kernel's per-activation vectors, made once here rather than by every task.
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only for the VNNI kernel, which `detect_isa` (or the caller, in tests) checked.
+    let prepared = (!panels && isa == Isa::Avx512Vnni).then(|| unsafe { x86::vnni512::prepare(x) });
+    pool.run(tasks, &|t| {
+        let r0 = t * per_task;
+        let r1 = (r0 + per_task).min(n);
+        {
+            // SAFETY: this task writes only columns r0..r1 of each output row, which no other
+            // task touches, and `out` outlives the parallel loop.
             let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), n * x.rows) };
             match isa {
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
-                Isa::Avx512Vnni => unsafe { panels::vnni512::matmul_rows(w, x, r0, r1, out) },
+                Isa::Avx512Vnni if panels => unsafe {
+                    panels::vnni512::matmul_rows(w, x, r0, r1, out)
+                },
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: as above.
-                Isa::Avx2 if panels::avx2::takes(w.layout) => unsafe {
+                Isa::Avx2 if panels && panels::avx2::takes(w.layout) => unsafe {
                     panels::avx2::matmul_rows(w, x, r0, r1, out)
                 },
-                _ => panels::matmul_rows_scalar(w, x, r0, r1, out),
+                _ if panels => panels::matmul_rows_scalar(w, x, r0, r1, out),
+                Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Isa::Avx2 => unsafe { x86::avx2::matmul_rows(w, x, r0, r1, out) },
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: as above.
+                Isa::Avx512Vnni => unsafe {
+                    let px = prepared.as_ref().expect("prepared above for this kernel");
+                    x86::vnni512::matmul_rows(w, x, px, r0, r1, out)
+                },
             }
-        });
-        return;
-    }
-    // The VNNI kernel's per-activation vectors, made once here rather than by every task.
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: only for the VNNI kernel, which `detect_isa` (or the caller, in tests) checked.
-    let prepared = (isa == Isa::Avx512Vnni).then(|| unsafe { x86::vnni512::prepare(x) });
-    pool.run(tasks, &|t| {
-        let r0 = t * per_task;
-        let r1 = (r0 + per_task).min(n);
-        // SAFETY: this task writes only columns r0..r1 of each output row, which no other task
-        // touches, and `out` outlives the parallel loop.
-        let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), n * x.rows) };
-        match isa {
-            Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
-            Isa::Avx2 => unsafe { x86::avx2::matmul_rows(w, x, r0, r1, out) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: as above.
-            Isa::Avx512Vnni => unsafe {
-                let px = prepared.as_ref().expect("prepared above for this kernel");
-                x86::vnni512::matmul_rows(w, x, px, r0, r1, out)
-            },
+        }
+        if let Some((_, then)) = then {
+            let mut rows: Vec<&mut [f32]> = (0..x.rows)
+                // SAFETY: columns r0..r1 of row m are this task's alone (as above), and the
+                // kernel's borrow of `out` has ended.
+                .map(|m| unsafe {
+                    std::slice::from_raw_parts_mut(ptr.get().add(m * n + r0), r1 - r0)
+                })
+                .collect();
+            then(r0..r1, &mut rows);
         }
     });
 }

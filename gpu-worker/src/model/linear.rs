@@ -72,9 +72,8 @@ impl Linear {
         }
     }
 
-    /// `out = input · Wᵀ`, `out` resized to `input.rows × rows`. Every value is overwritten, so a
-    /// reused `out` is not cleared first (for the output projection that is 1 MiB a row).
-    pub fn forward(&self, input: &Input<'_>, out: &mut Vec<f32>) -> Result<(), ModelError> {
+    /// `out` resized for `input`, once its width is checked.
+    fn output_for(&self, input: &Input<'_>, out: &mut Vec<f32>) -> Result<(), ModelError> {
         let (rows, cols) = self.shape();
         if input.cols != cols {
             return Err(ModelError::Shape(format!(
@@ -83,6 +82,36 @@ impl Linear {
             )));
         }
         out.resize(input.rows * rows, 0.0);
+        Ok(())
+    }
+
+    /// [`Linear::forward`], handing the outputs to `then` as they are made: for 8-bit weights a
+    /// task's columns (whole `piece`s) at a time, while they are still in cache (see
+    /// [`kernels::matmul_q8_then`]); for other weights every row whole, once all are done.
+    pub fn forward_then(
+        &self,
+        input: &Input<'_>,
+        out: &mut Vec<f32>,
+        piece: usize,
+        then: kernels::Then<'_>,
+    ) -> Result<(), ModelError> {
+        if let Self::Q8(m) = self {
+            self.output_for(input, out)?;
+            kernels::matmul_q8_then(m, input.q8(), out, piece, then);
+            return Ok(());
+        }
+        self.forward(input, out)?;
+        let rows = self.shape().0;
+        let mut each: Vec<&mut [f32]> = out.chunks_exact_mut(rows.max(1)).collect();
+        then(0..rows, &mut each);
+        Ok(())
+    }
+
+    /// `out = input · Wᵀ`, `out` resized to `input.rows × rows`. Every value is overwritten, so a
+    /// reused `out` is not cleared first (for the output projection that is 1 MiB a row).
+    pub fn forward(&self, input: &Input<'_>, out: &mut Vec<f32>) -> Result<(), ModelError> {
+        let (rows, cols) = self.shape();
+        self.output_for(input, out)?;
         match self {
             Self::Q8(m) => kernels::matmul_q8(m, input.q8(), out),
             Self::Candle { mm, .. } => {
@@ -249,6 +278,48 @@ mod tests {
         };
         let m = kernels::for_this_cpu(m.unwrap());
         Linear::Q8(Arc::new(kernels::to_five_bit(&m).unwrap_or(m)))
+    }
+
+    #[test]
+    fn forward_then_hands_every_output_once_in_whole_pieces_while_giving_forwards_values() {
+        use crate::sampling::{LogitSummary, Piece, PIECE};
+        use std::sync::Mutex;
+        // Outputs not a multiple of a piece; 1 row makes tasks of several pieces, 64 of one.
+        let (features, cols) = (9 * PIECE + 48, 64);
+        let w = matrix(features, cols, GgmlDType::Q8_0, 7);
+        for n in [1, 3, 64] {
+            let x: Vec<f32> = (0..n * cols).map(|i| (i as f32 * 0.61).cos()).collect();
+            let input = Input::new(&x, n, cols);
+            let mut want = vec![];
+            w.forward(&input, &mut want).unwrap();
+            let seen = Mutex::new(vec![0u8; n * features]);
+            let pieces = Mutex::new(Vec::new());
+            let mut got = vec![];
+            w.forward_then(&input, &mut got, PIECE, &|c, rows| {
+                assert_eq!(c.start % PIECE, 0, "a task starts at a piece");
+                assert_eq!(rows.len(), n);
+                let mut seen = seen.lock().unwrap();
+                for (r, row) in rows.iter().enumerate() {
+                    let at = r * features + c.start;
+                    assert_eq!(&**row, &want[at..at + c.len()], "row {r}, columns {c:?}");
+                    seen[at..at + c.len()].iter_mut().for_each(|s| *s += 1);
+                    pieces
+                        .lock()
+                        .unwrap()
+                        .extend(Piece::all_of(c.start, row).map(|p| (r, p)));
+                }
+            })
+            .unwrap();
+            assert_eq!(got, want);
+            assert!(
+                seen.into_inner().unwrap().iter().all(|&s| s == 1),
+                "{n} rows"
+            );
+            let summaries = LogitSummary::of_pieces(pieces.into_inner().unwrap(), &got, features);
+            let whole: Vec<LogitSummary> =
+                got.chunks_exact(features).map(LogitSummary::of).collect();
+            assert_eq!(summaries, whole);
+        }
     }
 
     #[test]

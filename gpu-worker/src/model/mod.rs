@@ -23,10 +23,11 @@ pub use config::GemmaConfig;
 pub use linear::{Input, Linear, LinearGroup};
 pub use load::{load_gguf, load_safetensors};
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::kernels::Q8Matrix;
 use crate::kv::{BlockId, KvStore};
+use crate::sampling::{LogitSummary, Piece, PIECE};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -173,13 +174,15 @@ impl Model {
     }
 
     /// Runs one step; writes `vocab_size` logits for each of every chunk's last `logit_rows`
-    /// positions, in order, to `logits` (resized to fit). The caller keeps `logits` between steps:
-    /// at 64 rows it is 64 MiB, which a fresh allocation would fault in and zero on every step.
+    /// positions, in order, to `logits` (resized to fit), and each such row's [`LogitSummary`] to
+    /// `summaries`. The caller keeps `logits` between steps: at 64 rows it is 64 MiB, which a
+    /// fresh allocation would fault in and zero on every step.
     pub fn forward(
         &self,
         chunks: &[SeqChunk<'_>],
         kv: &mut KvStore,
         logits: &mut Vec<f32>,
+        summaries: &mut Vec<LogitSummary>,
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let h = c.hidden_size;
@@ -192,7 +195,7 @@ impl Model {
             let rows = ch.logit_rows.min(ch.tokens.len());
             last.extend_from_slice(&x[(end - rows) * h..end * h]);
         }
-        self.logits(last, logits)
+        self.logits(last, logits, Some(summaries))
     }
 
     /// The `k` most likely next tokens (id, logit; best first) after every position of one
@@ -210,7 +213,7 @@ impl Model {
         // 64 rows of logits at a time: all of them at once would be rows × 262k floats.
         let mut logits = Vec::new();
         for rows in x.chunks(64 * h) {
-            self.logits(rows.to_vec(), &mut logits)?;
+            self.logits(rows.to_vec(), &mut logits, None)?;
             out.extend(logits.chunks_exact(vocab).map(|l| {
                 let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
                 for (i, &v) in l.iter().enumerate() {
@@ -226,20 +229,54 @@ impl Model {
         Ok(out)
     }
 
-    /// Logits of hidden-state rows (final norm, output projection, soft-cap).
-    fn logits(&self, mut rows: Vec<f32>, logits: &mut Vec<f32>) -> Result<(), ModelError> {
+    /// Logits of hidden-state rows (final norm, output projection, soft-cap), and with
+    /// `summaries` each row's [`LogitSummary`], made by the projection's tasks as they finish.
+    fn logits(
+        &self,
+        mut rows: Vec<f32>,
+        logits: &mut Vec<f32>,
+        summaries: Option<&mut Vec<LogitSummary>>,
+    ) -> Result<(), ModelError> {
         let c = &self.config;
-        let h = c.hidden_size;
+        let (h, vocab) = (c.hidden_size, c.vocab_size);
         let n = rows.len() / h;
+        let mut summaries = summaries;
+        // Cleared first: an error below leaves no stale summaries.
+        if let Some(s) = summaries.as_deref_mut() {
+            s.clear();
+        }
         if n == 0 {
             logits.clear();
             return Ok(());
         }
         ops::rms_norm_rows(&mut rows, &self.output_norm, c.rms_eps);
-        self.output.forward(&Input::new(&rows, n, h), logits)?;
-        if let Some(cap) = c.final_logit_softcap {
-            ops::softcap(logits, cap);
-        }
+        let input = Input::new(&rows, n, h);
+        let cap = c.final_logit_softcap;
+        let Some(summaries) = summaries else {
+            self.output.forward(&input, logits)?;
+            if let Some(cap) = cap {
+                ops::softcap(logits, cap);
+            }
+            return Ok(());
+        };
+        // (row, piece) of every task, in whatever order the tasks finish.
+        let pieces = Mutex::new(Vec::with_capacity(n * vocab.div_ceil(PIECE)));
+        self.output
+            .forward_then(&input, logits, PIECE, &|cols, rows| {
+                let mut mine = Vec::with_capacity(rows.len() * cols.len().div_ceil(PIECE));
+                for (r, row) in rows.iter_mut().enumerate() {
+                    if let Some(cap) = cap {
+                        ops::softcap(row, cap);
+                    }
+                    mine.extend(Piece::all_of(cols.start, row).map(|p| (r, p)));
+                }
+                pieces
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .extend(mine);
+            })?;
+        let pieces = pieces.into_inner().unwrap_or_else(|e| e.into_inner());
+        *summaries = LogitSummary::of_pieces(pieces, logits, vocab);
         Ok(())
     }
 
