@@ -321,6 +321,9 @@ impl Model {
         );
         let mut attn = vec![0f32; n_tok * c.num_heads * hd];
         let mut scratch = Vec::new();
+        // Every layer rotates by one of two sets of frequencies: their angles, once a step.
+        let angles_global = ops::RopeAngles::new(&pos, &self.inv_freq_global);
+        let angles_local = ops::RopeAngles::new(&pos, &self.inv_freq_local);
         for (li, layer) in self.layers.iter().enumerate() {
             let local = c.is_sliding(li);
             ops::rms_norm_into(&x, &layer.attn_norm, c.rms_eps, &mut hbuf);
@@ -334,15 +337,11 @@ impl Model {
             if let Some(w) = &layer.k_norm {
                 ops::rms_norm_rows(&mut k, w, c.rms_eps);
             }
-            let inv = if local {
-                &self.inv_freq_local
-            } else {
-                &self.inv_freq_global
-            };
+            let angles = if local { &angles_local } else { &angles_global };
             let (qd, kd) = (c.num_heads * hd, c.kv_dim());
-            for (t, &p) in pos.iter().enumerate() {
-                ops::rope(&mut q[t * qd..(t + 1) * qd], hd, p, inv);
-                ops::rope(&mut k[t * kd..(t + 1) * kd], hd, p, inv);
+            for t in 0..n_tok {
+                angles.rotate(t, &mut q[t * qd..(t + 1) * qd]);
+                angles.rotate(t, &mut k[t * kd..(t + 1) * kd]);
             }
             // Write this step's K/V first, so attention reads every position from one place.
             let mut t = 0;
@@ -371,7 +370,7 @@ impl Model {
             layer
                 .gate_up
                 .forward(&input, &mut scratch, &mut [&mut g, &mut u])?;
-            ops::gelu_mul(&mut g, &u);
+            gelu_mul(&mut g, &u);
             let input = Input::new(&g, n_tok, c.ffn_size);
             layer.down.forward(&input, &mut d)?;
             if let Some(w) = &layer.post_ffn_norm {
@@ -382,6 +381,27 @@ impl Model {
 
         Ok(x)
     }
+}
+
+/// [`ops::gelu_mul`], split across the kernel pool when there is enough of it (a prefill's or a
+/// large batch's FFN activations): each value is its own, so the split changes nothing.
+fn gelu_mul(g: &mut [f32], u: &[f32]) {
+    const PER_TASK: usize = 1 << 15;
+    if g.len() < 2 * PER_TASK {
+        ops::gelu_mul(g, u);
+        return;
+    }
+    let parts: Vec<Mutex<(&mut [f32], &[f32])>> = g
+        .chunks_mut(PER_TASK)
+        .zip(u.chunks(PER_TASK))
+        .map(Mutex::new)
+        .collect();
+    crate::kernels::SpinPool::global().run(parts.len(), &|i| {
+        if let Ok(mut part) = parts[i].lock() {
+            let (g, u) = &mut *part;
+            ops::gelu_mul(g, u);
+        }
+    });
 }
 
 /// Per-channel factors for int8 keys, one per channel of a head: the store quantizes `k * a` and

@@ -79,22 +79,48 @@ pub fn rope_inv_freq(dim: usize, base: f32, scale: f32) -> Vec<f32> {
         .collect()
 }
 
-/// Rotates each head of `x` (`heads × dim`) by `pos`, rotating the two halves of the head (GPT-NeoX
-/// layout, as Gemma uses).
-pub fn rope(x: &mut [f32], dim: usize, pos: usize, inv_freq: &[f32]) {
-    let half = dim / 2;
-    let (mut cos, mut sin) = ([0f32; 512], [0f32; 512]);
-    for (i, f) in inv_freq.iter().enumerate() {
-        let (s, c) = (pos as f32 * f).sin_cos();
-        cos[i] = c;
-        sin[i] = s;
+/// The rotary embedding's cosines and sines of a step's positions (`pos · inv_freq`): made once a
+/// step and used by every layer that shares the frequencies, for queries and keys alike.
+#[derive(Debug)]
+pub struct RopeAngles {
+    half: usize,
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+}
+
+impl RopeAngles {
+    pub fn new(positions: &[usize], inv_freq: &[f32]) -> Self {
+        let half = inv_freq.len();
+        let (mut cos, mut sin) = (
+            Vec::with_capacity(positions.len() * half),
+            Vec::with_capacity(positions.len() * half),
+        );
+        for &pos in positions {
+            for f in inv_freq {
+                let (s, c) = (pos as f32 * f).sin_cos();
+                cos.push(c);
+                sin.push(s);
+            }
+        }
+        Self { half, cos, sin }
     }
-    for head in x.chunks_exact_mut(dim) {
-        let (a, b) = head.split_at_mut(half);
-        for i in 0..half {
-            let (x0, x1) = (a[i], b[i]);
-            a[i] = x0 * cos[i] - x1 * sin[i];
-            b[i] = x0 * sin[i] + x1 * cos[i];
+
+    /// Rotates each head of `x` (heads of twice as many values as there are frequencies) by the
+    /// angles of position `t` (of those given to [`RopeAngles::new`]), rotating the two halves of
+    /// the head together (GPT-NeoX layout, as Gemma uses).
+    pub fn rotate(&self, t: usize, x: &mut [f32]) {
+        let half = self.half;
+        let (cos, sin) = (
+            &self.cos[t * half..(t + 1) * half],
+            &self.sin[t * half..(t + 1) * half],
+        );
+        for head in x.chunks_exact_mut(2 * half) {
+            let (a, b) = head.split_at_mut(half);
+            for i in 0..half {
+                let (x0, x1) = (a[i], b[i]);
+                a[i] = x0 * cos[i] - x1 * sin[i];
+                b[i] = x0 * sin[i] + x1 * cos[i];
+            }
         }
     }
 }
@@ -122,9 +148,9 @@ mod tests {
         let inv = rope_inv_freq(8, 10_000.0, 1.0);
         let orig: Vec<f32> = (0..16).map(|i| i as f32 - 7.5).collect();
         let mut x = orig.clone();
-        rope(&mut x, 8, 0, &inv);
+        RopeAngles::new(&[0], &inv).rotate(0, &mut x);
         assert_eq!(x, orig);
-        rope(&mut x, 8, 37, &inv);
+        RopeAngles::new(&[37], &inv).rotate(0, &mut x);
         for (h, o) in x.chunks(8).zip(orig.chunks(8)) {
             assert!((dot(h, h) - dot(o, o)).abs() < 1e-3);
         }
@@ -150,6 +176,31 @@ mod tests {
         }
         assert!(exp(-1000.0) >= 0.0 && exp(-1000.0) < 1e-37);
         assert!(exp(1000.0).is_finite());
+    }
+
+    #[test]
+    fn a_steps_angles_rotate_each_position_as_rope_does() {
+        let (dim, heads) = (8, 3);
+        let inv = rope_inv_freq(dim, 10_000.0, 1.0);
+        let positions = [0usize, 5, 37, 4096];
+        let angles = RopeAngles::new(&positions, &inv);
+        for (t, &pos) in positions.iter().enumerate() {
+            let x: Vec<f32> = (0..dim * heads).map(|i| (i as f32 * 0.7).sin()).collect();
+            let (mut want, mut got) = (x.clone(), x);
+            // Each position's angles computed on their own, as a step of one token would.
+            let half = dim / 2;
+            for head in want.chunks_exact_mut(dim) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (s, c) = (pos as f32 * inv[i]).sin_cos();
+                    let (x0, x1) = (a[i], b[i]);
+                    a[i] = x0 * c - x1 * s;
+                    b[i] = x0 * s + x1 * c;
+                }
+            }
+            angles.rotate(t, &mut got);
+            assert_eq!(got, want, "position {pos}");
+        }
     }
 
     #[test]
