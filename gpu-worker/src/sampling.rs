@@ -89,11 +89,7 @@ impl Sampler {
         history: &[u32],
         summary: Option<LogitSummary>,
     ) -> (u32, f32) {
-        let LogitSummary {
-            max: _,
-            argmax,
-            lse,
-        } = summary.unwrap_or_else(|| LogitSummary::of(logits));
+        let LogitSummary { argmax, lse } = summary.unwrap_or_else(|| LogitSummary::of(logits));
         // Penalized tokens' unmodified logits (each seen token once, however often it appears).
         let mut original = std::collections::HashMap::new();
         let penalty = self.params.repetition_penalty;
@@ -184,13 +180,13 @@ impl Sampler {
     }
 }
 
-/// What sampling needs of a row of logits besides the logits: the largest, where it first occurs,
-/// and the log of the sum of their exponentials. The forward pass makes it a [`Piece`] at a time,
+/// What sampling needs of a row of logits besides the logits: where the largest first occurs, and
+/// the log of the sum of their exponentials. The forward pass makes it a [`Piece`] at a time,
 /// while the output projection's results are still in cache, so sampling need not read the
 /// 262k-wide row from memory again (three times: for the maximum, the sum and the argmax).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LogitSummary {
-    pub max: f32,
+    /// The first position of the largest logit.
     pub argmax: u32,
     /// `ln Σ e^x`.
     pub lse: f32,
@@ -265,7 +261,6 @@ impl LogitSummary {
             start as u32 + first_index_of(&row[start..end], max)
         });
         Self {
-            max,
             argmax,
             lse: max + sum.ln(),
         }
@@ -429,7 +424,7 @@ mod tests {
         for (s, xs) in got.iter().zip([&a, &b]) {
             assert_eq!(*s, LogitSummary::of(xs));
             let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            assert_eq!(s.max, max);
+            assert_eq!(xs[s.argmax as usize], max);
             assert_eq!(
                 s.argmax as usize,
                 xs.iter().position(|&v| v == max).unwrap()

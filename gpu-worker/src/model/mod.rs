@@ -230,17 +230,17 @@ impl Model {
     }
 
     /// Logits of hidden-state rows (final norm, output projection, soft-cap), and with
-    /// `summaries` each row's [`LogitSummary`], made by the projection's tasks as they finish.
+    /// `summaries` each row's [`LogitSummary`]: the projection's tasks soft-cap and summarize
+    /// their outputs as they finish.
     fn logits(
         &self,
         mut rows: Vec<f32>,
         logits: &mut Vec<f32>,
-        summaries: Option<&mut Vec<LogitSummary>>,
+        mut summaries: Option<&mut Vec<LogitSummary>>,
     ) -> Result<(), ModelError> {
         let c = &self.config;
         let (h, vocab) = (c.hidden_size, c.vocab_size);
         let n = rows.len() / h;
-        let mut summaries = summaries;
         // Cleared first: an error below leaves no stale summaries.
         if let Some(s) = summaries.as_deref_mut() {
             s.clear();
@@ -250,33 +250,29 @@ impl Model {
             return Ok(());
         }
         ops::rms_norm_rows(&mut rows, &self.output_norm, c.rms_eps);
-        let input = Input::new(&rows, n, h);
-        let cap = c.final_logit_softcap;
-        let Some(summaries) = summaries else {
-            self.output.forward(&input, logits)?;
-            if let Some(cap) = cap {
-                ops::softcap(logits, cap);
-            }
-            return Ok(());
-        };
+        let (cap, summarize) = (c.final_logit_softcap, summaries.is_some());
         // (row, piece) of every task, in whatever order the tasks finish.
-        let pieces = Mutex::new(Vec::with_capacity(n * vocab.div_ceil(PIECE)));
+        let pieces = Mutex::new(Vec::new());
         self.output
-            .forward_then(&input, logits, PIECE, &|cols, rows| {
-                let mut mine = Vec::with_capacity(rows.len() * cols.len().div_ceil(PIECE));
+            .forward_then(&Input::new(&rows, n, h), logits, PIECE, &|cols, rows| {
+                let mut mine = Vec::new();
                 for (r, row) in rows.iter_mut().enumerate() {
                     if let Some(cap) = cap {
                         ops::softcap(row, cap);
                     }
-                    mine.extend(Piece::all_of(cols.start, row).map(|p| (r, p)));
+                    if summarize {
+                        mine.extend(Piece::all_of(cols.start, row).map(|p| (r, p)));
+                    }
                 }
                 pieces
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .extend(mine);
             })?;
-        let pieces = pieces.into_inner().unwrap_or_else(|e| e.into_inner());
-        *summaries = LogitSummary::of_pieces(pieces, logits, vocab);
+        if let Some(summaries) = summaries {
+            let pieces = pieces.into_inner().unwrap_or_else(|e| e.into_inner());
+            *summaries = LogitSummary::of_pieces(pieces, logits, vocab);
+        }
         Ok(())
     }
 
