@@ -74,16 +74,25 @@ openapi:
 	bash scripts/build-web.sh --deps
 	cd web && npm run api-types
 
+## The GPU hosts' driver CUDA version and compute capability that `check-cuda` and `build-cuda`
+## build for (driver 580 is CUDA 13.0; 90 is H100 and H200). The toolkit is pinned to the former.
+HEARTH_CUDA_VERSION ?= 13.0
+CUDA_COMPUTE_CAP ?= 90
+export HEARTH_CUDA_VERSION CUDA_COMPUTE_CAP
+
 ## Type-check the worker with candle's CUDA backend (nvcc from PyPI; ~10 min; needs no GPU).
 check-cuda:
 	eval "$$(scripts/cuda-toolchain.sh)" && $(CARGO) check -p hearth-worker --features cuda
 
 ## Build and link the CUDA worker without a GPU (link stubs stand in for the driver and the CUDA
 ## libraries; ~20 min the first time), for the portable x86-64-v3 level, stripped, at
-## target/cuda/hearth-worker; then check that it runs: without a GPU `--device auto` serves on the
-## CPU and `--device cuda:0` is refused with a clear error.
+## target/cuda/hearth-worker; then check its device code (every PTX module of an ISA version the
+## driver accepts, and code for the compute capability) and that it runs: without a GPU
+## `--device auto` serves on the CPU and `--device cuda:0` is refused with a clear error.
 build-cuda:
 	eval "$$(scripts/cuda-toolchain.sh --link)" && RUSTFLAGS="-C target-cpu=x86-64-v3" \
 	  CARGO_TARGET_DIR=target/cuda $(CARGO) build --release -p hearth-worker --features cuda
 	strip -o target/cuda/hearth-worker target/cuda/release/hearth-worker
+	python3 scripts/cuda-check-binary.py target/cuda/hearth-worker \
+	  --cuda $(HEARTH_CUDA_VERSION) --arch $(CUDA_COMPUTE_CAP)
 	bash scripts/cuda-smoke.sh target/cuda/hearth-worker

@@ -103,8 +103,13 @@ fn first_gpu() -> Option<Device> {
 #[cfg(feature = "cuda")]
 fn open_cuda(ordinal: u32) -> Result<Device, DeviceError> {
     let unusable = |reason: String| DeviceError::CudaUnavailable { ordinal, reason };
-    let candle =
-        candle_core::Device::new_cuda(ordinal as usize).map_err(|e| unusable(e.to_string()))?;
+    // One stream for everything on this device: weights are uploaded on the loader thread, the
+    // K/V memory is allocated and zeroed on another, and the forward pass runs on the engine
+    // thread. candle's default (`Device::new_cuda`) gives each thread its own per-thread default
+    // stream, and nothing would order those; on one stream, work runs in the order it is issued.
+    let candle = candle_core::CudaDevice::new_with_stream(ordinal as usize)
+        .map(candle_core::Device::Cuda)
+        .map_err(|e| unusable(e.to_string()))?;
     let ctx = cuda_context(&candle).map_err(unusable)?;
     let name = ctx.name().map_err(|e| unusable(e.to_string()))?;
     let (major, minor) = ctx
