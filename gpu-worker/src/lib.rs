@@ -13,11 +13,13 @@
 //! - [`telemetry`]: the worker's Prometheus metrics.
 //! - [`fixtures`]: tiny random-weight Gemma-shaped models for tests and benchmarks.
 //! - [`bench`]: the `hearth-worker bench` benchmark.
+//! - [`gen_model`]: random-weight GGUF files shaped like real Gemma 3 models (`gen-model`).
 
 pub mod bench;
 pub mod device;
 pub mod engine;
 pub mod fixtures;
+pub mod gen_model;
 pub mod generic;
 pub mod kernels;
 pub mod kv;

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use hearth_worker::bench::{run_bench, BenchOptions};
+use hearth_worker::gen_model::GenModelOptions;
 use hearth_worker::server::config::{default_models_dir, DEFAULT_MODEL, DEFAULT_TOKENIZER};
 use hearth_worker::server::{ServeConfig, Worker};
 
@@ -28,6 +29,10 @@ enum Command {
     Serve(ServeConfig),
     /// Measure the engine on a GGUF model and print JSON.
     Bench(BenchOptions),
+    /// Write a random-weight GGUF file with the shapes, quantization mix and metadata of a real
+    /// Gemma 3 model, and a vocabulary llama.cpp loads (for measuring model sizes whose weights
+    /// cannot be brought).
+    GenModel(GenModelOptions),
     /// Chat in the terminal with the model (one session; each line is a user turn).
     Chat {
         #[arg(long, env = "HEARTH_MODEL")]
@@ -65,6 +70,20 @@ fn main() -> anyhow::Result<()> {
             {
                 println!("{}", serde_json::to_string_pretty(&report)?);
             }
+            Ok(())
+        }
+        Command::GenModel(o) => {
+            let t = std::time::Instant::now();
+            let bytes = hearth_worker::gen_model::write(o.like, &o.out, o.seed)?;
+            let shape = o.like.shape();
+            tracing::info!(
+                path = %o.out.display(),
+                model = shape.name,
+                parameters = shape.parameters(),
+                mb = bytes >> 20,
+                seconds = t.elapsed().as_secs_f64(),
+                "wrote a random-weight model"
+            );
             Ok(())
         }
         Command::Chat {
