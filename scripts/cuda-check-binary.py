@@ -83,8 +83,11 @@ def problems(data, cuda, arch):
                 f"PTX module {i} is PTX ISA {version[0]}.{version[1]}: a CUDA {cuda[0]}.{cuda[1]} "
                 f"driver accepts up to {limit[0]}.{limit[1]} (build with the matching toolkit)"
             )
-        if sm(target)[0] > arch:
+        number, suffix = sm(target)
+        if number > arch:
             out.append(f"PTX module {i} targets {target}, newer than the GPU's sm_{arch}")
+        elif suffix and number != arch:
+            out.append(f"PTX module {i} targets {target}, which only an sm_{number} GPU runs")
     bins = fatbins(data)
     for i, entries in enumerate(bins):
         runs = any(
@@ -130,6 +133,8 @@ def self_test():
         (b"junk" + ptx("9.0", "sm_90") + b"more" + fatbin(elf90, ptx90), (13, 0), 90, []),
         (ptx("9.5", "sm_90"), (13, 0), 90, ["PTX ISA 9.5"]),
         (ptx("9.0", "sm_100"), (13, 0), 90, ["targets sm_100"]),
+        (ptx("9.0", "sm_90a"), (13, 0), 90, []),
+        (ptx("8.7", "sm_90a"), (13, 0), 100, ["only an sm_90"]),
         (ptx("8.4", "sm_80") + fatbin((2, (1, 8), 80)), (13, 0), 90, ["no code an sm_90"]),
         (fatbin((2, (1, 8), 86), (1, (8, 7), 86)), (12, 4), 89, ["PTX ISA 8.7"]),
         (fatbin((2, (1, 8), 86)), (12, 4), 89, []),

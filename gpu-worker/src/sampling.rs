@@ -82,14 +82,15 @@ impl Sampler {
     /// Picks a token from `logits` (modified in place); `history` holds the tokens seen so far
     /// (for the repetition penalty), `summary` the row's [`LogitSummary`] where the forward pass
     /// made it (it is made here otherwise). Returns the token and its log-probability under the
-    /// model's unmodified distribution.
+    /// model's unmodified distribution. A greedy sampler without a penalty reads only the summary
+    /// ([`Sampler::needs_row`]), so its row may be left on the device.
     pub fn sample(
         &mut self,
         logits: &mut [f32],
         history: &[u32],
         summary: Option<LogitSummary>,
     ) -> (u32, f32) {
-        let LogitSummary { argmax, lse } = summary.unwrap_or_else(|| LogitSummary::of(logits));
+        let LogitSummary { argmax, max, lse } = summary.unwrap_or_else(|| LogitSummary::of(logits));
         // Penalized tokens' unmodified logits (each seen token once, however often it appears).
         let mut original = std::collections::HashMap::new();
         let penalty = self.params.repetition_penalty;
@@ -114,11 +115,17 @@ impl Sampler {
         } else {
             self.sample_stochastic(logits)
         };
-        let raw = original
-            .get(&token)
-            .copied()
-            .unwrap_or(logits[token as usize]);
+        let raw = match original.get(&token) {
+            Some(&l) => l,
+            None if token == argmax => max,
+            None => logits[token as usize],
+        };
         (token, raw - lse)
+    }
+
+    /// Whether [`Sampler::sample`] reads the row of logits, not only its summary.
+    pub fn needs_row(&self) -> bool {
+        !self.params.is_greedy() || self.params.repetition_penalty != 1.0
     }
 
     fn sample_stochastic(&mut self, logits: &[f32]) -> u32 {
@@ -180,14 +187,19 @@ impl Sampler {
     }
 }
 
-/// What sampling needs of a row of logits besides the logits: where the largest first occurs, and
-/// the log of the sum of their exponentials. The forward pass makes it a [`Piece`] at a time,
-/// while the output projection's results are still in cache, so sampling need not read the
-/// 262k-wide row from memory again (three times: for the maximum, the sum and the argmax).
+/// What sampling needs of a row of logits besides the logits: where the largest first occurs,
+/// its value, and the log of the sum of their exponentials. The CPU pass makes it a [`Piece`] at
+/// a time, while the output projection's results are still in cache, so sampling need not read
+/// the 262k-wide row from memory again (three times: for the maximum, the sum and the argmax).
+/// The device pass makes it on the device, and a greedy pick without a penalty then needs no
+/// more: the row itself never leaves the device (hence the maximum here, which is otherwise the
+/// row's value at `argmax`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LogitSummary {
     /// The first position of the largest logit.
     pub argmax: u32,
+    /// The largest logit.
+    pub max: f32,
     /// `ln Σ e^x`.
     pub lse: f32,
 }
@@ -262,6 +274,7 @@ impl LogitSummary {
         });
         Self {
             argmax,
+            max,
             lse: max + sum.ln(),
         }
     }
@@ -437,13 +450,19 @@ mod tests {
             assert!((s.lse as f64 - lse).abs() < 1e-5, "{} vs {lse}", s.lse);
         }
         assert_eq!(got[0].argmax as usize, 2 * PIECE + 17);
-        // Sampling with the summary picks and scores as it does without one.
+        // Sampling with the summary picks and scores as it does without one; greedy needs only
+        // the summary (its row may stay on the device: here, an empty one).
         let mut with = Sampler::new(SamplingParams::greedy());
         let mut without = Sampler::new(SamplingParams::greedy());
-        assert_eq!(
-            with.sample(&mut a.clone(), &[], Some(got[0])),
-            without.sample(&mut a.clone(), &[], None)
-        );
+        assert!(!with.needs_row());
+        let want = without.sample(&mut a.clone(), &[], None);
+        assert_eq!(with.sample(&mut a.clone(), &[], Some(got[0])), want);
+        assert_eq!(with.sample(&mut [], &[], Some(got[0])), want);
+        let penalized = Sampler::new(SamplingParams {
+            repetition_penalty: 1.1,
+            ..SamplingParams::greedy()
+        });
+        assert!(penalized.needs_row());
     }
 
     #[test]

@@ -13,7 +13,8 @@ use candle_core::Device;
 use common::*;
 use hearth_shared::SessionId;
 use hearth_worker::engine::{DiskConfig, Engine, EngineConfig, GenerateRequest};
-use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
+use hearth_worker::fixtures::{write_tiny_gguf, write_tiny_safetensors, TinySpec};
+use hearth_worker::gen_model::{self, Like};
 use hearth_worker::generic::{DeviceKv, GenericModel, LoadOptions};
 use hearth_worker::kv::{KvDtype, KvStore};
 use hearth_worker::model::{load_gguf, Model, SeqChunk};
@@ -67,6 +68,7 @@ fn two_steps(mut forward: impl FnMut(&[SeqChunk<'_>], &mut Vec<f32>)) -> (Vec<f3
         blocks: &tables[i],
         packed: &[],
         logit_rows: n,
+        summary_only: false,
     };
     let (mut first, mut second) = (Vec::new(), Vec::new());
     forward(
@@ -96,7 +98,25 @@ fn candle_steps(generic: &GenericModel) -> (Vec<f32>, Vec<f32>) {
     let c = &generic.config;
     let mut kv =
         DeviceKv::new(&Device::Cpu, c.num_layers, 8, 16, c.kv_dim(), KvDtype::F32).unwrap();
-    two_steps(|chunks, out| generic.forward(chunks, &mut kv, out).unwrap())
+    two_steps(|chunks, out| {
+        let mut summaries = Vec::new();
+        generic
+            .forward(chunks, &mut kv, out, &mut summaries)
+            .unwrap();
+        // The device's summaries are those of the rows it returned.
+        let rows: Vec<LogitSummary> = out
+            .chunks_exact(c.vocab_size)
+            .map(LogitSummary::of)
+            .collect();
+        assert_eq!(summaries.len(), rows.len());
+        for (d, h) in summaries.iter().zip(&rows) {
+            assert_eq!(d.argmax, h.argmax);
+            assert!(
+                (d.lse - h.lse).abs() <= 1e-4 * h.lse.abs().max(1.0),
+                "{d:?} {h:?}"
+            );
+        }
+    })
 }
 
 /// The largest logit difference (relative to the largest logit) and the rows with the same top
@@ -159,6 +179,7 @@ fn dense_f16_matrices_serve_the_large_steps_within_tolerance() {
     // The first step (67 tokens) goes through the f16 copies, the second (9) through the blocks.
     let dense = LoadOptions {
         dense_gemm_tokens: Some(10),
+        ..Default::default()
     };
     for quantized in [false, true] {
         let spec = TinySpec {
@@ -232,6 +253,41 @@ fn the_engine_on_the_candle_pass_decodes_as_on_the_kernels_and_batches_exactly()
         .collect();
     let batched: Vec<_> = streams.into_iter().map(|s| collect(s).tokens).collect();
     assert_eq!(batched, want, "batched decoding on the candle pass differs");
+    // Fixed-shape decode steps (what a GPU replays from graphs): six sequences padded to
+    // eight, fewer as they finish, the same tokens.
+    let (_, fixed) = both_with(
+        &TinySpec {
+            quantized: false,
+            ..Default::default()
+        },
+        LoadOptions {
+            step_graphs: true,
+            ..Default::default()
+        },
+    );
+    let on_fixed = Engine::start(
+        fixed,
+        EngineConfig {
+            kv_dtype: KvDtype::F32,
+            kv_window_margin: None,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let streams: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            on_fixed
+                .handle()
+                .submit(greedy(80 + i as u64, p.clone(), 24 - i as u32))
+                .unwrap()
+        })
+        .collect();
+    let fixed: Vec<_> = streams.into_iter().map(|s| collect(s).tokens).collect();
+    for (i, (got, want)) in fixed.iter().zip(&want).enumerate() {
+        assert_eq!(got[..], want[..24 - i], "fixed-shape steps, sequence {i}");
+    }
     let distinct: std::collections::HashSet<_> = want.iter().flatten().collect();
     assert!(distinct.len() >= 8, "degenerate output: {want:?}");
 }
@@ -298,4 +354,213 @@ fn int8_kv_on_the_candle_pass_is_refused_with_a_clear_error() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("int8"), "{err}");
+}
+
+/// A decode step of a Gemma 3 270M-shaped model (gen-model's random weights, the published
+/// Q4_K_M file's formats) on candle's CPU device: the device operations it issues (counted by
+/// what each costs on CUDA, see `DeviceOps`) per layer and per token, the same at batch 1, 4 and
+/// 16: attention is one launch for the whole step.
+#[test]
+fn a_decode_step_issues_few_device_operations_whatever_the_batch() {
+    let path = temp_dir("device-ops").join("270m.gguf");
+    gen_model::write(Like::Gemma3_270m, &path, 1).unwrap();
+    let model = GenericModel::load_gguf(&path, &Device::Cpu, LoadOptions::default()).unwrap();
+    let c = model.config.clone();
+    // Q/K/V are one product in every layer (Q5_0 beside Q8_0 becomes Q8_0), as are gate/up.
+    assert!((0..c.num_layers).all(|l| model.products_per_layer(l) == 4));
+    let mut kv =
+        DeviceKv::new(&Device::Cpu, c.num_layers, 48, 16, c.kv_dim(), KvDtype::F16).unwrap();
+    let mut steps = Vec::new();
+    for batch in [1u32, 4, 16] {
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|i| vec![3 * i, 3 * i + 1, 3 * i + 2])
+            .collect();
+        let tokens: Vec<[u32; 1]> = (0..batch).map(|i| [1000 + i]).collect();
+        let chunks: Vec<SeqChunk<'_>> = (0..batch as usize)
+            .map(|i| SeqChunk {
+                tokens: &tokens[i],
+                start_pos: 20 + i,
+                blocks: &tables[i],
+                packed: &[],
+                logit_rows: 1,
+                // Greedy decoding: the rows stay on the device, their summaries come back.
+                summary_only: true,
+            })
+            .collect();
+        let before = model.device_ops().count();
+        let (mut logits, mut summaries) = (Vec::new(), Vec::new());
+        model
+            .forward(&chunks, &mut kv, &mut logits, &mut summaries)
+            .unwrap();
+        assert_eq!(summaries.len(), batch as usize);
+        assert!(logits.is_empty() || logits.len() == batch as usize * c.vocab_size);
+        steps.push(model.device_ops().count().since(before));
+    }
+    assert_eq!(steps[0], steps[1], "batch 1 and 4");
+    assert_eq!(steps[0], steps[2], "batch 1 and 16");
+    let per_token = steps[0].total();
+    // Outside the layers: the meta upload, the embedding lookup and its norm, the output
+    // product (2), the summaries and their download.
+    let per_layer = (per_token - 7) as f64 / c.num_layers as f64;
+    eprintln!(
+        "decode step: {} kernel launches and {} copies, {per_layer:.1} per layer, {per_token} per \
+         token at batch 1 (the same at 4 and 16)",
+        steps[0].kernels, steps[0].copies
+    );
+    assert!(per_layer <= 22.0, "{per_layer} device operations per layer");
+    assert!(per_token <= 400, "{per_token} device operations per token");
+}
+
+/// Rows whose sampler reads only their summary stay on the device: a step mixing them with rows
+/// that come to the host writes just those, at their places, with the same values and summaries
+/// as a step that brings every row.
+#[test]
+fn summary_only_rows_stay_on_the_device_and_the_others_arrive_in_place() {
+    let (_, generic) = both(&TinySpec::default());
+    let c = generic.config.clone();
+    let tables: [Vec<u32>; 3] = [vec![0, 1], vec![2, 3], vec![4, 5]];
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(12, 60 + i, VOCAB)).collect();
+    let run = |summary_only: [bool; 3], logits: &mut Vec<f32>| {
+        let mut kv =
+            DeviceKv::new(&Device::Cpu, c.num_layers, 6, 16, c.kv_dim(), KvDtype::F32).unwrap();
+        let chunks: Vec<SeqChunk<'_>> = (0..3)
+            .map(|i| SeqChunk {
+                tokens: &prompts[i],
+                start_pos: 0,
+                blocks: &tables[i],
+                packed: &[],
+                logit_rows: 2,
+                summary_only: summary_only[i],
+            })
+            .collect();
+        let mut summaries = Vec::new();
+        generic
+            .forward(&chunks, &mut kv, logits, &mut summaries)
+            .unwrap();
+        summaries
+    };
+    let mut all = Vec::new();
+    let want = run([false; 3], &mut all);
+    let vocab = c.vocab_size;
+    assert_eq!(all.len(), 6 * vocab);
+    // A buffer from an earlier step, marked, so rows left alone show.
+    let mut mixed = vec![f32::NAN; 6 * vocab];
+    let got = run([false, true, false], &mut mixed);
+    assert_eq!(got, want, "summaries");
+    assert_eq!(mixed.len(), 6 * vocab);
+    for r in [0, 1, 4, 5] {
+        assert_eq!(
+            mixed[r * vocab..][..vocab],
+            all[r * vocab..][..vocab],
+            "row {r}"
+        );
+    }
+    assert!(mixed[2 * vocab..4 * vocab].iter().all(|x| x.is_nan()));
+    // Only summaries: no row comes to the host.
+    let before = generic.device_ops().count();
+    let mut none = vec![f32::NAN; 6 * vocab];
+    assert_eq!(run([true; 3], &mut none), want);
+    assert!(none.iter().all(|x| x.is_nan()));
+    let ops = generic.device_ops().count().since(before);
+    assert_eq!(ops.copies, 2, "the meta upload and the summaries' download");
+}
+
+/// candle-transformers' Gemma 3 (`models::gemma3`), an implementation written apart from
+/// Hearth's, as a reference for one sequence's logits: a 20-token prompt (one chunk here, token
+/// by token there), then three decode steps, on a tiny f32 model read from its HuggingFace checkpoint (the same weights as the
+/// GGUF file the device pass reads; both then differ only in summation order). Its K/V handling
+/// (a cache that grows by concatenation, one position for the whole batch) is not a model for
+/// Hearth's, and its sliding window sees one position more than Gemma's, so the sequence stays
+/// inside the window. (candle-transformers' `quantized_gemma3` is no reference: in 0.11.1 its
+/// feed-forward uses SiLU where Gemma uses GELU.)
+#[test]
+fn the_device_pass_gives_candle_transformers_gemma3_logits() {
+    use candle_core::{DType, IndexOp, Tensor};
+    use candle_transformers::models::gemma3::{Config, Model as Reference};
+    let spec = TinySpec {
+        quantized: false,
+        sliding_window: 64,
+        sliding_window_pattern: 6,
+        ..Default::default()
+    };
+    let dir = temp_dir("candle-gemma3");
+    write_tiny_gguf(&dir.join("tiny.gguf"), &spec).unwrap();
+    write_tiny_safetensors(&dir.join("hf"), &spec).unwrap();
+    let cfg = Config {
+        attention_bias: false,
+        head_dim: spec.head_dim,
+        hidden_activation: candle_nn::Activation::GeluPytorchTanh,
+        hidden_size: spec.hidden,
+        intermediate_size: spec.ffn,
+        num_attention_heads: spec.heads,
+        num_hidden_layers: spec.layers,
+        num_key_value_heads: spec.kv_heads,
+        rms_norm_eps: 1e-6,
+        rope_theta: 1_000_000.0,
+        rope_local_base_freq: 10_000.0,
+        vocab_size: spec.vocab,
+        final_logit_softcapping: None,
+        attn_logit_softcapping: None,
+        query_pre_attn_scalar: spec.head_dim,
+        sliding_window: spec.sliding_window,
+        sliding_window_pattern: spec.sliding_window_pattern,
+        max_position_embeddings: spec.context,
+    };
+    // SAFETY: the file was just written by this test and is not changed while mapped.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[dir.join("hf/model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
+    }
+    .unwrap();
+    let mut reference = Reference::new(false, &cfg, vb).unwrap();
+    let generic =
+        GenericModel::load_gguf(&dir.join("tiny.gguf"), &Device::Cpu, LoadOptions::default())
+            .unwrap();
+    let c = generic.config.clone();
+    let all = prompt(23, 5, VOCAB);
+    let blocks = [3u32, 0];
+    let mut kv =
+        DeviceKv::new(&Device::Cpu, c.num_layers, 4, 16, c.kv_dim(), KvDtype::F32).unwrap();
+    let mut worst = 0f32;
+    for (from, to) in [(0, 20), (20, 21), (21, 22), (22, 23)] {
+        // The reference reads one token at a time: its full-attention cache in 0.11.1 refuses a
+        // chunk of several (it appends non-contiguous value rows).
+        let mut want = Vec::new();
+        for p in from..to {
+            let ids = Tensor::new(&all[p..p + 1], &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            want = reference
+                .forward(&ids, p)
+                .unwrap()
+                .i((0, 0))
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+        }
+        let (mut got, mut summaries) = (Vec::new(), Vec::new());
+        let chunk = SeqChunk {
+            tokens: &all[from..to],
+            start_pos: from,
+            blocks: &blocks,
+            packed: &[],
+            logit_rows: 1,
+            summary_only: false,
+        };
+        generic
+            .forward(&[chunk], &mut kv, &mut got, &mut summaries)
+            .unwrap();
+        worst = worst.max(self::worst(&want, &got));
+        assert_eq!(
+            same_top(&want, &got, c.vocab_size),
+            (1, 1),
+            "top token at {to}"
+        );
+    }
+    eprintln!("largest logit difference against candle-transformers' gemma3: {worst:.2e}");
+    assert!(worst <= 1e-4, "largest logit difference {worst}");
 }

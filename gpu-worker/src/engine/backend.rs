@@ -56,6 +56,14 @@ impl Weights {
         }
     }
 
+    /// Device operations the generic pass has issued so far (`None` for the CPU kernels).
+    pub fn device_ops(&self) -> Option<crate::generic::OpCount> {
+        match self {
+            Self::Native(_) => None,
+            Self::Generic(m) => Some(m.device_ops().count()),
+        }
+    }
+
     /// Bytes of weights held (on the device for the generic pass).
     pub fn weights_bytes(&self) -> usize {
         match self {
@@ -120,8 +128,8 @@ impl Backend {
                 .with_key_balance(model.key_balance()),
                 model: model.clone(),
             },
-            Weights::Generic(model) => Self::Generic {
-                kv: DeviceKv::new(
+            Weights::Generic(model) => {
+                let kv = DeviceKv::new(
                     model.device(),
                     c.num_layers,
                     num_blocks,
@@ -129,14 +137,23 @@ impl Backend {
                     c.kv_dim(),
                     config.kv_dtype,
                 )
-                .map_err(|e| EngineError::Internal(format!("K/V memory on the device: {e}")))?,
-                model: model.clone(),
-            },
+                .map_err(|e| EngineError::Internal(format!("K/V memory on the device: {e}")))?;
+                // Fixed-shape decode steps where the model asks for them, captured on a GPU.
+                let kv = if model.step_graphs() {
+                    kv.with_step_graphs(model.device().is_cuda())
+                } else {
+                    kv
+                };
+                Self::Generic {
+                    kv,
+                    model: model.clone(),
+                }
+            }
         })
     }
 
-    /// One step's logits, and their rows' summaries where the pass makes them (the CPU kernels
-    /// do; `summaries` is left empty otherwise, and sampling makes them from the rows).
+    /// One step's logits, and their rows' summaries (both passes make them: the CPU kernels
+    /// while the output projection's results are in cache, the device pass on the device).
     pub(super) fn forward(
         &mut self,
         chunks: &[SeqChunk<'_>],
@@ -145,10 +162,7 @@ impl Backend {
     ) -> Result<(), ModelError> {
         match self {
             Self::Native { model, kv } => model.forward(chunks, kv, logits, summaries),
-            Self::Generic { model, kv } => {
-                summaries.clear();
-                model.forward(chunks, kv, logits)
-            }
+            Self::Generic { model, kv } => model.forward(chunks, kv, logits, summaries),
         }
     }
 

@@ -946,6 +946,7 @@ impl Scheduler {
                     blocks: &s.blocks,
                     packed: &s.packed,
                     logit_rows: if ends { 1 + s.draft } else { 0 },
+                    summary_only: s.draft == 0 && !s.sampler.needs_row(),
                 }
             })
             .collect();

@@ -114,6 +114,10 @@ pub struct SeqChunk<'a> {
     /// Logits wanted for this many of the chunk's last positions: 0 for a prompt chunk that is
     /// not the prompt's end, 1 to sample the next token, more to verify a speculative draft.
     pub logit_rows: usize,
+    /// The sampler reads only the rows' summaries (greedy, no penalty, no draft): a pass that
+    /// summarizes on the device leaves such rows there, and their place in the step's logits
+    /// unwritten. Passes that make every row on the host ignore it.
+    pub summary_only: bool,
 }
 
 impl Model {

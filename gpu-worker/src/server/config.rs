@@ -125,6 +125,10 @@ pub struct RunOn {
     /// blocks. Off unless given.
     #[arg(long, env = "HEARTH_WORKER_DENSE_GEMM_TOKENS")]
     pub dense_gemm_tokens: Option<usize>,
+    /// On a CUDA device: replay greedy decode steps from CUDA graphs captured per batch shape
+    /// (`false` issues every kernel of every step; for comparing the two).
+    #[arg(long, env = "HEARTH_WORKER_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
+    pub cuda_graphs: bool,
 }
 
 impl RunOn {
@@ -164,10 +168,11 @@ impl RunOn {
         }
     }
 
-    /// What the candle pass loads with these flags.
-    pub fn generic_options(&self) -> crate::generic::LoadOptions {
+    /// What the candle pass loads with these flags on `device`.
+    pub fn generic_options(&self, device: &crate::device::Device) -> crate::generic::LoadOptions {
         crate::generic::LoadOptions {
             dense_gemm_tokens: self.dense_gemm_tokens,
+            step_graphs: self.cuda_graphs && device.is_gpu(),
         }
     }
 }
@@ -477,7 +482,13 @@ mod tests {
             );
         }
         let c = validate(&["--forward", "candle", "--dense-gemm-tokens", "64"]).unwrap();
-        assert_eq!(c.run_on.generic_options().dense_gemm_tokens, Some(64));
+        let cpu = crate::device::select(DeviceSpec::Cpu).unwrap();
+        let options = c.run_on.generic_options(&cpu);
+        assert_eq!(options.dense_gemm_tokens, Some(64));
+        // CUDA graphs are on by default, for GPUs only; `--cuda-graphs false` turns them off.
+        assert!(c.run_on.cuda_graphs && !options.step_graphs);
+        let off = validate(&["--forward", "candle", "--cuda-graphs", "false"]).unwrap();
+        assert!(!off.run_on.cuda_graphs);
     }
 
     #[test]

@@ -296,7 +296,7 @@ pub fn load_weights(
                 path.display()
             )));
         }
-        let options = run_on.generic_options();
+        let options = run_on.generic_options(device);
         return Ok(Arc::new(GenericModel::load_gguf(path, &device.candle, options)?).into());
     }
     if run_on.dense_gemm_tokens.is_some() {
