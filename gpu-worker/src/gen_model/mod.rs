@@ -11,8 +11,9 @@
 //! tensor for tensor.
 //!
 //! The data are random block bytes with each block's f16 scales set so a matrix's values have
-//! about the spread `1/sqrt(fan-in)` (clamped to f16's normal range), and norm weights near 1:
-//! finite, with the activations and logits of a working model, at the cost of a random fill.
+//! about the spread `1/sqrt(fan-in)`, and norm weights near 1 (see [`norm_gain`]): finite, with
+//! the activations of a working model and greedy replies that do not repeat one token, at the
+//! cost of a random fill.
 
 pub mod gguf;
 pub mod vocab;
@@ -190,6 +191,21 @@ impl Shape {
     }
 }
 
+/// The mean weight of a norm. With random weights attention spreads evenly over a sequence, so
+/// its output is nearly the same at every position: at full weight it would push every position
+/// toward one token. Scaled down, the feed-forward blocks (a random function of each token)
+/// decide the next token, and greedy replies vary. The final norm's gain spreads the logits
+/// about as wide as a trained model's (a standard deviation of about 2).
+fn norm_gain(name: &str) -> f32 {
+    if name.ends_with("post_attention_norm.weight") {
+        0.2
+    } else if name == "output_norm.weight" {
+        8.0
+    } else {
+        1.0
+    }
+}
+
 /// Fills `buf` with tensor `t`'s random data: blocks of random quants whose scales give values of
 /// about `spread`, or f32 norm weights `1 ± 0.2`.
 fn fill(t: &TensorSpec, seed: u64, buf: &mut [u8]) {
@@ -197,17 +213,19 @@ fn fill(t: &TensorSpec, seed: u64, buf: &mut [u8]) {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
     });
     if t.dtype == GgmlDType::F32 {
+        let gain = norm_gain(&t.name);
         let ws = crate::fixtures::noise(buf.len() / 4, seed, 0.2);
         for (c, w) in buf.chunks_exact_mut(4).zip(ws) {
-            c.copy_from_slice(&(1.0 + w).to_le_bytes());
+            c.copy_from_slice(&(gain * (1.0 + w)).to_le_bytes());
         }
         return;
     }
     let cols = t.dims.last().copied().unwrap_or(1);
+    // An embedding is scaled by sqrt(hidden) on the way in and read as it is by the tied output
+    // projection, where a token's logit for itself grows with hidden × spread²: kept small, so
+    // a token does not simply predict itself.
     let spread = if t.name == "token_embd.weight" {
-        // Embeddings are scaled up by sqrt(hidden) on the way in; the tied output projection
-        // reads them as they are.
-        0.05
+        0.25 / (cols as f32).sqrt()
     } else {
         1.0 / (cols as f32).sqrt()
     };
@@ -228,9 +246,10 @@ fn fill(t: &TensorSpec, seed: u64, buf: &mut [u8]) {
         });
 }
 
-/// An f16 scale, kept in f16's normal range.
+/// An f16 scale, at least f16's smallest (subnormal) value: the small scales of wide k-quant
+/// matrices are subnormal in f16, which every reader converts exactly.
 fn scale(x: f32) -> [u8; 2] {
-    f16::from_f32(x.max(f16::MIN_POSITIVE.to_f32()))
+    f16::from_f32(x.max(f16::from_bits(1).to_f32()))
         .to_bits()
         .to_le_bytes()
 }
@@ -401,7 +420,17 @@ mod tests {
                 .unwrap();
             let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
             assert!(v.iter().all(|x| x.is_finite()), "{name}");
-            assert!(rms > 0.01 && rms < 1.0, "{name}: rms {rms}");
+            // Within a factor of 3 of the spread asked for (the quants' distributions differ).
+            let cols = *t.shape().dims().last().unwrap() as f32;
+            let want = if name == "token_embd.weight" {
+                0.25
+            } else {
+                1.0
+            } / cols.sqrt();
+            assert!(
+                rms > want / 3.0 && rms < want * 3.0,
+                "{name}: rms {rms}, want {want}"
+            );
         }
         // Another seed, other weights; the same seed, the same file.
         let again = dir.join("again.gguf");
