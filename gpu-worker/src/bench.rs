@@ -180,6 +180,14 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         o.prefill_tokens
     ));
 
+    // The device pass's operations per decode step: a request of one token (one step, its
+    // prompt's) against one of `decode_tokens` (that step and the decode steps).
+    let ops_before = model.device_ops();
+    run(
+        h.submit(req(next(), tokens(16, 4, vocab), 1, None))?,
+        Instant::now(),
+    );
+    let ops_prompt = model.device_ops();
     let t = Instant::now();
     let r = run(
         h.submit(req(next(), tokens(16, 3, vocab), o.decode_tokens, None))?,
@@ -187,6 +195,21 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     );
     let decode_tok_s = (r.tokens.len() - 1) as f64 / (r.total - r.ttft).as_secs_f64();
     progress(&format!("single-stream decode: {decode_tok_s:.1} tok/s"));
+    let device_ops = match (ops_before, ops_prompt, model.device_ops()) {
+        (Some(a), Some(b), Some(c)) if r.tokens.len() > 1 => {
+            let (prompt, whole) = (b.since(a), c.since(b));
+            let steps = (r.tokens.len() - 1) as f64;
+            let per = |x: usize, y: usize| x.saturating_sub(y) as f64 / steps;
+            Some(json!({
+                "per_decode_step": per(whole.total(), prompt.total()),
+                "kernels_per_decode_step": per(whole.kernels, prompt.kernels),
+                "copies_per_decode_step": per(whole.copies, prompt.copies),
+                "per_decode_step_per_layer":
+                    per(whole.total(), prompt.total()) / model.config().num_layers as f64,
+            }))
+        }
+        _ => None,
+    };
 
     let mut batched = Vec::new();
     for &n in &o.concurrency {
@@ -334,6 +357,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "weights_mb": model.weights_bytes() >> 20,
         "prefill": { "prompt_tokens": o.prefill_tokens, "tok_s": prefill_tok_s },
         "decode_single_stream_tok_s": decode_tok_s,
+        "device_ops": device_ops,
         "batched_decode": batched,
         "prefill_interference": interference,
         "multi_turn": multi,

@@ -13,9 +13,11 @@
 //! - [`telemetry`]: the worker's Prometheus metrics.
 //! - [`fixtures`]: tiny random-weight Gemma-shaped models for tests and benchmarks.
 //! - [`bench`]: the `hearth-worker bench` benchmark.
+//! - [`check`]: `hearth-worker check-greedy`, a device's greedy tokens against the CPU kernels.
 //! - [`gen_model`]: random-weight GGUF files shaped like real Gemma 3 models (`gen-model`).
 
 pub mod bench;
+pub mod check;
 pub mod device;
 pub mod engine;
 pub mod fixtures;

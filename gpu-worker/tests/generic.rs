@@ -564,3 +564,40 @@ fn the_device_pass_gives_candle_transformers_gemma3_logits() {
     eprintln!("largest logit difference against candle-transformers' gemma3: {worst:.2e}");
     assert!(worst <= 1e-4, "largest logit difference {worst}");
 }
+
+/// `check-greedy` on the CPU: the candle pass's greedy reply against itself (exact) and against
+/// the CPU kernels (within their tolerance); held to a tolerance of zero against the kernels, the
+/// check sees the positions where the two round differently and fails.
+#[test]
+fn check_greedy_compares_a_devices_reply_with_a_cpu_pass() {
+    use hearth_worker::check::{check_greedy, CheckOptions, Reference};
+    use hearth_worker::device::DeviceSpec;
+    use hearth_worker::server::config::{ForwardPass, RunOn};
+    let path = temp_dir("check-greedy").join("tiny.gguf");
+    gen_model::write(Like::Tiny, &path, 2).unwrap();
+    let options = |reference, tolerance| CheckOptions {
+        model: None,
+        run_on: RunOn {
+            device: DeviceSpec::Cpu,
+            forward: ForwardPass::Candle,
+            dense_gemm_tokens: None,
+            cuda_graphs: true,
+        },
+        prompt_tokens: 24,
+        tokens: 32,
+        reference,
+        tolerance,
+    };
+    let same = check_greedy(&path, &options(Reference::Candle, None)).unwrap();
+    assert_eq!(same["pass"], true, "{same}");
+    assert_eq!(same["same_argmax"], 32, "{same}");
+    assert_eq!(same["worst_gap_logits"], 0.0, "{same}");
+    let distinct: std::collections::HashSet<_> = same["reply"].as_array().unwrap().iter().collect();
+    assert!(distinct.len() >= 8, "a degenerate reply: {same}");
+    let kernels = check_greedy(&path, &options(Reference::Kernels, None)).unwrap();
+    assert_eq!(kernels["pass"], true, "{kernels}");
+    let gap = kernels["worst_gap_logits"].as_f64().unwrap();
+    assert!(gap > 0.0, "{kernels}");
+    let strict = check_greedy(&path, &options(Reference::Kernels, Some(0.0))).unwrap();
+    assert_eq!(strict["pass"], false, "{strict}");
+}
