@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda build-cuda
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -21,12 +21,14 @@ chat: fetch-model
 	./target/release/hearth-worker chat
 
 ## Everything CI checks: formatting, lints, the deploy/ files, every test (unit, engine, real
-## model, whole stack; tests/tests/dashboards.rs needs Debian's `prometheus`), and the web UI's
-## checks.
+## model, whole stack; tests/tests/dashboards.rs needs Debian's `prometheus`), the GPU check's
+## script on the CPU (needs cmake), and the web UI's checks.
 test: fetch-model test-deploy
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) test --workspace
+	python3 scripts/cuda-check-binary.py --self-test
+	$(MAKE) gpu-bench-dry-run
 	$(MAKE) test-web
 
 ## The web UI: types, lint, unit tests, the static build, and the browser specs (Playwright with
@@ -96,3 +98,19 @@ build-cuda:
 	python3 scripts/cuda-check-binary.py target/cuda/hearth-worker \
 	  --cuda $(HEARTH_CUDA_VERSION) --arch $(CUDA_COMPUTE_CAP)
 	bash scripts/cuda-smoke.sh target/cuda/hearth-worker
+
+## Pack what the GPU check needs on a GPU host (the CUDA worker, xz-compressed, and llama.cpp's
+## trimmed sources) into gpu-bundle/, under 60 MiB; then on the host, from the checkout's root:
+##   bash scripts/gpu-bench.sh --bundle gpu-bundle --out "$$OUT"        (docs/gpu.md)
+gpu-pack: build-cuda
+	bash scripts/gpu-pack.sh
+
+## The GPU check (scripts/gpu-bench.sh) end to end on the CPU: the tiny shape, the candle pass,
+## llama.cpp's CPU build (kept in ~/.cache/hearth/llama.cpp; about 3 min on 2 cores the first
+## time), so a GPU run spends no time on the script itself.
+gpu-bench-dry-run:
+	$(CARGO) build -p hearth-worker
+	bash scripts/gpu-bench.sh --device cpu --forward candle --shapes tiny --decode-tokens 32 \
+	  --bin target/debug/hearth-worker --out target/gpu-bench-dry-run \
+	  --llama-src "$$(bash scripts/llama-cpp-source.sh "$$HOME/.cache/hearth/llama.cpp/src-trimmed")" \
+	  --llama-build "$$HOME/.cache/hearth/llama.cpp/bench-cpu"

@@ -1,0 +1,231 @@
+#!/usr/bin/env bash
+# The GPU check, in one run: Hearth's CUDA worker against llama.cpp's CUDA build on the same GPU
+# and the same GGUF files, for model shapes GPUs serve (gen-model's random-weight Gemma 3 270M,
+# 1B, 4B). Made for a GPU host with no Rust toolchain and no network, inside a few minutes; it
+# also runs end to end on a CPU with a tiny shape (`--device cpu --shapes tiny`), which CI does,
+# so a GPU run spends no time on the script itself.
+#
+#   bash scripts/gpu-bench.sh --bundle gpu-bundle --out "$OUT"                  # on the GPU host
+#   bash scripts/gpu-bench.sh --device cpu --shapes tiny --bin target/debug/hearth-worker \
+#        --llama-src DIR --llama-build DIR --out target/gpu-bench                # anywhere
+#
+# A bundle (scripts/gpu-pack.sh) holds the stripped CUDA worker and the trimmed llama.cpp
+# sources. Steps, each logged with its start time:
+#   1. the host: nvidia-smi, the GPU's compute capability, the worker's libraries (ldd);
+#   2. llama.cpp's build (llama-bench, llama-batched-bench) for that GPU's architecture only,
+#      started in the background at once, at low priority;
+#   3. gen-model for each shape;
+#   4. `hearth-worker bench` on each shape: prefill 512, single-stream decode, batched decode at
+#      16 and 64 streams (GPU utilisation sampled during the 64-stream run);
+#   5. llama-bench (pp512, tg128) and llama-batched-bench (1, 16, 64 streams) on the same files;
+#   6. `hearth-worker check-greedy` on the first shape: the device's greedy tokens against the
+#      CPU kernels, within a stated tolerance;
+#   7. one JSON file (gpu-bench-<gpu>.json, per shape `prefill_512_ratio`, `decode_1_ratio`,
+#      `decode_64_ratio`: Hearth over llama.cpp, beside the raw figures) and a summary table.
+# --budget-s stops starting new shapes once that many seconds have passed (default 480);
+# --kv-budget-mb sizes the worker's K/V (default 8192 on a GPU, 512 on a CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+device=cuda:0 shapes="gemma-3-270m,gemma-3-1b,gemma-3-4b" bundle="" bin="" forward=auto kv_mb=""
+llama_src="" llama_build="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128
+while (($#)); do
+  case "$1" in
+    --device) device="$2"; shift 2 ;;
+    --shapes) shapes="$2"; shift 2 ;;
+    --bundle) bundle="$2"; shift 2 ;;
+    --bin) bin="$2"; shift 2 ;;
+    --forward) forward="$2"; shift 2 ;;
+    --llama-src) llama_src="$2"; shift 2 ;;
+    --llama-build) llama_build="$2"; shift 2 ;;
+    --out) out="$2"; shift 2 ;;
+    --budget-s) budget="$2"; shift 2 ;;
+    --decode-tokens) decode_tokens="$2"; shift 2 ;;
+    --kv-budget-mb) kv_mb="$2"; shift 2 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+start=$SECONDS
+log() { echo "[$((SECONDS - start))s] gpu-bench: $*" >&2; }
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+work="$(mktemp -d "${TMPDIR:-/tmp}/gpu-bench.XXXXXX")"
+pids=()
+trap 'kill "${pids[@]}" 2>/dev/null || true; rm -rf "$work"' EXIT
+gpu=$([[ "$device" == cuda* ]] && echo 1 || echo 0)
+kv_mb="${kv_mb:-$( ((gpu)) && echo 8192 || echo 512)}"
+
+# --- 1. the host ----------------------------------------------------------------------------
+if [[ -n "$bundle" ]]; then
+  if [[ -z "$bin" ]]; then
+    bin="$work/hearth-worker"
+    python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+      "$bundle/hearth-worker.xz" "$bin"
+    chmod +x "$bin"
+  fi
+  [[ -z "$llama_src" && -f "$bundle/llama.cpp.tar.gz" ]] && llama_src="$work/llama.cpp" &&
+    mkdir -p "$llama_src" && tar xzf "$bundle/llama.cpp.tar.gz" -C "$llama_src" --strip-components=1
+fi
+[[ -x "$bin" ]] || { echo "gpu-bench: no worker binary (--bin or --bundle)" >&2; exit 2; }
+[[ -d "$llama_src" ]] || { echo "gpu-bench: no llama.cpp sources (--llama-src or --bundle)" >&2; exit 2; }
+command -v cmake >/dev/null || { echo "gpu-bench: cmake is missing (apt-get install cmake)" >&2; exit 2; }
+llama_build="${llama_build:-$work/llama-build}"
+arch=""
+if ((gpu)); then
+  log "host: $(nvidia-smi --query-gpu=name,compute_cap,driver_version,memory.total --format=csv,noheader)"
+  nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
+  arch="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d ' .')"
+  # The worker needs the CUDA 13 runtime, cuBLAS and cuRAND beside the driver: from the system
+  # toolkit or from the CUDA wheels a Python environment carries.
+  libs="$(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site, sys
+roots = site.getsitepackages() + [p for p in sys.path if p.endswith("site-packages")]
+dirs = {os.path.dirname(f) for r in roots for f in glob.glob(f"{r}/nvidia/*/lib/lib*.so*")}
+print(":".join(sorted(dirs)))
+PY
+)"
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [[ -d "$d" ]] && libs="$libs:$d"
+  done
+  export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+ldd "$bin" >"$out/ldd.txt" 2>&1 || true
+if grep -q "not found" "$out/ldd.txt"; then
+  log "the worker's libraries are missing: $(grep 'not found' "$out/ldd.txt" | tr -s ' \t' ' ')"
+  exit 1
+fi
+log "worker: $("$bin" --version), libraries: $(grep -oE '(libcu[a-z]*|libcurand)\.so[.0-9]*' "$out/ldd.txt" | sort -u | tr '\n' ' ')"
+lscpu >"$out/lscpu.txt" 2>&1 || true
+
+# --- 2. llama.cpp, in the background ---------------------------------------------------------
+cmake_flags=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF)
+if ((gpu)); then
+  cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$arch" -DGGML_NATIVE=OFF)
+else
+  cmake_flags+=(-DGGML_NATIVE=ON)
+fi
+command -v ninja >/dev/null && cmake_flags+=(-G Ninja)
+(
+  t0=$SECONDS
+  nice -n 19 cmake -S "$llama_src" -B "$llama_build" "${cmake_flags[@]}" >"$out/llama-build.log" 2>&1 &&
+    nice -n 19 cmake --build "$llama_build" -j "$(nproc)" --target llama-bench llama-batched-bench \
+      >>"$out/llama-build.log" 2>&1
+  rc=$?
+  echo "$rc $((SECONDS - t0))" >"$work/llama-build.done"
+) &
+pids+=($!)
+log "llama.cpp: building in the background ($llama_build)"
+
+# --- 3. the models ---------------------------------------------------------------------------
+IFS=, read -ra shape_list <<<"$shapes"
+for s in "${shape_list[@]}"; do
+  "$bin" gen-model --like "$s" --out "$work/$s.gguf" 2>>"$out/gen-model.log"
+done
+log "models: ${shape_list[*]} ($(du -ch "$work"/*.gguf | tail -1 | cut -f1))"
+
+# --- 4. Hearth ---------------------------------------------------------------------------------
+bench=(bench --device "$device" --forward "$forward" --sessions 1 --turns 1 --warm-tokens 0
+  --disk-tokens 0 --interference-streams 0 --spec-tokens 0 --batch-tokens "$decode_tokens"
+  --kv-budget-mb "$kv_mb")
+done_shapes=()
+for s in "${shape_list[@]}"; do
+  if ((SECONDS - start > budget)); then
+    log "hearth: $s skipped (past the ${budget}s budget)"
+    continue
+  fi
+  "$bin" "${bench[@]}" --model "$work/$s.gguf" --prefill-tokens 512 --decode-tokens "$decode_tokens" \
+    --concurrency 1,16 >"$out/hearth-$s.json" 2>"$out/hearth-$s.log"
+  # The 64-stream run on its own, with the GPU's utilisation sampled every 100 ms meanwhile.
+  sampler=""
+  if ((gpu)); then
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 \
+      >"$out/util-$s.csv" 2>/dev/null &
+    sampler=$!
+  fi
+  "$bin" "${bench[@]}" --model "$work/$s.gguf" --prefill-tokens 16 --decode-tokens 2 \
+    --concurrency 64 >"$out/hearth-$s-64.json" 2>"$out/hearth-$s-64.log"
+  [[ -n "$sampler" ]] && kill "$sampler" 2>/dev/null || true
+  done_shapes+=("$s")
+  log "hearth: $s done"
+done
+
+# --- 5. llama.cpp ------------------------------------------------------------------------------
+log "llama.cpp: waiting for the build"
+while [[ ! -f "$work/llama-build.done" ]]; do sleep 1; done
+read -r rc secs <"$work/llama-build.done"
+if ((rc != 0)); then
+  log "llama.cpp: the build failed after ${secs}s (tail of $out/llama-build.log):"
+  tail -20 "$out/llama-build.log" >&2
+  exit 1
+fi
+echo "$secs" >"$out/llama-build-seconds.txt"
+log "llama.cpp: built in ${secs}s"
+lb="$llama_build/bin"
+ngl=(); ((gpu)) && ngl=(-ngl 99)
+for s in "${done_shapes[@]}"; do
+  "$lb/llama-bench" -m "$work/$s.gguf" -p 512 -n "$decode_tokens" -r 3 "${ngl[@]}" -o json \
+    >"$out/llama-bench-$s.json" 2>"$out/llama-bench-$s.log"
+  "$lb/llama-batched-bench" -m "$work/$s.gguf" -c $((64 * (16 + decode_tokens) + 256)) -b 2048 \
+    -ub 512 -npp 16 -ntg "$decode_tokens" -npl 1,16,64 "${ngl[@]}" --output-format jsonl \
+    >"$out/llama-batched-$s.jsonl" 2>"$out/llama-batched-$s.log"
+  log "llama.cpp: $s done"
+done
+
+# --- 6. greedy tokens against the CPU -----------------------------------------------------------
+greedy=pass
+"$bin" check-greedy --model "$work/${shape_list[0]}.gguf" --device "$device" --forward "$forward" \
+  >"$out/check-greedy.json" 2>"$out/check-greedy.log" || greedy=fail
+log "check-greedy (${shape_list[0]}): $greedy"
+
+# --- 7. the report -------------------------------------------------------------------------------
+name="$( ((gpu)) && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || echo cpu)"
+slug="$(echo "$name" | tr 'A-Z' 'a-z' | tr -cs 'a-z0-9' '-' | sed 's/-$//')"
+python3 - "$out" "$slug" "$name" "$device" "$greedy" "${done_shapes[@]}" <<'PY'
+import json, os, statistics, sys
+out, slug, name, device, greedy, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]
+load = lambda p: json.load(open(os.path.join(out, p)))
+report = {"gpu": name, "device": device, "check_greedy": load("check-greedy.json") if os.path.exists(os.path.join(out, "check-greedy.json")) and greedy == "pass" else greedy,
+          "llama_cpp_build_s": float(open(os.path.join(out, "llama-build-seconds.txt")).read()), "shapes": {}}
+rows = []
+for s in shapes:
+    h, h64 = load(f"hearth-{s}.json"), load(f"hearth-{s}-64.json")
+    lb = load(f"llama-bench-{s}.json")
+    pp = next(t["avg_ts"] for t in lb if t["n_prompt"] > 0)
+    tg = next(t["avg_ts"] for t in lb if t["n_gen"] > 0)
+    batched = [json.loads(l) for l in open(os.path.join(out, f"llama-batched-{s}.jsonl")) if l.startswith("{")]
+    lbb = {b["pl"]: b["speed_tg"] for b in batched}
+    hb = {b["concurrency"]: b["decode_phase_tok_s"] for b in h["batched_decode"] + h64["batched_decode"]}
+    util = []
+    if os.path.exists(os.path.join(out, f"util-{s}.csv")):
+        util = [float(l.split(",")[0]) for l in open(os.path.join(out, f"util-{s}.csv")) if l.strip()]
+    r = {
+        "hearth": {"prefill_512_tok_s": h["prefill"]["tok_s"], "decode_1_tok_s": h["decode_single_stream_tok_s"],
+                   "decode_16_tok_s": hb.get(16), "decode_64_tok_s": hb.get(64), "load_s": h["load_s"],
+                   "weights_mb": h["weights_mb"], "forward": h["forward"], "device_ops": h.get("device_ops")},
+        "llama_cpp": {"pp512_tok_s": pp, "tg_tok_s": tg, "batched_tg_tok_s": lbb},
+        "gpu_utilisation_64_streams": {"mean_pct": statistics.mean(util) if util else None,
+                                       "max_pct": max(util) if util else None, "samples": len(util)},
+    }
+    r["prefill_512_ratio"] = round(r["hearth"]["prefill_512_tok_s"] / pp, 3)
+    r["decode_1_ratio"] = round(r["hearth"]["decode_1_tok_s"] / tg, 3)
+    r["decode_64_ratio"] = round(hb[64] / lbb[64], 3) if hb.get(64) and lbb.get(64) else None
+    report["shapes"][s] = r
+    rows.append((s, r))
+path = os.path.join(out, f"gpu-bench-{slug}.json")
+json.dump(report, open(path, "w"), indent=1)
+print(f"\n{name} ({device}); llama.cpp built in {report['llama_cpp_build_s']:.0f} s; check-greedy: {greedy}")
+print("| shape | prefill 512 (H / L) | ratio | decode 1 (H / L) | ratio | decode 64 (H / L) | ratio | GPU util 64 |")
+print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+for s, r in rows:
+    h, l, u = r["hearth"], r["llama_cpp"], r["gpu_utilisation_64_streams"]
+    d64 = l["batched_tg_tok_s"].get(64)
+    fmt = lambda x: "-" if x is None else f"{x:.0f}"
+    print(f"| {s} | {fmt(h['prefill_512_tok_s'])} / {fmt(l['pp512_tok_s'])} | {r['prefill_512_ratio']} "
+          f"| {fmt(h['decode_1_tok_s'])} / {fmt(l['tg_tok_s'])} | {r['decode_1_ratio']} "
+          f"| {fmt(h['decode_64_tok_s'])} / {fmt(d64)} | {r['decode_64_ratio']} | {fmt(u['mean_pct'])}% |")
+print(f"\nwrote {path}")
+PY
+log "done"
+[[ "$greedy" == pass ]]
