@@ -22,13 +22,15 @@
 #      CPU kernels, within a stated tolerance;
 #   7. one JSON file (gpu-bench-<gpu>.json, per shape `prefill_512_ratio`, `decode_1_ratio`,
 #      `decode_64_ratio`: Hearth over llama.cpp, beside the raw figures) and a summary table.
+# --real-model FILE (the real Gemma 3 270M Q4_K_M, carried in chunks of at most 60 MiB) adds
+# `hearth-worker check-golden`: the device's picks against llama.cpp's greedy tokens on it.
 # --budget-s stops starting new shapes once that many seconds have passed (default 480);
 # --kv-budget-mb sizes the worker's K/V (default 8192 on a GPU, 512 on a CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 device=cuda:0 shapes="gemma-3-270m,gemma-3-1b,gemma-3-4b" bundle="" bin="" forward=auto kv_mb=""
-llama_src="" llama_build="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128
+llama_src="" llama_build="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128 real=""
 while (($#)); do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -42,6 +44,7 @@ while (($#)); do
     --budget-s) budget="$2"; shift 2 ;;
     --decode-tokens) decode_tokens="$2"; shift 2 ;;
     --kv-budget-mb) kv_mb="$2"; shift 2 ;;
+    --real-model) real="$2"; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -178,6 +181,12 @@ greedy=pass
 "$bin" check-greedy --model "$work/${shape_list[0]}.gguf" --device "$device" --forward "$forward" \
   >"$out/check-greedy.json" 2>"$out/check-greedy.log" || greedy=fail
 log "check-greedy (${shape_list[0]}): $greedy"
+if [[ -n "$real" ]]; then
+  golden=pass
+  "$bin" check-golden --model "$real" --device "$device" --forward "$forward" \
+    >"$out/check-golden.json" 2>"$out/check-golden.log" || golden=fail
+  log "check-golden (the real 270M against llama.cpp's greedy tokens): $golden"
+fi
 
 # --- 7. the report -------------------------------------------------------------------------------
 name="$( ((gpu)) && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || echo cpu)"
@@ -186,7 +195,9 @@ python3 - "$out" "$slug" "$name" "$device" "$greedy" "${done_shapes[@]}" <<'PY'
 import json, os, statistics, sys
 out, slug, name, device, greedy, shapes = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6:]
 load = lambda p: json.load(open(os.path.join(out, p)))
-report = {"gpu": name, "device": device, "check_greedy": load("check-greedy.json") if os.path.exists(os.path.join(out, "check-greedy.json")) and greedy == "pass" else greedy,
+exists = lambda p: os.path.exists(os.path.join(out, p))
+report = {"gpu": name, "device": device, "check_greedy": load("check-greedy.json") if exists("check-greedy.json") and greedy == "pass" else greedy,
+          "check_golden": {k: v for k, v in load("check-golden.json").items()} if exists("check-golden.json") and os.path.getsize(os.path.join(out, "check-golden.json")) else None,
           "llama_cpp_build_s": float(open(os.path.join(out, "llama-build-seconds.txt")).read()), "shapes": {}}
 rows = []
 for s in shapes:

@@ -177,3 +177,192 @@ pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::R
         "reply": reply,
     }))
 }
+
+/// llama.cpp's greedy tokens on the real model (`gpu-worker/tests/data/golden-llama-cpp.json`:
+/// per case the prompt's ids, llama.cpp's 64 greedy ids and its two best at each position with
+/// their log-probabilities) against a pass's picks, teacher-forced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GoldenReport {
+    pub positions: usize,
+    /// Picks equal to llama.cpp's.
+    pub exact: usize,
+    /// Exact, or llama.cpp's runner-up within [`GOLDEN_TIE`] of its best.
+    pub within_tie: usize,
+    /// Each case's name and exact picks (of 64).
+    pub cases: Vec<(String, usize)>,
+}
+
+/// Log-probability gap under which llama.cpp's two best count as a tie.
+pub const GOLDEN_TIE: f32 = 0.25;
+
+impl GoldenReport {
+    /// What the kernels meet on the CPU: 99 % within the tie, 96 % exact, and at least 60 of 64
+    /// on the cases whose replies do not wander ("short", "700", "2000").
+    pub fn passes(&self) -> bool {
+        self.within_tie * 100 >= self.positions * 99
+            && self.exact * 100 >= self.positions * 96
+            && self
+                .cases
+                .iter()
+                .filter(|(n, _)| ["short", "700", "2000"].contains(&n.as_str()))
+                .all(|&(_, e)| e >= 60)
+    }
+}
+
+/// Compares `predict`'s picks with the golden data: `predict(all, n)` gets a case's prompt (`n`
+/// ids) and llama.cpp's reply, and returns its pick after each of `all[n - 1..n + 63]`.
+pub fn against_golden(
+    golden: &Value,
+    mut predict: impl FnMut(&[u32], usize) -> anyhow::Result<Vec<u32>>,
+) -> anyhow::Result<GoldenReport> {
+    let ids = |v: &Value| -> anyhow::Result<Vec<u32>> {
+        v.as_array()
+            .ok_or_else(|| anyhow::anyhow!("golden data: expected a list of ids"))?
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .map(|x| x as u32)
+                    .ok_or_else(|| anyhow::anyhow!("golden data: not an id: {x}"))
+            })
+            .collect()
+    };
+    let mut report = GoldenReport {
+        positions: 0,
+        exact: 0,
+        within_tie: 0,
+        cases: Vec::new(),
+    };
+    let cases = golden["cases"]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("golden data: no `cases`"))?;
+    for case in cases {
+        let name = case["name"].as_str().unwrap_or("?").to_string();
+        let prompt = ids(&case["prompt_ids"])?;
+        let greedy = ids(&case["greedy_ids"])?;
+        let n = prompt.len();
+        let mut all = prompt;
+        all.extend(&greedy);
+        let picks = predict(&all, n)?;
+        anyhow::ensure!(
+            picks.len() == greedy.len(),
+            "{name}: {} picks for {} positions",
+            picks.len(),
+            greedy.len()
+        );
+        let mut exact = 0;
+        for (j, (&pick, &want)) in picks.iter().zip(&greedy).enumerate() {
+            report.positions += 1;
+            if pick == want {
+                exact += 1;
+                report.within_tie += 1;
+                continue;
+            }
+            // llama.cpp's two best: [[id, log probability], ...].
+            let best: Vec<(u32, f32)> = case["top2"][j]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter_map(|t| Some((t[0].as_u64()? as u32, t[1].as_f64()? as f32)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let tie = best.first().is_some_and(|&(_, top)| {
+                best.iter()
+                    .any(|&(id, lp)| id == pick && lp >= top - GOLDEN_TIE)
+            });
+            report.within_tie += usize::from(tie);
+        }
+        report.exact += exact;
+        report.cases.push((name, exact));
+    }
+    Ok(report)
+}
+
+/// The `hearth-worker check-golden` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct GoldenOptions {
+    /// The real Gemma 3 270M Q4_K_M file (default: the fetched one in the models directory).
+    #[arg(long, env = "HEARTH_MODEL")]
+    pub model: Option<PathBuf>,
+    #[command(flatten)]
+    pub run_on: RunOn,
+    /// llama.cpp's greedy tokens on that file.
+    #[arg(long, default_value = "gpu-worker/tests/data/golden-llama-cpp.json")]
+    pub golden: PathBuf,
+}
+
+/// The device pass (or the kernels, on the CPU) over the golden cases: each prompt in one step,
+/// then llama.cpp's reply in another whose 64 rows give the picks.
+pub fn check_golden(model_path: &std::path::Path, o: &GoldenOptions) -> anyhow::Result<Value> {
+    o.run_on.check(KvDtype::F16)?;
+    let golden: Value = serde_json::from_slice(
+        &std::fs::read(&o.golden).map_err(|e| anyhow::anyhow!("{}: {e}", o.golden.display()))?,
+    )?;
+    let device = crate::device::select(o.run_on.device)?;
+    let weights = crate::server::load_weights(model_path, &o.run_on, &device)?;
+    let vocab = weights.config().vocab_size;
+    let report = against_golden(&golden, |all, n| {
+        let blocks: Vec<u32> = (0..all.len().div_ceil(16) as u32).collect();
+        let chunk = |from: usize, to: usize, rows: usize| SeqChunk {
+            tokens: &all[from..to],
+            start_pos: from,
+            blocks: &blocks,
+            packed: &[],
+            logit_rows: rows,
+            summary_only: false,
+        };
+        let (mut logits, mut summaries) = (Vec::new(), Vec::new());
+        match &weights {
+            crate::engine::Weights::Native(m) => {
+                let c = &m.config;
+                let mut kv = KvStore::new(
+                    c.num_layers,
+                    blocks.len(),
+                    16,
+                    c.kv_dim(),
+                    c.head_dim,
+                    KvDtype::F16,
+                )
+                .with_key_balance(m.key_balance());
+                m.forward(&[chunk(0, n - 1, 0)], &mut kv, &mut logits, &mut summaries)?;
+                m.forward(
+                    &[chunk(n - 1, all.len() - 1, 64)],
+                    &mut kv,
+                    &mut logits,
+                    &mut summaries,
+                )?;
+            }
+            crate::engine::Weights::Generic(m) => {
+                let c = &m.config;
+                let mut kv = DeviceKv::new(
+                    m.device(),
+                    c.num_layers,
+                    blocks.len(),
+                    16,
+                    c.kv_dim(),
+                    KvDtype::F16,
+                )?;
+                m.forward(&[chunk(0, n - 1, 0)], &mut kv, &mut logits, &mut summaries)?;
+                m.forward(
+                    &[chunk(n - 1, all.len() - 1, 64)],
+                    &mut kv,
+                    &mut logits,
+                    &mut summaries,
+                )?;
+            }
+        }
+        anyhow::ensure!(logits.len() == 64 * vocab, "{} logits", logits.len());
+        Ok(summaries.iter().map(|s| s.argmax).collect())
+    })?;
+    Ok(json!({
+        "model": model_path.display().to_string(),
+        "device": { "kind": device.kind, "name": device.name },
+        "forward": weights.forward_pass(),
+        "positions": report.positions,
+        "exact": report.exact,
+        "within_tie": report.within_tie,
+        "tie_logprob": GOLDEN_TIE,
+        "cases": report.cases.iter().map(|(n, e)| json!({"name": n, "exact": e})).collect::<Vec<_>>(),
+        "pass": report.passes(),
+    }))
+}

@@ -140,7 +140,8 @@ impl Backend {
                 .map_err(|e| EngineError::Internal(format!("K/V memory on the device: {e}")))?;
                 // Fixed-shape decode steps where the model asks for them, captured on a GPU.
                 let kv = if model.step_graphs() {
-                    kv.with_step_graphs(model.device().is_cuda())
+                    let most = config.prefill_chunk + config.max_batch * (1 + config.spec_tokens);
+                    kv.with_step_graphs(model.device().is_cuda(), most)
                 } else {
                     kv
                 };

@@ -28,13 +28,22 @@ pub struct StepGraphs {
     buckets: HashMap<(usize, usize), Bucket>,
     /// Capture graphs (CUDA); otherwise buckets run eagerly.
     capture: bool,
+    /// The most tokens a step of this engine can hold: candle's quantized products keep
+    /// scratch memory that grows to the largest step seen and moves when it grows, which would
+    /// leave a captured graph reading freed memory, so it is grown to this before the first
+    /// capture.
+    max_step_tokens: usize,
+    /// Whether that was done.
+    warmed: bool,
 }
 
 impl StepGraphs {
-    pub fn new(capture: bool) -> Self {
+    pub fn new(capture: bool, max_step_tokens: usize) -> Self {
         Self {
             buckets: HashMap::new(),
             capture,
+            max_step_tokens,
+            warmed: false,
         }
     }
 
@@ -134,7 +143,13 @@ impl GenericModel {
                     graph: None,
                 };
                 ops.copies(1);
-                self.fill(&bucket, step, kv)?;
+                if graphs.capture && !graphs.warmed {
+                    self.grow_scratch(graphs.max_step_tokens)?;
+                    graphs.warmed = true;
+                }
+                // The eager run with the parameter cache on, so that the capture finds every small
+                // upload candle makes already on the device.
+                self.eager_before_capture(&bucket, step, kv, graphs.capture)?;
                 let bucket = graphs.buckets.entry(key).or_insert(bucket);
                 if graphs.capture {
                     bucket.graph = self.capture(bucket, step, kv);
@@ -196,6 +211,40 @@ impl GenericModel {
             meta.extend(std::iter::repeat_n(0, step.max_blocks - 1));
         }
         Ok(meta)
+    }
+
+    /// The bucket's first step, run now; where it will be captured, with candle's cache of small
+    /// uploads on (CUDA).
+    fn eager_before_capture(
+        &self,
+        bucket: &Bucket,
+        step: StepMeta,
+        kv: &DeviceKv,
+        capture: bool,
+    ) -> Result<(), ModelError> {
+        #[cfg(feature = "cuda")]
+        let _cache = match (&self.device, capture) {
+            (candle_core::Device::Cuda(dev), true) => Some(dev.enable_cuda_graph_htod_cache()),
+            _ => None,
+        };
+        #[cfg(not(feature = "cuda"))]
+        let _ = capture;
+        self.fill(bucket, step, kv)
+    }
+
+    /// Grows the scratch memory of candle's quantized products to what a step of `tokens` needs
+    /// (the matrix-vector kernels' up to 8 rows, the tiled kernels' beyond), through the widest
+    /// product, so it never moves under a captured graph.
+    fn grow_scratch(&self, tokens: usize) -> Result<(), ModelError> {
+        let Some(widest) = self.widest_product() else {
+            return Ok(());
+        };
+        let cols = widest.cols();
+        for rows in [8.min(tokens), tokens] {
+            let x = Tensor::zeros((rows.max(1), cols), DType::F32, &self.device)?;
+            widest.forward(&x, false, &self.ops)?;
+        }
+        Ok(())
     }
 
     /// Captures the bucket's step (already run once eagerly, so every lazily made buffer and

@@ -70,9 +70,10 @@ impl DeviceKv {
     }
 
     /// Runs greedy decode steps in fixed shapes, captured in CUDA graphs where `capture` (and the
-    /// device is a GPU); on the CPU the shapes run eagerly, padded the same way.
-    pub fn with_step_graphs(mut self, capture: bool) -> Self {
-        self.graphs = Some(StepGraphs::new(capture));
+    /// device is a GPU); on the CPU the shapes run eagerly, padded the same way. No step of the
+    /// engine holds more than `max_step_tokens` tokens.
+    pub fn with_step_graphs(mut self, capture: bool, max_step_tokens: usize) -> Self {
+        self.graphs = Some(StepGraphs::new(capture, max_step_tokens));
         self
     }
 

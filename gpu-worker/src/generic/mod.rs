@@ -77,6 +77,14 @@ impl Linear {
         }
     }
 
+    /// Values each row of `x` must have (the matrix's columns).
+    fn cols(&self) -> usize {
+        match &self.blocks {
+            QMatMul::QTensor(t) => t.shape().dims().last().copied().unwrap_or(0),
+            QMatMul::Tensor(t) | QMatMul::TensorF16(t) => t.dims().last().copied().unwrap_or(0),
+        }
+    }
+
     /// `x · wᵀ` for `x` of `[tokens, in]`, counting what it issues.
     fn forward(&self, x: &Tensor, dense: bool, ops: &DeviceOps) -> Result<Tensor, ModelError> {
         let m = self.pick(dense);
@@ -173,6 +181,14 @@ impl GenericModel {
     /// ([`DeviceKv::with_step_graphs`]).
     pub fn step_graphs(&self) -> bool {
         self.step_graphs
+    }
+
+    /// The layer product with the most columns (its scratch needs are the largest).
+    fn widest_product(&self) -> Option<&Linear> {
+        self.layers
+            .iter()
+            .flat_map(|l| l.qkv.0.iter().chain(&l.gate_up.0).chain([&l.o, &l.down]))
+            .max_by_key(|l| l.cols())
     }
 
     /// Device operations issued by the steps run so far.
