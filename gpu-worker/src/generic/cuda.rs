@@ -230,9 +230,13 @@ pub(super) fn paged_attention(
         op.meta.block_size as i32,
         slots as u64,
     );
+    // A warp per 64 positions the step's tables can hold, 4 to 16 (the kernel's most): few
+    // sequences' long contexts are split over more of the block's warps.
+    let span = op.meta.max_blocks * op.meta.block_size;
+    let warps = (span / 64).clamp(4, 16).next_power_of_two().min(16);
     let cfg = LaunchConfig {
         grid_dim: (n as u32, hs.nh as u32, 1),
-        block_dim: (128, 1, 1),
+        block_dim: (32 * warps as u32, 1, 1),
         shared_mem_bytes: 0,
     };
     let f = func(&dev, name)?;

@@ -160,20 +160,21 @@ extern "C" __global__ void kv_write_f32(const float* qkv, const uint32_t* meta, 
 
 // Attention of query row t, head `head` over its sequence's positions max(0, p + 1 - window)..=p
 // (window 0: from 0), reading keys and values by slot through the block table. Grid (n, nh),
-// WARPS warps: each warp takes every WARPS-th position with an online softmax, lane l holding
-// values l, l + 32, ... of the head (E = hd / 32 of them); the warps' partial results are then
-// combined. Scores are q·k * scale, capped (cap * tanh(s / cap)) when `softcap` > 0.
-constexpr int WARPS = 4;
+// up to MAX_WARPS warps (the launch picks more for longer contexts): each warp takes every
+// warps-th position with an online softmax, lane l holding values l, l + 32, ... of the head
+// (E = hd / 32 of them); the warps' partial results are then combined. Scores are q·k * scale,
+// capped (cap * tanh(s / cap)) when `softcap` > 0.
+constexpr int MAX_WARPS = 16;
 
 template <typename T, int E>
 __device__ void paged_attention(const float* q, const T* cache, const uint32_t* meta, float* out,
                                 int n, int nh, int nkv, int window, float scale, float softcap,
                                 int max_blocks, int block_size, size_t slots) {
     constexpr int HD = 32 * E;
-    __shared__ float part_m[WARPS], part_l[WARPS];
-    __shared__ float part_acc[WARPS][HD];
+    __shared__ float part_m[MAX_WARPS], part_l[MAX_WARPS];
+    __shared__ float part_acc[MAX_WARPS][HD];
     const int t = blockIdx.x, head = blockIdx.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
     const int kvh = head / (nh / nkv);
     const size_t kv_dim = (size_t)nkv * HD;
     const uint32_t pos = meta[n + t], seq = meta[2 * n + t];
@@ -188,7 +189,7 @@ __device__ void paged_attention(const float* q, const T* cache, const uint32_t* 
         acc[e] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int j = lo + warp; j <= (int)pos; j += WARPS) {
+    for (int j = lo + warp; j <= (int)pos; j += warps) {
         const size_t slot = (size_t)table[j / block_size] * block_size + j % block_size;
         const T* k = cache + slot * kv_dim + (size_t)kvh * HD;
         const T* v = cache + (slots + slot) * kv_dim + (size_t)kvh * HD;
@@ -212,14 +213,14 @@ __device__ void paged_attention(const float* q, const T* cache, const uint32_t* 
     for (int e = 0; e < E; e++) part_acc[warp][lane + 32 * e] = acc[e];
     __syncthreads();
     float big = -INFINITY;
-    for (int w = 0; w < WARPS; w++) big = fmaxf(big, part_m[w]);
+    for (int w = 0; w < warps; w++) big = fmaxf(big, part_m[w]);
     float total = 0.0f;
-    for (int w = 0; w < WARPS; w++)
+    for (int w = 0; w < warps; w++)
         if (part_l[w] > 0.0f) total += part_l[w] * expf(part_m[w] - big);
     float* o = out + ((size_t)t * nh + head) * HD;
     for (int i = threadIdx.x; i < HD; i += blockDim.x) {
         float sum = 0.0f;
-        for (int w = 0; w < WARPS; w++)
+        for (int w = 0; w < warps; w++)
             if (part_l[w] > 0.0f) sum += part_acc[w][i] * expf(part_m[w] - big);
         o[i] = sum / total;
     }
