@@ -59,6 +59,33 @@ pub enum Reference {
     Kernels,
 }
 
+/// f16 K/V of `blocks` 16-token blocks for the CPU kernels, as the engine makes it.
+fn host_kv(m: &crate::model::Model, blocks: usize) -> KvStore {
+    let c = &m.config;
+    KvStore::new(
+        c.num_layers,
+        blocks,
+        16,
+        c.kv_dim(),
+        c.head_dim,
+        KvDtype::F16,
+    )
+    .with_key_balance(m.key_balance())
+}
+
+/// f16 K/V of `blocks` 16-token blocks on the device pass's device.
+fn device_kv(m: &GenericModel, blocks: usize) -> anyhow::Result<DeviceKv> {
+    let c = &m.config;
+    Ok(DeviceKv::new(
+        m.device(),
+        c.num_layers,
+        blocks,
+        16,
+        c.kv_dim(),
+        KvDtype::F16,
+    )?)
+}
+
 /// Runs the check; the report says whether it passed.
 pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::Result<Value> {
     o.run_on.check(KvDtype::F16)?;
@@ -122,29 +149,13 @@ pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::R
     let tolerance = match o.reference {
         Reference::Kernels => {
             let cpu = crate::model::load_gguf(model_path)?;
-            let c = &cpu.config;
-            let mut kv = KvStore::new(
-                c.num_layers,
-                blocks.len(),
-                16,
-                c.kv_dim(),
-                c.head_dim,
-                KvDtype::F16,
-            );
+            let mut kv = host_kv(&cpu, blocks.len());
             step(&mut |chunk, row| Ok(cpu.forward(&[chunk], &mut kv, row, &mut Vec::new())?))?;
             o.tolerance.unwrap_or(0.5)
         }
         Reference::Candle => {
             let cpu = GenericModel::load_gguf(model_path, &Device::Cpu, LoadOptions::default())?;
-            let c = &cpu.config;
-            let mut kv = DeviceKv::new(
-                &Device::Cpu,
-                c.num_layers,
-                blocks.len(),
-                16,
-                c.kv_dim(),
-                KvDtype::F16,
-            )?;
+            let mut kv = device_kv(&cpu, blocks.len())?;
             step(&mut |chunk, row| Ok(cpu.forward(&[chunk], &mut kv, row, &mut Vec::new())?))?;
             o.tolerance.unwrap_or(0.25)
         }
@@ -314,16 +325,7 @@ pub fn check_golden(model_path: &std::path::Path, o: &GoldenOptions) -> anyhow::
         let (mut logits, mut summaries) = (Vec::new(), Vec::new());
         match &weights {
             crate::engine::Weights::Native(m) => {
-                let c = &m.config;
-                let mut kv = KvStore::new(
-                    c.num_layers,
-                    blocks.len(),
-                    16,
-                    c.kv_dim(),
-                    c.head_dim,
-                    KvDtype::F16,
-                )
-                .with_key_balance(m.key_balance());
+                let mut kv = host_kv(m, blocks.len());
                 m.forward(&[chunk(0, n - 1, 0)], &mut kv, &mut logits, &mut summaries)?;
                 m.forward(
                     &[chunk(n - 1, all.len() - 1, 64)],
@@ -333,15 +335,7 @@ pub fn check_golden(model_path: &std::path::Path, o: &GoldenOptions) -> anyhow::
                 )?;
             }
             crate::engine::Weights::Generic(m) => {
-                let c = &m.config;
-                let mut kv = DeviceKv::new(
-                    m.device(),
-                    c.num_layers,
-                    blocks.len(),
-                    16,
-                    c.kv_dim(),
-                    KvDtype::F16,
-                )?;
+                let mut kv = device_kv(m, blocks.len())?;
                 m.forward(&[chunk(0, n - 1, 0)], &mut kv, &mut logits, &mut summaries)?;
                 m.forward(
                     &[chunk(n - 1, all.len() - 1, 64)],

@@ -4,7 +4,7 @@
 
 mod repl;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
 use hearth_worker::bench::{run_bench, BenchOptions};
@@ -67,50 +67,15 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Serve(config) => serve(config),
         Command::Bench(options) => {
-            let model = options
-                .model
-                .clone()
-                .unwrap_or_else(|| models.join(DEFAULT_MODEL));
-            repl::require_file(&model)?;
-            let report = run_bench(&model, &options)?;
-            #[allow(clippy::print_stdout)]
-            {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            }
+            print_report(options.model.clone(), &models, |m| run_bench(m, &options))?;
             Ok(())
         }
-        Command::CheckGreedy(o) => {
-            let model = o
-                .model
-                .clone()
-                .unwrap_or_else(|| models.join(DEFAULT_MODEL));
-            repl::require_file(&model)?;
-            let report = check_greedy(&model, &o)?;
-            #[allow(clippy::print_stdout)]
-            {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            }
-            if report["pass"] != true {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
-        Command::CheckGolden(o) => {
-            let model = o
-                .model
-                .clone()
-                .unwrap_or_else(|| models.join(DEFAULT_MODEL));
-            repl::require_file(&model)?;
-            let report = check_golden(&model, &o)?;
-            #[allow(clippy::print_stdout)]
-            {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            }
-            if report["pass"] != true {
-                std::process::exit(1);
-            }
-            Ok(())
-        }
+        Command::CheckGreedy(o) => passed(&print_report(o.model.clone(), &models, |m| {
+            check_greedy(m, &o)
+        })?),
+        Command::CheckGolden(o) => passed(&print_report(o.model.clone(), &models, |m| {
+            check_golden(m, &o)
+        })?),
         Command::GenModel(o) => {
             let t = std::time::Instant::now();
             let bytes = hearth_worker::gen_model::write(o.like, &o.out, o.seed)?;
@@ -137,6 +102,30 @@ fn main() -> anyhow::Result<()> {
             temperature,
         ),
     }
+}
+
+/// Runs `f` on `model` (default: the fetched model in `models`) and prints its JSON report.
+fn print_report(
+    model: Option<PathBuf>,
+    models: &Path,
+    f: impl FnOnce(&Path) -> anyhow::Result<serde_json::Value>,
+) -> anyhow::Result<serde_json::Value> {
+    let model = model.unwrap_or_else(|| models.join(DEFAULT_MODEL));
+    repl::require_file(&model)?;
+    let report = f(&model)?;
+    #[allow(clippy::print_stdout)]
+    {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(report)
+}
+
+/// A check's ending: exit status 1 where its report says it did not pass.
+fn passed(report: &serde_json::Value) -> anyhow::Result<()> {
+    if report["pass"] != true {
+        std::process::exit(1);
+    }
+    Ok(())
 }
 
 fn serve(config: ServeConfig) -> anyhow::Result<()> {
