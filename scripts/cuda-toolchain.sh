@@ -5,6 +5,7 @@
 #
 #   eval "$(scripts/cuda-toolchain.sh)" && cargo check -p hearth-worker --features cuda
 #   eval "$(scripts/cuda-toolchain.sh --link)" && cargo build -p hearth-worker --features cuda
+#   eval "$(scripts/cuda-toolchain.sh --link --cublas)"     # also cuBLAS (llama.cpp's CUDA build)
 #
 # The toolkit is pinned to the CUDA version of the GPU hosts' driver, HEARTH_CUDA_VERSION (default
 # 13.0: driver 580). A driver refuses PTX from a newer toolkit than its own, and candle ships most
@@ -60,10 +61,17 @@ if ! "$root/bin/nvcc" --version 2>/dev/null | grep -q "release $version," || [ -
         [ -d "$root/nvvm" ] || ln -sfn "$site/nvidia/cuda_nvcc/nvvm" "$root/nvvm"
     fi
 fi
+if [[ " $* " == *" --cublas "* ]] && ! ls "$root"/lib/libcublas.so.* >/dev/null 2>&1; then
+    echo "cuda-toolchain: installing cuBLAS $version.* from PyPI" >&2
+    suffix=$([ "$major" -ge 13 ] || echo "-cu$major")
+    "$dir/venv/bin/pip" install --quiet "nvidia-cublas$suffix==$version.*" >&2
+fi
+# nvcc links its programs from lib64 (nvcc.profile); the wheels install lib.
+[ -e "$root/lib64" ] || ln -s lib "$root/lib64"
 "$root/bin/nvcc" --version | grep -q "release $version," ||
     { echo "cuda-toolchain: $root/bin/nvcc is not CUDA $version:" >&2; "$root/bin/nvcc" --version >&2; exit 1; }
 echo "cuda-toolchain: $("$root/bin/nvcc" --version | tail -1), writes PTX $(ptx_isa)" >&2
-if [ "${1:-}" = "--link" ] && [ ! -e "$root/lib/stubs/libcuda.so" ]; then
+if [[ " $* " == *" --link "* ]] && [ ! -e "$root/lib/stubs/libcuda.so" ]; then
     bash "$(dirname "$0")/cuda-link-stubs.sh" "$root/lib/stubs" "$major" >&2
     # The runtime library comes with the wheel, under its soname only; the linker wants the
     # plain name (candle's kernels link it).

