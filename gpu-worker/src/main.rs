@@ -59,6 +59,8 @@ fn main() -> anyhow::Result<()> {
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        // Colours for a person at a terminal; plain text for log files and collectors.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     let models = std::env::var_os("HEARTH_MODELS_DIR")
@@ -130,7 +132,8 @@ fn passed(report: &serde_json::Value) -> anyhow::Result<()> {
 
 fn serve(config: ServeConfig) -> anyhow::Result<()> {
     let config = config.validate()?;
-    tracing::info!(?config, "effective configuration");
+    tracing::info!("configuration: {config}");
+    tracing::debug!(?config, "full configuration");
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("hearth-rpc")

@@ -210,6 +210,45 @@ pub struct ValidConfig {
     pub engine_stall: Duration,
 }
 
+/// One line for the log: what a person checks at start-up (the whole configuration is logged at
+/// debug level).
+impl std::fmt::Display for ValidConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let e = &self.engine;
+        let model = self.model.file_name().map_or_else(
+            || self.model.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        );
+        write!(
+            f,
+            "model {model} on {}, gRPC {}, metrics {}, K/V {} ",
+            self.run_on.device,
+            self.listen,
+            self.metrics_listen,
+            e.kv_dtype.name()
+        )?;
+        if self.kv_budget_given {
+            write!(f, "{} MiB", e.kv_budget_bytes >> 20)?;
+        } else {
+            write!(
+                f,
+                "{}% of free GPU memory ({} MiB on a CPU)",
+                self.gpu_memory_fraction * 100.0,
+                e.kv_budget_bytes >> 20
+            )?;
+        }
+        write!(
+            f,
+            ", batch {}, queue {}, speculation {} tokens",
+            e.max_batch, e.max_waiting, e.spec_tokens
+        )?;
+        match self.scripted {
+            Some(interval) => write!(f, ", scripted ({} ms a token)", interval.as_millis()),
+            None => Ok(()),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
     #[error("{flag}: {reason}")]
