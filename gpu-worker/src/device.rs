@@ -10,7 +10,14 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::kernels::{detect_isa, Isa};
-use crate::telemetry::MemoryUse;
+
+/// Device memory as the worker reports it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MemoryUse {
+    pub used_bytes: u64,
+    pub free_bytes: u64,
+    pub total_bytes: u64,
+}
 
 /// What `--device` asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -6,6 +6,7 @@
 //! - [`kernels`]: CPU matrix kernels for 8-bit block weights that reuse each block across the batch.
 //! - [`kv`]: the KV block budget, block tables and paged K/V storage.
 //! - [`sampling`]: per-request token sampling with its own seeded RNG.
+//! - [`math`]: the vectorizable exponential both forward passes and the sampler use.
 //! - [`engine`]: the scheduler on its own thread and the [`engine::EngineHandle`] used to submit,
 //!   stream and cancel requests.
 //! - [`device`]: device selection and memory reporting (the only device-specific module).
@@ -25,6 +26,7 @@ pub mod gen_model;
 pub mod generic;
 pub mod kernels;
 pub mod kv;
+pub mod math;
 pub mod model;
 pub mod sampling;
 pub mod server;

@@ -3,7 +3,7 @@
 
 use hearth_shared::SamplingParams;
 
-use crate::model::ops::exp;
+use crate::math::exp;
 
 /// xoshiro256**: small, fast, and fully determined by its seed.
 #[derive(Clone, Debug)]

@@ -10,6 +10,7 @@ use std::time::Duration;
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 
+use crate::device::MemoryUse;
 use crate::engine::{EngineStats, StepSummary};
 
 pub const BATCH_SIZE: &str = "hearth_worker_batch_size";
@@ -125,14 +126,6 @@ pub fn record_step(summary: &StepSummary, elapsed: Duration, max_batch: usize) {
     histogram!(STEP_DURATION, "phase" => summary.phase()).record(elapsed.as_secs_f64());
     counter!(PREFILL_TOKENS).increment(summary.prefill_tokens as u64);
     counter!(DECODE_TOKENS).increment(summary.decode_tokens as u64);
-}
-
-/// Device memory as the worker reports it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MemoryUse {
-    pub used_bytes: u64,
-    pub free_bytes: u64,
-    pub total_bytes: u64,
 }
 
 /// Mirrors engine and device state into gauges; called on every scrape.

@@ -17,8 +17,8 @@ pub use backend::Weights;
 pub use error::EngineError;
 pub use scheduler::{Scheduler, StepSummary};
 pub use types::{
-    DiskConfig, EngineConfig, EngineEvent, EngineStats, GenerateRequest, Timings, ValidRequest,
-    DEFAULT_WINDOW_MARGIN,
+    DiskConfig, EngineConfig, EngineEvent, EngineStats, GenerateRequest, StepObserver, Timings,
+    ValidRequest, DEFAULT_WINDOW_MARGIN,
 };
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -30,8 +30,6 @@ use std::time::{Duration, Instant};
 
 use hearth_shared::{RequestId, SessionId};
 use tokio::sync::{mpsc, oneshot};
-
-use crate::telemetry;
 
 /// Events of one request. Unbounded, but bounded in practice: a request produces at most
 /// `max_new_tokens + 2` events, and the engine thread must never block on a slow reader.
@@ -123,9 +121,10 @@ impl Engine {
         // Counters are valid from the first `stats()` call, not only after the first step.
         publish(&sched, &stats);
         let thread_stats = stats.clone();
+        let on_step = config.on_step;
         let thread = std::thread::Builder::new()
             .name("hearth-engine".into())
-            .spawn(move || engine_task(sched, rx, cancel_rx, thread_stats))
+            .spawn(move || engine_task(sched, rx, cancel_rx, thread_stats, on_step))
             .map_err(|e| EngineError::Internal(format!("cannot start engine thread: {e}")))?;
         Ok(Self {
             handle: EngineHandle {
@@ -289,6 +288,7 @@ fn engine_task(
     rx: Receiver<Command>,
     cancels: Receiver<Cancel>,
     stats: Arc<SharedStats>,
+    on_step: Option<StepObserver>,
 ) {
     let max_batch = sched.model_info().max_batch;
     let mut shutting_down = false;
@@ -322,7 +322,11 @@ fn engine_task(
         // A bug in one step must not take the engine (and every other user) down.
         let started = Instant::now();
         match catch_unwind(AssertUnwindSafe(|| sched.step())) {
-            Ok(Some(summary)) => telemetry::record_step(&summary, started.elapsed(), max_batch),
+            Ok(Some(summary)) => {
+                if let Some(observe) = on_step {
+                    observe(&summary, started.elapsed(), max_batch);
+                }
+            }
             Ok(None) => {}
             Err(_) => {
                 tracing::error!("engine step panicked; failing the sequences in it");

@@ -41,7 +41,13 @@ pub struct EngineConfig {
     /// being prefilled: there a step is bound by reading the weights, so verifying a few more
     /// rows is nearly free. In larger batches it is bound by arithmetic and would not pay.
     pub spec_max_batch: usize,
+    /// Called on the engine thread after each step that did work (the worker records it in its
+    /// metrics); `None`: nothing is told.
+    pub on_step: Option<StepObserver>,
 }
+
+/// What a step reports: the step, how long it took, and the engine's batch limit.
+pub type StepObserver = fn(&super::StepSummary, std::time::Duration, usize);
 
 /// The disk tier's file location and size.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,6 +75,7 @@ impl Default for EngineConfig {
             kv_window_margin: Some(DEFAULT_WINDOW_MARGIN),
             spec_tokens: 4,
             spec_max_batch: 2,
+            on_step: None,
         }
     }
 }

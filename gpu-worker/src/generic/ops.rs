@@ -22,7 +22,8 @@ use candle_core::{
 };
 use half::f16;
 
-use crate::model::ops::{exp, rms_norm_rows};
+use crate::math::exp;
+use crate::model::ops::rms_norm_rows;
 
 /// Where a step's values lie in its meta tensor: `ids[n] | pos[n] | seq[n] | tables[seqs ×
 /// max_blocks]`, then the rows to sample when not every token's.

@@ -12,9 +12,10 @@
 
 use std::sync::Mutex;
 
-use super::{ops, GemmaConfig, SeqChunk};
+use super::{GemmaConfig, SeqChunk};
 use crate::kernels::SpinPool;
 use crate::kv::KvStore;
+use crate::math::exp;
 
 /// Query tokens per task, at most.
 const SLICE_TOKENS: usize = 64;
@@ -167,7 +168,7 @@ fn slice<'q>(
             let at = r * group + h;
             let row = &mut scores[at * span + a..=at * span + b];
             // The exponentials vectorize on their own; the sum stays in position order.
-            row.iter_mut().for_each(|v| *v = ops::exp(*v - max[at]));
+            row.iter_mut().for_each(|v| *v = exp(*v - max[at]));
             let sum: f32 = row.iter().sum();
             let inv = 1.0 / sum;
             row.iter_mut().for_each(|v| *v *= inv);

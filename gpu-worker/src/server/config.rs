@@ -363,6 +363,7 @@ impl ServeConfig {
             kv_window_margin: self.kv_window_margin.0,
             // Room for every waiting request plus the cancels and drops that accompany them.
             command_queue: self.max_waiting * 2 + 64,
+            on_step: Some(crate::telemetry::record_step),
             ..EngineConfig::default()
         };
         Ok(ValidConfig {
