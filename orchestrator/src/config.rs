@@ -321,7 +321,7 @@ fn check_redis_url(url: &str) -> Result<(), ConfigError> {
     url.into_connection_info().map(|_| ()).map_err(|e| {
         refuse(
             "--redis-url",
-            crate::server::redact_url(url),
+            redact_url(url),
             format!(
                 "not a Redis URL ({})",
                 e.detail().unwrap_or("redis://HOST:PORT")
@@ -433,5 +433,49 @@ mod tests {
         let e = config(&["--redis-url", "http://:hunter2@cache:6379"]).expect_err("not redis");
         assert_eq!(e.flag, "--redis-url");
         assert!(!e.to_string().contains("hunter2"), "{e}");
+    }
+}
+
+/// `url` with its password (if any) replaced by `***`, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
+            let masked = if userinfo.contains(':') {
+                format!("{user}:***")
+            } else {
+                // `redis://secret@host`: the single part is the password.
+                "***".to_string()
+            };
+            format!("{scheme}://{masked}@{host}{tail}")
+        }
+        None => url.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod redact_tests {
+    use super::redact_url;
+
+    #[test]
+    fn passwords_in_urls_are_masked() {
+        assert_eq!(
+            redact_url("redis://:hunter2@cache:6379/0"),
+            "redis://:***@cache:6379/0"
+        );
+        assert_eq!(
+            redact_url("redis://app:hunter2@cache:6379"),
+            "redis://app:***@cache:6379"
+        );
+        assert_eq!(redact_url("redis://hunter2@cache"), "redis://***@cache");
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379"
+        );
+        assert_eq!(redact_url("not a url"), "not a url");
     }
 }

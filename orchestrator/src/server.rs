@@ -133,9 +133,12 @@ impl App {
         let streams = Arc::new(Streams::default());
         let (limiter, affinity, stop_bus, listener_task) = match &config.redis_url {
             Some(url) => {
-                let conn = connect_redis(url)
-                    .await
-                    .with_context(|| format!("--redis-url {}: cannot connect", redact_url(url)))?;
+                let conn = connect_redis(url).await.with_context(|| {
+                    format!(
+                        "--redis-url {}: cannot connect",
+                        crate::config::redact_url(url)
+                    )
+                })?;
                 let bus = StopBus::new(conn.clone(), url.clone());
                 let task = bus.clone().listen(streams.clone());
                 (
@@ -410,49 +413,5 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = ctrl_c.await;
-    }
-}
-
-/// `url` with its password (if any) replaced by `***`, for messages and logs.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
-    };
-    let (authority, tail) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            let masked = if userinfo.contains(':') {
-                format!("{user}:***")
-            } else {
-                // `redis://secret@host`: the single part is the password.
-                "***".to_string()
-            };
-            format!("{scheme}://{masked}@{host}{tail}")
-        }
-        None => url.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod redact_tests {
-    use super::redact_url;
-
-    #[test]
-    fn passwords_in_urls_are_masked() {
-        assert_eq!(
-            redact_url("redis://:hunter2@cache:6379/0"),
-            "redis://:***@cache:6379/0"
-        );
-        assert_eq!(
-            redact_url("redis://app:hunter2@cache:6379"),
-            "redis://app:***@cache:6379"
-        );
-        assert_eq!(redact_url("redis://hunter2@cache"), "redis://***@cache");
-        assert_eq!(
-            redact_url("redis://127.0.0.1:6379"),
-            "redis://127.0.0.1:6379"
-        );
-        assert_eq!(redact_url("not a url"), "not a url");
     }
 }

@@ -30,6 +30,12 @@ pub const WORKERS_READY: &str = "hearth_workers_ready";
 pub const FINISHED: &str = "hearth_requests_finished_total";
 pub const ERRORS: &str = "hearth_errors_total";
 pub const GENERATION_ERRORS: &str = "hearth_generation_errors_total";
+/// The `type`s of [`GENERATION_ERRORS`]: every `GenerationError::kind` (a test there checks).
+pub const GENERATION_ERROR_KINDS: [&str; 3] = [
+    "service_unavailable",
+    "invalid_request_error",
+    "internal_error",
+];
 pub const RATE_LIMITED: &str = "hearth_rate_limited_total";
 pub const PROMPT_LENGTH: &str = "hearth_request_prompt_tokens";
 pub const GENERATION_LENGTH: &str = "hearth_request_generation_tokens";
@@ -145,7 +151,7 @@ fn describe() {
     for limit in ["requests_per_minute", "tokens_per_day", "stops_per_minute"] {
         counter!(RATE_LIMITED, "limit" => limit).increment(0);
     }
-    for kind in crate::generate::GenerationError::KINDS {
+    for kind in GENERATION_ERROR_KINDS {
         counter!(GENERATION_ERRORS, "type" => kind).increment(0);
     }
     gauge!(QUEUE_DEPTH).increment(0.0);

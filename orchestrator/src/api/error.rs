@@ -8,6 +8,7 @@ use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+use crate::generate::GenerationError;
 use crate::storage::StoreError;
 
 /// Every error's body (OpenAI's shape).
@@ -215,5 +216,90 @@ impl From<crate::workers::PoolError> for ApiError {
 impl From<crate::generate::Busy> for ApiError {
     fn from(e: crate::generate::Busy) -> Self {
         Self::Conflict(e.to_string())
+    }
+}
+
+/// A generation that failed before a non-streamed answer was sent.
+impl From<GenerationError> for ApiError {
+    fn from(e: GenerationError) -> Self {
+        match e {
+            GenerationError::Refused(m) => Self::Validation(m),
+            // The worker's detail was logged where it happened; the message names none.
+            GenerationError::Unavailable(m) | GenerationError::Internal(m) => Self::Unavailable(m),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use hearth_shared::FinishReason;
+
+    use super::*;
+    use crate::generate::End;
+    use crate::storage::MessageStatus;
+
+    #[test]
+    fn every_end_has_one_status_finish_reason_error_type_openai_answer_and_http_status() {
+        use FinishReason::*;
+        use GenerationError::*;
+        use MessageStatus::*;
+        let ok = |r: &'static str| Ok::<_, StatusCode>(r);
+        let cases = [
+            (End::Finished(Stop), Complete, "stop", None, ok("stop")),
+            (
+                End::Finished(Length),
+                Complete,
+                "length",
+                None,
+                ok("length"),
+            ),
+            (
+                End::Finished(ContextFull),
+                Complete,
+                "context_full",
+                None,
+                ok("length"),
+            ),
+            (
+                End::Finished(Cancelled),
+                Stopped,
+                "cancelled",
+                None,
+                ok("stop"),
+            ),
+            (
+                End::Failed(Unavailable("no worker".into())),
+                Error,
+                "error",
+                Some("service_unavailable"),
+                Err(StatusCode::SERVICE_UNAVAILABLE),
+            ),
+            (
+                End::Failed(Refused("bad".into())),
+                Error,
+                "error",
+                Some("invalid_request_error"),
+                Err(StatusCode::UNPROCESSABLE_ENTITY),
+            ),
+            (
+                End::Failed(Internal("broke".into())),
+                Error,
+                "error",
+                Some("internal_error"),
+                Err(StatusCode::SERVICE_UNAVAILABLE),
+            ),
+        ];
+        for (end, status, reason, kind, openai) in cases {
+            assert_eq!(end.status(), status, "{end:?}");
+            assert_eq!(end.finish_reason(), reason, "{end:?}");
+            assert_eq!(end.error().map(GenerationError::kind), kind, "{end:?}");
+            if let Some(kind) = kind {
+                assert!(GenerationError::KINDS.contains(&kind), "{kind}");
+            }
+            let answer = end
+                .openai_finish_reason()
+                .map_err(|e| ApiError::from(e.clone()).status());
+            assert_eq!(answer, openai, "{end:?}");
+        }
     }
 }

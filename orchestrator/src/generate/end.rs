@@ -1,11 +1,11 @@
 //! How a generation ended, and every answer derived from it: the stored status and finish
-//! reason, the native SSE `error` event's `error_type`, the OpenAI `finish_reason`, and the HTTP
-//! error of a non-streamed reply. Each is one exhaustive match here, so a new reason or error
-//! cannot fall silently into another's answer.
+//! reason, the native SSE `error` event's `error_type` and the OpenAI `finish_reason`. Each is
+//! one exhaustive match here, so a new reason or error cannot fall silently into another's
+//! answer; the HTTP error of a non-streamed reply is the API's (`api/error.rs`), from the same
+//! table test.
 
 use hearth_shared::FinishReason;
 
-use crate::api::ApiError;
 use crate::storage::MessageStatus;
 
 /// The end of a generation: finished for a reason, or failed.
@@ -71,12 +71,9 @@ pub enum GenerationError {
 }
 
 impl GenerationError {
-    /// Every [`GenerationError::kind`].
-    pub const KINDS: [&'static str; 3] = [
-        "service_unavailable",
-        "invalid_request_error",
-        "internal_error",
-    ];
+    /// Every [`GenerationError::kind`]: the values of the generation-errors metric's `type`,
+    /// which telemetry starts at zero (it sits below this module, so the list is kept there).
+    pub const KINDS: [&'static str; 3] = crate::telemetry::GENERATION_ERROR_KINDS;
 
     /// The stable `error_type` of the SSE `error` event and the stored error.
     pub fn kind(&self) -> &'static str {
@@ -84,89 +81,6 @@ impl GenerationError {
             Self::Unavailable(_) => "service_unavailable",
             Self::Refused(_) => "invalid_request_error",
             Self::Internal(_) => "internal_error",
-        }
-    }
-}
-
-/// A generation that failed before a non-streamed answer was sent.
-impl From<GenerationError> for ApiError {
-    fn from(e: GenerationError) -> Self {
-        match e {
-            GenerationError::Refused(m) => Self::Validation(m),
-            // The worker's detail was logged where it happened; the message names none.
-            GenerationError::Unavailable(m) | GenerationError::Internal(m) => Self::Unavailable(m),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use axum::http::StatusCode;
-
-    use super::*;
-
-    #[test]
-    fn every_end_has_one_status_finish_reason_error_type_and_openai_answer() {
-        use FinishReason::*;
-        use GenerationError::*;
-        use MessageStatus::*;
-        let ok = |r: &'static str| Ok::<_, StatusCode>(r);
-        let cases = [
-            (End::Finished(Stop), Complete, "stop", None, ok("stop")),
-            (
-                End::Finished(Length),
-                Complete,
-                "length",
-                None,
-                ok("length"),
-            ),
-            (
-                End::Finished(ContextFull),
-                Complete,
-                "context_full",
-                None,
-                ok("length"),
-            ),
-            (
-                End::Finished(Cancelled),
-                Stopped,
-                "cancelled",
-                None,
-                ok("stop"),
-            ),
-            (
-                End::Failed(Unavailable("no worker".into())),
-                Error,
-                "error",
-                Some("service_unavailable"),
-                Err(StatusCode::SERVICE_UNAVAILABLE),
-            ),
-            (
-                End::Failed(Refused("bad".into())),
-                Error,
-                "error",
-                Some("invalid_request_error"),
-                Err(StatusCode::UNPROCESSABLE_ENTITY),
-            ),
-            (
-                End::Failed(Internal("broke".into())),
-                Error,
-                "error",
-                Some("internal_error"),
-                Err(StatusCode::SERVICE_UNAVAILABLE),
-            ),
-        ];
-        for (end, status, reason, kind, openai) in cases {
-            assert_eq!(end.status(), status, "{end:?}");
-            assert_eq!(end.finish_reason(), reason, "{end:?}");
-            assert_eq!(end.error().map(GenerationError::kind), kind, "{end:?}");
-            if let Some(kind) = kind {
-                assert!(GenerationError::KINDS.contains(&kind), "{kind}");
-            }
-            let answer = end
-                .openai_finish_reason()
-                .map_err(|e| ApiError::from(e.clone()).status());
-            assert_eq!(answer, openai, "{end:?}");
         }
     }
 }
