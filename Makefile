@@ -21,13 +21,16 @@ chat: fetch-model
 	./target/release/hearth-worker chat
 
 ## Everything CI checks: formatting, lints, the deploy/ files, every test (unit, engine, real
-## model, whole stack; tests/tests/dashboards.rs needs Debian's `prometheus`), the GPU check's
-## script on the CPU (needs cmake), and the web UI's checks.
+## model, whole stack; tests/tests/dashboards.rs needs Debian's `prometheus`), no new import
+## cycle between a crate's top-level modules, the GPU check's script on the CPU (needs cmake),
+## and the web UI's checks.
 test: fetch-model test-deploy
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) test --workspace
 	python3 scripts/cuda-check-binary.py --self-test
+	python3 scripts/check-module-cycles.py --self-test
+	python3 scripts/check-module-cycles.py
 	$(MAKE) gpu-bench-dry-run
 	$(MAKE) test-web
 
