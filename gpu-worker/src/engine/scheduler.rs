@@ -245,18 +245,12 @@ impl Scheduler {
             ),
             None => None,
         };
-        let q_dim = c.num_heads * c.head_dim;
-        let layer_macs = c.num_layers
-            * (c.hidden_size * (q_dim + 2 * c.kv_dim())
-                + q_dim * c.hidden_size
-                + 3 * c.hidden_size * c.ffn_size);
-        let decode_cost = 1.0 + (c.vocab_size * c.hidden_size) as f64 / layer_macs.max(1) as f64;
         Ok(Self {
             model_config: c.clone(),
             backend,
             alloc: BlockAllocator::new(num_blocks),
             config,
-            decode_cost,
+            decode_cost: decode_cost(c),
             info,
             waiting: Vec::new(),
             running: Vec::new(),
@@ -847,81 +841,18 @@ impl Scheduler {
     }
 
     /// One engine step. Returns what the forward pass ran, or `None` when there was nothing to do.
+    /// Its phases: admit work, plan who runs how many tokens (growing block tables, drafting,
+    /// evicting and preempting as memory needs), run the forward pass, sample or verify each
+    /// sequence's rows, then settle block tables and retire finished sequences.
     pub fn step(&mut self) -> Option<StepSummary> {
         self.reap_cancelled();
         self.admit();
         if self.running.is_empty() {
             return None;
         }
-        let bs = self.config.block_size;
         // Oldest first: they get blocks first, and the youngest are preempted if memory runs out.
         self.running.sort_by_key(|s| s.arrived);
-        let decoding = self
-            .running
-            .iter()
-            .filter(|s| s.tokens.len() - s.kv_len == 1)
-            .count();
-        let prefilling = self.running.len() > decoding;
-        let mut prefill_budget = self.prefill_budget(decoding);
-        // Drafts only where verifying them is nearly free (see `EngineConfig::spec_max_batch`).
-        let speculate =
-            self.config.spec_tokens > 0 && !prefilling && decoding <= self.config.spec_max_batch;
-        let ctx = self.info.context_length;
-        let mut plan: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len());
-        let mut i = 0;
-        while i < self.running.len() {
-            let s = &self.running[i];
-            let pending = s.tokens.len() - s.kv_len;
-            let n = if pending <= 1 {
-                pending
-            } else {
-                pending.min(prefill_budget)
-            };
-            if n == 0 {
-                i += 1;
-                continue;
-            }
-            if speculate && pending == 1 {
-                // Never past the reply's length or the context: every draft token kept is a
-                // token emitted, and its position is written.
-                let room = (s.max_new - s.generated)
-                    .saturating_sub(1)
-                    .min(ctx.saturating_sub(s.tokens.len() + 1));
-                let draft = lookup::draft(&s.tokens, s.draft_cap.min(room)).to_vec();
-                let want = s.kv_len + 1 + draft.len();
-                // A draft takes free blocks or none: it never evicts or preempts anything.
-                if !draft.is_empty() && self.alloc.grow(&mut self.running[i].blocks, want, bs) {
-                    let s = &mut self.running[i];
-                    s.draft = draft.len();
-                    s.tokens.extend(draft);
-                    plan.push((s.id, 1 + s.draft));
-                    i += 1;
-                    continue;
-                }
-            }
-            let s = &self.running[i];
-            let want = s.kv_len + n;
-            let id = s.id;
-            let mut ok = true;
-            while !self.alloc.grow(&mut self.running[i].blocks, want, bs) {
-                if self.evict_one_idle(None) {
-                    continue;
-                }
-                let victim = self.preempt_youngest();
-                plan.retain(|(p, _)| Some(*p) != victim);
-                if victim == Some(id) || i >= self.running.len() {
-                    ok = false;
-                    break;
-                }
-            }
-            if ok {
-                if pending > 1 {
-                    prefill_budget -= n;
-                }
-                plan.push((id, n));
-                i += 1;
-            }
-        }
+        let plan = self.plan();
         if plan.is_empty() {
             return None;
         }
@@ -934,9 +865,119 @@ impl Scheduler {
                     .unwrap_or(usize::MAX)
             })
             .collect();
+        let mut logits = std::mem::take(&mut self.logits);
+        let mut summaries = Vec::new();
+        let ran = self.forward(&plan, &order, &mut logits, &mut summaries);
+        let Ok((mut summary, rows)) = ran else {
+            self.logits = logits;
+            return ran.err();
+        };
+        let finished = self.pick(&order, &rows, &mut logits, &summaries, &mut summary);
+        self.settle(&order, finished);
+        self.logits = logits;
+        Some(summary)
+    }
+
+    /// Who runs how many tokens this step, oldest first: a decoding sequence its next token (and
+    /// a draft where speculation pays), a prompt as much as the prefill budget leaves. Each gets
+    /// the blocks it needs, by evicting idle sessions, then by preempting the youngest running
+    /// sequence (which leaves the plan).
+    fn plan(&mut self) -> Vec<(RequestId, usize)> {
+        let decoding = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() - s.kv_len == 1)
+            .count();
+        let prefilling = self.running.len() > decoding;
+        let mut prefill_budget = self.prefill_budget(decoding);
+        // Drafts only where verifying them is nearly free (see `EngineConfig::spec_max_batch`).
+        let speculate =
+            self.config.spec_tokens > 0 && !prefilling && decoding <= self.config.spec_max_batch;
+        let mut plan: Vec<(RequestId, usize)> = Vec::with_capacity(self.running.len());
+        let mut i = 0;
+        while i < self.running.len() {
+            let pending = self.running[i].tokens.len() - self.running[i].kv_len;
+            let n = if pending <= 1 {
+                pending
+            } else {
+                pending.min(prefill_budget)
+            };
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            if speculate && pending == 1 {
+                if let Some(tokens) = self.draft(i) {
+                    plan.push((self.running[i].id, tokens));
+                    i += 1;
+                    continue;
+                }
+            }
+            if self.make_room(i, n, &mut plan) {
+                if pending > 1 {
+                    prefill_budget -= n;
+                }
+                plan.push((self.running[i].id, n));
+                i += 1;
+            }
+        }
+        plan
+    }
+
+    /// Drafts tokens after running sequence `i`'s next one by prompt lookup, where free blocks
+    /// hold them (a draft never evicts or preempts anything); the tokens it then runs.
+    fn draft(&mut self, i: usize) -> Option<usize> {
+        let (bs, ctx) = (self.config.block_size, self.info.context_length);
+        let s = &self.running[i];
+        // Never past the reply's length or the context: every draft token kept is a token
+        // emitted, and its position is written.
+        let room = (s.max_new - s.generated)
+            .saturating_sub(1)
+            .min(ctx.saturating_sub(s.tokens.len() + 1));
+        let draft = lookup::draft(&s.tokens, s.draft_cap.min(room)).to_vec();
+        let want = s.kv_len + 1 + draft.len();
+        if draft.is_empty() || !self.alloc.grow(&mut self.running[i].blocks, want, bs) {
+            return None;
+        }
+        let s = &mut self.running[i];
+        s.draft = draft.len();
+        s.tokens.extend(draft);
+        Some(1 + s.draft)
+    }
+
+    /// Grows running sequence `i`'s table for `n` more positions, evicting idle sessions and then
+    /// preempting the youngest sequences (taking them out of `plan`); false when it was itself
+    /// preempted (or is gone).
+    fn make_room(&mut self, i: usize, n: usize, plan: &mut Vec<(RequestId, usize)>) -> bool {
+        let bs = self.config.block_size;
+        let (id, want) = (self.running[i].id, self.running[i].kv_len + n);
+        while !self.alloc.grow(&mut self.running[i].blocks, want, bs) {
+            if self.evict_one_idle(None) {
+                continue;
+            }
+            let victim = self.preempt_youngest();
+            plan.retain(|(p, _)| Some(*p) != victim);
+            if victim == Some(id) || i >= self.running.len() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// The forward pass over the plan (`order`: each planned sequence's index in `running`): its
+    /// logits and summaries, what it ran, and each planned sequence's logit rows. On failure
+    /// every running sequence fails, and the error is what it ran.
+    fn forward(
+        &mut self,
+        plan: &[(RequestId, usize)],
+        order: &[usize],
+        logits: &mut Vec<f32>,
+        summaries: &mut Vec<LogitSummary>,
+    ) -> Result<(StepSummary, Vec<usize>), StepSummary> {
+        let bs = self.config.block_size;
         let chunks: Vec<SeqChunk<'_>> = order
             .iter()
-            .zip(&plan)
+            .zip(plan)
             .map(|(&ix, &(_, n))| {
                 let s = &self.running[ix];
                 let ends = s.kv_len + n == s.tokens.len();
@@ -970,33 +1011,39 @@ impl Scheduler {
                 summary.prefill_tokens += c.tokens.len();
             }
         }
-        let mut logits = std::mem::take(&mut self.logits);
-        let mut summaries = Vec::new();
-        let result = self.backend.forward(&chunks, &mut logits, &mut summaries);
+        let result = self.backend.forward(&chunks, logits, summaries);
         drop(chunks);
-        match result {
-            Ok(()) => {}
-            Err(e) => {
-                tracing::error!(error = %e, "forward pass failed");
-                self.running.iter_mut().for_each(Seq::drop_draft);
-                self.fail_running(&e.to_string());
-                return Some(summary);
-            }
-        };
+        if let Err(e) = result {
+            tracing::error!(error = %e, "forward pass failed");
+            self.running.iter_mut().for_each(Seq::drop_draft);
+            self.fail_running(&e.to_string());
+            return Err(summary);
+        }
         // Positions now in the cache; a draft's count only once it is verified.
-        for (&ix, &(_, n)) in order.iter().zip(&plan) {
+        for (&ix, &(_, n)) in order.iter().zip(plan) {
             let s = &mut self.running[ix];
             s.kv_len += n - s.draft;
         }
-        // Every sequence's rows of logits; plain ones are sampled in parallel (262k-wide rows),
-        // drafts verified one row after another.
-        let vocab = self.info.vocab_size;
+        Ok((summary, rows))
+    }
+
+    /// Each planned sequence's next token from its rows: plain rows sampled in parallel (262k-wide
+    /// rows), drafts verified one row after another (counting the kept tokens in `summary`).
+    /// Returns the sequences that finished, with their reasons.
+    fn pick(
+        &mut self,
+        order: &[usize],
+        rows: &[usize],
+        logits: &mut [f32],
+        summaries: &[LogitSummary],
+        summary: &mut StepSummary,
+    ) -> Vec<(RequestId, FinishReason)> {
+        let (vocab, ctx) = (self.info.vocab_size, self.info.context_length);
         let mut plain: Vec<(usize, &mut [f32], Option<LogitSummary>)> = Vec::new();
         let mut drafts: Vec<(usize, &mut [f32], &[LogitSummary])> = Vec::new();
-        let mut rest: &mut [f32] = &mut logits;
-        // Empty where the forward pass makes no summaries.
-        let mut rest_summaries: &[LogitSummary] = &summaries;
-        for (&ix, &r) in order.iter().zip(&rows) {
+        let mut rest: &mut [f32] = logits;
+        let mut rest_summaries: &[LogitSummary] = summaries;
+        for (&ix, &r) in order.iter().zip(rows) {
             if r == 0 {
                 continue;
             }
@@ -1010,9 +1057,8 @@ impl Scheduler {
                 plain.push((ix, mine, my_summaries.first().copied()));
             }
         }
-        let picks = sample_rows(&mut self.running, plain);
         let mut finished = Vec::new();
-        for (ix, token, logprob) in picks {
+        for (ix, token, logprob) in sample_rows(&mut self.running, plain) {
             if let Some(r) = emit(&mut self.running[ix], token, logprob, ctx) {
                 finished.push((self.running[ix].id, r));
             }
@@ -1028,9 +1074,16 @@ impl Scheduler {
                 finished.push((self.running[ix].id, r));
             }
         }
-        for (&ix, _) in order.iter().zip(&plan) {
+        finished
+    }
+
+    /// After a step: each planned sequence's table gives back the blocks of draft tokens not
+    /// kept, registers its full blocks in the prefix cache and packs what its window left; then
+    /// the finished sequences retire.
+    fn settle(&mut self, order: &[usize], finished: Vec<(RequestId, FinishReason)>) {
+        let bs = self.config.block_size;
+        for &ix in order {
             let s = &mut self.running[ix];
-            // Blocks grown for draft tokens that were not kept go back.
             self.alloc.truncate(&mut s.blocks, s.tokens.len(), bs);
             self.register_full_blocks(ix);
             self.trim(ix);
@@ -1042,9 +1095,18 @@ impl Scheduler {
                 self.retire(s);
             }
         }
-        self.logits = logits;
-        Some(summary)
     }
+}
+
+/// A decoded token's cost in units of a prompt token's (the output projection runs for every
+/// decoded token, for a prompt only for its last), from the model's multiply-adds.
+fn decode_cost(c: &crate::model::GemmaConfig) -> f64 {
+    let q_dim = c.num_heads * c.head_dim;
+    let layer_macs = c.num_layers
+        * (c.hidden_size * (q_dim + 2 * c.kv_dim())
+            + q_dim * c.hidden_size
+            + 3 * c.hidden_size * c.ffn_size);
+    1.0 + (c.vocab_size * c.hidden_size) as f64 / layer_macs.max(1) as f64
 }
 
 /// Samples one token from each row, in parallel on the kernel pool (whose helpers are already
