@@ -15,6 +15,7 @@
 //! - [`config`]: the command line and the checked configuration built from it.
 //! - [`server`]: start-up, including the quick start's local worker.
 //! - [`http_server`]: the HTTP accept loop (header deadline, connection cap, bounded shutdown).
+//! - [`ids`]: session and message ids, well formed by construction.
 //! - [`telemetry`]: Prometheus metrics.
 
 pub mod api;
@@ -23,6 +24,7 @@ pub mod bus;
 pub mod config;
 pub mod generate;
 pub mod http_server;
+pub mod ids;
 pub mod limits;
 mod redis_conn;
 pub mod server;

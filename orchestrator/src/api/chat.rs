@@ -21,9 +21,9 @@ use serde::{Deserialize, Serialize};
 use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
-use super::ids::{MessageId, SessionId};
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TurnIds};
+use crate::ids::{MessageId, SessionId};
 use crate::service::{Caller, GenOptions, NativeTurn, StopOutcome, UserText, ValidTurn};
 use crate::storage::{Message, MessageStatus};
 
@@ -61,13 +61,13 @@ pub struct TurnBody {
 impl TurnBody {
     /// The body's options, checked.
     fn options(&self) -> Result<GenOptions, ApiError> {
-        GenOptions::new(
+        Ok(GenOptions::new(
             self.params.clone(),
             "params.",
             self.max_tokens,
             self.stop.clone().unwrap_or_default(),
             self.ignore_eos,
-        )
+        )?)
     }
 
     /// The body as a validated turn answering `input`.

@@ -9,6 +9,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::generate::GenerationError;
+use crate::service::ChatError;
 use crate::storage::StoreError;
 
 /// Every error's body (OpenAI's shape).
@@ -216,6 +217,34 @@ impl From<crate::workers::PoolError> for ApiError {
 impl From<crate::generate::Busy> for ApiError {
     fn from(e: crate::generate::Busy) -> Self {
         Self::Conflict(e.to_string())
+    }
+}
+
+/// The chat service's failures, each to its HTTP answer (one match, every variant).
+impl From<ChatError> for ApiError {
+    fn from(e: ChatError) -> Self {
+        match e {
+            ChatError::InvalidKey => Self::Unauthorized,
+            ChatError::NotFound(what) => Self::NotFound(what),
+            ChatError::Invalid(m) => Self::Validation(m),
+            ChatError::TooManySessions { .. } => Self::Unprocessable {
+                kind: "too_many_sessions",
+                message: e.to_string(),
+            },
+            ChatError::SessionFull { .. } => Self::Unprocessable {
+                kind: "session_full",
+                message: e.to_string(),
+            },
+            ChatError::NotAUserMessage(m) => Self::not_a_user_message(m),
+            ChatError::NothingToRegenerate => Self::Conflict(e.to_string()),
+            ChatError::Busy(b) => b.into(),
+            ChatError::Limited(l) => l.into(),
+            ChatError::Unavailable(m) => Self::Unavailable(m),
+            ChatError::Pool(p) => p.into(),
+            ChatError::Generation(g) => g.into(),
+            ChatError::Store(s) => s.into(),
+            ChatError::Internal(m) => Self::Internal(m),
+        }
     }
 }
 

@@ -15,8 +15,8 @@ mod openapi;
 mod sessions;
 mod web;
 
+pub use crate::ids::{MessageId, SessionId};
 pub use error::{ApiError, ErrorBody};
-pub use ids::{MessageId, SessionId};
 pub use openapi::json as openapi_json;
 
 use std::path::PathBuf;
@@ -231,7 +231,7 @@ impl FromRequestParts<AppState> for Caller {
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.strip_prefix("Bearer "))
                     .ok_or(ApiError::Unauthorized)?;
-                state.chat.key_caller(token.trim()).await
+                Ok(state.chat.key_caller(token.trim()).await?)
             }
         }
     }

@@ -211,7 +211,7 @@ impl ChatRequest {
             };
             out.push((role, text));
         }
-        Conversation::new(out)
+        Ok(Conversation::new(out)?)
     }
 
     /// The request as a validated turn: every field checked once, here.

@@ -9,8 +9,8 @@ use hearth_shared::SamplingParams;
 use serde::{Deserialize, Deserializer, Serialize};
 use utoipa::{IntoParams, ToSchema};
 
-use super::ids::SessionId;
 use super::{created, ApiError, AppState, ValidJson, ValidQuery};
+use crate::ids::SessionId;
 use crate::service::Caller;
 use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
 

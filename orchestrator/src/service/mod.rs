@@ -6,7 +6,10 @@
 //! Requests reach it validated ([`ValidTurn`]); it answers with stored records or a running
 //! reply's [`Live`] log, which the API turns into JSON or Server-Sent Events.
 
+mod error;
 mod turn;
+
+pub use error::ChatError;
 
 pub use turn::{
     check_params, Conversation, GenOptions, NativeTurn, UserText, ValidTurn, MAX_CONTENT_BYTES,
@@ -15,14 +18,16 @@ pub use turn::{
 use std::sync::Arc;
 use std::time::Duration;
 
-use hearth_shared::chat::{render, ChatError, Message as ChatMessage, Role as ChatRole};
+use hearth_shared::chat::{
+    render, ChatError as TemplateError, Message as ChatMessage, Role as ChatRole,
+};
 use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::SamplingParams;
 
-use crate::api::{ApiError, SessionId};
 use crate::auth::{authenticate, AuthError};
 use crate::bus::StopBus;
 use crate::generate::{Generator, Job, Live, Persistence, Streams, TurnIds};
+use crate::ids::SessionId;
 use crate::limits::{Budget, Limiter, Quota};
 use crate::storage::{
     Message, MessageStatus, NewSession, Role, Session, SessionPatch, SessionQuery, Store, User,
@@ -138,7 +143,7 @@ impl ChatService {
     }
 
     /// The owner of an API key, with the key's limits (the server's where it has none).
-    pub async fn key_caller(&self, token: &str) -> Result<Caller, ApiError> {
+    pub async fn key_caller(&self, token: &str) -> Result<Caller, ChatError> {
         match authenticate(self.store.as_ref(), token).await {
             Ok(c) => Ok(Caller {
                 quota: Quota {
@@ -151,7 +156,7 @@ impl ChatService {
                 },
                 user: c.user,
             }),
-            Err(AuthError::InvalidKey) => Err(ApiError::Unauthorized),
+            Err(AuthError::InvalidKey) => Err(ChatError::InvalidKey),
             Err(AuthError::Store(e)) => Err(e.into()),
         }
     }
@@ -159,7 +164,7 @@ impl ChatService {
     // --- The service itself ---
 
     /// Ready when the database answers and at least one worker is ready.
-    pub async fn readiness(&self) -> Result<Readiness, ApiError> {
+    pub async fn readiness(&self) -> Result<Readiness, ChatError> {
         self.store.ping().await?;
         Ok(Readiness {
             ready_workers: self.generator.pool.ready_count(),
@@ -185,25 +190,19 @@ impl ChatService {
     // --- Sessions ---
 
     /// Creates a session, unless the user already keeps the most sessions allowed.
-    pub async fn create_session(&self, user: &User, new: NewSession) -> Result<Session, ApiError> {
+    pub async fn create_session(&self, user: &User, new: NewSession) -> Result<Session, ChatError> {
         let cap = self.limits.max_sessions_per_user;
         if self.store.count_sessions(&user.id).await? >= cap {
-            return Err(ApiError::Unprocessable {
-                kind: "too_many_sessions",
-                message: format!(
-                    "you have {cap} sessions, the most this server keeps for one user; delete \
-                     some to create more"
-                ),
-            });
+            return Err(ChatError::TooManySessions { max: cap });
         }
         Ok(self.store.create_session(&user.id, new).await?)
     }
 
-    pub async fn sessions(&self, user: &User, q: &SessionQuery) -> Result<Vec<Session>, ApiError> {
+    pub async fn sessions(&self, user: &User, q: &SessionQuery) -> Result<Vec<Session>, ChatError> {
         Ok(self.store.list_sessions(&user.id, q).await?)
     }
 
-    pub async fn session(&self, user: &User, id: &SessionId) -> Result<Session, ApiError> {
+    pub async fn session(&self, user: &User, id: &SessionId) -> Result<Session, ChatError> {
         Ok(self.store.get_session(&user.id, id).await?)
     }
 
@@ -212,19 +211,19 @@ impl ChatService {
         user: &User,
         id: &SessionId,
         patch: SessionPatch,
-    ) -> Result<Session, ApiError> {
+    ) -> Result<Session, ChatError> {
         Ok(self.store.update_session(&user.id, id, patch).await?)
     }
 
     /// A session's messages, oldest first (a reply still streaming included).
-    pub async fn messages(&self, user: &User, id: &SessionId) -> Result<Vec<Message>, ApiError> {
+    pub async fn messages(&self, user: &User, id: &SessionId) -> Result<Vec<Message>, ChatError> {
         Ok(self.store.list_messages(&user.id, id).await?)
     }
 
     /// Deletes a session: stops its running reply first (here, or on another replica through
     /// the stop bus) so it is not left generating for nobody, then frees its KV cache on the
     /// workers.
-    pub async fn delete_session(&self, user: &User, id: &SessionId) -> Result<(), ApiError> {
+    pub async fn delete_session(&self, user: &User, id: &SessionId) -> Result<(), ChatError> {
         self.store.get_session(&user.id, id).await?;
         if let Some(live) = self.running(id) {
             live.stop();
@@ -248,12 +247,12 @@ impl ChatService {
     /// A session's default reply length: at least one token, and shorter than the served
     /// model's context when a worker has reported it (a turn's own `max_tokens` is checked the
     /// same way).
-    pub fn check_session_max_tokens(&self, n: u32) -> Result<i64, ApiError> {
+    pub fn check_session_max_tokens(&self, n: u32) -> Result<i64, ChatError> {
         let limit = self
             .context_length()
             .map_or(MAX_SESSION_MAX_TOKENS, |ctx| (ctx as u32).saturating_sub(1));
         if n == 0 || n > limit {
-            return Err(ApiError::Validation(format!(
+            return Err(ChatError::Invalid(format!(
                 "max_tokens: must be between 1 and {limit}"
             )));
         }
@@ -274,7 +273,7 @@ impl ChatService {
         caller: &Caller,
         session_id: &SessionId,
         turn: ValidTurn<NativeTurn>,
-    ) -> Result<Arc<Live>, ApiError> {
+    ) -> Result<Arc<Live>, ChatError> {
         let user_id = &caller.user.id;
         let (input, opts, arrived) = turn.into_parts();
         let session = self.store.get_session(user_id, session_id).await?;
@@ -287,13 +286,9 @@ impl ChatService {
         let history = self.store.list_messages(user_id, session_id).await?;
         let cap = self.limits.max_messages_per_session;
         if history.len() + 2 > cap {
-            return Err(ApiError::Unprocessable {
-                kind: "session_full",
-                message: format!(
-                    "this session holds {} messages, and a session may hold at most {cap}; \
-                     continue in a new session",
-                    history.len()
-                ),
+            return Err(ChatError::SessionFull {
+                held: history.len(),
+                max: cap,
             });
         }
         let (convo, store) = prepare(&session, history, &input)?;
@@ -370,7 +365,7 @@ impl ChatService {
         &self,
         caller: &Caller,
         turn: ValidTurn<Conversation>,
-    ) -> Result<Arc<Live>, ApiError> {
+    ) -> Result<Arc<Live>, ChatError> {
         let (convo, opts, arrived) = turn.into_parts();
         let max_tokens = opts.max_tokens();
         self.check_max_tokens(max_tokens)?;
@@ -406,18 +401,18 @@ impl ChatService {
         &self,
         caller: &Caller,
         id: &SessionId,
-    ) -> Result<Arc<Live>, ApiError> {
+    ) -> Result<Arc<Live>, ChatError> {
         self.store.get_session(&caller.user.id, id).await?;
         self.generator
             .streams
             .get(id)
-            .ok_or(ApiError::NotFound("stream"))
+            .ok_or(ChatError::NotFound("stream"))
     }
 
     /// Stops the session's running reply (on the worker within one engine step) and returns it
     /// once stored. A reply running on another replica is stopped through the stop bus. Stops
     /// count against their own rate limit.
-    pub async fn stop(&self, caller: &Caller, id: &SessionId) -> Result<StopOutcome, ApiError> {
+    pub async fn stop(&self, caller: &Caller, id: &SessionId) -> Result<StopOutcome, ChatError> {
         let user_id = &caller.user.id;
         self.store.get_session(user_id, id).await?;
         self.limiter.admit_stop(&caller.quota).await?;
@@ -434,7 +429,7 @@ impl ChatService {
                 return Ok(StopOutcome::NothingRunning);
             };
             let Some(sent) = bus.stop(id).await else {
-                return Err(ApiError::Unavailable(
+                return Err(ChatError::Unavailable(
                     "the reply runs on another replica and Redis cannot be reached to stop it"
                         .into(),
                 ));
@@ -464,12 +459,12 @@ impl ChatService {
 
     /// Refuses a `max_tokens` the served context cannot hold, before anything is charged or
     /// stored.
-    fn check_max_tokens(&self, max_tokens: Option<u32>) -> Result<(), ApiError> {
+    fn check_max_tokens(&self, max_tokens: Option<u32>) -> Result<(), ChatError> {
         let (Some(want), Some(ctx)) = (max_tokens, self.context_length()) else {
             return Ok(());
         };
         if want == 0 || want as usize >= ctx {
-            return Err(ApiError::Validation(format!(
+            return Err(ChatError::Invalid(format!(
                 "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
                 ctx - 1
             )));
@@ -483,7 +478,7 @@ impl ChatService {
         &self,
         caller: &Caller,
         max_tokens: Option<u32>,
-    ) -> Result<Option<Budget>, ApiError> {
+    ) -> Result<Option<Budget>, ChatError> {
         let reserve = max_tokens.unwrap_or(self.limits.default_max_tokens);
         Ok(self
             .limiter
@@ -499,10 +494,10 @@ impl ChatService {
         &self,
         convo: Vec<ChatMessage>,
         max_tokens: Option<u32>,
-    ) -> Result<(Vec<u32>, u32), ApiError> {
+    ) -> Result<(Vec<u32>, u32), ChatError> {
         let ctx = self
             .context_length()
-            .ok_or_else(|| ApiError::Unavailable("no worker is ready".into()))?;
+            .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
         // The server's default shrinks to fit a small model; an explicit value must fit as asked.
         let want = max_tokens.unwrap_or_else(|| self.limits.default_max_tokens.min(ctx as u32 / 2));
         self.check_max_tokens(Some(want))?;
@@ -511,10 +506,10 @@ impl ChatService {
         let rendered =
             tokio::task::spawn_blocking(move || render(&tokenizer, &convo, ctx - reserve))
                 .await
-                .map_err(|e| ApiError::Internal(format!("prompt rendering failed: {e}")))?;
+                .map_err(|e| ChatError::Internal(format!("prompt rendering failed: {e}")))?;
         let prompt = rendered.map_err(|e| match e {
-            ChatError::Tokenizer(e) => ApiError::Internal(e.to_string()),
-            other => ApiError::Validation(other.to_string()),
+            TemplateError::Tokenizer(e) => ChatError::Internal(e.to_string()),
+            other => ChatError::Invalid(other.to_string()),
         })?;
         let room = (ctx - prompt.tokens.len()) as u32;
         Ok((prompt.tokens, want.min(room)))
@@ -542,7 +537,7 @@ fn prepare(
     session: &Session,
     history: Vec<Message>,
     input: &NativeTurn,
-) -> Result<(Vec<ChatMessage>, StoreTurn), ApiError> {
+) -> Result<(Vec<ChatMessage>, StoreTurn), ChatError> {
     match input {
         NativeTurn::Post(content) => {
             let mut convo = conversation(session, &history);
@@ -554,11 +549,7 @@ fn prepare(
             // message.
             let from = match history.last() {
                 Some(m) if m.role == Role::Assistant => m.seq,
-                _ => {
-                    return Err(ApiError::Conflict(
-                        "the session has no reply to regenerate".into(),
-                    ))
-                }
+                _ => return Err(ChatError::NothingToRegenerate),
             };
             let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
             let asked = earlier.last().map(|m| m.id.clone());
@@ -574,9 +565,9 @@ fn prepare(
             let target = history
                 .iter()
                 .find(|m| m.id == **message_id)
-                .ok_or(ApiError::NotFound("message"))?;
+                .ok_or(ChatError::NotFound("message"))?;
             if target.role != Role::User {
-                return Err(ApiError::not_a_user_message(format!(
+                return Err(ChatError::NotAUserMessage(format!(
                     "message {message_id} is an {} message; only user messages can be edited \
                      (POST /v1/sessions/{}/regenerate answers the last one again)",
                     target.role.as_str(),

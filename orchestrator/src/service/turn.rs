@@ -10,7 +10,8 @@ use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
 use hearth_shared::SamplingParams;
 use tokio::time::Instant;
 
-use crate::api::{ApiError, MessageId};
+use super::ChatError;
+use crate::ids::MessageId;
 
 /// Largest message a user may post.
 pub const MAX_CONTENT_BYTES: usize = 256 << 10;
@@ -67,7 +68,7 @@ impl GenOptions {
         max_tokens: Option<u32>,
         stop: Vec<String>,
         ignore_eos: bool,
-    ) -> Result<Self, ApiError> {
+    ) -> Result<Self, ChatError> {
         Ok(Self {
             params: params.map(|p| check_params(p, params_prefix)).transpose()?,
             max_tokens,
@@ -113,9 +114,9 @@ pub struct UserText(String);
 
 impl UserText {
     /// `field` names the text in the error (`content`, `messages[2].content`).
-    pub fn new(field: &str, text: &str) -> Result<Self, ApiError> {
+    pub fn new(field: &str, text: &str) -> Result<Self, ChatError> {
         if text.trim().is_empty() {
-            return Err(ApiError::Validation(format!("{field}: must not be empty")));
+            return Err(ChatError::Invalid(format!("{field}: must not be empty")));
         }
         check_storable(field, text)?;
         Ok(Self(text.to_string()))
@@ -134,9 +135,9 @@ impl Conversation {
     /// Checks the messages (at least one; each at most [`MAX_CONTENT_BYTES`], without NUL
     /// characters; an empty one is allowed, as OpenAI allows it) and joins leading system
     /// messages into one system prompt. Errors name `messages[i].content`.
-    pub fn new(messages: Vec<(ChatRole, String)>) -> Result<Self, ApiError> {
+    pub fn new(messages: Vec<(ChatRole, String)>) -> Result<Self, ChatError> {
         if messages.is_empty() {
-            return Err(ApiError::Validation("messages: must not be empty".into()));
+            return Err(ChatError::Invalid("messages: must not be empty".into()));
         }
         let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
         for (i, (role, text)) in messages.into_iter().enumerate() {
@@ -159,29 +160,29 @@ impl Conversation {
 
 /// Text a message may hold: at most [`MAX_CONTENT_BYTES`], without NUL characters (which
 /// PostgreSQL cannot store).
-fn check_storable(field: &str, c: &str) -> Result<(), ApiError> {
+fn check_storable(field: &str, c: &str) -> Result<(), ChatError> {
     if c.len() > MAX_CONTENT_BYTES {
-        return Err(ApiError::Validation(format!(
+        return Err(ChatError::Invalid(format!(
             "{field}: longer than {MAX_CONTENT_BYTES} bytes"
         )));
     }
     if c.contains('\0') {
-        return Err(ApiError::Validation(format!(
+        return Err(ChatError::Invalid(format!(
             "{field}: must not contain NUL characters"
         )));
     }
     Ok(())
 }
 
-fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ApiError> {
+fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ChatError> {
     if stop.len() > MAX_STOPS {
-        return Err(ApiError::Validation(format!(
+        return Err(ChatError::Invalid(format!(
             "{field}: at most {MAX_STOPS} stop strings"
         )));
     }
     for s in &stop {
         if s.is_empty() || s.chars().count() > MAX_STOP_CHARS {
-            return Err(ApiError::Validation(format!(
+            return Err(ChatError::Invalid(format!(
                 "{field}: each stop string must be 1 to {MAX_STOP_CHARS} characters"
             )));
         }
@@ -190,9 +191,9 @@ fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ApiError> 
 }
 
 /// Sampling parameters in range; `prefix` goes before the field's name in the error.
-pub fn check_params(p: SamplingParams, prefix: &str) -> Result<SamplingParams, ApiError> {
+pub fn check_params(p: SamplingParams, prefix: &str) -> Result<SamplingParams, ChatError> {
     p.validate()
-        .map_err(|e| ApiError::Validation(format!("{prefix}{}: {}", e.field, e.reason)))?;
+        .map_err(|e| ChatError::Invalid(format!("{prefix}{}: {}", e.field, e.reason)))?;
     Ok(p)
 }
 
@@ -200,9 +201,9 @@ pub fn check_params(p: SamplingParams, prefix: &str) -> Result<SamplingParams, A
 mod tests {
     use super::*;
 
-    fn message(e: ApiError) -> String {
+    fn message(e: ChatError) -> String {
         match e {
-            ApiError::Validation(m) => m,
+            ChatError::Invalid(m) => m,
             other => panic!("not a validation error: {other:?}"),
         }
     }

@@ -1,0 +1,62 @@
+//! How a chat request fails, in the service's terms: one variant per way. The service returns no
+//! HTTP types; the API maps each variant to a status, a native SSE error and an OpenAI error, in
+//! one exhaustive match (`api/error.rs`).
+
+use crate::generate::{Busy, GenerationError};
+use crate::limits::Limited;
+use crate::storage::StoreError;
+use crate::workers::PoolError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// The API key is unknown, revoked or expired.
+    #[error("missing or invalid API key")]
+    InvalidKey,
+    /// What was asked for does not exist, or is another user's (the two look the same on
+    /// purpose).
+    #[error("{0} not found")]
+    NotFound(&'static str),
+    /// A value out of range or of the wrong kind; the message names the field.
+    #[error("{0}")]
+    Invalid(String),
+    /// The user keeps the most sessions the server allows.
+    #[error(
+        "you have {max} sessions, the most this server keeps for one user; delete some to \
+         create more"
+    )]
+    TooManySessions { max: u64 },
+    /// The session holds the most messages allowed.
+    #[error(
+        "this session holds {held} messages, and a session may hold at most {max}; continue \
+         in a new session"
+    )]
+    SessionFull { held: usize, max: usize },
+    /// An edit aimed at a message that is not a user's; the message says which.
+    #[error("{0}")]
+    NotAUserMessage(String),
+    /// A regenerate in a session whose last message is not a reply.
+    #[error("the session has no reply to regenerate")]
+    NothingToRegenerate,
+    /// A reply is already running in the session.
+    #[error(transparent)]
+    Busy(#[from] Busy),
+    /// A rate or token limit is spent.
+    #[error(transparent)]
+    Limited(#[from] Limited),
+    /// Nothing can serve the request now (no worker ready, a stop that cannot reach the replica
+    /// running the reply); the message says what.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The worker pool could not take the request.
+    #[error(transparent)]
+    Pool(#[from] PoolError),
+    /// A generation failed before a non-streamed answer was sent.
+    #[error(transparent)]
+    Generation(#[from] GenerationError),
+    /// The store refused or failed.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    /// A fault of the server's; the detail is logged, never answered.
+    #[error("internal error")]
+    Internal(String),
+}
