@@ -46,11 +46,6 @@ impl StepGraphs {
             warmed: false,
         }
     }
-
-    /// Graphs captured so far.
-    pub fn captured(&self) -> usize {
-        self.buckets.values().filter(|b| b.graph.is_some()).count()
-    }
 }
 
 #[derive(Debug)]

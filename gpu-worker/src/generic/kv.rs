@@ -77,11 +77,6 @@ impl DeviceKv {
         self
     }
 
-    /// Decode-step shapes captured so far.
-    pub fn graphs_captured(&self) -> usize {
-        self.graphs.as_ref().map_or(0, StepGraphs::captured)
-    }
-
     pub fn block_size(&self) -> usize {
         self.block_size
     }
