@@ -323,26 +323,20 @@ pub fn check_golden(model_path: &std::path::Path, o: &GoldenOptions) -> anyhow::
             summary_only: false,
         };
         let (mut logits, mut summaries) = (Vec::new(), Vec::new());
+        // The prompt in one step, then llama.cpp's reply in another whose 64 rows give the picks.
+        let steps = [chunk(0, n - 1, 0), chunk(n - 1, all.len() - 1, 64)];
         match &weights {
             crate::engine::Weights::Native(m) => {
                 let mut kv = host_kv(m, blocks.len());
-                m.forward(&[chunk(0, n - 1, 0)], &mut kv, &mut logits, &mut summaries)?;
-                m.forward(
-                    &[chunk(n - 1, all.len() - 1, 64)],
-                    &mut kv,
-                    &mut logits,
-                    &mut summaries,
-                )?;
+                for c in steps {
+                    m.forward(&[c], &mut kv, &mut logits, &mut summaries)?;
+                }
             }
             crate::engine::Weights::Generic(m) => {
                 let mut kv = device_kv(m, blocks.len())?;
-                m.forward(&[chunk(0, n - 1, 0)], &mut kv, &mut logits, &mut summaries)?;
-                m.forward(
-                    &[chunk(n - 1, all.len() - 1, 64)],
-                    &mut kv,
-                    &mut logits,
-                    &mut summaries,
-                )?;
+                for c in steps {
+                    m.forward(&[c], &mut kv, &mut logits, &mut summaries)?;
+                }
             }
         }
         anyhow::ensure!(logits.len() == 64 * vocab, "{} logits", logits.len());

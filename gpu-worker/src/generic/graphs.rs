@@ -174,30 +174,17 @@ impl GenericModel {
         step: StepMeta,
         scratch: u32,
     ) -> Result<Vec<u32>, ModelError> {
-        let vocab = self.config.vocab_size;
         let pad = step.n - chunks.len();
         let mut meta = Vec::with_capacity(3 * step.n + step.n * step.max_blocks);
         for ch in chunks {
-            let t = ch.tokens[0];
-            if t as usize >= vocab {
-                return Err(ModelError::Shape(format!(
-                    "token id {t} outside vocabulary of {vocab}"
-                )));
-            }
-            meta.push(t);
+            self.check_chunk(ch, step.block_size)?;
+            meta.push(ch.tokens[0]);
         }
         meta.extend(std::iter::repeat_n(0, pad));
         meta.extend(chunks.iter().map(|ch| ch.start_pos as u32));
         meta.extend(std::iter::repeat_n(0, pad));
         meta.extend(0..step.n as u32);
         for ch in chunks {
-            if ch.blocks.len() * step.block_size <= ch.start_pos {
-                return Err(ModelError::Shape(format!(
-                    "a block table of {} blocks does not cover position {}",
-                    ch.blocks.len(),
-                    ch.start_pos
-                )));
-            }
             meta.extend_from_slice(ch.blocks);
             meta.extend(std::iter::repeat_n(0, step.max_blocks - ch.blocks.len()));
         }

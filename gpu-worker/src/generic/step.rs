@@ -188,11 +188,13 @@ impl GenericModel {
         // Rows whose sampler reads them come to the host: all of them in one copy, or those
         // gathered first.
         let vocab = self.config.vocab_size;
-        resize_unwritten(logits, rows.len() * vocab);
         if host.len() == rows.len() {
             ops.copies(1);
             *logits = out.flatten_all()?.to_vec1::<f32>()?;
-        } else if !host.is_empty() {
+            return Ok(());
+        }
+        resize_unwritten(logits, rows.len() * vocab);
+        if !host.is_empty() {
             ops.kernels(1);
             ops.copies(1);
             let got = out
@@ -297,6 +299,29 @@ impl GenericModel {
         Ok(out)
     }
 
+    /// A chunk the device can run: its token ids in the vocabulary, its block table covering
+    /// its positions (a kernel would read past either).
+    pub(super) fn check_chunk(
+        &self,
+        ch: &SeqChunk<'_>,
+        block_size: usize,
+    ) -> Result<(), ModelError> {
+        let vocab = self.config.vocab_size;
+        if let Some(&t) = ch.tokens.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ModelError::Shape(format!(
+                "token id {t} outside vocabulary of {vocab}"
+            )));
+        }
+        if ch.blocks.len() * block_size < ch.start_pos + ch.tokens.len() {
+            return Err(ModelError::Shape(format!(
+                "a block table of {} blocks does not cover position {}",
+                ch.blocks.len(),
+                ch.start_pos + ch.tokens.len() - 1
+            )));
+        }
+        Ok(())
+    }
+
     /// The step's meta values (ids, positions, sequence of each token, block tables; then the
     /// rows that sample when not every token does, and which of those go to the host when not
     /// all do), where they lie, the rows that sample and the host's rows among them.
@@ -306,24 +331,12 @@ impl GenericModel {
         chunks: &[SeqChunk<'_>],
         kv: &DeviceKv,
     ) -> Result<(Vec<u32>, StepMeta, Vec<u32>, Vec<u32>), ModelError> {
-        let vocab = self.config.vocab_size;
         let n: usize = chunks.iter().map(|ch| ch.tokens.len()).sum();
         let bs = kv.block_size();
         let max_blocks = chunks.iter().map(|ch| ch.blocks.len()).max().unwrap_or(1);
         let mut meta = Vec::with_capacity(3 * n + chunks.len() * max_blocks);
         for ch in chunks {
-            if let Some(&t) = ch.tokens.iter().find(|&&t| t as usize >= vocab) {
-                return Err(ModelError::Shape(format!(
-                    "token id {t} outside vocabulary of {vocab}"
-                )));
-            }
-            if ch.blocks.len() * bs < ch.start_pos + ch.tokens.len() {
-                return Err(ModelError::Shape(format!(
-                    "a block table of {} blocks does not cover position {}",
-                    ch.blocks.len(),
-                    ch.start_pos + ch.tokens.len() - 1
-                )));
-            }
+            self.check_chunk(ch, bs)?;
             meta.extend_from_slice(ch.tokens);
         }
         for ch in chunks {
