@@ -14,6 +14,7 @@
 //! none (see [`crate::workers::Lease::yielded`]) stops there and continues, ahead of its user's
 //! new requests, once a place is free again.
 
+mod attempt;
 mod end;
 mod live;
 
@@ -24,7 +25,6 @@ pub use live::{
 use std::sync::Arc;
 use std::time::Duration;
 
-use hearth_shared::chat::{Detokenizer, StopMatcher};
 use hearth_shared::proto::{self, worker_event::Kind};
 use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::{FinishReason, SamplingParams};
@@ -33,7 +33,9 @@ use tokio::time::Instant;
 use crate::limits::Budget;
 use crate::storage::{Completion, Store, StoreError};
 use crate::telemetry;
-use crate::workers::{Lease, PoolError, WorkerPool};
+use crate::workers::{Generation, Lease, PoolError, WorkerPool};
+
+use attempt::{request, Attempts, Next};
 
 /// What every generation needs. Built by the chat service, which alone holds it.
 #[derive(Debug)]
@@ -76,58 +78,17 @@ pub enum Persistence {
 }
 
 impl Persistence {
-    fn session_id(&self) -> Option<&str> {
+    pub(super) fn session_id(&self) -> Option<&str> {
         match self {
             Self::Stored { session_id, .. } => Some(session_id),
             Self::Stateless => None,
         }
     }
 
-    fn message_id(&self) -> Option<&str> {
+    pub(super) fn message_id(&self) -> Option<&str> {
         match self {
             Self::Stored { message_id, .. } => Some(message_id),
             Self::Stateless => None,
-        }
-    }
-}
-
-/// How often a streaming reply's text is saved, and the longest a streaming message goes
-/// without a write (so a reply whose orchestrator died can be told from a slow one).
-const SAVE_EVERY: Duration = Duration::from_secs(1);
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
-
-/// What a worker's error means for the reply.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Fault {
-    /// The worker went away, is shutting down, or dropped the request: continue on another.
-    Failover,
-    /// The worker is full: try another, without counting the worker as failed.
-    Busy,
-    /// The request is wrong; another worker would say the same.
-    Refused,
-    /// The worker could not run this request. It is not retried elsewhere: a request that
-    /// breaks one worker must not be handed to every other.
-    Internal,
-}
-
-impl Fault {
-    fn of(code: i32) -> Self {
-        use tonic::Code;
-        match Code::from_i32(code) {
-            Code::Unavailable | Code::Aborted | Code::Cancelled | Code::DeadlineExceeded => {
-                Self::Failover
-            }
-            Code::ResourceExhausted => Self::Busy,
-            Code::InvalidArgument
-            | Code::FailedPrecondition
-            | Code::OutOfRange
-            | Code::NotFound
-            | Code::AlreadyExists
-            | Code::PermissionDenied
-            | Code::Unauthenticated => Self::Refused,
-            Code::Internal | Code::Unknown | Code::Unimplemented | Code::DataLoss | Code::Ok => {
-                Self::Internal
-            }
         }
     }
 }
@@ -197,177 +158,166 @@ impl Generator {
 
     /// Tries workers until the reply ends or none is left.
     async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress) -> End {
-        let mut detok = Detokenizer::new();
-        let mut stops = StopMatcher::new(job.stop.clone());
-        // Workers this reply will not go to again, and whether one of them was only busy.
-        let mut failed: Vec<String> = Vec::new();
-        let mut busy = false;
-        // The last worker's place went to another user's request (see `Lease::yielded`).
-        let mut preempted = false;
-        let mut saved_len = 0usize;
-        let mut saved_at = Instant::now();
-        let saver = job
-            .persistence
-            .message_id()
-            .map(|id| self.progress_saver(id.to_string()));
-        let mut tick = tokio::time::interval(SAVE_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut a = Attempts::new(job, self);
         loop {
             if live.stop_requested() {
                 return End::Finished(FinishReason::Cancelled);
             }
             let lease = match job.lease.take() {
                 Some(l) => l,
-                None => {
-                    let (user, session) = (&job.user_id, job.persistence.session_id());
-                    let admitted = tokio::select! {
-                        a = self.pool.readmit(user, session, &failed), if preempted => a,
-                        a = self.pool.admit(user, session, &failed), if !preempted => a,
-                        () = live.stopped() => return End::Finished(FinishReason::Cancelled),
-                    };
-                    preempted = false;
-                    match admitted {
-                        Ok(l) => l,
-                        Err(e) => {
-                            let why = if failed.is_empty() {
-                                e.to_string()
-                            } else if busy {
-                                PoolError::Full.to_string()
-                            } else {
-                                format!("the worker failed and {e}")
-                            };
-                            return End::Failed(GenerationError::Unavailable(why));
-                        }
-                    }
-                }
+                None => match self.admit(job, live, &mut a).await {
+                    Ok(l) => l,
+                    Err(end) => return end,
+                },
             };
             let remaining = job.max_new_tokens.saturating_sub(p.generated.len() as u32);
             if remaining == 0 {
                 return End::Finished(FinishReason::Length);
             }
-            let mut prompt = job.prompt.clone();
-            prompt.extend_from_slice(&p.generated);
-            let req = proto::GenerateRequest {
-                request_id: 0,
-                session_id: job.persistence.session_id().unwrap_or_default().to_string(),
-                user_id: job.user_id.clone(),
-                prompt_token_ids: prompt,
-                sampling: Some((&job.params).into()),
-                max_new_tokens: remaining,
-                stop_token_ids: Vec::new(),
-                ignore_eos: job.ignore_eos,
-                sampled_tokens: p.generated.len() as u32,
-            };
-            let addr = lease.addr().to_string();
-            let mut gen = match lease.generate(req) {
+            let gen = match lease.generate(request(job, p, remaining)) {
                 Ok(g) => g,
                 Err(e) => {
-                    tracing::warn!(worker = %addr, error = %e, "worker refused the request");
-                    failed.push(addr);
+                    tracing::warn!(worker = %lease.addr(), error = %e, "worker refused the request");
+                    a.failed.push(lease.addr().to_string());
                     continue;
                 }
             };
             p.worker = Some(lease.name().to_string());
-            let resumed = !p.generated.is_empty();
-            loop {
-                let event = tokio::select! {
-                    e = gen.next() => e,
-                    () = live.stopped() => return End::Finished(FinishReason::Cancelled),
-                    () = lease.yielded() => {
-                        // Dropping the generation cancels it on the worker, then the lease
-                        // frees the place; the reply continues from here once it has one again.
-                        tracing::debug!(worker = %addr, generated = p.generated.len(), "giving the worker's place to another user's request");
-                        preempted = true;
-                        break;
-                    }
-                    _ = tick.tick() => {
-                        if let Some(saver) = &saver {
-                            let due = p.text.len() != saved_len || saved_at.elapsed() >= HEARTBEAT_EVERY;
-                            if due {
-                                saver.send_replace(p.text.clone());
-                                saved_len = p.text.len();
-                                saved_at = Instant::now();
-                            }
-                        }
-                        continue;
-                    }
-                };
-                let kind = event.and_then(|e| e.kind);
-                match kind {
-                    Some(Kind::Started(s)) => {
-                        if p.cached_tokens.is_none() && !resumed {
-                            p.cached_tokens = Some(u64::from(s.cached_tokens));
-                        }
-                    }
-                    Some(Kind::Tokens(t)) => {
-                        let now = Instant::now();
-                        if let Some(prev) = p.last_token {
-                            telemetry::observe(
-                                telemetry::INTER_TOKEN,
-                                now.duration_since(prev).as_secs_f64(),
-                            );
-                        }
-                        p.last_token = Some(now);
-                        for id in t.ids {
-                            p.generated.push(id);
-                            let piece = detok.push(&self.tokenizer, id).unwrap_or_default();
-                            if piece.is_empty() {
-                                continue;
-                            }
-                            let fed = stops.push(&piece);
-                            self.emit(job, live, p, fed.text);
-                            if fed.stopped {
-                                return End::Finished(FinishReason::Stop);
-                            }
-                        }
-                    }
-                    Some(Kind::Finished(f)) => {
-                        let Some(reason) = proto::FinishReason::try_from(f.reason)
-                            .ok()
-                            .and_then(|r| FinishReason::try_from(r).ok())
-                        else {
-                            tracing::error!(worker = %addr, reason = f.reason, "unknown finish reason");
-                            return End::Failed(GenerationError::Internal(format!(
-                                "the worker ended the reply with an unknown finish reason ({})",
-                                f.reason
-                            )));
-                        };
-                        let tail = detok.finish(&self.tokenizer).unwrap_or_default();
-                        let mut rest = stops.push(&tail).text;
-                        rest.push_str(&stops.flush());
-                        self.emit(job, live, p, rest);
-                        return End::Finished(reason);
-                    }
-                    Some(Kind::Error(e)) => match Fault::of(e.code) {
-                        Fault::Failover => {
-                            tracing::warn!(worker = %addr, error = %e.message, generated = p.generated.len(), "worker failed mid-request; moving on");
-                            metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
-                            failed.push(addr.clone());
-                            break;
-                        }
-                        Fault::Busy => {
-                            tracing::debug!(worker = %addr, error = %e.message, "worker full; trying another");
-                            failed.push(addr.clone());
-                            busy = true;
-                            break;
-                        }
-                        Fault::Refused => {
-                            return End::Failed(GenerationError::Refused(e.message));
-                        }
-                        Fault::Internal => {
-                            tracing::error!(worker = %addr, error = %e.message, "the worker could not run the request");
-                            return End::Failed(GenerationError::Internal(
-                                "the worker could not generate this reply".into(),
-                            ));
-                        }
-                    },
-                    None => {
-                        failed.push(addr.clone());
-                        break;
-                    }
-                }
+            // `gen` is dropped inside `follow`, before the lease: the generation is cancelled
+            // on the worker before its place is freed.
+            if let Next::End(end) = self.follow(job, live, p, &mut a, &lease, gen).await {
+                return end;
             }
         }
+    }
+
+    /// Waits for a worker's place: ahead of the user's new requests after a preemption.
+    async fn admit(&self, job: &Job, live: &Live, a: &mut Attempts) -> Result<Lease, End> {
+        let (user, session) = (&job.user_id, job.persistence.session_id());
+        let admitted = tokio::select! {
+            l = self.pool.readmit(user, session, &a.failed), if a.preempted => l,
+            l = self.pool.admit(user, session, &a.failed), if !a.preempted => l,
+            () = live.stopped() => return Err(End::Finished(FinishReason::Cancelled)),
+        };
+        a.preempted = false;
+        admitted.map_err(|e| {
+            let why = if a.failed.is_empty() {
+                e.to_string()
+            } else if a.busy {
+                PoolError::Full.to_string()
+            } else {
+                format!("the worker failed and {e}")
+            };
+            End::Failed(GenerationError::Unavailable(why))
+        })
+    }
+
+    /// Follows one worker's stream until the reply ends or must go on elsewhere.
+    async fn follow(
+        &self,
+        job: &Job,
+        live: &Live,
+        p: &mut Progress,
+        a: &mut Attempts,
+        lease: &Lease,
+        mut gen: Generation,
+    ) -> Next {
+        let resumed = !p.generated.is_empty();
+        loop {
+            let event = tokio::select! {
+                e = gen.next() => e,
+                () = live.stopped() => return Next::End(End::Finished(FinishReason::Cancelled)),
+                () = lease.yielded() => {
+                    // Dropping the generation cancels it on the worker, then the lease frees
+                    // the place; the reply continues from here once it has one again.
+                    tracing::debug!(worker = %lease.addr(), generated = p.generated.len(), "giving the worker's place to another user's request");
+                    a.preempted = true;
+                    return Next::Retry;
+                }
+                _ = a.tick.tick() => {
+                    if let Some(saver) = &mut a.saver {
+                        saver.save(&p.text);
+                    }
+                    continue;
+                }
+            };
+            let next = match event.and_then(|e| e.kind) {
+                Some(Kind::Started(s)) => {
+                    if p.cached_tokens.is_none() && !resumed {
+                        p.cached_tokens = Some(u64::from(s.cached_tokens));
+                    }
+                    None
+                }
+                Some(Kind::Tokens(t)) => self.tokens(job, live, p, a, t.ids),
+                Some(Kind::Finished(f)) => Some(self.finished(job, live, p, a, lease, f.reason)),
+                Some(Kind::Error(e)) => Some(a.fault(lease.addr(), e, p.generated.len())),
+                None => {
+                    a.failed.push(lease.addr().to_string());
+                    Some(Next::Retry)
+                }
+            };
+            if let Some(next) = next {
+                return next;
+            }
+        }
+    }
+
+    /// Detokenizes new tokens and streams their text; ends the reply at a stop string.
+    fn tokens(
+        &self,
+        job: &Job,
+        live: &Live,
+        p: &mut Progress,
+        a: &mut Attempts,
+        ids: Vec<u32>,
+    ) -> Option<Next> {
+        let now = Instant::now();
+        if let Some(prev) = p.last_token {
+            telemetry::observe(
+                telemetry::INTER_TOKEN,
+                now.duration_since(prev).as_secs_f64(),
+            );
+        }
+        p.last_token = Some(now);
+        for id in ids {
+            p.generated.push(id);
+            let piece = a.detok.push(&self.tokenizer, id).unwrap_or_default();
+            if piece.is_empty() {
+                continue;
+            }
+            let fed = a.stops.push(&piece);
+            self.emit(job, live, p, fed.text);
+            if fed.stopped {
+                return Some(Next::End(End::Finished(FinishReason::Stop)));
+            }
+        }
+        None
+    }
+
+    /// The worker ended the reply: flush what the detokenizer and stop matcher hold back.
+    fn finished(
+        &self,
+        job: &Job,
+        live: &Live,
+        p: &mut Progress,
+        a: &mut Attempts,
+        lease: &Lease,
+        reason: i32,
+    ) -> Next {
+        let Some(finish) = proto::FinishReason::try_from(reason)
+            .ok()
+            .and_then(|r| FinishReason::try_from(r).ok())
+        else {
+            tracing::error!(worker = %lease.addr(), reason, "unknown finish reason");
+            return Next::End(End::Failed(GenerationError::Internal(format!(
+                "the worker ended the reply with an unknown finish reason ({reason})"
+            ))));
+        };
+        let tail = a.detok.finish(&self.tokenizer).unwrap_or_default();
+        let mut rest = a.stops.push(&tail).text;
+        rest.push_str(&a.stops.flush());
+        self.emit(job, live, p, rest);
+        Next::End(End::Finished(finish))
     }
 
     /// Saves a reply's text in the background, latest first: a slow or unreachable database
@@ -431,39 +381,5 @@ impl Generator {
                 }
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use tonic::Code;
-
-    use super::Fault;
-
-    #[test]
-    fn only_a_lost_worker_fails_over_and_a_full_one_is_busy() {
-        use Code::*;
-        let cases = [
-            (Unavailable, Fault::Failover),
-            (Aborted, Fault::Failover),
-            (Cancelled, Fault::Failover),
-            (DeadlineExceeded, Fault::Failover),
-            (ResourceExhausted, Fault::Busy),
-            (Internal, Fault::Internal),
-            (Unknown, Fault::Internal),
-            (DataLoss, Fault::Internal),
-            (Unimplemented, Fault::Internal),
-            (InvalidArgument, Fault::Refused),
-            (OutOfRange, Fault::Refused),
-            (NotFound, Fault::Refused),
-        ];
-        for (code, fault) in cases {
-            assert_eq!(Fault::of(code as i32), fault, "{code:?}");
-        }
-        assert_eq!(
-            Fault::of(999),
-            Fault::Internal,
-            "an unknown code is not retried"
-        );
     }
 }

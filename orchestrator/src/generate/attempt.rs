@@ -1,0 +1,190 @@
+//! One reply's way through its workers: the state it carries from one worker to the next
+//! (detokenizer, stop matcher, the workers it will not go to again), what a worker's error
+//! means for it, and the request that continues it after the tokens it already has.
+
+use std::time::Duration;
+
+use hearth_shared::chat::{Detokenizer, StopMatcher};
+use hearth_shared::proto;
+use tokio::sync::watch;
+use tokio::time::{Instant, Interval};
+
+use super::{End, GenerationError, Generator, Job, Progress};
+use crate::telemetry;
+
+/// How often a streaming reply's text is saved, and the longest a streaming message goes
+/// without a write (so a reply whose orchestrator died can be told from a slow one).
+const SAVE_EVERY: Duration = Duration::from_secs(1);
+const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
+
+/// Where one worker's stream left the reply.
+pub(super) enum Next {
+    /// The reply ended.
+    End(End),
+    /// The reply goes on with another worker, or with the same one after a preemption.
+    Retry,
+}
+
+/// What a reply carries from one worker to the next.
+pub(super) struct Attempts {
+    pub(super) detok: Detokenizer,
+    pub(super) stops: StopMatcher,
+    /// Workers this reply will not go to again.
+    pub(super) failed: Vec<String>,
+    /// One of `failed` was only full.
+    pub(super) busy: bool,
+    /// The last worker's place went to another user's request (see `Lease::yielded`).
+    pub(super) preempted: bool,
+    pub(super) saver: Option<Saver>,
+    pub(super) tick: Interval,
+}
+
+impl Attempts {
+    pub(super) fn new(job: &Job, gen: &Generator) -> Self {
+        let mut tick = tokio::time::interval(SAVE_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Self {
+            detok: Detokenizer::new(),
+            stops: StopMatcher::new(job.stop.clone()),
+            failed: Vec::new(),
+            busy: false,
+            preempted: false,
+            saver: job.persistence.message_id().map(|id| Saver {
+                tx: gen.progress_saver(id.to_string()),
+                saved_len: 0,
+                saved_at: Instant::now(),
+            }),
+            tick,
+        }
+    }
+
+    /// What a worker's error means for the reply: go on elsewhere, or end it.
+    pub(super) fn fault(&mut self, addr: &str, e: proto::Error, generated: usize) -> Next {
+        match Fault::of(e.code) {
+            Fault::Failover => {
+                tracing::warn!(worker = %addr, error = %e.message, generated, "worker failed mid-request; moving on");
+                metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
+                self.failed.push(addr.to_string());
+                Next::Retry
+            }
+            Fault::Busy => {
+                tracing::debug!(worker = %addr, error = %e.message, "worker full; trying another");
+                self.failed.push(addr.to_string());
+                self.busy = true;
+                Next::Retry
+            }
+            Fault::Refused => Next::End(End::Failed(GenerationError::Refused(e.message))),
+            Fault::Internal => {
+                tracing::error!(worker = %addr, error = %e.message, "the worker could not run the request");
+                Next::End(End::Failed(GenerationError::Internal(
+                    "the worker could not generate this reply".into(),
+                )))
+            }
+        }
+    }
+}
+
+/// Hands a streaming reply's text to the background saver when it changed, or as a heartbeat.
+pub(super) struct Saver {
+    tx: watch::Sender<String>,
+    saved_len: usize,
+    saved_at: Instant,
+}
+
+impl Saver {
+    pub(super) fn save(&mut self, text: &str) {
+        if text.len() != self.saved_len || self.saved_at.elapsed() >= HEARTBEAT_EVERY {
+            self.tx.send_replace(text.to_string());
+            self.saved_len = text.len();
+            self.saved_at = Instant::now();
+        }
+    }
+}
+
+/// The request for the next worker: the prompt plus what was generated so far, and what is
+/// left of the reply's length.
+pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::GenerateRequest {
+    let mut prompt = job.prompt.clone();
+    prompt.extend_from_slice(&p.generated);
+    proto::GenerateRequest {
+        request_id: 0,
+        session_id: job.persistence.session_id().unwrap_or_default().to_string(),
+        user_id: job.user_id.clone(),
+        prompt_token_ids: prompt,
+        sampling: Some((&job.params).into()),
+        max_new_tokens: remaining,
+        stop_token_ids: Vec::new(),
+        ignore_eos: job.ignore_eos,
+        sampled_tokens: p.generated.len() as u32,
+    }
+}
+
+/// What a worker's error means for the reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fault {
+    /// The worker went away, is shutting down, or dropped the request: continue on another.
+    Failover,
+    /// The worker is full: try another, without counting the worker as failed.
+    Busy,
+    /// The request is wrong; another worker would say the same.
+    Refused,
+    /// The worker could not run this request. It is not retried elsewhere: a request that
+    /// breaks one worker must not be handed to every other.
+    Internal,
+}
+
+impl Fault {
+    fn of(code: i32) -> Self {
+        use tonic::Code;
+        match Code::from_i32(code) {
+            Code::Unavailable | Code::Aborted | Code::Cancelled | Code::DeadlineExceeded => {
+                Self::Failover
+            }
+            Code::ResourceExhausted => Self::Busy,
+            Code::InvalidArgument
+            | Code::FailedPrecondition
+            | Code::OutOfRange
+            | Code::NotFound
+            | Code::AlreadyExists
+            | Code::PermissionDenied
+            | Code::Unauthenticated => Self::Refused,
+            Code::Internal | Code::Unknown | Code::Unimplemented | Code::DataLoss | Code::Ok => {
+                Self::Internal
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tonic::Code;
+
+    use super::Fault;
+
+    #[test]
+    fn only_a_lost_worker_fails_over_and_a_full_one_is_busy() {
+        use Code::*;
+        let cases = [
+            (Unavailable, Fault::Failover),
+            (Aborted, Fault::Failover),
+            (Cancelled, Fault::Failover),
+            (DeadlineExceeded, Fault::Failover),
+            (ResourceExhausted, Fault::Busy),
+            (Internal, Fault::Internal),
+            (Unknown, Fault::Internal),
+            (DataLoss, Fault::Internal),
+            (Unimplemented, Fault::Internal),
+            (InvalidArgument, Fault::Refused),
+            (OutOfRange, Fault::Refused),
+            (NotFound, Fault::Refused),
+        ];
+        for (code, fault) in cases {
+            assert_eq!(Fault::of(code as i32), fault, "{code:?}");
+        }
+        assert_eq!(
+            Fault::of(999),
+            Fault::Internal,
+            "an unknown code is not retried"
+        );
+    }
+}
