@@ -230,6 +230,7 @@ impl Config {
         } else {
             Workers::Remote(a.workers.clone())
         };
+        let (pool, limits) = (pool_config(&a)?, chat_limits(&a)?);
         let secs = Duration::from_secs;
         Ok(Self {
             listen: a.listen,
@@ -237,37 +238,8 @@ impl Config {
             workers,
             tokenizer,
             redis_url: a.redis_url,
-            pool: PoolConfig {
-                batch: BatchConfig {
-                    max_batch: at_least("--batch-size", a.batch_size, 1)?,
-                    max_delay: Duration::from_millis(a.batch_delay_ms),
-                },
-                health_interval: Duration::from_millis(at_least(
-                    "--health-interval-ms",
-                    a.health_interval_ms,
-                    10,
-                )?),
-                per_worker_capacity: a.worker_capacity,
-                max_queue: a.max_queue,
-                queue_timeout: secs(a.queue_timeout_secs),
-                stall_timeout: secs(at_least("--stall-timeout-secs", a.stall_timeout_secs, 1)?),
-            },
-            limits: ChatLimits {
-                default_max_tokens: at_least("--default-max-tokens", a.default_max_tokens, 1)?,
-                requests_per_minute: a.requests_per_minute.map(i64::from),
-                tokens_per_day: a.tokens_per_day.map(i64::from),
-                max_sessions_per_user: at_least(
-                    "--max-sessions-per-user",
-                    a.max_sessions_per_user,
-                    1,
-                )?,
-                // A turn stores two messages.
-                max_messages_per_session: at_least(
-                    "--max-messages-per-session",
-                    a.max_messages_per_session,
-                    2,
-                )?,
-            },
+            pool,
+            limits,
             api: ApiOptions {
                 cancel_on_disconnect: a.cancel_on_disconnect,
                 web_dir: a.web_dir,
@@ -284,6 +256,42 @@ impl Config {
             shutdown_timeout: secs(a.shutdown_timeout_secs),
         })
     }
+}
+
+/// Admission, batching and health checks of the worker pool.
+fn pool_config(a: &ServeArgs) -> Result<PoolConfig, ConfigError> {
+    let secs = Duration::from_secs;
+    Ok(PoolConfig {
+        batch: BatchConfig {
+            max_batch: at_least("--batch-size", a.batch_size, 1)?,
+            max_delay: Duration::from_millis(a.batch_delay_ms),
+        },
+        health_interval: Duration::from_millis(at_least(
+            "--health-interval-ms",
+            a.health_interval_ms,
+            10,
+        )?),
+        per_worker_capacity: a.worker_capacity,
+        max_queue: a.max_queue,
+        queue_timeout: secs(a.queue_timeout_secs),
+        stall_timeout: secs(at_least("--stall-timeout-secs", a.stall_timeout_secs, 1)?),
+    })
+}
+
+/// Per-user limits and the defaults of a chat request.
+fn chat_limits(a: &ServeArgs) -> Result<ChatLimits, ConfigError> {
+    Ok(ChatLimits {
+        default_max_tokens: at_least("--default-max-tokens", a.default_max_tokens, 1)?,
+        requests_per_minute: a.requests_per_minute.map(i64::from),
+        tokens_per_day: a.tokens_per_day.map(i64::from),
+        max_sessions_per_user: at_least("--max-sessions-per-user", a.max_sessions_per_user, 1)?,
+        // A turn stores two messages.
+        max_messages_per_session: at_least(
+            "--max-messages-per-session",
+            a.max_messages_per_session,
+            2,
+        )?,
+    })
 }
 
 /// `hearth-worker` next to this executable, else on `PATH`.

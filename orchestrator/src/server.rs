@@ -88,6 +88,97 @@ async fn start_local_worker(w: &config::LocalWorker) -> anyhow::Result<LocalWork
     })
 }
 
+/// With auth off, every request acts as the local user, created on first start.
+async fn auth_mode(arg: AuthArg, store: &dyn Store) -> anyhow::Result<AuthMode> {
+    Ok(match arg {
+        AuthArg::Keys => AuthMode::Keys,
+        AuthArg::None => {
+            let user = match store.user_by_name(LOCAL_USER).await? {
+                Some(u) => u,
+                None => store.create_user(LOCAL_USER).await?,
+            };
+            AuthMode::Disabled(user)
+        }
+    })
+}
+
+/// What replicas share through Redis, or the in-process stand-ins without it.
+struct Shared {
+    limiter: Limiter,
+    affinity: Affinity,
+    stop_bus: Option<StopBus>,
+    /// Listens for stop requests from other replicas.
+    listener: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Shared {
+    async fn connect(redis_url: Option<&str>, streams: &Arc<Streams>) -> anyhow::Result<Self> {
+        let Some(url) = redis_url else {
+            return Ok(Self {
+                limiter: Limiter::local(),
+                affinity: Affinity::local(),
+                stop_bus: None,
+                listener: None,
+            });
+        };
+        let conn = connect_redis(url).await.with_context(|| {
+            format!(
+                "--redis-url {}: cannot connect",
+                crate::config::redact_url(url)
+            )
+        })?;
+        let bus = StopBus::new(conn.clone(), url.to_string());
+        let listener = bus.clone().listen(streams.clone());
+        Ok(Self {
+            limiter: Limiter::redis(conn.clone()),
+            affinity: Affinity::shared(conn),
+            stop_bus: Some(bus),
+            listener: Some(listener),
+        })
+    }
+}
+
+/// Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
+/// Only stale ones: another replica's live replies are saved at least every few seconds.
+fn spawn_orphan_sweep(
+    store: Arc<dyn Store>,
+    orphan_after: Duration,
+) -> tokio::task::JoinHandle<()> {
+    let mut sweep = OrphanSweep::new(orphan_after);
+    tokio::spawn(async move {
+        loop {
+            sweep.run(&store).await;
+            tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
+        }
+    })
+}
+
+/// Connects the configured workers, or starts the quick start's local one and waits until it
+/// has loaded its model: the quick start answers its first request only then.
+async fn start_workers(
+    config: &Config,
+    affinity: Affinity,
+) -> anyhow::Result<(Arc<WorkerPool>, Option<LocalWorker>)> {
+    let (workers, mut local) = match &config.workers {
+        Workers::Remote(addrs) => (addrs.clone(), None),
+        Workers::Local(w) => {
+            eprintln!("hearth: starting a local worker (loading the model)…");
+            let w = start_local_worker(w).await?;
+            (vec![w.addr.clone()], Some(w))
+        }
+    };
+    let pool = WorkerPool::start(&workers, affinity, config.pool.clone());
+    if let Some(w) = &mut local {
+        while pool.ready_count() == 0 {
+            if let Ok(Some(status)) = w.child.try_wait() {
+                bail!("the local worker exited ({status}); its error is above");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    Ok((pool, local))
+}
+
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(config: Config, store: Arc<dyn Store>) -> anyhow::Result<()> {
     let app = App::bind(config, store).await?;
@@ -117,85 +208,22 @@ impl App {
         // The recorder first: the worker pool records `hearth_workers_ready` only when readiness
         // changes, and a change recorded before the recorder exists would be lost for good.
         let metrics = crate::telemetry::handle();
-        let auth = match config.auth {
-            AuthArg::Keys => AuthMode::Keys,
-            AuthArg::None => {
-                let user = match store.user_by_name(LOCAL_USER).await? {
-                    Some(u) => u,
-                    None => store.create_user(LOCAL_USER).await?,
-                };
-                AuthMode::Disabled(user)
-            }
-        };
+        let auth = auth_mode(config.auth, store.as_ref()).await?;
         let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&config.tokenizer)
             .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
-
         let streams = Arc::new(Streams::default());
-        let (limiter, affinity, stop_bus, listener_task) = match &config.redis_url {
-            Some(url) => {
-                let conn = connect_redis(url).await.with_context(|| {
-                    format!(
-                        "--redis-url {}: cannot connect",
-                        crate::config::redact_url(url)
-                    )
-                })?;
-                let bus = StopBus::new(conn.clone(), url.clone());
-                let task = bus.clone().listen(streams.clone());
-                (
-                    Limiter::redis(conn.clone()),
-                    Affinity::shared(conn),
-                    Some(bus),
-                    Some(task),
-                )
-            }
-            None => (Limiter::local(), Affinity::local(), None, None),
-        };
-
-        // Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
-        // Only stale ones: another replica's live replies are saved at least every few seconds.
-        let orphan_after = config.orphan_after;
-        let sweeper = tokio::spawn({
-            let store = store.clone();
-            let mut sweep = OrphanSweep::new(orphan_after);
-            async move {
-                loop {
-                    sweep.run(&store).await;
-                    tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
-                }
-            }
-        });
-
+        let shared = Shared::connect(config.redis_url.as_deref(), &streams).await?;
+        let sweeper = spawn_orphan_sweep(store.clone(), config.orphan_after);
         let database_check = crate::telemetry::database_check_task(store.clone());
-
-        let (workers, mut local) = match &config.workers {
-            Workers::Remote(addrs) => (addrs.clone(), None),
-            Workers::Local(w) => {
-                eprintln!("hearth: starting a local worker (loading the model)…");
-                let w = start_local_worker(w).await?;
-                (vec![w.addr.clone()], Some(w))
-            }
-        };
-        let pool = WorkerPool::start(&workers, affinity, config.pool.clone());
-        if let Some(w) = &mut local {
-            // The quick start answers its first request only once the model is loaded.
-            loop {
-                if pool.ready_count() > 0 {
-                    break;
-                }
-                if let Ok(Some(status)) = w.child.try_wait() {
-                    bail!("the local worker exited ({status}); its error is above");
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-        }
+        let (pool, local) = start_workers(&config, shared.affinity).await?;
 
         let chat = Arc::new(ChatService::new(ServiceParts {
             store: store.clone(),
             pool,
             tokenizer: Arc::new(tokenizer),
-            limiter,
+            limiter: shared.limiter,
             streams: streams.clone(),
-            stop_bus,
+            stop_bus: shared.stop_bus,
             limits: config.limits.clone(),
         }));
         let state = AppState {
@@ -207,7 +235,7 @@ impl App {
         let listener = bind(config.listen)
             .with_context(|| format!("--listen {}: cannot bind", config.listen))?;
         let mut tasks = vec![sweeper, database_check];
-        tasks.extend(listener_task);
+        tasks.extend(shared.listener);
         Ok(Self {
             state,
             listener,

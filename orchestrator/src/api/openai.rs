@@ -251,50 +251,65 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let turn = req.turn()?;
     let live = s.chat.complete(&caller, turn).await?;
-    let model = s.chat.model_name();
-    let id = format!("chatcmpl-{}", uuid::Uuid::new_v4().simple());
-    let created = crate::storage::now_ms() / 1000;
+    let head = Head {
+        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: crate::storage::now_ms() / 1000,
+        model: s.chat.model_name(),
+    };
     // Dropping this (the client went away) stops the generation.
     let guard = StopOnDrop(live.clone());
-    if !req.stream {
-        let outcome = live
-            .outcome()
-            .await
-            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
-        drop(guard);
-        let reason = outcome
-            .end
-            .openai_finish_reason()
-            .map_err(|e| ApiError::from(e.clone()))?;
-        return Ok(Json(ChatCompletion {
-            id,
-            object: "chat.completion".into(),
-            created,
-            model,
-            choices: vec![CompletionChoice {
-                index: 0,
-                message: AssistantMessage {
-                    role: "assistant".into(),
-                    content: outcome.content.clone(),
-                },
-                logprobs: None,
-                finish_reason: reason.into(),
-            }],
-            usage: Usage::of(&outcome),
-        })
-        .into_response());
+    if req.stream {
+        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+        return Ok(streamed(head, guard, include_usage));
     }
-    let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
+    let outcome = live
+        .outcome()
+        .await
+        .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+    drop(guard);
+    let reason = outcome
+        .end
+        .openai_finish_reason()
+        .map_err(|e| ApiError::from(e.clone()))?;
+    Ok(Json(ChatCompletion {
+        id: head.id,
+        object: "chat.completion".into(),
+        created: head.created,
+        model: head.model,
+        choices: vec![CompletionChoice {
+            index: 0,
+            message: AssistantMessage {
+                role: "assistant".into(),
+                content: outcome.content.clone(),
+            },
+            logprobs: None,
+            finish_reason: reason.into(),
+        }],
+        usage: Usage::of(&outcome),
+    })
+    .into_response())
+}
+
+/// What every object of one completion repeats.
+struct Head {
+    id: String,
+    created: i64,
+    model: String,
+}
+
+/// The completion as `chat.completion.chunk` events, then `[DONE]`.
+fn streamed(head: Head, guard: StopOnDrop, include_usage: bool) -> Response {
     let chunk = move |delta: Value, finish: Value| {
         json!({
-            "id": id,
+            "id": head.id,
             "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
+            "created": head.created,
+            "model": head.model,
             "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
         })
     };
     let events = async_stream::stream! {
+        let live = guard.0.clone();
         let _guard = guard;
         let mut events = std::pin::pin!(live.subscribe(0));
         while let Some((_, e)) = events.next().await {
@@ -324,7 +339,7 @@ pub async fn completions(
             }
         }
     };
-    Ok(sse(events))
+    sse(events)
 }
 
 fn data(v: Value) -> Result<Event, Infallible> {

@@ -299,29 +299,7 @@ impl ChatService {
             .pool
             .admit(user_id, Some(session_id), &[])
             .await?;
-        let (user_message_id, message_id) = match store {
-            StoreTurn::Post(content) => {
-                let t = self.store.begin_turn(user_id, session_id, &content).await?;
-                (Some(t.user.id), t.assistant.id)
-            }
-            StoreTurn::Regenerate { from, asked } => {
-                let reply = self
-                    .store
-                    .begin_regenerate(user_id, session_id, from)
-                    .await?;
-                (asked, reply.id)
-            }
-            StoreTurn::Edit {
-                message_id,
-                content,
-            } => {
-                let t = self
-                    .store
-                    .begin_edit(user_id, session_id, &message_id, &content)
-                    .await?;
-                (Some(t.user.id), t.assistant.id)
-            }
-        };
+        let (user_message_id, message_id) = self.store_turn(user_id, session_id, store).await?;
         let live = Live::new(TurnIds {
             session_id: session_id.to_string(),
             user_message_id,
@@ -357,6 +335,39 @@ impl ChatService {
             g.streams.expire_later(running);
         });
         Ok(live)
+    }
+
+    /// Stores a turn the way its kind asks: the user's message and an empty reply, or a new
+    /// reply only. Returns the ids of the user's message (if the turn has one) and of the reply.
+    async fn store_turn(
+        &self,
+        user_id: &str,
+        session_id: &SessionId,
+        turn: StoreTurn,
+    ) -> Result<(Option<String>, String), ChatError> {
+        Ok(match turn {
+            StoreTurn::Post(content) => {
+                let t = self.store.begin_turn(user_id, session_id, &content).await?;
+                (Some(t.user.id), t.assistant.id)
+            }
+            StoreTurn::Regenerate { from, asked } => {
+                let reply = self
+                    .store
+                    .begin_regenerate(user_id, session_id, from)
+                    .await?;
+                (asked, reply.id)
+            }
+            StoreTurn::Edit {
+                message_id,
+                content,
+            } => {
+                let t = self
+                    .store
+                    .begin_edit(user_id, session_id, &message_id, &content)
+                    .await?;
+                (Some(t.user.id), t.assistant.id)
+            }
+        })
     }
 
     /// Starts a stateless completion of a whole conversation (OpenAI's API): nothing is
