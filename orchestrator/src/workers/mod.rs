@@ -3,8 +3,15 @@
 //! [`pool::WorkerPool`] keeps every worker's health and chooses one for each request
 //! (session affinity, least loaded, bounded admission).
 
+mod affinity;
 pub mod connection;
+mod fair;
+mod health;
+mod lease;
 pub mod pool;
 
+pub use affinity::{prefix_keys, Affinity};
 pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError};
-pub use pool::{prefix_keys, Affinity, Lease, PoolConfig, PoolError, WorkerPool, WorkerStatus};
+pub use health::WorkerStatus;
+pub use lease::Lease;
+pub use pool::{PoolConfig, PoolError, WorkerPool};

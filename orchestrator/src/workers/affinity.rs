@@ -1,0 +1,143 @@
+//! Where sessions' KV caches and conversations' prefixes live: a session goes back to the worker
+//! that holds its KV cache, and a stateless request to the worker that served the longest of its
+//! leading token runs (see [`prefix_keys`]: it likely holds that prefix in its prefix cache).
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+/// Where sessions' caches live: in this process, and shared through Redis when there is one.
+/// The local map is written either way, so while Redis is down this replica still sends the
+/// sessions it routed itself back to their caches (it learns nothing from other replicas then).
+#[derive(Debug, Default)]
+pub struct Affinity {
+    local: Mutex<HashMap<String, String>>,
+    redis: Option<crate::limits::Redis>,
+}
+
+const AFFINITY_TTL_SECS: u64 = 86_400;
+
+/// Tokens in the shortest prefix routed by affinity: one KV block of the worker.
+const PREFIX_UNIT: usize = 16;
+
+/// Affinity keys of a stateless prompt: a hash of each of its leading runs of 16, 32, 64, …
+/// tokens (short of its last token, which a worker always computes), shortest first. A
+/// conversation resent with one more turn shares its earlier keys; prompts with a common
+/// system prompt share the keys that fall inside it.
+pub fn prefix_keys(prompt: &[u32]) -> Vec<String> {
+    use std::hash::{Hash, Hasher};
+    let mut keys = Vec::new();
+    let mut len = PREFIX_UNIT;
+    while len < prompt.len() {
+        // The same key in every orchestrator replica: DefaultHasher::new() has fixed keys.
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        prompt[..len].hash(&mut h);
+        keys.push(format!("prefix:{len}:{:016x}", h.finish()));
+        len *= 2;
+    }
+    keys
+}
+
+impl Affinity {
+    /// Remembered in this process only.
+    pub fn local() -> Self {
+        Self::default()
+    }
+
+    /// Shared through Redis, with this process's own memory when Redis cannot be reached.
+    pub fn shared(redis: crate::limits::Redis) -> Self {
+        Self {
+            local: Mutex::default(),
+            redis: Some(redis),
+        }
+    }
+
+    fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.local.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The worker of the last of `keys` that has one.
+    pub(super) async fn get_last(&self, keys: &[String]) -> Option<String> {
+        if let (Some(c), false) = (&self.redis, keys.is_empty()) {
+            let mut get = redis::cmd("MGET");
+            for k in keys {
+                get.arg(format!("hearth:affinity:{k}"));
+            }
+            if let Some(found) = c
+                .cmd::<Vec<Option<String>>>(&get, "prefix affinity unknown")
+                .await
+            {
+                return found.into_iter().rev().flatten().next();
+            }
+        }
+        let m = self.remembered();
+        keys.iter().rev().find_map(|k| m.get(k).cloned())
+    }
+
+    pub(super) async fn get(&self, session: &str) -> Option<String> {
+        if let Some(c) = &self.redis {
+            let get = redis::cmd("GET")
+                .arg(format!("hearth:affinity:{session}"))
+                .clone();
+            if let Some(found) = c
+                .cmd::<Option<String>>(&get, "session affinity unknown")
+                .await
+            {
+                return found;
+            }
+        }
+        self.remembered().get(session).cloned()
+    }
+
+    pub(super) async fn set(&self, session: &str, addr: &str) {
+        {
+            let mut m = self.remembered();
+            if m.len() > 100_000 {
+                m.clear();
+            }
+            m.insert(session.to_string(), addr.to_string());
+        }
+        if let Some(c) = &self.redis {
+            let set = redis::cmd("SET")
+                .arg(format!("hearth:affinity:{session}"))
+                .arg(addr)
+                .arg("EX")
+                .arg(AFFINITY_TTL_SECS)
+                .clone();
+            c.cmd::<()>(&set, "session affinity not saved").await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_keys_grow_by_doubling_and_a_longer_conversation_shares_them() {
+        let turn1: Vec<u32> = (0..40).collect();
+        let mut turn2 = turn1.clone();
+        turn2.extend(100..200);
+        let (k1, k2) = (prefix_keys(&turn1), prefix_keys(&turn2));
+        // 16 and 32 tokens fit before turn 1's last token; 64 and 128 also in turn 2's.
+        assert_eq!(k1.len(), 2);
+        assert_eq!(k2.len(), 4);
+        assert_eq!(k2[..2], k1[..]);
+        let mut other = turn1.clone();
+        other[20] = 999;
+        let k3 = prefix_keys(&other);
+        assert_eq!(k3[0], k1[0], "the first 16 tokens are the same");
+        assert_ne!(k3[1], k1[1]);
+        assert!(prefix_keys(&turn1[..16]).is_empty());
+    }
+
+    #[tokio::test]
+    async fn the_longest_known_prefix_key_wins() {
+        let a = Affinity::local();
+        let keys = prefix_keys(&(0..100).collect::<Vec<u32>>());
+        assert_eq!(a.get_last(&keys).await, None);
+        a.set(&keys[0], "w1").await;
+        a.set(&keys[2], "w2").await;
+        assert_eq!(a.get_last(&keys).await.as_deref(), Some("w2"));
+        assert_eq!(a.get_last(&keys[..2]).await.as_deref(), Some("w1"));
+    }
+}

@@ -1,0 +1,420 @@
+//! The fair queue of the worker pool, and preemption.
+//!
+//! Each worker takes at most `capacity` requests at a time from this orchestrator; when every
+//! worker is full, requests wait in a bounded queue (`max_queue`, `queue_timeout`) and are then
+//! refused, never piled up.
+//!
+//! The queue is fair between users: room that frees up goes to the waiting request whose user
+//! holds the fewest workers' places, and among equals to the one that came first, so one user
+//! with many requests in flight cannot keep another waiting behind them. When the queue is
+//! full, a user with fewer waiting requests than the user with the most takes that user's
+//! newest place (that request is refused as if the queue had been full for it), so the queue
+//! too is shared rather than taken by whoever filled it first.
+//!
+//! Fair order alone still leaves a user who holds no place waiting for one of another user's
+//! replies to end, which can take as long as a reply. So a request whose user holds no place,
+//! finding every worker full, asks the user holding the most places (at least two) to give up
+//! their newest: that reply's [`Lease::yielded`] resolves, and its generation lets the place go
+//! and queues again ahead of its user's other requests, continuing where it stopped like a
+//! failover (`hearth_fair_share_preemptions_total` counts them). A user is never preempted down to nothing.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use super::pool::{Pick, PoolError, WorkerPool};
+use super::Lease;
+use crate::telemetry;
+
+/// The queue and the places each user holds, which order it.
+#[derive(Debug, Default)]
+pub(super) struct Fair {
+    next_ticket: u64,
+    waiting: Vec<Waiter>,
+    /// Workers' places (leases) held per user.
+    pub(super) held: HashMap<String, usize>,
+    pub(super) next_lease: u64,
+    /// Every place held, oldest first.
+    pub(super) leases: Vec<Held>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    ticket: u64,
+    user: String,
+    preferred: Option<String>,
+    exclude: Vec<String>,
+    /// A preempted reply waiting to continue: it goes before its user's new requests, and
+    /// neither the queue's bound nor its timeout applies to it.
+    resumed: bool,
+}
+
+/// A place held, as the queue sees it.
+#[derive(Debug)]
+pub(super) struct Held {
+    pub(super) id: u64,
+    pub(super) user: String,
+    pub(super) addr: String,
+    /// Asked to give the place up.
+    pub(super) yielding: bool,
+    pub(super) signal: Arc<Notify>,
+}
+
+/// Queue order: fewest places held by the user, then a preempted reply before new requests,
+/// then arrival.
+pub(super) type Rank = (usize, bool, u64);
+
+impl Fair {
+    pub(super) fn rank(&self, user: &str, resumed: bool, ticket: u64) -> Rank {
+        (self.held.get(user).copied().unwrap_or(0), !resumed, ticket)
+    }
+}
+
+/// One place in the bounded queue, held while a request waits for room.
+struct QueuePlace<'a> {
+    pool: &'a WorkerPool,
+    ticket: u64,
+}
+
+impl<'a> QueuePlace<'a> {
+    /// A place for `user`'s request, if the queue has one or `user` may take one from the
+    /// user with the most waiting requests.
+    fn take(
+        pool: &'a WorkerPool,
+        user: &str,
+        preferred: Option<&str>,
+        exclude: &[String],
+        resumed: bool,
+    ) -> Option<Self> {
+        let mut fair = pool.fair();
+        if !resumed && fair.waiting.len() >= pool.config.max_queue {
+            let mut counts: HashMap<&str, usize> = HashMap::new();
+            for w in fair.waiting.iter().filter(|w| !w.resumed) {
+                *counts.entry(w.user.as_str()).or_default() += 1;
+            }
+            let mine = counts.get(user).copied().unwrap_or(0);
+            let (most, theirs) = counts
+                .into_iter()
+                .max_by_key(|&(u, n)| (n, std::cmp::Reverse(u)))?;
+            if mine + 1 >= theirs {
+                return None;
+            }
+            let most = most.to_string();
+            let newest = fair
+                .waiting
+                .iter()
+                .rposition(|w| w.user == most && !w.resumed)
+                .expect("the user with the most waiting requests has one");
+            fair.waiting.remove(newest);
+            metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
+            // The request that lost its place learns it when it next looks.
+            pool.room.notify_waiters();
+        }
+        let ticket = fair.next_ticket;
+        fair.next_ticket += 1;
+        fair.waiting.push(Waiter {
+            ticket,
+            user: user.to_string(),
+            preferred: preferred.map(str::to_string),
+            exclude: exclude.to_vec(),
+            resumed,
+        });
+        metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
+        Some(Self { pool, ticket })
+    }
+}
+
+impl Drop for QueuePlace<'_> {
+    fn drop(&mut self) {
+        let mut fair = self.pool.fair();
+        if let Some(i) = fair.waiting.iter().position(|w| w.ticket == self.ticket) {
+            fair.waiting.remove(i);
+            metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
+            drop(fair);
+            // Whoever it kept waiting may go now.
+            self.pool.room.notify_waiters();
+        }
+    }
+}
+
+/// Where a request stands in the queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// No request ranked before it could take a place now.
+    Next,
+    /// One ranked before it could, and goes first.
+    Behind,
+    /// A request of a user with fewer waiting took its place.
+    Bumped,
+}
+
+impl WorkerPool {
+    pub(super) async fn wait_for_room(
+        self: &Arc<Self>,
+        user: &str,
+        preferred: Option<&str>,
+        exclude: &[String],
+        resumed: bool,
+    ) -> Result<Lease, PoolError> {
+        // The place in the queue is given back when this future ends in any way, including
+        // being dropped while it waits (a client that goes away, a stop).
+        let Some(place) = QueuePlace::take(self, user, preferred, exclude, resumed) else {
+            return Err(PoolError::Full);
+        };
+        let deadline = Instant::now() + self.config.queue_timeout;
+        loop {
+            let notified = self.room.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            match self.turn(place.ticket) {
+                Turn::Bumped => return Err(PoolError::Full),
+                Turn::Behind => {}
+                Turn::Next => match self.pick(user, preferred, exclude) {
+                    Pick::Got(l) => return Ok(l),
+                    Pick::NoneReady => return Err(PoolError::NoWorker),
+                    Pick::Full => self.preempt_for(user, exclude),
+                },
+            }
+            if resumed {
+                notified.await;
+            } else if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(PoolError::Full);
+            }
+        }
+    }
+
+    /// When `user` holds no place and waits with every worker full, asks the user with the
+    /// most places (at least two, not counting those already asked) to give their newest up,
+    /// on a worker `user` may use. One place is asked for each waiting user who holds none,
+    /// and the freed place goes to the first of them in queue order.
+    fn preempt_for(&self, user: &str, exclude: &[String]) {
+        let mut fair = self.fair();
+        if fair.held.contains_key(user) {
+            return;
+        }
+        let starving: std::collections::HashSet<&str> = fair
+            .waiting
+            .iter()
+            .filter(|w| !w.resumed && !fair.held.contains_key(&w.user))
+            .map(|w| w.user.as_str())
+            .collect();
+        let asked = fair.leases.iter().filter(|l| l.yielding).count();
+        if starving.len() <= asked {
+            return;
+        }
+        let mut keeps: HashMap<&str, usize> = HashMap::new();
+        for l in fair.leases.iter().filter(|l| !l.yielding) {
+            *keeps.entry(l.user.as_str()).or_default() += 1;
+        }
+        let Some((victim, n)) = keeps
+            .into_iter()
+            .filter(|&(u, _)| u != user)
+            .max_by_key(|&(u, n)| (n, std::cmp::Reverse(u)))
+        else {
+            return;
+        };
+        if n < 2 {
+            return;
+        }
+        let victim = victim.to_string();
+        let newest = fair
+            .leases
+            .iter_mut()
+            .rev()
+            .find(|l| l.user == victim && !l.yielding && !exclude.contains(&l.addr));
+        if let Some(l) = newest {
+            l.yielding = true;
+            l.signal.notify_one();
+            metrics::counter!(telemetry::PREEMPTIONS).increment(1);
+        }
+    }
+
+    pub(super) fn fair(&self) -> std::sync::MutexGuard<'_, Fair> {
+        self.fair.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether a waiting request ranked before `rank` could take a worker's place now.
+    pub(super) fn someone_ahead(&self, fair: &Fair, rank: Rank) -> bool {
+        // Most waiting requests ask for the same workers: try each distinct ask once.
+        let mut asked: Vec<(Option<&str>, &[String], bool)> = Vec::new();
+        fair.waiting
+            .iter()
+            .filter(|w| fair.rank(&w.user, w.resumed, w.ticket) < rank)
+            .any(|w| {
+                let ask = (w.preferred.as_deref(), w.exclude.as_slice());
+                if let Some(&(_, _, able)) = asked.iter().find(|a| (a.0, a.1) == ask) {
+                    return able;
+                }
+                let able = self.choose(ask.0, ask.1).is_ok();
+                asked.push((ask.0, ask.1, able));
+                able
+            })
+    }
+
+    fn turn(&self, ticket: u64) -> Turn {
+        let fair = self.fair();
+        let Some(me) = fair.waiting.iter().find(|w| w.ticket == ticket) else {
+            return Turn::Bumped;
+        };
+        let mine = fair.rank(&me.user, me.resumed, me.ticket);
+        if self.someone_ahead(&fair, mine) {
+            Turn::Behind
+        } else {
+            Turn::Next
+        }
+    }
+
+    /// Requests waiting for room now.
+    pub fn queued(&self) -> usize {
+        self.fair().waiting.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::workers::{Affinity, PoolConfig};
+
+    fn pool(max_queue: usize) -> Arc<WorkerPool> {
+        WorkerPool::start(
+            &[],
+            Affinity::local(),
+            PoolConfig {
+                max_queue,
+                ..PoolConfig::default()
+            },
+        )
+    }
+
+    fn users(pool: &WorkerPool) -> Vec<String> {
+        pool.fair().waiting.iter().map(|w| w.user.clone()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_is_shared_a_user_with_fewer_waiting_takes_the_newest_place_of_the_most() {
+        let p = pool(4);
+        let alice: Vec<_> = (0..4)
+            .map(|_| QueuePlace::take(&p, "alice", None, &[], false).expect("room"))
+            .collect();
+        assert!(
+            QueuePlace::take(&p, "alice", None, &[], false).is_none(),
+            "full"
+        );
+        let bob1 = QueuePlace::take(&p, "bob", None, &[], false).expect("bob takes a place");
+        assert_eq!(users(&p), ["alice", "alice", "alice", "bob"]);
+        assert_eq!(
+            p.turn(alice[3].ticket),
+            Turn::Bumped,
+            "alice's newest lost it"
+        );
+        assert_eq!(p.turn(alice[0].ticket), Turn::Next);
+        let bob2 = QueuePlace::take(&p, "bob", None, &[], false).expect("bob again");
+        assert_eq!(p.turn(alice[2].ticket), Turn::Bumped);
+        // Two each: nobody takes from anybody any more.
+        assert!(QueuePlace::take(&p, "bob", None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, "alice", None, &[], false).is_none());
+        assert_eq!(p.queued(), 4);
+        // A bumped place that is dropped gives nothing back twice; a real one frees a place.
+        drop(alice);
+        assert_eq!(users(&p), ["bob", "bob"]);
+        drop((bob1, bob2));
+        assert_eq!(p.queued(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_queue_ranks_users_by_the_places_they_hold_then_by_arrival() {
+        let p = pool(8);
+        let a1 = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        let b1 = QueuePlace::take(&p, "bob", None, &[], false).expect("room");
+        let mut fair = p.fair();
+        assert!(fair.rank("alice", false, a1.ticket) < fair.rank("bob", false, b1.ticket));
+        // Alice holds two workers' places, Bob none: Bob goes first although he came later.
+        fair.held.insert("alice".to_string(), 2);
+        assert!(fair.rank("bob", false, b1.ticket) < fair.rank("alice", false, a1.ticket));
+        drop(fair);
+        // With no worker ready, nobody can take a place, so nobody stands in anyone's way.
+        assert_eq!(p.turn(a1.ticket), Turn::Next);
+        assert_eq!(p.turn(b1.ticket), Turn::Next);
+    }
+
+    /// Gives `user` a place on `addr` as the queue sees it, with the signal that asks it back.
+    fn hold(p: &WorkerPool, user: &str, addr: &str) -> Arc<Notify> {
+        let mut fair = p.fair();
+        *fair.held.entry(user.to_string()).or_default() += 1;
+        let id = fair.next_lease;
+        fair.next_lease += 1;
+        let signal = Arc::new(Notify::new());
+        fair.leases.push(Held {
+            id,
+            user: user.to_string(),
+            addr: addr.to_string(),
+            yielding: false,
+            signal: signal.clone(),
+        });
+        signal
+    }
+
+    async fn asked(signal: &Notify) -> bool {
+        tokio::time::timeout(Duration::from_millis(20), signal.notified())
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_user_without_a_place_gets_one_from_the_user_with_the_most() {
+        let p = pool(8);
+        let alice: Vec<_> = (0..3).map(|_| hold(&p, "alice", "w1")).collect();
+        let dave = hold(&p, "dave", "w1");
+        // Alice waits too, but she holds places: she asks nobody for one.
+        let _a = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        p.preempt_for("alice", &[]);
+        assert!(!asked(&alice[2]).await);
+        // Bob holds none: alice's newest place is asked back, once.
+        let _b = QueuePlace::take(&p, "bob", None, &[], false).expect("room");
+        p.preempt_for("bob", &[]);
+        p.preempt_for("bob", &[]);
+        assert!(asked(&alice[2]).await, "alice's newest place");
+        assert!(!asked(&alice[1]).await && !asked(&alice[0]).await);
+        // Carol holds none either: one more of alice's. Not dave's: he holds only one.
+        let _c = QueuePlace::take(&p, "carol", None, &[], false).expect("room");
+        p.preempt_for("carol", &[]);
+        assert!(asked(&alice[1]).await);
+        // Erin, a third: alice keeps her last place and dave his only one.
+        let _e = QueuePlace::take(&p, "erin", None, &[], false).expect("room");
+        p.preempt_for("erin", &[]);
+        assert!(!asked(&alice[0]).await && !asked(&dave).await);
+        assert_eq!(p.fair().leases.iter().filter(|l| l.yielding).count(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_place_on_a_worker_the_waiter_cannot_use_is_not_asked_for() {
+        let p = pool(8);
+        let on_w2 = hold(&p, "alice", "w2");
+        let on_w1 = hold(&p, "alice", "w1");
+        let _b = QueuePlace::take(&p, "bob", None, &["w1".to_string()], false).expect("room");
+        p.preempt_for("bob", &["w1".to_string()]);
+        assert!(!asked(&on_w1).await, "bob's reply just failed on w1");
+        assert!(asked(&on_w2).await);
+    }
+
+    #[tokio::test]
+    async fn a_preempted_reply_waits_before_its_users_new_requests_and_past_a_full_queue() {
+        let p = pool(1);
+        hold(&p, "alice", "w1");
+        let new = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        assert!(
+            QueuePlace::take(&p, "alice", None, &[], false).is_none(),
+            "full"
+        );
+        let resumed = QueuePlace::take(&p, "alice", None, &[], true).expect("not bounded");
+        let fair = p.fair();
+        assert!(
+            fair.rank("alice", true, resumed.ticket) < fair.rank("alice", false, new.ticket),
+            "the preempted reply goes first"
+        );
+    }
+}

@@ -1,0 +1,177 @@
+//! Each worker as the pool knows it, and the poller that keeps it current: it calls `Health`
+//! every `health_interval`, fetches `Info` once, and (re)opens the batched `Generate`
+//! connection. A worker is *ready* when its last health check said so and its connection is
+//! open; a connection that breaks makes it unready at once. A worker that fails its checks for
+//! `stall_timeout` with requests in flight has them failed over.
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hearth_shared::proto::{self, worker_client::WorkerClient};
+use tokio::time::Instant;
+
+use super::connection::{BatchConfig, WorkerConnection};
+use super::pool::WorkerPool;
+use crate::telemetry;
+
+#[derive(Debug, Default)]
+pub(super) struct SlotState {
+    pub(super) ready: bool,
+    pub(super) info: Option<proto::InfoResponse>,
+    pub(super) conn: Option<Arc<WorkerConnection>>,
+    /// The connection a failing health check took out of service, and since when: requests on
+    /// it may still finish if the worker recovers, or are failed over after `stall_timeout`.
+    pub(super) suspect: Option<(Instant, Arc<WorkerConnection>)>,
+}
+
+/// A worker as `/readyz` shows it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WorkerStatus {
+    pub name: String,
+    pub ready: bool,
+    pub in_flight: usize,
+}
+
+#[derive(Debug)]
+pub struct WorkerSlot {
+    pub addr: String,
+    /// What clients and stored messages see instead of the address: `worker-<n>`, its place
+    /// in the `--worker` list (the same in every replica started with the same list).
+    pub name: String,
+    pub(super) state: Mutex<SlotState>,
+    pub(super) in_flight: AtomicUsize,
+    /// For unary calls (`DropSession`); set by the poller.
+    pub(super) client: std::sync::OnceLock<WorkerClient<tonic::transport::Channel>>,
+}
+
+impl WorkerSlot {
+    pub(super) fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(super) fn conn(&self) -> Option<Arc<WorkerConnection>> {
+        let s = self.state();
+        s.conn.clone().filter(|c| s.ready && c.is_open())
+    }
+
+    pub(super) fn capacity(&self, configured: usize) -> usize {
+        if configured > 0 {
+            return configured;
+        }
+        self.state()
+            .info
+            .as_ref()
+            .map_or(1, |i| (i.max_batch + i.max_waiting).max(1) as usize)
+    }
+
+    pub(super) fn batch(&self) -> usize {
+        self.state()
+            .info
+            .as_ref()
+            .map_or(1, |i| i.max_batch.max(1) as usize)
+    }
+}
+
+/// Keeps one worker's health, info and connection current while the pool exists.
+pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
+    let endpoint = match tonic::transport::Endpoint::from_shared(format!("http://{}", slot.addr)) {
+        Ok(e) => e
+            .connect_timeout(Duration::from_secs(1))
+            .timeout(Duration::from_secs(2)),
+        Err(e) => {
+            tracing::error!(worker = %slot.addr, error = %e, "not a worker address");
+            return;
+        }
+    };
+    let mut client = WorkerClient::new(endpoint.connect_lazy());
+    let _ = slot.client.set(client.clone());
+    loop {
+        let Some(p) = pool.upgrade() else { return };
+        let interval = p.config.health_interval;
+        let was_ready = slot.conn().is_some();
+        let outcome = check(&mut client, &slot, p.config.batch)
+            .await
+            .and_then(|h| {
+                if h.engine_stalled {
+                    // Alive but stuck: its replies will not move, so it counts as failing.
+                    Err("the worker's engine has not finished a step with work waiting".to_string())
+                } else {
+                    Ok(h.ready)
+                }
+            });
+        {
+            let mut st = slot.state();
+            match outcome {
+                Ok(ready) => {
+                    st.ready = ready;
+                    // It answers again: what still runs on the old connection may finish.
+                    st.suspect = None;
+                }
+                Err(e) => {
+                    if st.ready {
+                        tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
+                    } else {
+                        tracing::debug!(worker = %slot.addr, error = %e, "worker unavailable");
+                    }
+                    st.ready = false;
+                    if let Some(conn) = st.conn.take().filter(|c| c.is_open()) {
+                        st.suspect.get_or_insert((Instant::now(), conn));
+                    }
+                    let stalled = st
+                        .suspect
+                        .as_ref()
+                        .is_some_and(|(since, _)| since.elapsed() >= p.config.stall_timeout);
+                    if stalled {
+                        if let Some((since, conn)) = st.suspect.take() {
+                            tracing::warn!(worker = %slot.addr, silent_s = since.elapsed().as_secs_f64(), "worker stalled; failing its replies over");
+                            conn.abort(format!(
+                                "the worker has not answered health checks for {} s",
+                                since.elapsed().as_secs()
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        let ready_now = slot.conn().is_some();
+        if ready_now != was_ready {
+            if ready_now {
+                tracing::info!(worker = %slot.addr, "worker ready");
+            }
+            metrics::gauge!(telemetry::WORKERS_READY).set(p.ready_count() as f64);
+            p.room.notify_waiters();
+        }
+        drop(p);
+        tokio::time::sleep(interval).await;
+    }
+}
+
+/// One health round: `Health`, `Info` the first time, and an open connection.
+async fn check(
+    client: &mut WorkerClient<tonic::transport::Channel>,
+    slot: &WorkerSlot,
+    batch: BatchConfig,
+) -> Result<proto::HealthResponse, String> {
+    let health = client
+        .health(proto::HealthRequest {})
+        .await
+        .map_err(|s| format!("health check failed: {}", s.message()))?
+        .into_inner();
+    if slot.state().info.is_none() {
+        let info = client
+            .info(proto::InfoRequest {})
+            .await
+            .map_err(|s| format!("info failed: {}", s.message()))?
+            .into_inner();
+        slot.state().info = Some(info);
+    }
+    let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
+    if !open && health.ready && !health.engine_stalled {
+        let conn = WorkerConnection::connect(&slot.addr, batch)
+            .await
+            .map_err(|e| e.to_string())?;
+        slot.state().conn = Some(Arc::new(conn));
+    }
+    Ok(health)
+}
