@@ -31,6 +31,8 @@ test: fetch-model test-deploy
 	python3 scripts/cuda-check-binary.py --self-test
 	python3 scripts/check-module-cycles.py --self-test
 	python3 scripts/check-module-cycles.py
+	python3 scripts/check-fn-length.py --self-test
+	python3 scripts/check-fn-length.py orchestrator/src gpu-worker/src/engine
 	$(MAKE) gpu-bench-dry-run
 	$(MAKE) test-web
 
