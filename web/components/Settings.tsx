@@ -1,14 +1,9 @@
 "use client";
 
 import { useState } from "react";
+import type { SettingsValue } from "@/lib/settings";
 
-export interface SettingsValue {
-  systemPrompt: string;
-  temperature: string;
-  topP: string;
-  topK: string;
-  maxTokens: string;
-}
+export type { SettingsValue };
 
 function check(v: SettingsValue): string | null {
   const t = v.temperature.trim();

@@ -1,5 +1,5 @@
 // The message list of the open session and how streamed events change it. Pure: the
-// component feeds it actions, the unit tests do the same.
+// `useReplyStream` hook feeds it actions, the unit tests do the same.
 
 import type { ApiMessage, MessageStart, MessageStatus, ReplyEnd, ReplyFailed, Role, TokenText } from "./types";
 import type { SseEvent } from "./sse";

@@ -1,0 +1,59 @@
+// A chat's settings as the settings form holds them (text fields, empty meaning "unset") and
+// their conversion to and from the session fields the API stores. Pure, so unit tests drive it.
+
+import type { SamplingParams, Session, SessionFields } from "./types";
+
+/** The settings form's fields, as typed. An empty field leaves the server's default. */
+export interface SettingsValue {
+  systemPrompt: string;
+  temperature: string;
+  topP: string;
+  topK: string;
+  maxTokens: string;
+}
+
+/** The form's max tokens as the API takes it: a positive whole number, or null. */
+export function maxTokensFrom(v: SettingsValue): number | null {
+  const m = v.maxTokens.trim();
+  return m ? Number(m) : null;
+}
+
+/**
+ * The form's sampling fields laid over `base` (the session's stored params, which may hold
+ * fields the form does not show): an empty field removes its key; null when nothing is left.
+ */
+export function paramsFrom(v: SettingsValue, base: SamplingParams | null): SamplingParams | null {
+  const p: SamplingParams = { ...(base ?? {}) };
+  const set = (k: "temperature" | "top_p" | "top_k", s: string) => {
+    if (s.trim() === "") delete p[k];
+    else p[k] = Number(s);
+  };
+  set("temperature", v.temperature);
+  set("top_p", v.topP);
+  set("top_k", v.topK);
+  return Object.keys(p).length ? p : null;
+}
+
+/** What the form shows for a stored session (or for none: every field empty). */
+export function settingsFrom(session: Session | null): SettingsValue {
+  const p = session?.params ?? {};
+  const max = session?.max_tokens ?? null;
+  // The server keeps 32-bit floats (0.7 comes back as 0.699999988…): show what was typed.
+  const f32 = (v: number) => String(Number(v.toPrecision(6)));
+  return {
+    systemPrompt: session?.system_prompt ?? "",
+    temperature: p.temperature != null ? f32(p.temperature) : "",
+    topP: p.top_p != null ? f32(p.top_p) : "",
+    topK: p.top_k != null ? String(p.top_k) : "",
+    maxTokens: max ? String(max) : "",
+  };
+}
+
+/** The PATCH that stores the form on an existing session; empty fields clear what was set. */
+export function settingsPatch(v: SettingsValue, base: SamplingParams | null): SessionFields {
+  return {
+    system_prompt: v.systemPrompt.trim() ? v.systemPrompt : null,
+    params: paramsFrom(v, base),
+    max_tokens: maxTokensFrom(v),
+  };
+}

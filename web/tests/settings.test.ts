@@ -1,0 +1,61 @@
+import { describe, expect, it } from "vitest";
+import { maxTokensFrom, paramsFrom, settingsFrom, settingsPatch, type SettingsValue } from "../lib/settings";
+import type { Session } from "../lib/types";
+
+const EMPTY: SettingsValue = { systemPrompt: "", temperature: "", topP: "", topK: "", maxTokens: "" };
+
+function session(over: Partial<Session> = {}): Session {
+  return {
+    id: "a".repeat(32),
+    title: "A chat",
+    created_at: 1,
+    updated_at: 2,
+    system_prompt: null,
+    params: null,
+    max_tokens: null,
+    ...over,
+  };
+}
+
+describe("settings form ↔ session fields", () => {
+  it("max tokens: a number, or null when the field is blank", () => {
+    expect(maxTokensFrom({ ...EMPTY, maxTokens: " 64 " })).toBe(64);
+    expect(maxTokensFrom({ ...EMPTY, maxTokens: "  " })).toBeNull();
+  });
+
+  it("params: typed fields are set, blank ones removed, others in the base kept", () => {
+    const base = { temperature: 0.2, top_k: 5, min_p: 0.1 };
+    expect(paramsFrom({ ...EMPTY, temperature: "0.7", topP: "0.9" }, base)).toEqual({
+      temperature: 0.7,
+      top_p: 0.9,
+      min_p: 0.1,
+    });
+    expect(paramsFrom(EMPTY, { top_k: 5 })).toBeNull();
+    expect(paramsFrom({ ...EMPTY, topK: "40" }, null)).toEqual({ top_k: 40 });
+  });
+
+  it("shows stored 32-bit floats as they were typed", () => {
+    const v = settingsFrom(
+      session({ system_prompt: "Be terse.", params: { temperature: 0.699999988079071, top_p: 0.8999999761581421, top_k: 40 }, max_tokens: 64 }),
+    );
+    expect(v).toEqual({ systemPrompt: "Be terse.", temperature: "0.7", topP: "0.9", topK: "40", maxTokens: "64" });
+  });
+
+  it("a session with nothing set (or none) shows empty fields", () => {
+    expect(settingsFrom(session())).toEqual(EMPTY);
+    expect(settingsFrom(null)).toEqual(EMPTY);
+  });
+
+  it("the PATCH clears what the form left blank", () => {
+    expect(settingsPatch({ ...EMPTY, systemPrompt: "  " }, { temperature: 1 })).toEqual({
+      system_prompt: null,
+      params: null,
+      max_tokens: null,
+    });
+    expect(settingsPatch({ ...EMPTY, systemPrompt: " Hi ", topP: "0.5", maxTokens: "10" }, null)).toEqual({
+      system_prompt: " Hi ",
+      params: { top_p: 0.5 },
+      max_tokens: 10,
+    });
+  });
+});
