@@ -12,6 +12,7 @@ use std::time::Duration;
 use tokio_stream::StreamExt;
 
 use crate::generate::Streams;
+use crate::ids::SessionId;
 use crate::limits::Redis;
 
 pub const STOP_CHANNEL: &str = "hearth:stop";
@@ -27,7 +28,7 @@ pub struct StopBus {
 
 /// A stop sent to the other replicas, whose end can be awaited.
 pub struct StopSent {
-    session_id: String,
+    session_id: SessionId,
     ended: redis::aio::PubSub,
 }
 
@@ -63,10 +64,12 @@ impl StopBus {
     }
 
     /// Asks every replica to stop the session's running reply; false if Redis is unreachable.
-    pub async fn publish(&self, session_id: &str) -> bool {
+    pub async fn publish(&self, session_id: &SessionId) -> bool {
         self.conn
             .cmd::<i64>(
-                redis::cmd("PUBLISH").arg(STOP_CHANNEL).arg(session_id),
+                redis::cmd("PUBLISH")
+                    .arg(STOP_CHANNEL)
+                    .arg(session_id.as_str()),
                 "stop not relayed",
             )
             .await
@@ -75,7 +78,7 @@ impl StopBus {
 
     /// Like [`publish`](Self::publish), listening first for the reply's end; `None` if Redis is
     /// unreachable.
-    pub async fn stop(&self, session_id: &str) -> Option<StopSent> {
+    pub async fn stop(&self, session_id: &SessionId) -> Option<StopSent> {
         let subscribe = async {
             let client = redis::Client::open(self.url.as_str())?;
             let mut ended = client.get_async_pubsub().await?;
@@ -94,7 +97,7 @@ impl StopBus {
             }
         };
         self.publish(session_id).await.then(|| StopSent {
-            session_id: session_id.to_string(),
+            session_id: session_id.clone(),
             ended,
         })
     }
@@ -123,7 +126,12 @@ impl StopBus {
         pubsub.subscribe(STOP_CHANNEL).await?;
         let mut messages = pubsub.on_message();
         while let Some(msg) = messages.next().await {
-            let Ok(session_id) = msg.get_payload::<String>() else {
+            // Anything but a session id names no reply.
+            let Some(session_id) = msg
+                .get_payload::<String>()
+                .ok()
+                .and_then(|s| SessionId::parse(&s))
+            else {
                 continue;
             };
             let Some(live) = streams.get(&session_id).filter(|l| !l.is_finished()) else {
@@ -136,7 +144,9 @@ impl StopBus {
                 // A reply's outcome is stored before it is announced.
                 live.outcome().await;
                 conn.cmd::<i64>(
-                    redis::cmd("PUBLISH").arg(ENDED_CHANNEL).arg(&session_id),
+                    redis::cmd("PUBLISH")
+                        .arg(ENDED_CHANNEL)
+                        .arg(session_id.as_str()),
                     "stop's end not announced",
                 )
                 .await;

@@ -15,6 +15,7 @@ use crate::bus::StopBus;
 use crate::config::{self, Workers};
 pub use crate::config::{AuthArg, Config, ServeArgs};
 use crate::generate::Streams;
+use crate::ids::MessageId;
 use crate::limits::{connect_redis, Limiter};
 use crate::service::{ChatService, ServiceParts};
 use crate::storage::Store;
@@ -339,7 +340,7 @@ fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
 struct OrphanSweep {
     orphan_after: Duration,
     /// Each streaming reply's `updated_at` when last seen, and since when it has not changed.
-    seen: std::collections::HashMap<String, (i64, std::time::Instant)>,
+    seen: std::collections::HashMap<MessageId, (i64, std::time::Instant)>,
 }
 
 impl OrphanSweep {

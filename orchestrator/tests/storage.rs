@@ -2,8 +2,8 @@
 //! `TEST_DATABASE_URL`, default the local server). A missing PostgreSQL fails the test.
 
 use hearth_orchestrator::storage::{
-    Completion, MessageStatus, NewApiKey, NewSession, Role, SessionPatch, SessionQuery, SqlStore,
-    Store, StoreError,
+    Completion, Finish, KeyId, MessageId, MessageStatus, NewApiKey, NewSession, ReplyTimings,
+    ReplyUsage, Role, SessionId, SessionPatch, SessionQuery, SqlStore, Store, StoreError, UserId,
 };
 
 use hearth_e2e::pg::PgDatabase;
@@ -111,7 +111,7 @@ async fn users_and_keys_suite(s: &SqlStore) {
         .expect("by prefix");
     assert_eq!(found[0].0.revoked_at, Some(123));
     assert_eq!(
-        s.revoke_api_key("nope", 1).await,
+        s.revoke_api_key(&KeyId::random(), 1).await,
         Err(StoreError::NotFound("api key"))
     );
 }
@@ -318,12 +318,16 @@ async fn turns_suite(s: &SqlStore) {
     let done = Completion {
         content: "Hi there.".into(),
         status: MessageStatus::Complete,
-        finish_reason: Some("stop".into()),
-        prompt_tokens: Some(12),
-        cached_tokens: Some(0),
-        completion_tokens: Some(4),
-        ttft_ms: Some(80),
-        duration_ms: Some(300),
+        finish_reason: Finish::Stop,
+        usage: ReplyUsage {
+            prompt_tokens: 12,
+            cached_tokens: 0,
+            completion_tokens: 4,
+        },
+        timings: ReplyTimings {
+            ttft_ms: Some(80),
+            duration_ms: 300,
+        },
         worker: Some("127.0.0.1:50051".into()),
     };
     s.finish_message(&t1.assistant.id, &done)
@@ -386,7 +390,7 @@ async fn turns_suite(s: &SqlStore) {
     let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
     assert_eq!(msgs[3].status, MessageStatus::Error);
     assert_eq!(msgs[3].content, "Partial ans");
-    assert_eq!(msgs[3].finish_reason.as_deref(), Some("interrupted"));
+    assert_eq!(msgs[3].finish_reason, Some(Finish::Interrupted));
     assert!(
         !s.streaming_replies()
             .await
@@ -437,7 +441,7 @@ async fn turns_suite(s: &SqlStore) {
         Some(&text)
     );
     assert_eq!(
-        s.finish_message("missing", &done).await,
+        s.finish_message(&MessageId::random(), &done).await,
         Err(StoreError::NotFound("message"))
     );
 }
@@ -471,7 +475,7 @@ async fn isolation_suite(s: &SqlStore) {
         (turn.user.id.as_str(), "mine")
     );
     assert_eq!(
-        s.get_message(&a, &sess.id, "no-such-message")
+        s.get_message(&a, &sess.id, &MessageId::random())
             .await
             .map(|_| ()),
         Err(StoreError::NotFound("message"))
@@ -533,7 +537,7 @@ async fn concurrency_suite(s: &SqlStore) {
         .await
         .expect("session")
         .id;
-    let others: Vec<String> = {
+    let others: Vec<SessionId> = {
         let mut v = Vec::new();
         for _ in 0..4 {
             v.push(
@@ -572,7 +576,7 @@ async fn concurrency_suite(s: &SqlStore) {
             .await
             .expect("progress");
     }
-    let mut written = std::collections::HashMap::<String, usize>::new();
+    let mut written = std::collections::HashMap::<SessionId, usize>::new();
     for t in tasks {
         let (session, r) = t.await.expect("task");
         match r {
@@ -650,7 +654,7 @@ async fn search_and_values_suite(s: &SqlStore) {
     }
 }
 
-async fn find(s: &SqlStore, user: &str, q: &str) -> Vec<String> {
+async fn find(s: &SqlStore, user: &UserId, q: &str) -> Vec<String> {
     let query = SessionQuery {
         q: Some(q.into()),
         limit: 50,
@@ -665,12 +669,16 @@ fn complete(text: &str) -> Completion {
     Completion {
         content: text.into(),
         status: MessageStatus::Complete,
-        finish_reason: Some("stop".into()),
-        prompt_tokens: Some(10),
-        cached_tokens: Some(0),
-        completion_tokens: Some(3),
-        ttft_ms: Some(5),
-        duration_ms: Some(20),
+        finish_reason: Finish::Stop,
+        usage: ReplyUsage {
+            prompt_tokens: 10,
+            cached_tokens: 0,
+            completion_tokens: 3,
+        },
+        timings: ReplyTimings {
+            ttft_ms: Some(5),
+            duration_ms: 20,
+        },
         worker: Some("w".into()),
     }
 }
@@ -717,7 +725,7 @@ async fn edit_suite(s: &SqlStore) {
         nf("message")
     );
     assert_eq!(
-        s.begin_edit(&u, &sess.id, "0123456789abcdef0123456789abcdef", "x")
+        s.begin_edit(&u, &sess.id, &MessageId::random(), "x")
             .await
             .map(|_| ()),
         nf("message")

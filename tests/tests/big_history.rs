@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{new_session, Db, Stack};
-use hearth_orchestrator::storage::{Completion, MessageStatus, Store};
+use hearth_orchestrator::storage::{
+    Completion, Finish, MessageStatus, ReplyTimings, ReplyUsage, SessionId, Store,
+};
 use serde_json::json;
 
 /// One short non-streamed turn; how long it took.
@@ -53,22 +55,20 @@ async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
         .expect("alice");
     let line =
         "a long line of an old conversation, long enough to cost the tokenizer work ".repeat(4);
+    let big_id = SessionId::parse(&big).expect("a session id");
     let seeding = Instant::now();
     for i in 0..2_500 {
         let t = s
             .store
-            .begin_turn(&user.id, &big, &format!("{i}: {line}"))
+            .begin_turn(&user.id, &big_id, &format!("{i}: {line}"))
             .await
             .expect("turn");
         let reply = Completion {
             content: format!("reply {i}: {line}"),
             status: MessageStatus::Complete,
-            finish_reason: Some("stop".into()),
-            prompt_tokens: None,
-            cached_tokens: None,
-            completion_tokens: None,
-            ttft_ms: None,
-            duration_ms: None,
+            finish_reason: Finish::Stop,
+            usage: ReplyUsage::default(),
+            timings: ReplyTimings::default(),
             worker: None,
         };
         s.store

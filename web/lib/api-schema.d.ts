@@ -312,6 +312,13 @@ export interface components {
              */
             type: string;
         };
+        /**
+         * @description Why a reply ended: how its generation finished (`stop`: end of turn or a stop string,
+         *     `length`, `context_full`, `cancelled`: stopped), `error`, or `interrupted` (its orchestrator
+         *     went away while it streamed).
+         * @enum {string}
+         */
+        Finish: "stop" | "length" | "context_full" | "cancelled" | "error" | "interrupted";
         InMessage: {
             content?: null | components["schemas"]["Content"];
             role: string;
@@ -327,7 +334,7 @@ export interface components {
             created_at: number;
             /** Format: int64 */
             duration_ms: number | null;
-            finish_reason: string | null;
+            finish_reason: null | components["schemas"]["Finish"];
             id: string;
             /** Format: int64 */
             prompt_tokens: number | null;
@@ -345,10 +352,7 @@ export interface components {
         MessageList: {
             data: components["schemas"]["Message"][];
         };
-        /**
-         * @description Ids that name a stored turn; empty for stateless (OpenAI) requests. On the native API it is
-         *     the SSE `message_start` event's data.
-         */
+        /** @description Ids that name a stored turn. On the native API it is the SSE `message_start` event's data. */
         MessageStart: {
             message_id: string;
             session_id: string;
@@ -389,11 +393,7 @@ export interface components {
         };
         /** @description How a reply ended: the SSE `message_end` event's data. */
         ReplyEnd: {
-            /**
-             * @description `stop` (end of turn or a stop string), `length`, `context_full`, `cancelled` (stopped),
-             *     or an error's kind.
-             */
-            finish_reason: string;
+            finish_reason: components["schemas"]["Finish"];
             message_id: string;
             status: components["schemas"]["MessageStatus"];
             timings: components["schemas"]["ReplyTimings"];
@@ -447,7 +447,7 @@ export interface components {
              */
             ttft_ms: number | null;
         };
-        /** @description A reply's token counts. */
+        /** @description What a reply used, in tokens. */
         ReplyUsage: {
             /**
              * Format: u-int64

@@ -25,7 +25,7 @@ use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TurnIds};
 use crate::ids::{MessageId, SessionId};
 use crate::service::{Caller, GenOptions, NativeTurn, StopOutcome, UserText, ValidTurn};
-use crate::storage::{Message, MessageStatus};
+use crate::storage::{Finish, Message, MessageStatus, ReplyTimings, ReplyUsage};
 
 /// Options shared by every generation request.
 #[derive(Debug, Default, Deserialize, ToSchema)]
@@ -202,6 +202,10 @@ async fn respond(
     stream: bool,
     from: usize,
 ) -> Result<Response, ApiError> {
+    let ids = live
+        .ids
+        .clone()
+        .ok_or_else(|| ApiError::Internal("a native reply without its stored turn".into()))?;
     if !stream {
         let guard = DisconnectGuard {
             live: live.clone(),
@@ -212,10 +216,11 @@ async fn respond(
             .await
             .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
         drop(guard);
-        return Ok(Json(TurnReply::new(&live.ids, &outcome)).into_response());
+        return Ok(Json(TurnReply::new(&ids, &outcome)).into_response());
     }
     Ok(sse(native_events(
         live,
+        ids,
         from,
         s.options.cancel_on_disconnect,
     )))
@@ -237,6 +242,7 @@ where
 
 fn native_events(
     live: Arc<Live>,
+    ids: TurnIds,
     from: usize,
     cancel_on_disconnect: bool,
 ) -> impl tokio_stream::Stream<Item = Result<Event, Infallible>> + Send + 'static {
@@ -244,7 +250,6 @@ fn native_events(
         live: live.clone(),
         cancel: cancel_on_disconnect,
     };
-    let ids = live.ids.clone();
     live.subscribe(from).map(move |(n, e)| {
         let _keep = &guard;
         let event = Event::default().id(format!("{}:{}", ids.message_id, n + 1));
@@ -266,32 +271,13 @@ fn native_events(
     })
 }
 
-/// A reply's token counts.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReplyUsage {
-    pub prompt_tokens: u64,
-    /// Prompt tokens the worker already held in its cache.
-    pub cached_tokens: u64,
-    pub completion_tokens: u64,
-}
-
-/// A reply's timings, in milliseconds from the request's arrival.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReplyTimings {
-    /// Until the first token (`null` when none came).
-    #[schema(required = true)]
-    pub ttft_ms: Option<u64>,
-    pub duration_ms: u64,
-}
-
 /// How a reply ended: the SSE `message_end` event's data.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReplyEnd {
-    pub message_id: String,
+    #[schema(value_type = String)]
+    pub message_id: MessageId,
     pub status: MessageStatus,
-    /// `stop` (end of turn or a stop string), `length`, `context_full`, `cancelled` (stopped),
-    /// or an error's kind.
-    pub finish_reason: String,
+    pub finish_reason: Finish,
     pub usage: ReplyUsage,
     pub timings: ReplyTimings,
     /// The worker that finished the reply.
@@ -304,16 +290,9 @@ impl ReplyEnd {
         Self {
             message_id: ids.message_id.clone(),
             status: o.end.status(),
-            finish_reason: o.end.finish_reason().to_string(),
-            usage: ReplyUsage {
-                prompt_tokens: o.prompt_tokens,
-                cached_tokens: o.cached_tokens,
-                completion_tokens: o.completion_tokens,
-            },
-            timings: ReplyTimings {
-                ttft_ms: o.ttft_ms,
-                duration_ms: o.duration_ms,
-            },
+            finish_reason: o.end.finish_reason(),
+            usage: o.usage,
+            timings: o.timings,
             worker: o.worker.clone(),
         }
     }
@@ -325,7 +304,8 @@ impl ReplyEnd {
 pub struct ReplyFailed {
     pub error_type: String,
     pub message: String,
-    pub message_id: String,
+    #[schema(value_type = String)]
+    pub message_id: MessageId,
     pub content: String,
 }
 
@@ -347,10 +327,11 @@ pub struct ReplyError {
 pub struct TurnReply {
     #[serde(flatten)]
     pub end: ReplyEnd,
-    pub session_id: String,
+    #[schema(value_type = String)]
+    pub session_id: SessionId,
     /// The user message the reply answers.
-    #[schema(required = true)]
-    pub user_message_id: Option<String>,
+    #[schema(value_type = Option<String>, required = true)]
+    pub user_message_id: Option<MessageId>,
     pub content: String,
     /// Present when the reply ended in an error.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -391,14 +372,18 @@ pub async fn resume(
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let live = s.chat.reply_stream(&caller, &id).await?;
+    let ids = live
+        .ids
+        .clone()
+        .ok_or_else(|| ApiError::Internal("a session's reply without its stored turn".into()))?;
     let from = headers
         .get("last-event-id")
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.rsplit_once(':'))
-        .filter(|(msg, _)| *msg == live.ids.message_id)
+        .filter(|(msg, _)| *msg == ids.message_id.as_str())
         .and_then(|(_, n)| n.parse::<usize>().ok())
         .unwrap_or(0);
-    Ok(sse(native_events(live, from, false)))
+    Ok(sse(native_events(live, ids, from, false)))
 }
 
 /// What a stop did.

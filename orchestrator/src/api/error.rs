@@ -320,7 +320,7 @@ mod tests {
         ];
         for (end, status, reason, kind, openai) in cases {
             assert_eq!(end.status(), status, "{end:?}");
-            assert_eq!(end.finish_reason(), reason, "{end:?}");
+            assert_eq!(end.finish_reason().as_str(), reason, "{end:?}");
             assert_eq!(end.error().map(GenerationError::kind), kind, "{end:?}");
             if let Some(kind) = kind {
                 assert!(GenerationError::KINDS.contains(&kind), "{kind}");

@@ -403,12 +403,13 @@ pub struct PromptTokensDetails {
 
 impl Usage {
     fn of(o: &Outcome) -> Self {
+        let u = o.usage;
         Self {
-            prompt_tokens: o.prompt_tokens,
-            completion_tokens: o.completion_tokens,
-            total_tokens: o.prompt_tokens + o.completion_tokens,
+            prompt_tokens: u.prompt_tokens,
+            completion_tokens: u.completion_tokens,
+            total_tokens: u.prompt_tokens + u.completion_tokens,
             prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: o.cached_tokens,
+                cached_tokens: u.cached_tokens,
             },
         }
     }

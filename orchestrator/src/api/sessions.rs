@@ -11,13 +11,8 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::{created, ApiError, AppState, ValidJson, ValidQuery};
 use crate::ids::SessionId;
-use crate::service::Caller;
-use crate::storage::{Message, NewSession, Session, SessionPatch, SessionQuery};
-
-const MAX_TITLE_CHARS: usize = 200;
-const MAX_SYSTEM_PROMPT_BYTES: usize = 64 << 10;
-const DEFAULT_PAGE: u32 = 20;
-const MAX_PAGE: u32 = 100;
+use crate::service::{next_cursor, session_query, Caller, ValidPatch, ValidSession};
+use crate::storage::{Message, Session};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -96,42 +91,6 @@ pub(super) struct ListParams {
     before: Option<String>,
 }
 
-/// Text no database column can hold (PostgreSQL refuses NUL characters).
-fn check_text(field: &str, t: &str) -> Result<(), ApiError> {
-    if t.contains('\0') {
-        return Err(ApiError::Validation(format!(
-            "{field}: must not contain NUL characters"
-        )));
-    }
-    Ok(())
-}
-
-fn check_title(t: &str) -> Result<String, ApiError> {
-    check_text("title", t)?;
-    let t = t.trim();
-    if t.chars().count() > MAX_TITLE_CHARS {
-        return Err(ApiError::Validation(format!(
-            "title: longer than {MAX_TITLE_CHARS} characters"
-        )));
-    }
-    Ok(t.to_string())
-}
-
-fn check_system(s: &str) -> Result<(), ApiError> {
-    check_text("system_prompt", s)?;
-    if s.len() > MAX_SYSTEM_PROMPT_BYTES {
-        return Err(ApiError::Validation(format!(
-            "system_prompt: longer than {MAX_SYSTEM_PROMPT_BYTES} bytes"
-        )));
-    }
-    Ok(())
-}
-
-fn check_params(p: SamplingParams) -> Result<serde_json::Value, ApiError> {
-    let p = crate::service::check_params(p, "params.")?;
-    serde_json::to_value(p).map_err(|e| ApiError::Internal(e.to_string()))
-}
-
 /// One page of the caller's sessions, newest first.
 #[derive(Debug, Serialize, ToSchema)]
 pub(super) struct SessionPage {
@@ -159,31 +118,13 @@ pub(super) async fn create(
     Caller { user, .. }: Caller,
     ValidJson(body): ValidJson<CreateSession>,
 ) -> Result<(StatusCode, Json<Session>), ApiError> {
-    let title = check_title(body.title.as_deref().unwrap_or(""))?;
-    if let Some(sys) = &body.system_prompt {
-        check_system(sys)?;
-    }
-    let params = body.params.map(check_params).transpose()?;
-    let max_tokens = body
-        .max_tokens
-        .map(|n| s.chat.check_session_max_tokens(n))
-        .transpose()?;
-    let session = s
-        .chat
-        .create_session(
-            &user,
-            NewSession {
-                title: if title.is_empty() {
-                    "New chat".into()
-                } else {
-                    title
-                },
-                system_prompt: body.system_prompt,
-                params,
-                max_tokens,
-            },
-        )
-        .await?;
+    let new = ValidSession::new(
+        body.title.as_deref(),
+        body.system_prompt,
+        body.params,
+        body.max_tokens,
+    )?;
+    let session = s.chat.create_session(&user, new).await?;
     Ok(created(session))
 }
 
@@ -198,41 +139,11 @@ pub(super) async fn list(
     Caller { user, .. }: Caller,
     ValidQuery(p): ValidQuery<ListParams>,
 ) -> Result<Json<SessionPage>, ApiError> {
-    let limit = p.limit.unwrap_or(DEFAULT_PAGE);
-    if !(1..=MAX_PAGE).contains(&limit) {
-        return Err(ApiError::Validation(format!(
-            "limit: must be between 1 and {MAX_PAGE}"
-        )));
-    }
-    let before = p
-        .before
-        .as_deref()
-        .map(|c| {
-            c.split_once('_')
-                .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, id.to_string())))
-                .filter(|(_, id)| SessionId::parse(id).is_some())
-                .ok_or_else(|| ApiError::Validation("before: not a cursor from this API".into()))
-        })
-        .transpose()?;
-    if let Some(q) = &p.q {
-        check_text("q", q)?;
-        if q.len() > 200 {
-            return Err(ApiError::Validation("q: longer than 200 bytes".into()));
-        }
-    }
-    let page = s
-        .chat
-        .sessions(
-            &user,
-            &SessionQuery {
-                q: p.q,
-                limit,
-                before,
-            },
-        )
-        .await?;
-    let next = (page.len() == limit as usize)
-        .then(|| page.last().map(|l| format!("{}_{}", l.updated_at, l.id)))
+    let query = session_query(p.limit, p.q, p.before.as_deref())?;
+    let limit = query.limit as usize;
+    let page = s.chat.sessions(&user, &query).await?;
+    let next = (page.len() == limit)
+        .then(|| page.last().map(|l| next_cursor(l.updated_at, &l.id)))
         .flatten();
     Ok(Json(SessionPage {
         data: page,
@@ -268,26 +179,12 @@ pub(super) async fn update(
     id: SessionId,
     ValidJson(body): ValidJson<UpdateSession>,
 ) -> Result<Json<Session>, ApiError> {
-    let title = body.title.as_deref().map(check_title).transpose()?;
-    if let Some(Some(sys)) = &body.system_prompt {
-        check_system(sys)?;
-    }
-    let params = match body.params {
-        Some(Some(p)) => Some(Some(check_params(p)?)),
-        Some(None) => Some(None),
-        None => None,
-    };
-    let max_tokens = match body.max_tokens {
-        Some(Some(n)) => Some(Some(s.chat.check_session_max_tokens(n)?)),
-        Some(None) => Some(None),
-        None => None,
-    };
-    let patch = SessionPatch {
-        title,
-        system_prompt: body.system_prompt,
-        params,
-        max_tokens,
-    };
+    let patch = ValidPatch::new(
+        body.title.as_deref(),
+        body.system_prompt,
+        body.params,
+        body.max_tokens,
+    )?;
     Ok(Json(s.chat.update_session(&user, &id, patch).await?))
 }
 

@@ -50,7 +50,7 @@ impl Attempts {
             busy: false,
             preempted: false,
             saver: job.persistence.message_id().map(|id| Saver {
-                tx: gen.progress_saver(id.to_string()),
+                tx: gen.progress_saver(id.clone()),
                 saved_len: 0,
                 saved_at: Instant::now(),
             }),
@@ -108,8 +108,12 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
     prompt.extend_from_slice(&p.generated);
     proto::GenerateRequest {
         request_id: 0,
-        session_id: job.persistence.session_id().unwrap_or_default().to_string(),
-        user_id: job.user_id.clone(),
+        session_id: job
+            .persistence
+            .session_id()
+            .map(|s| s.to_string())
+            .unwrap_or_default(),
+        user_id: job.user_id.to_string(),
         prompt_token_ids: prompt,
         sampling: Some((&job.params).into()),
         max_new_tokens: remaining,

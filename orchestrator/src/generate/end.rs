@@ -6,7 +6,7 @@
 
 use hearth_shared::FinishReason;
 
-use crate::storage::MessageStatus;
+use crate::storage::{Finish, MessageStatus};
 
 /// The end of a generation: finished for a reason, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,10 +29,13 @@ impl End {
 
     /// The stored and native `finish_reason`: `stop`, `length`, `context_full`, `cancelled` or
     /// `error`.
-    pub fn finish_reason(&self) -> &'static str {
+    pub fn finish_reason(&self) -> Finish {
         match self {
-            Self::Finished(r) => r.as_str(),
-            Self::Failed(_) => "error",
+            Self::Finished(FinishReason::Stop) => Finish::Stop,
+            Self::Finished(FinishReason::Length) => Finish::Length,
+            Self::Finished(FinishReason::ContextFull) => Finish::ContextFull,
+            Self::Finished(FinishReason::Cancelled) => Finish::Cancelled,
+            Self::Failed(_) => Finish::Error,
         }
     }
 

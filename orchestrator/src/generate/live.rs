@@ -10,18 +10,33 @@ use serde::Serialize;
 use tokio::sync::watch;
 
 pub use super::end::{End, GenerationError};
+use crate::ids::{MessageId, SessionId};
+use crate::storage::{Completion, ReplyTimings, ReplyUsage};
 
 /// How a reply ended, with what it said and cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     pub content: String,
     pub end: End,
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-    pub completion_tokens: u64,
-    pub ttft_ms: Option<u64>,
-    pub duration_ms: u64,
+    pub usage: ReplyUsage,
+    pub timings: ReplyTimings,
+    /// The worker that finished the reply.
     pub worker: Option<String>,
+}
+
+impl Outcome {
+    /// The reply's final state as stored: the same record, with the end as status and
+    /// finish reason.
+    pub fn completion(&self) -> Completion {
+        Completion {
+            content: self.content.clone(),
+            status: self.end.status(),
+            finish_reason: self.end.finish_reason(),
+            usage: self.usage,
+            timings: self.timings,
+            worker: self.worker.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -33,27 +48,29 @@ pub enum RunEvent {
     End(Box<Outcome>),
 }
 
-/// Ids that name a stored turn; empty for stateless (OpenAI) requests. On the native API it is
-/// the SSE `message_start` event's data.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+/// Ids that name a stored turn. On the native API it is the SSE `message_start` event's data.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 #[schema(as = MessageStart)]
 pub struct TurnIds {
-    pub session_id: String,
-    #[schema(required = true)]
-    pub user_message_id: Option<String>,
-    pub message_id: String,
+    #[schema(value_type = String)]
+    pub session_id: SessionId,
+    #[schema(value_type = Option<String>, required = true)]
+    pub user_message_id: Option<MessageId>,
+    #[schema(value_type = String)]
+    pub message_id: MessageId,
 }
 
 #[derive(Debug)]
 pub struct Live {
-    pub ids: TurnIds,
+    /// The stored turn a native reply belongs to; `None` for a stateless (OpenAI) one.
+    pub ids: Option<TurnIds>,
     events: Mutex<Vec<RunEvent>>,
     len: watch::Sender<usize>,
     stop: watch::Sender<bool>,
 }
 
 impl Live {
-    pub fn new(ids: TurnIds) -> Arc<Self> {
+    pub fn new(ids: Option<TurnIds>) -> Arc<Self> {
         Arc::new(Self {
             ids,
             events: Mutex::new(Vec::new()),
@@ -147,7 +164,7 @@ impl Live {
 #[derive(Debug, Default)]
 pub struct Streams {
     /// `None`: reserved by a turn that has not started yet.
-    by_session: Mutex<HashMap<String, Option<Arc<Live>>>>,
+    by_session: Mutex<HashMap<SessionId, Option<Arc<Live>>>>,
 }
 
 /// How long a finished stream stays resumable.
@@ -157,7 +174,7 @@ pub const KEEP_FINISHED: Duration = Duration::from_secs(120);
 #[derive(Debug)]
 pub struct Reservation {
     streams: Arc<Streams>,
-    session_id: String,
+    session_id: SessionId,
     filled: bool,
 }
 
@@ -187,27 +204,27 @@ impl Drop for Reservation {
 pub struct Busy;
 
 impl Streams {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<String, Option<Arc<Live>>>> {
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Option<Arc<Live>>>> {
         self.by_session.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Holds the session's place unless a turn is already running or being prepared there.
-    pub fn reserve(self: &Arc<Self>, session_id: &str) -> Result<Reservation, Busy> {
+    pub fn reserve(self: &Arc<Self>, session_id: &SessionId) -> Result<Reservation, Busy> {
         let mut m = self.map();
         match m.get(session_id) {
             Some(None) => return Err(Busy),
             Some(Some(l)) if !l.is_finished() => return Err(Busy),
             _ => {}
         }
-        m.insert(session_id.to_string(), None);
+        m.insert(session_id.clone(), None);
         Ok(Reservation {
             streams: self.clone(),
-            session_id: session_id.to_string(),
+            session_id: session_id.clone(),
             filled: false,
         })
     }
 
-    pub fn get(&self, session_id: &str) -> Option<Arc<Live>> {
+    pub fn get(&self, session_id: &SessionId) -> Option<Arc<Live>> {
         self.map().get(session_id).cloned().flatten()
     }
 
@@ -228,14 +245,16 @@ impl Streams {
 
     /// Forgets a finished stream after [`KEEP_FINISHED`] unless a newer one replaced it.
     pub fn expire_later(self: &Arc<Self>, live: Arc<Live>) {
+        let Some(session_id) = live.ids.as_ref().map(|ids| ids.session_id.clone()) else {
+            return;
+        };
         let me = self.clone();
         tokio::spawn(async move {
             tokio::time::sleep(KEEP_FINISHED).await;
             let mut m = me.map();
-            let same =
-                matches!(m.get(&live.ids.session_id), Some(Some(l)) if Arc::ptr_eq(l, &live));
+            let same = matches!(m.get(&session_id), Some(Some(l)) if Arc::ptr_eq(l, &live));
             if same {
-                m.remove(&live.ids.session_id);
+                m.remove(&session_id);
             }
         });
     }
@@ -249,17 +268,18 @@ mod tests {
     use super::*;
 
     fn finished() -> Arc<Live> {
-        let live = Live::new(TurnIds::default());
+        let live = Live::new(None);
         live.push(RunEvent::Begin);
         live.push(RunEvent::Text("hi".into()));
         live.push(RunEvent::End(Box::new(Outcome {
             content: "hi".into(),
             end: End::Finished(FinishReason::Stop),
-            prompt_tokens: 1,
-            cached_tokens: 0,
-            completion_tokens: 1,
-            ttft_ms: None,
-            duration_ms: 0,
+            usage: ReplyUsage {
+                prompt_tokens: 1,
+                cached_tokens: 0,
+                completion_tokens: 1,
+            },
+            timings: ReplyTimings::default(),
             worker: None,
         })));
         live

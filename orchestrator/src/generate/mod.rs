@@ -30,8 +30,9 @@ use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::{FinishReason, SamplingParams};
 use tokio::time::Instant;
 
+use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::Budget;
-use crate::storage::{Completion, Store, StoreError};
+use crate::storage::{ReplyTimings, ReplyUsage, Store, StoreError};
 use crate::telemetry;
 use crate::workers::{Generation, Lease, PoolError, WorkerPool};
 
@@ -48,7 +49,7 @@ pub(crate) struct Generator {
 
 #[derive(Debug)]
 pub struct Job {
-    pub user_id: String,
+    pub user_id: UserId,
     /// Where the reply is kept, if anywhere.
     pub persistence: Persistence,
     pub prompt: Vec<u32>,
@@ -70,22 +71,22 @@ pub enum Persistence {
     /// A native turn: the worker keeps `session_id`'s KV cache between turns, and the reply is
     /// saved to the stored assistant message `message_id` as it streams and when it ends.
     Stored {
-        session_id: String,
-        message_id: String,
+        session_id: SessionId,
+        message_id: MessageId,
     },
     /// An OpenAI request: nothing is stored, and the worker caches by prefix only.
     Stateless,
 }
 
 impl Persistence {
-    pub(super) fn session_id(&self) -> Option<&str> {
+    pub(super) fn session_id(&self) -> Option<&SessionId> {
         match self {
             Self::Stored { session_id, .. } => Some(session_id),
             Self::Stateless => None,
         }
     }
 
-    pub(super) fn message_id(&self) -> Option<&str> {
+    pub(super) fn message_id(&self) -> Option<&MessageId> {
         match self {
             Self::Stored { message_id, .. } => Some(message_id),
             Self::Stateless => None,
@@ -121,33 +122,38 @@ impl Generator {
         let outcome = Outcome {
             content: p.text,
             end,
-            prompt_tokens: job.prompt.len() as u64,
-            cached_tokens: p.cached_tokens.unwrap_or(0),
-            completion_tokens: p.generated.len() as u64,
-            ttft_ms: p
-                .first_token
-                .map(|t| t.duration_since(job.arrived).as_millis() as u64),
-            duration_ms: job.arrived.elapsed().as_millis() as u64,
+            usage: ReplyUsage {
+                prompt_tokens: job.prompt.len() as u64,
+                cached_tokens: p.cached_tokens.unwrap_or(0),
+                completion_tokens: p.generated.len() as u64,
+            },
+            timings: ReplyTimings {
+                ttft_ms: p
+                    .first_token
+                    .map(|t| t.duration_since(job.arrived).as_millis() as u64),
+                duration_ms: job.arrived.elapsed().as_millis() as u64,
+            },
             worker: p.worker,
         };
         if let Some(id) = job.persistence.message_id() {
             self.finish(id, &outcome).await;
         }
         if let Some(b) = job.budget.take() {
-            b.settle(outcome.completion_tokens).await;
+            b.settle(outcome.usage.completion_tokens).await;
         }
         telemetry::observe(
             telemetry::REQUEST_DURATION,
             job.arrived.elapsed().as_secs_f64(),
         );
-        metrics::counter!(telemetry::PROMPT_TOKENS).increment(outcome.prompt_tokens);
-        metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(outcome.cached_tokens);
-        metrics::counter!(telemetry::GENERATED_TOKENS).increment(outcome.completion_tokens);
+        let usage = outcome.usage;
+        metrics::counter!(telemetry::PROMPT_TOKENS).increment(usage.prompt_tokens);
+        metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(usage.cached_tokens);
+        metrics::counter!(telemetry::GENERATED_TOKENS).increment(usage.completion_tokens);
         telemetry::record_reply_end(&telemetry::ReplyEnd {
-            finish_reason: outcome.end.finish_reason(),
+            finish_reason: outcome.end.finish_reason().as_str(),
             error_type: outcome.end.error().map(GenerationError::kind),
-            prompt_tokens: outcome.prompt_tokens,
-            completion_tokens: outcome.completion_tokens,
+            prompt_tokens: usage.prompt_tokens,
+            completion_tokens: usage.completion_tokens,
             decode: p.first_token.map(|t| t.elapsed()),
         });
         live.push(RunEvent::End(Box::new(outcome.clone())));
@@ -322,7 +328,7 @@ impl Generator {
 
     /// Saves a reply's text in the background, latest first: a slow or unreachable database
     /// delays the saved copy, never the tokens. Ends when the sender is dropped.
-    fn progress_saver(&self, message_id: String) -> tokio::sync::watch::Sender<String> {
+    fn progress_saver(&self, message_id: MessageId) -> tokio::sync::watch::Sender<String> {
         let (tx, mut rx) = tokio::sync::watch::channel(String::new());
         let store = self.store.clone();
         tokio::spawn(async move {
@@ -354,18 +360,8 @@ impl Generator {
     }
 
     /// Stores the final state, retrying through a short database outage.
-    async fn finish(&self, message_id: &str, o: &Outcome) {
-        let done = Completion {
-            content: o.content.clone(),
-            status: o.end.status(),
-            finish_reason: Some(o.end.finish_reason().to_string()),
-            prompt_tokens: Some(o.prompt_tokens as i64),
-            cached_tokens: Some(o.cached_tokens as i64),
-            completion_tokens: Some(o.completion_tokens as i64),
-            ttft_ms: o.ttft_ms.map(|t| t as i64),
-            duration_ms: Some(o.duration_ms as i64),
-            worker: o.worker.clone(),
-        };
+    async fn finish(&self, message_id: &MessageId, o: &Outcome) {
+        let done = o.completion();
         let mut wait = Duration::from_millis(250);
         for attempt in 1..=8 {
             match self.store.finish_message(message_id, &done).await {
@@ -376,7 +372,7 @@ impl Generator {
                     wait = (wait * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, message_id, "the reply's final state was not stored; it will be marked interrupted");
+                    tracing::error!(error = %e, %message_id, "the reply's final state was not stored; it will be marked interrupted");
                     return;
                 }
             }

@@ -7,9 +7,11 @@
 //! reply's [`Live`] log, which the API turns into JSON or Server-Sent Events.
 
 mod error;
+mod session;
 mod turn;
 
 pub use error::ChatError;
+pub use session::{next_cursor, session_query, ValidPatch, ValidSession};
 
 pub use turn::{
     check_params, Conversation, GenOptions, NativeTurn, UserText, ValidTurn, MAX_CONTENT_BYTES,
@@ -27,10 +29,10 @@ use hearth_shared::SamplingParams;
 use crate::auth::{authenticate, AuthError};
 use crate::bus::StopBus;
 use crate::generate::{Generator, Job, Live, Persistence, Streams, TurnIds};
-use crate::ids::SessionId;
+use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::{Budget, Limiter, Quota};
 use crate::storage::{
-    Message, MessageStatus, NewSession, Role, Session, SessionPatch, SessionQuery, Store, User,
+    Message, MessageStatus, Role, Session, SessionPatch, SessionQuery, Store, User,
 };
 use crate::workers::WorkerPool;
 
@@ -135,7 +137,7 @@ impl ChatService {
         Caller {
             user: user.clone(),
             quota: Quota {
-                bucket: user.id.clone(),
+                bucket: user.id.to_string(),
                 requests_per_minute: self.limits.requests_per_minute,
                 tokens_per_day: self.limits.tokens_per_day,
             },
@@ -147,7 +149,7 @@ impl ChatService {
         match authenticate(self.store.as_ref(), token).await {
             Ok(c) => Ok(Caller {
                 quota: Quota {
-                    bucket: c.key.id.clone(),
+                    bucket: c.key.id.to_string(),
                     requests_per_minute: c
                         .key
                         .requests_per_minute
@@ -190,7 +192,16 @@ impl ChatService {
     // --- Sessions ---
 
     /// Creates a session, unless the user already keeps the most sessions allowed.
-    pub async fn create_session(&self, user: &User, new: NewSession) -> Result<Session, ChatError> {
+    pub async fn create_session(
+        &self,
+        user: &User,
+        session: ValidSession,
+    ) -> Result<Session, ChatError> {
+        let mut new = session.new;
+        new.max_tokens = session
+            .max_tokens
+            .map(|n| self.check_max_tokens(n).map(i64::from))
+            .transpose()?;
         let cap = self.limits.max_sessions_per_user;
         if self.store.count_sessions(&user.id).await? >= cap {
             return Err(ChatError::TooManySessions { max: cap });
@@ -210,8 +221,17 @@ impl ChatService {
         &self,
         user: &User,
         id: &SessionId,
-        patch: SessionPatch,
+        patch: ValidPatch,
     ) -> Result<Session, ChatError> {
+        let max_tokens = match patch.max_tokens {
+            Some(Some(n)) => Some(Some(i64::from(self.check_max_tokens(n)?))),
+            Some(None) => Some(None),
+            None => None,
+        };
+        let patch = SessionPatch {
+            max_tokens,
+            ..patch.patch
+        };
         Ok(self.store.update_session(&user.id, id, patch).await?)
     }
 
@@ -235,28 +255,13 @@ impl ChatService {
         // Now and once more a little later, in case a reply stopped on another replica hands
         // its cache back after the first call.
         let pool = self.generator.pool.clone();
-        let id = id.to_string();
+        let id = id.clone();
         tokio::spawn(async move {
             pool.drop_session(&id).await;
             tokio::time::sleep(Duration::from_secs(2)).await;
             pool.drop_session(&id).await;
         });
         Ok(())
-    }
-
-    /// A session's default reply length: at least one token, and shorter than the served
-    /// model's context when a worker has reported it (a turn's own `max_tokens` is checked the
-    /// same way).
-    pub fn check_session_max_tokens(&self, n: u32) -> Result<i64, ChatError> {
-        let limit = self
-            .context_length()
-            .map_or(MAX_SESSION_MAX_TOKENS, |ctx| (ctx as u32).saturating_sub(1));
-        if n == 0 || n > limit {
-            return Err(ChatError::Invalid(format!(
-                "max_tokens: must be between 1 and {limit}"
-            )));
-        }
-        Ok(i64::from(n))
     }
 
     // --- Generation ---
@@ -281,7 +286,9 @@ impl ChatService {
         let max_tokens = opts
             .max_tokens()
             .or_else(|| session.max_tokens.and_then(|n| u32::try_from(n).ok()));
-        self.check_max_tokens(max_tokens)?;
+        if let Some(n) = max_tokens {
+            self.check_max_tokens(n)?;
+        }
         let reservation = self.generator.streams.reserve(session_id)?;
         let history = self.store.list_messages(user_id, session_id).await?;
         let cap = self.limits.max_messages_per_session;
@@ -300,11 +307,11 @@ impl ChatService {
             .admit(user_id, Some(session_id), &[])
             .await?;
         let (user_message_id, message_id) = self.store_turn(user_id, session_id, store).await?;
-        let live = Live::new(TurnIds {
-            session_id: session_id.to_string(),
+        let live = Live::new(Some(TurnIds {
+            session_id: session_id.clone(),
             user_message_id,
             message_id: message_id.clone(),
-        });
+        }));
         reservation.fill(&live);
         let params = match opts.params() {
             Some(p) => p.clone(),
@@ -316,7 +323,7 @@ impl ChatService {
         let job = Job {
             user_id: user_id.clone(),
             persistence: Persistence::Stored {
-                session_id: session_id.to_string(),
+                session_id: session_id.clone(),
                 message_id,
             },
             prompt,
@@ -341,10 +348,10 @@ impl ChatService {
     /// reply only. Returns the ids of the user's message (if the turn has one) and of the reply.
     async fn store_turn(
         &self,
-        user_id: &str,
+        user_id: &UserId,
         session_id: &SessionId,
         turn: StoreTurn,
-    ) -> Result<(Option<String>, String), ChatError> {
+    ) -> Result<(Option<MessageId>, MessageId), ChatError> {
         Ok(match turn {
             StoreTurn::Post(content) => {
                 let t = self.store.begin_turn(user_id, session_id, &content).await?;
@@ -379,7 +386,9 @@ impl ChatService {
     ) -> Result<Arc<Live>, ChatError> {
         let (convo, opts, arrived) = turn.into_parts();
         let max_tokens = opts.max_tokens();
-        self.check_max_tokens(max_tokens)?;
+        if let Some(n) = max_tokens {
+            self.check_max_tokens(n)?;
+        }
         let budget = self.charge(caller, max_tokens).await?;
         let (prompt, max_new_tokens) = self.plan(convo.into_messages(), max_tokens).await?;
         let lease = self
@@ -387,7 +396,7 @@ impl ChatService {
             .pool
             .admit_prefix(&caller.user.id, &crate::workers::prefix_keys(&prompt))
             .await?;
-        let live = Live::new(TurnIds::default());
+        let live = Live::new(None);
         let job = Job {
             user_id: caller.user.id.clone(),
             persistence: Persistence::Stateless,
@@ -429,11 +438,14 @@ impl ChatService {
         self.limiter.admit_stop(&caller.quota).await?;
         let streaming =
             |m: &Message| m.role == Role::Assistant && m.status == MessageStatus::Streaming;
-        let reply_id = if let Some(live) = self.running(id) {
+        let here = self
+            .running(id)
+            .and_then(|live| Some((live.ids.as_ref()?.message_id.clone(), live)));
+        let reply_id = if let Some((reply_id, live)) = here {
             live.stop();
             // The outcome is stored before it is announced, so one read finds the final message.
             let _ = tokio::time::timeout(STOP_WAIT, live.outcome()).await;
-            live.ids.message_id.clone()
+            reply_id
         } else {
             let last = self.store.last_message(user_id, id).await?;
             let (Some(bus), Some(reply)) = (&self.stop_bus, last.filter(streaming)) else {
@@ -461,26 +473,30 @@ impl ChatService {
         Ok(StopOutcome::Ended(Box::new(m)))
     }
 
-    fn running(&self, session_id: &str) -> Option<Arc<Live>> {
+    fn running(&self, session_id: &SessionId) -> Option<Arc<Live>> {
         self.generator
             .streams
             .get(session_id)
             .filter(|l| !l.is_finished())
     }
 
-    /// Refuses a `max_tokens` the served context cannot hold, before anything is charged or
-    /// stored.
-    fn check_max_tokens(&self, max_tokens: Option<u32>) -> Result<(), ChatError> {
-        let (Some(want), Some(ctx)) = (max_tokens, self.context_length()) else {
-            return Ok(());
-        };
-        if want == 0 || want as usize >= ctx {
+    /// Refuses a reply length (a turn's, or a session's default) of zero or more than the
+    /// served context can hold, before anything is charged or stored. Until a worker has
+    /// reported its context, the bound is [`MAX_SESSION_MAX_TOKENS`].
+    fn check_max_tokens(&self, n: u32) -> Result<u32, ChatError> {
+        let ctx = self.context_length();
+        let limit = ctx.map_or(MAX_SESSION_MAX_TOKENS, |ctx| {
+            u32::try_from(ctx).unwrap_or(u32::MAX).saturating_sub(1)
+        });
+        if n == 0 || n > limit {
+            let why = ctx.map_or_else(String::new, |ctx| {
+                format!(" (the model's context is {ctx} tokens)")
+            });
             return Err(ChatError::Invalid(format!(
-                "max_tokens: must be between 1 and {} (the model's context is {ctx} tokens)",
-                ctx - 1
+                "max_tokens: must be between 1 and {limit}{why}"
             )));
         }
-        Ok(())
+        Ok(n)
     }
 
     /// Charges the request to the caller's rate limit and sets its reply's tokens aside from
@@ -511,7 +527,7 @@ impl ChatService {
             .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
         // The server's default shrinks to fit a small model; an explicit value must fit as asked.
         let want = max_tokens.unwrap_or_else(|| self.limits.default_max_tokens.min(ctx as u32 / 2));
-        self.check_max_tokens(Some(want))?;
+        self.check_max_tokens(want)?;
         let reserve = (want as usize).min(ctx / 2);
         let tokenizer = self.generator.tokenizer.clone();
         let rendered =
@@ -534,10 +550,10 @@ enum StoreTurn {
         /// The sequence number of the reply being replaced.
         from: i64,
         /// The user message it answers.
-        asked: Option<String>,
+        asked: Option<MessageId>,
     },
     Edit {
-        message_id: String,
+        message_id: MessageId,
         content: String,
     },
 }
@@ -575,7 +591,7 @@ fn prepare(
         } => {
             let target = history
                 .iter()
-                .find(|m| m.id == **message_id)
+                .find(|m| m.id == *message_id)
                 .ok_or(ChatError::NotFound("message"))?;
             if target.role != Role::User {
                 return Err(ChatError::NotAUserMessage(format!(
@@ -592,7 +608,7 @@ fn prepare(
             Ok((
                 convo,
                 StoreTurn::Edit {
-                    message_id: message_id.to_string(),
+                    message_id: message_id.clone(),
                     content: content.as_str().to_string(),
                 },
             ))

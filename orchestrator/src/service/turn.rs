@@ -166,7 +166,12 @@ fn check_storable(field: &str, c: &str) -> Result<(), ChatError> {
             "{field}: longer than {MAX_CONTENT_BYTES} bytes"
         )));
     }
-    if c.contains('\0') {
+    check_text(field, c)
+}
+
+/// Text a database column can hold: PostgreSQL refuses NUL characters.
+pub(super) fn check_text(field: &str, t: &str) -> Result<(), ChatError> {
+    if t.contains('\0') {
         return Err(ChatError::Invalid(format!(
             "{field}: must not contain NUL characters"
         )));

@@ -53,45 +53,60 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// Keys whose prefix matches, with their users; the caller compares hashes in constant time
     /// and checks revocation and expiry.
     async fn api_keys_by_prefix(&self, prefix: &str) -> StoreResult<Vec<(ApiKey, User)>>;
-    async fn revoke_api_key(&self, key_id: &str, at_ms: i64) -> StoreResult<()>;
+    async fn revoke_api_key(&self, key_id: &KeyId, at_ms: i64) -> StoreResult<()>;
 
-    async fn create_session(&self, user_id: &str, new: NewSession) -> StoreResult<Session>;
+    async fn create_session(&self, user_id: &UserId, new: NewSession) -> StoreResult<Session>;
     /// The caller's live sessions, most recently updated first.
-    async fn list_sessions(&self, user_id: &str, query: &SessionQuery)
-        -> StoreResult<Vec<Session>>;
-    async fn get_session(&self, user_id: &str, session_id: &str) -> StoreResult<Session>;
+    async fn list_sessions(
+        &self,
+        user_id: &UserId,
+        query: &SessionQuery,
+    ) -> StoreResult<Vec<Session>>;
+    async fn get_session(&self, user_id: &UserId, session_id: &SessionId) -> StoreResult<Session>;
     /// The user's sessions that are not deleted.
-    async fn count_sessions(&self, user_id: &str) -> StoreResult<u64>;
+    async fn count_sessions(&self, user_id: &UserId) -> StoreResult<u64>;
     async fn update_session(
         &self,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         patch: SessionPatch,
     ) -> StoreResult<Session>;
     /// Soft delete: the session and its messages disappear from every query.
-    async fn delete_session(&self, user_id: &str, session_id: &str) -> StoreResult<()>;
+    async fn delete_session(&self, user_id: &UserId, session_id: &SessionId) -> StoreResult<()>;
 
     /// The session's messages in order.
-    async fn list_messages(&self, user_id: &str, session_id: &str) -> StoreResult<Vec<Message>>;
+    async fn list_messages(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+    ) -> StoreResult<Vec<Message>>;
     /// The session's last message, if it has any (one row, however long the history).
-    async fn last_message(&self, user_id: &str, session_id: &str) -> StoreResult<Option<Message>>;
+    async fn last_message(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+    ) -> StoreResult<Option<Message>>;
     /// One message of the caller's session.
     async fn get_message(
         &self,
-        user_id: &str,
-        session_id: &str,
-        message_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
+        message_id: &MessageId,
     ) -> StoreResult<Message>;
     /// In one transaction: the user's message, an empty assistant message with status
     /// `streaming`, and the session's `updated_at`. Nothing is written if any part fails.
-    async fn begin_turn(&self, user_id: &str, session_id: &str, content: &str)
-        -> StoreResult<Turn>;
+    async fn begin_turn(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+        content: &str,
+    ) -> StoreResult<Turn>;
     /// Regenerate, in one transaction: drops the session's messages from `from_seq` on (the
     /// reply being replaced) and writes a new `streaming` assistant placeholder.
     async fn begin_regenerate(
         &self,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         from_seq: i64,
     ) -> StoreResult<Message>;
     /// Edit and resend, in one transaction: replaces the content of the user message
@@ -101,20 +116,20 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// is [`StoreError::NotAUserMessage`]; either way nothing changes.
     async fn begin_edit(
         &self,
-        user_id: &str,
-        session_id: &str,
-        message_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
+        message_id: &MessageId,
         content: &str,
     ) -> StoreResult<Turn>;
     /// The reply so far, while it streams.
-    async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()>;
+    async fn save_progress(&self, message_id: &MessageId, content: &str) -> StoreResult<()>;
     /// The reply's final state.
-    async fn finish_message(&self, message_id: &str, done: &Completion) -> StoreResult<()>;
+    async fn finish_message(&self, message_id: &MessageId, done: &Completion) -> StoreResult<()>;
     /// Every reply in `streaming` state: its id and its `updated_at` as last written, by
     /// whichever replica's clock (the orphan sweep compares it only with itself).
-    async fn streaming_replies(&self) -> StoreResult<Vec<(String, i64)>>;
+    async fn streaming_replies(&self) -> StoreResult<Vec<(MessageId, i64)>>;
     /// A reply left `streaming` by an orchestrator that died becomes `error` / `interrupted`,
     /// keeping its text: only if it is still `streaming` with `updated_at` equal to `seen`, so a
     /// save that landed since (the reply is alive) leaves it alone. Returns whether it changed.
-    async fn fail_interrupted(&self, message_id: &str, seen: i64) -> StoreResult<bool>;
+    async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool>;
 }

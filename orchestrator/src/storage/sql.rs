@@ -70,10 +70,6 @@ fn conflict(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     }
 }
 
-fn new_id() -> String {
-    uuid::Uuid::new_v4().simple().to_string()
-}
-
 impl SqlStore {
     /// Connects (`postgres://…` or `sqlite:…`; a SQLite file is created if missing) and applies
     /// the migrations for that database.
@@ -117,8 +113,8 @@ impl SqlStore {
     /// says, and appends `messages`. Returns the edited message (if any) and then those written.
     async fn append(
         &self,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         rewrite: Rewrite<'_>,
         messages: &[(Role, &str, MessageStatus)],
     ) -> StoreResult<Vec<Message>> {
@@ -176,8 +172,8 @@ impl SqlStore {
     /// the check and the write.
     async fn claim(
         tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         now: i64,
     ) -> StoreResult<()> {
         let done = sqlx::query(
@@ -197,7 +193,7 @@ impl SqlStore {
     }
 
     /// The session, if it is the caller's and not deleted.
-    async fn owned<'e, E>(exec: E, user_id: &str, session_id: &str) -> StoreResult<()>
+    async fn owned<'e, E>(exec: E, user_id: &UserId, session_id: &SessionId) -> StoreResult<()>
     where
         E: sqlx::Executor<'e, Database = sqlx::Any>,
     {
@@ -221,7 +217,7 @@ enum Rewrite<'a> {
     From(i64),
     /// Edit and resend: replace this user message's content and drop everything after it.
     Edit {
-        message_id: &'a str,
+        message_id: &'a MessageId,
         content: &'a str,
     },
 }
@@ -250,6 +246,7 @@ fn session_from(r: &AnyRow) -> StoreResult<Session> {
 fn message_from(r: &AnyRow) -> StoreResult<Message> {
     let role: String = r.try_get("role").map_err(db_err)?;
     let status: String = r.try_get("status").map_err(db_err)?;
+    let finish: Option<String> = r.try_get("finish_reason").map_err(db_err)?;
     let bad = |what: &str, v: &str| StoreError::Internal(format!("stored message {what} `{v}`"));
     Ok(Message {
         id: r.try_get("id").map_err(db_err)?,
@@ -257,7 +254,9 @@ fn message_from(r: &AnyRow) -> StoreResult<Message> {
         role: Role::parse(&role).ok_or_else(|| bad("role", &role))?,
         content: r.try_get("content").map_err(db_err)?,
         status: MessageStatus::parse(&status).ok_or_else(|| bad("status", &status))?,
-        finish_reason: r.try_get("finish_reason").map_err(db_err)?,
+        finish_reason: finish
+            .map(|f| Finish::parse(&f).ok_or_else(|| bad("finish_reason", &f)))
+            .transpose()?,
         prompt_tokens: r.try_get("prompt_tokens").map_err(db_err)?,
         cached_tokens: r.try_get("cached_tokens").map_err(db_err)?,
         completion_tokens: r.try_get("completion_tokens").map_err(db_err)?,
@@ -311,8 +310,8 @@ fn like_pattern(q: &str) -> String {
 /// message `message_id`, and returns it as stored.
 async fn edit_message(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    session_id: &str,
-    message_id: &str,
+    session_id: &SessionId,
+    message_id: &MessageId,
     content: &str,
     now: i64,
 ) -> StoreResult<Message> {
@@ -346,7 +345,7 @@ async fn edit_message(
 /// Inserts a message inside a transaction, at the session's next sequence number.
 async fn insert_message(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
-    session_id: &str,
+    session_id: &SessionId,
     role: Role,
     content: &str,
     status: MessageStatus,
@@ -358,7 +357,7 @@ async fn insert_message(
             .fetch_one(&mut **tx)
             .await
             .map_err(db_err)?;
-    let id = new_id();
+    let id = MessageId::random();
     sqlx::query(
         "INSERT INTO messages (id, session_id, seq, role, content, status, created_at, updated_at) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
@@ -407,7 +406,7 @@ impl Store for SqlStore {
 
     async fn create_user(&self, name: &str) -> StoreResult<User> {
         let user = User {
-            id: new_id(),
+            id: UserId::random(),
             name: name.to_string(),
             created_at: now_ms(),
         };
@@ -439,7 +438,7 @@ impl Store for SqlStore {
 
     async fn insert_api_key(&self, k: NewApiKey) -> StoreResult<ApiKey> {
         let key = ApiKey {
-            id: new_id(),
+            id: KeyId::random(),
             user_id: k.user_id,
             prefix: k.prefix,
             key_hash: k.key_hash,
@@ -481,7 +480,7 @@ impl Store for SqlStore {
         rows.iter().map(api_key_from).collect()
     }
 
-    async fn revoke_api_key(&self, key_id: &str, at_ms: i64) -> StoreResult<()> {
+    async fn revoke_api_key(&self, key_id: &KeyId, at_ms: i64) -> StoreResult<()> {
         let done =
             sqlx::query("UPDATE api_keys SET revoked_at = COALESCE(revoked_at, $1) WHERE id = $2")
                 .bind(at_ms)
@@ -495,10 +494,10 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn create_session(&self, user_id: &str, new: NewSession) -> StoreResult<Session> {
+    async fn create_session(&self, user_id: &UserId, new: NewSession) -> StoreResult<Session> {
         let now = now_ms();
         let s = Session {
-            id: new_id(),
+            id: SessionId::random(),
             title: new.title,
             system_prompt: new.system_prompt,
             params: new.params,
@@ -524,7 +523,7 @@ impl Store for SqlStore {
         Ok(s)
     }
 
-    async fn count_sessions(&self, user_id: &str) -> StoreResult<u64> {
+    async fn count_sessions(&self, user_id: &UserId) -> StoreResult<u64> {
         let n: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM sessions WHERE user_id = $1 AND deleted_at IS NULL",
         )
@@ -537,7 +536,7 @@ impl Store for SqlStore {
 
     async fn list_sessions(
         &self,
-        user_id: &str,
+        user_id: &UserId,
         query: &SessionQuery,
     ) -> StoreResult<Vec<Session>> {
         let mut sql = format!(
@@ -576,7 +575,7 @@ impl Store for SqlStore {
         rows.iter().map(session_from).collect()
     }
 
-    async fn get_session(&self, user_id: &str, session_id: &str) -> StoreResult<Session> {
+    async fn get_session(&self, user_id: &UserId, session_id: &SessionId) -> StoreResult<Session> {
         let sql = format!(
             "SELECT {SESSION_COLUMNS} FROM sessions \
              WHERE id = $1 AND user_id = $2 AND deleted_at IS NULL"
@@ -593,8 +592,8 @@ impl Store for SqlStore {
 
     async fn update_session(
         &self,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         patch: SessionPatch,
     ) -> StoreResult<Session> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
@@ -643,7 +642,7 @@ impl Store for SqlStore {
         session_from(&row)
     }
 
-    async fn delete_session(&self, user_id: &str, session_id: &str) -> StoreResult<()> {
+    async fn delete_session(&self, user_id: &UserId, session_id: &SessionId) -> StoreResult<()> {
         let done = sqlx::query(
             "UPDATE sessions SET deleted_at = $1 \
              WHERE id = $2 AND user_id = $3 AND deleted_at IS NULL",
@@ -660,7 +659,11 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn list_messages(&self, user_id: &str, session_id: &str) -> StoreResult<Vec<Message>> {
+    async fn list_messages(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+    ) -> StoreResult<Vec<Message>> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         Self::owned(&mut *tx, user_id, session_id).await?;
         let sql =
@@ -674,7 +677,11 @@ impl Store for SqlStore {
         rows.iter().map(message_from).collect()
     }
 
-    async fn last_message(&self, user_id: &str, session_id: &str) -> StoreResult<Option<Message>> {
+    async fn last_message(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+    ) -> StoreResult<Option<Message>> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         Self::owned(&mut *tx, user_id, session_id).await?;
         let sql = format!(
@@ -691,9 +698,9 @@ impl Store for SqlStore {
 
     async fn get_message(
         &self,
-        user_id: &str,
-        session_id: &str,
-        message_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
+        message_id: &MessageId,
     ) -> StoreResult<Message> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         Self::owned(&mut *tx, user_id, session_id).await?;
@@ -711,8 +718,8 @@ impl Store for SqlStore {
 
     async fn begin_turn(
         &self,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         content: &str,
     ) -> StoreResult<Turn> {
         let mut written = self
@@ -738,8 +745,8 @@ impl Store for SqlStore {
 
     async fn begin_regenerate(
         &self,
-        user_id: &str,
-        session_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
         from_seq: i64,
     ) -> StoreResult<Message> {
         self.append(
@@ -755,9 +762,9 @@ impl Store for SqlStore {
 
     async fn begin_edit(
         &self,
-        user_id: &str,
-        session_id: &str,
-        message_id: &str,
+        user_id: &UserId,
+        session_id: &SessionId,
+        message_id: &MessageId,
         content: &str,
     ) -> StoreResult<Turn> {
         let mut written = self
@@ -781,7 +788,7 @@ impl Store for SqlStore {
         }
     }
 
-    async fn save_progress(&self, message_id: &str, content: &str) -> StoreResult<()> {
+    async fn save_progress(&self, message_id: &MessageId, content: &str) -> StoreResult<()> {
         sqlx::query(
             "UPDATE messages SET content = $1, updated_at = $2 \
              WHERE id = $3 AND status = 'streaming'",
@@ -795,7 +802,7 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn finish_message(&self, message_id: &str, d: &Completion) -> StoreResult<()> {
+    async fn finish_message(&self, message_id: &MessageId, d: &Completion) -> StoreResult<()> {
         let done = sqlx::query(
             "UPDATE messages SET content = $1, status = $2, finish_reason = $3, \
              prompt_tokens = $4, cached_tokens = $5, completion_tokens = $6, ttft_ms = $7, \
@@ -803,12 +810,12 @@ impl Store for SqlStore {
         )
         .bind(&d.content)
         .bind(d.status.as_str())
-        .bind(&d.finish_reason)
-        .bind(d.prompt_tokens)
-        .bind(d.cached_tokens)
-        .bind(d.completion_tokens)
-        .bind(d.ttft_ms)
-        .bind(d.duration_ms)
+        .bind(d.finish_reason.as_str())
+        .bind(d.usage.prompt_tokens as i64)
+        .bind(d.usage.cached_tokens as i64)
+        .bind(d.usage.completion_tokens as i64)
+        .bind(d.timings.ttft_ms.map(|t| t as i64))
+        .bind(d.timings.duration_ms as i64)
         .bind(&d.worker)
         .bind(now_ms())
         .bind(message_id)
@@ -821,7 +828,7 @@ impl Store for SqlStore {
         Ok(())
     }
 
-    async fn streaming_replies(&self) -> StoreResult<Vec<(String, i64)>> {
+    async fn streaming_replies(&self) -> StoreResult<Vec<(MessageId, i64)>> {
         let rows = sqlx::query("SELECT id, updated_at FROM messages WHERE status = 'streaming'")
             .fetch_all(&self.pool)
             .await
@@ -836,7 +843,7 @@ impl Store for SqlStore {
             .collect()
     }
 
-    async fn fail_interrupted(&self, message_id: &str, seen: i64) -> StoreResult<bool> {
+    async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool> {
         let done = sqlx::query(
             "UPDATE messages SET status = 'error', \
              finish_reason = COALESCE(finish_reason, 'interrupted'), updated_at = $1 \

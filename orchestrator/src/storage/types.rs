@@ -1,17 +1,21 @@
-//! Rows as the rest of the orchestrator sees them.
+//! Rows as the rest of the orchestrator sees them, with typed ids and enums for what is stored
+//! as text. The record of how a reply ended ([`Finish`], [`ReplyUsage`], [`ReplyTimings`]) is
+//! the one the live log, storage and the API share.
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::ids::{KeyId, MessageId, SessionId, UserId};
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct User {
-    pub id: String,
+    pub id: UserId,
     pub name: String,
     pub created_at: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NewApiKey {
-    pub user_id: String,
+    pub user_id: UserId,
     pub prefix: String,
     pub key_hash: String,
     pub requests_per_minute: Option<i64>,
@@ -21,8 +25,8 @@ pub struct NewApiKey {
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiKey {
-    pub id: String,
-    pub user_id: String,
+    pub id: KeyId,
+    pub user_id: UserId,
     pub prefix: String,
     pub key_hash: String,
     pub requests_per_minute: Option<i64>,
@@ -35,8 +39,8 @@ pub struct ApiKey {
 /// A chat session. Timestamps are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Session {
-    #[schema(pattern = "^[0-9a-f]{32}$")]
-    pub id: String,
+    #[schema(value_type = String, pattern = "^[0-9a-f]{32}$")]
+    pub id: SessionId,
     pub title: String,
     #[schema(required = true)]
     pub system_prompt: Option<String>,
@@ -75,7 +79,7 @@ pub struct SessionPatch {
 pub struct SessionQuery {
     pub q: Option<String>,
     pub limit: u32,
-    pub before: Option<(i64, String)>,
+    pub before: Option<(i64, SessionId)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -106,7 +110,29 @@ macro_rules! text_enum {
         }
     };
 }
+/// Why a reply ended: how its generation finished (`stop`: end of turn or a stop string,
+/// `length`, `context_full`, `cancelled`: stopped), `error`, or `interrupted` (its orchestrator
+/// went away while it streamed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Finish {
+    Stop,
+    Length,
+    ContextFull,
+    Cancelled,
+    Error,
+    Interrupted,
+}
+
 text_enum!(Role { User => "user", Assistant => "assistant" });
+text_enum!(Finish {
+    Stop => "stop",
+    Length => "length",
+    ContextFull => "context_full",
+    Cancelled => "cancelled",
+    Error => "error",
+    Interrupted => "interrupted",
+});
 text_enum!(MessageStatus {
     Complete => "complete",
     Streaming => "streaming",
@@ -117,14 +143,14 @@ text_enum!(MessageStatus {
 /// A stored message. Timestamps are Unix milliseconds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, utoipa::ToSchema)]
 pub struct Message {
-    #[schema(pattern = "^[0-9a-f]{32}$")]
-    pub id: String,
+    #[schema(value_type = String, pattern = "^[0-9a-f]{32}$")]
+    pub id: MessageId,
     pub seq: i64,
     pub role: Role,
     pub content: String,
     pub status: MessageStatus,
     #[schema(required = true)]
-    pub finish_reason: Option<String>,
+    pub finish_reason: Option<Finish>,
     #[schema(required = true)]
     pub prompt_tokens: Option<i64>,
     #[schema(required = true)]
@@ -148,17 +174,33 @@ pub struct Turn {
     pub assistant: Message,
 }
 
-/// A reply's final state.
+/// What a reply used, in tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct ReplyUsage {
+    pub prompt_tokens: u64,
+    /// Prompt tokens the worker already held in its cache.
+    pub cached_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// A reply's timings, in milliseconds from the request's arrival.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+pub struct ReplyTimings {
+    /// Until the first token (`null` when none came).
+    #[schema(required = true)]
+    pub ttft_ms: Option<u64>,
+    pub duration_ms: u64,
+}
+
+/// A reply's final state, as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completion {
     pub content: String,
     pub status: MessageStatus,
-    pub finish_reason: Option<String>,
-    pub prompt_tokens: Option<i64>,
-    pub cached_tokens: Option<i64>,
-    pub completion_tokens: Option<i64>,
-    pub ttft_ms: Option<i64>,
-    pub duration_ms: Option<i64>,
+    pub finish_reason: Finish,
+    pub usage: ReplyUsage,
+    pub timings: ReplyTimings,
+    /// The worker that finished the reply.
     pub worker: Option<String>,
 }
 

@@ -5,12 +5,14 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+use crate::ids::SessionId;
+
 /// Where sessions' caches live: in this process, and shared through Redis when there is one.
 /// The local map is written either way, so while Redis is down this replica still sends the
 /// sessions it routed itself back to their caches (it learns nothing from other replicas then).
 #[derive(Debug, Default)]
 pub struct Affinity {
-    local: Mutex<HashMap<String, String>>,
+    local: Mutex<HashMap<Key, String>>,
     redis: Option<crate::limits::Redis>,
 }
 
@@ -19,11 +21,32 @@ const AFFINITY_TTL_SECS: u64 = 86_400;
 /// Tokens in the shortest prefix routed by affinity: one KV block of the worker.
 const PREFIX_UNIT: usize = 16;
 
+/// The affinity key of one leading run of a prompt's tokens (see [`prefix_keys`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct PrefixKey(String);
+
+/// What a worker is remembered for.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Key {
+    Session(SessionId),
+    Prefix(PrefixKey),
+}
+
+impl Key {
+    /// The Redis key, the same in every replica.
+    fn redis(&self) -> String {
+        match self {
+            Self::Session(s) => format!("hearth:affinity:{s}"),
+            Self::Prefix(PrefixKey(p)) => format!("hearth:affinity:{p}"),
+        }
+    }
+}
+
 /// Affinity keys of a stateless prompt: a hash of each of its leading runs of 16, 32, 64, …
 /// tokens (short of its last token, which a worker always computes), shortest first. A
 /// conversation resent with one more turn shares its earlier keys; prompts with a common
 /// system prompt share the keys that fall inside it.
-pub fn prefix_keys(prompt: &[u32]) -> Vec<String> {
+pub fn prefix_keys(prompt: &[u32]) -> Vec<PrefixKey> {
     use std::hash::{Hash, Hasher};
     let mut keys = Vec::new();
     let mut len = PREFIX_UNIT;
@@ -31,7 +54,7 @@ pub fn prefix_keys(prompt: &[u32]) -> Vec<String> {
         // The same key in every orchestrator replica: DefaultHasher::new() has fixed keys.
         let mut h = std::collections::hash_map::DefaultHasher::new();
         prompt[..len].hash(&mut h);
-        keys.push(format!("prefix:{len}:{:016x}", h.finish()));
+        keys.push(PrefixKey(format!("prefix:{len}:{:016x}", h.finish())));
         len *= 2;
     }
     keys
@@ -51,16 +74,17 @@ impl Affinity {
         }
     }
 
-    fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+    fn remembered(&self) -> std::sync::MutexGuard<'_, HashMap<Key, String>> {
         self.local.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The worker of the last of `keys` that has one.
-    pub(super) async fn get_last(&self, keys: &[String]) -> Option<String> {
+    pub(super) async fn get_last(&self, keys: &[PrefixKey]) -> Option<String> {
+        let keys: Vec<Key> = keys.iter().cloned().map(Key::Prefix).collect();
         if let (Some(c), false) = (&self.redis, keys.is_empty()) {
             let mut get = redis::cmd("MGET");
-            for k in keys {
-                get.arg(format!("hearth:affinity:{k}"));
+            for k in &keys {
+                get.arg(k.redis());
             }
             if let Some(found) = c
                 .cmd::<Vec<Option<String>>>(&get, "prefix affinity unknown")
@@ -73,11 +97,11 @@ impl Affinity {
         keys.iter().rev().find_map(|k| m.get(k).cloned())
     }
 
-    pub(super) async fn get(&self, session: &str) -> Option<String> {
+    /// The worker that last served `session`.
+    pub(super) async fn get(&self, session: &SessionId) -> Option<String> {
+        let key = Key::Session(session.clone());
         if let Some(c) = &self.redis {
-            let get = redis::cmd("GET")
-                .arg(format!("hearth:affinity:{session}"))
-                .clone();
+            let get = redis::cmd("GET").arg(key.redis()).clone();
             if let Some(found) = c
                 .cmd::<Option<String>>(&get, "session affinity unknown")
                 .await
@@ -85,20 +109,29 @@ impl Affinity {
                 return found;
             }
         }
-        self.remembered().get(session).cloned()
+        self.remembered().get(&key).cloned()
     }
 
-    pub(super) async fn set(&self, session: &str, addr: &str) {
+    pub(super) async fn set_session(&self, session: &SessionId, addr: &str) {
+        self.set(Key::Session(session.clone()), addr).await;
+    }
+
+    pub(super) async fn set_prefix(&self, prefix: &PrefixKey, addr: &str) {
+        self.set(Key::Prefix(prefix.clone()), addr).await;
+    }
+
+    async fn set(&self, key: Key, addr: &str) {
+        let redis_key = key.redis();
         {
             let mut m = self.remembered();
             if m.len() > 100_000 {
                 m.clear();
             }
-            m.insert(session.to_string(), addr.to_string());
+            m.insert(key, addr.to_string());
         }
         if let Some(c) = &self.redis {
             let set = redis::cmd("SET")
-                .arg(format!("hearth:affinity:{session}"))
+                .arg(redis_key)
                 .arg(addr)
                 .arg("EX")
                 .arg(AFFINITY_TTL_SECS)
@@ -135,8 +168,8 @@ mod tests {
         let a = Affinity::local();
         let keys = prefix_keys(&(0..100).collect::<Vec<u32>>());
         assert_eq!(a.get_last(&keys).await, None);
-        a.set(&keys[0], "w1").await;
-        a.set(&keys[2], "w2").await;
+        a.set_prefix(&keys[0], "w1").await;
+        a.set_prefix(&keys[2], "w2").await;
         assert_eq!(a.get_last(&keys).await.as_deref(), Some("w2"));
         assert_eq!(a.get_last(&keys[..2]).await.as_deref(), Some("w1"));
     }

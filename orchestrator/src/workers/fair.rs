@@ -26,6 +26,7 @@ use tokio::time::Instant;
 
 use super::pool::{Pick, PoolError, WorkerPool};
 use super::Lease;
+use crate::ids::UserId;
 use crate::telemetry;
 
 /// The queue and the places each user holds, which order it.
@@ -34,7 +35,7 @@ pub(super) struct Fair {
     next_ticket: u64,
     waiting: Vec<Waiter>,
     /// Workers' places (leases) held per user.
-    pub(super) held: HashMap<String, usize>,
+    pub(super) held: HashMap<UserId, usize>,
     pub(super) next_lease: u64,
     /// Every place held, oldest first.
     pub(super) leases: Vec<Held>,
@@ -43,7 +44,7 @@ pub(super) struct Fair {
 #[derive(Debug)]
 struct Waiter {
     ticket: u64,
-    user: String,
+    user: UserId,
     preferred: Option<String>,
     exclude: Vec<String>,
     /// A preempted reply waiting to continue: it goes before its user's new requests, and
@@ -55,7 +56,7 @@ struct Waiter {
 #[derive(Debug)]
 pub(super) struct Held {
     pub(super) id: u64,
-    pub(super) user: String,
+    pub(super) user: UserId,
     pub(super) addr: String,
     /// Asked to give the place up.
     pub(super) yielding: bool,
@@ -67,7 +68,7 @@ pub(super) struct Held {
 pub(super) type Rank = (usize, bool, u64);
 
 impl Fair {
-    pub(super) fn rank(&self, user: &str, resumed: bool, ticket: u64) -> Rank {
+    pub(super) fn rank(&self, user: &UserId, resumed: bool, ticket: u64) -> Rank {
         (self.held.get(user).copied().unwrap_or(0), !resumed, ticket)
     }
 }
@@ -83,16 +84,16 @@ impl<'a> QueuePlace<'a> {
     /// user with the most waiting requests.
     fn take(
         pool: &'a WorkerPool,
-        user: &str,
+        user: &UserId,
         preferred: Option<&str>,
         exclude: &[String],
         resumed: bool,
     ) -> Option<Self> {
         let mut fair = pool.fair();
         if !resumed && fair.waiting.len() >= pool.config.max_queue {
-            let mut counts: HashMap<&str, usize> = HashMap::new();
+            let mut counts: HashMap<&UserId, usize> = HashMap::new();
             for w in fair.waiting.iter().filter(|w| !w.resumed) {
-                *counts.entry(w.user.as_str()).or_default() += 1;
+                *counts.entry(&w.user).or_default() += 1;
             }
             let mine = counts.get(user).copied().unwrap_or(0);
             let (most, theirs) = counts
@@ -101,7 +102,7 @@ impl<'a> QueuePlace<'a> {
             if mine + 1 >= theirs {
                 return None;
             }
-            let most = most.to_string();
+            let most = most.clone();
             let newest = fair
                 .waiting
                 .iter()
@@ -116,7 +117,7 @@ impl<'a> QueuePlace<'a> {
         fair.next_ticket += 1;
         fair.waiting.push(Waiter {
             ticket,
-            user: user.to_string(),
+            user: user.clone(),
             preferred: preferred.map(str::to_string),
             exclude: exclude.to_vec(),
             resumed,
@@ -153,7 +154,7 @@ enum Turn {
 impl WorkerPool {
     pub(super) async fn wait_for_room(
         self: &Arc<Self>,
-        user: &str,
+        user: &UserId,
         preferred: Option<&str>,
         exclude: &[String],
         resumed: bool,
@@ -189,24 +190,24 @@ impl WorkerPool {
     /// most places (at least two, not counting those already asked) to give their newest up,
     /// on a worker `user` may use. One place is asked for each waiting user who holds none,
     /// and the freed place goes to the first of them in queue order.
-    fn preempt_for(&self, user: &str, exclude: &[String]) {
+    fn preempt_for(&self, user: &UserId, exclude: &[String]) {
         let mut fair = self.fair();
         if fair.held.contains_key(user) {
             return;
         }
-        let starving: std::collections::HashSet<&str> = fair
+        let starving: std::collections::HashSet<&UserId> = fair
             .waiting
             .iter()
             .filter(|w| !w.resumed && !fair.held.contains_key(&w.user))
-            .map(|w| w.user.as_str())
+            .map(|w| &w.user)
             .collect();
         let asked = fair.leases.iter().filter(|l| l.yielding).count();
         if starving.len() <= asked {
             return;
         }
-        let mut keeps: HashMap<&str, usize> = HashMap::new();
+        let mut keeps: HashMap<&UserId, usize> = HashMap::new();
         for l in fair.leases.iter().filter(|l| !l.yielding) {
-            *keeps.entry(l.user.as_str()).or_default() += 1;
+            *keeps.entry(&l.user).or_default() += 1;
         }
         let Some((victim, n)) = keeps
             .into_iter()
@@ -218,7 +219,7 @@ impl WorkerPool {
         if n < 2 {
             return;
         }
-        let victim = victim.to_string();
+        let victim = victim.clone();
         let newest = fair
             .leases
             .iter_mut()
@@ -290,7 +291,16 @@ mod tests {
         )
     }
 
-    fn users(pool: &WorkerPool) -> Vec<String> {
+    /// The user called `name` in a test: alice, bob, carol, dave and erin sort by name.
+    fn user(name: &str) -> UserId {
+        let n = ["alice", "bob", "carol", "dave", "erin"]
+            .iter()
+            .position(|&u| u == name)
+            .expect("a test user");
+        UserId::parse(&format!("{:032x}", n + 1)).expect("an id")
+    }
+
+    fn users(pool: &WorkerPool) -> Vec<UserId> {
         pool.fair().waiting.iter().map(|w| w.user.clone()).collect()
     }
 
@@ -298,29 +308,32 @@ mod tests {
     async fn a_full_queue_is_shared_a_user_with_fewer_waiting_takes_the_newest_place_of_the_most() {
         let p = pool(4);
         let alice: Vec<_> = (0..4)
-            .map(|_| QueuePlace::take(&p, "alice", None, &[], false).expect("room"))
+            .map(|_| QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room"))
             .collect();
         assert!(
-            QueuePlace::take(&p, "alice", None, &[], false).is_none(),
+            QueuePlace::take(&p, &user("alice"), None, &[], false).is_none(),
             "full"
         );
-        let bob1 = QueuePlace::take(&p, "bob", None, &[], false).expect("bob takes a place");
-        assert_eq!(users(&p), ["alice", "alice", "alice", "bob"]);
+        let bob1 = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("bob takes a place");
+        assert_eq!(
+            users(&p),
+            [user("alice"), user("alice"), user("alice"), user("bob")]
+        );
         assert_eq!(
             p.turn(alice[3].ticket),
             Turn::Bumped,
             "alice's newest lost it"
         );
         assert_eq!(p.turn(alice[0].ticket), Turn::Next);
-        let bob2 = QueuePlace::take(&p, "bob", None, &[], false).expect("bob again");
+        let bob2 = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("bob again");
         assert_eq!(p.turn(alice[2].ticket), Turn::Bumped);
         // Two each: nobody takes from anybody any more.
-        assert!(QueuePlace::take(&p, "bob", None, &[], false).is_none());
-        assert!(QueuePlace::take(&p, "alice", None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, &user("bob"), None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, &user("alice"), None, &[], false).is_none());
         assert_eq!(p.queued(), 4);
         // A bumped place that is dropped gives nothing back twice; a real one frees a place.
         drop(alice);
-        assert_eq!(users(&p), ["bob", "bob"]);
+        assert_eq!(users(&p), [user("bob"), user("bob")]);
         drop((bob1, bob2));
         assert_eq!(p.queued(), 0);
     }
@@ -328,13 +341,17 @@ mod tests {
     #[tokio::test]
     async fn the_queue_ranks_users_by_the_places_they_hold_then_by_arrival() {
         let p = pool(8);
-        let a1 = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
-        let b1 = QueuePlace::take(&p, "bob", None, &[], false).expect("room");
+        let a1 = QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room");
+        let b1 = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("room");
         let mut fair = p.fair();
-        assert!(fair.rank("alice", false, a1.ticket) < fair.rank("bob", false, b1.ticket));
+        assert!(
+            fair.rank(&user("alice"), false, a1.ticket) < fair.rank(&user("bob"), false, b1.ticket)
+        );
         // Alice holds two workers' places, Bob none: Bob goes first although he came later.
-        fair.held.insert("alice".to_string(), 2);
-        assert!(fair.rank("bob", false, b1.ticket) < fair.rank("alice", false, a1.ticket));
+        fair.held.insert(user("alice"), 2);
+        assert!(
+            fair.rank(&user("bob"), false, b1.ticket) < fair.rank(&user("alice"), false, a1.ticket)
+        );
         drop(fair);
         // With no worker ready, nobody can take a place, so nobody stands in anyone's way.
         assert_eq!(p.turn(a1.ticket), Turn::Next);
@@ -342,15 +359,15 @@ mod tests {
     }
 
     /// Gives `user` a place on `addr` as the queue sees it, with the signal that asks it back.
-    fn hold(p: &WorkerPool, user: &str, addr: &str) -> Arc<Notify> {
+    fn hold(p: &WorkerPool, user: &UserId, addr: &str) -> Arc<Notify> {
         let mut fair = p.fair();
-        *fair.held.entry(user.to_string()).or_default() += 1;
+        *fair.held.entry(user.clone()).or_default() += 1;
         let id = fair.next_lease;
         fair.next_lease += 1;
         let signal = Arc::new(Notify::new());
         fair.leases.push(Held {
             id,
-            user: user.to_string(),
+            user: user.clone(),
             addr: addr.to_string(),
             yielding: false,
             signal: signal.clone(),
@@ -367,25 +384,25 @@ mod tests {
     #[tokio::test]
     async fn a_user_without_a_place_gets_one_from_the_user_with_the_most() {
         let p = pool(8);
-        let alice: Vec<_> = (0..3).map(|_| hold(&p, "alice", "w1")).collect();
-        let dave = hold(&p, "dave", "w1");
+        let alice: Vec<_> = (0..3).map(|_| hold(&p, &user("alice"), "w1")).collect();
+        let dave = hold(&p, &user("dave"), "w1");
         // Alice waits too, but she holds places: she asks nobody for one.
-        let _a = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
-        p.preempt_for("alice", &[]);
+        let _a = QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room");
+        p.preempt_for(&user("alice"), &[]);
         assert!(!asked(&alice[2]).await);
         // Bob holds none: alice's newest place is asked back, once.
-        let _b = QueuePlace::take(&p, "bob", None, &[], false).expect("room");
-        p.preempt_for("bob", &[]);
-        p.preempt_for("bob", &[]);
+        let _b = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("room");
+        p.preempt_for(&user("bob"), &[]);
+        p.preempt_for(&user("bob"), &[]);
         assert!(asked(&alice[2]).await, "alice's newest place");
         assert!(!asked(&alice[1]).await && !asked(&alice[0]).await);
         // Carol holds none either: one more of alice's. Not dave's: he holds only one.
-        let _c = QueuePlace::take(&p, "carol", None, &[], false).expect("room");
-        p.preempt_for("carol", &[]);
+        let _c = QueuePlace::take(&p, &user("carol"), None, &[], false).expect("room");
+        p.preempt_for(&user("carol"), &[]);
         assert!(asked(&alice[1]).await);
         // Erin, a third: alice keeps her last place and dave his only one.
-        let _e = QueuePlace::take(&p, "erin", None, &[], false).expect("room");
-        p.preempt_for("erin", &[]);
+        let _e = QueuePlace::take(&p, &user("erin"), None, &[], false).expect("room");
+        p.preempt_for(&user("erin"), &[]);
         assert!(!asked(&alice[0]).await && !asked(&dave).await);
         assert_eq!(p.fair().leases.iter().filter(|l| l.yielding).count(), 2);
     }
@@ -393,10 +410,11 @@ mod tests {
     #[tokio::test]
     async fn a_place_on_a_worker_the_waiter_cannot_use_is_not_asked_for() {
         let p = pool(8);
-        let on_w2 = hold(&p, "alice", "w2");
-        let on_w1 = hold(&p, "alice", "w1");
-        let _b = QueuePlace::take(&p, "bob", None, &["w1".to_string()], false).expect("room");
-        p.preempt_for("bob", &["w1".to_string()]);
+        let on_w2 = hold(&p, &user("alice"), "w2");
+        let on_w1 = hold(&p, &user("alice"), "w1");
+        let _b =
+            QueuePlace::take(&p, &user("bob"), None, &["w1".to_string()], false).expect("room");
+        p.preempt_for(&user("bob"), &["w1".to_string()]);
         assert!(!asked(&on_w1).await, "bob's reply just failed on w1");
         assert!(asked(&on_w2).await);
     }
@@ -404,16 +422,17 @@ mod tests {
     #[tokio::test]
     async fn a_preempted_reply_waits_before_its_users_new_requests_and_past_a_full_queue() {
         let p = pool(1);
-        hold(&p, "alice", "w1");
-        let new = QueuePlace::take(&p, "alice", None, &[], false).expect("room");
+        hold(&p, &user("alice"), "w1");
+        let new = QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room");
         assert!(
-            QueuePlace::take(&p, "alice", None, &[], false).is_none(),
+            QueuePlace::take(&p, &user("alice"), None, &[], false).is_none(),
             "full"
         );
-        let resumed = QueuePlace::take(&p, "alice", None, &[], true).expect("not bounded");
+        let resumed = QueuePlace::take(&p, &user("alice"), None, &[], true).expect("not bounded");
         let fair = p.fair();
         assert!(
-            fair.rank("alice", true, resumed.ticket) < fair.rank("alice", false, new.ticket),
+            fair.rank(&user("alice"), true, resumed.ticket)
+                < fair.rank(&user("alice"), false, new.ticket),
             "the preempted reply goes first"
         );
     }

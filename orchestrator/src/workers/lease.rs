@@ -9,6 +9,7 @@ use tokio::sync::Notify;
 use super::connection::{Generation, WorkerConnection, WorkerError};
 use super::health::WorkerSlot;
 use super::pool::WorkerPool;
+use crate::ids::UserId;
 
 /// A worker chosen for one request; it counts as in flight there until dropped.
 #[derive(Debug)]
@@ -16,7 +17,7 @@ pub struct Lease {
     pub(super) slot: Arc<WorkerSlot>,
     pub(super) conn: Arc<WorkerConnection>,
     pub(super) pool: Arc<WorkerPool>,
-    pub(super) user: String,
+    pub(super) user: UserId,
     pub(super) id: u64,
     pub(super) yield_signal: Arc<Notify>,
 }

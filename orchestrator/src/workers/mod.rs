@@ -10,7 +10,7 @@ mod health;
 mod lease;
 pub mod pool;
 
-pub use affinity::{prefix_keys, Affinity};
+pub use affinity::{prefix_keys, Affinity, PrefixKey};
 pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError};
 pub use health::WorkerStatus;
 pub use lease::Lease;

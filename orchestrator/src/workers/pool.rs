@@ -17,11 +17,12 @@ use hearth_shared::proto;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::affinity::Affinity;
+use super::affinity::{Affinity, PrefixKey};
 use super::connection::{BatchConfig, WorkerConnection};
 use super::fair::{Fair, Held};
 use super::health::{poll, SlotState, WorkerSlot, WorkerStatus};
 use super::Lease;
+use crate::ids::{SessionId, UserId};
 use crate::telemetry;
 
 #[derive(Debug, Clone)]
@@ -145,7 +146,7 @@ impl WorkerPool {
 
     /// Frees `session`'s cached KV on every worker that holds it (a deleted session). Workers
     /// that are down, or hold nothing for it, are skipped: a restarted worker holds nothing.
-    pub async fn drop_session(&self, session: &str) {
+    pub async fn drop_session(&self, session: &SessionId) {
         let mut calls = tokio::task::JoinSet::new();
         for slot in &self.slots {
             let Some(client) = slot.client.get() else {
@@ -172,8 +173,8 @@ impl WorkerPool {
     /// [`prefix_keys`]): the worker that served the longest of them, unless it is overloaded.
     pub async fn admit_prefix(
         self: &Arc<Self>,
-        user: &str,
-        keys: &[String],
+        user: &UserId,
+        keys: &[PrefixKey],
     ) -> Result<Lease, PoolError> {
         let preferred = self.affinity.get_last(keys).await;
         let lease = self
@@ -181,7 +182,7 @@ impl WorkerPool {
             .await?;
         // Every key, the longer ones being new: the next turn finds the longest.
         for k in keys {
-            self.affinity.set(k, lease.addr()).await;
+            self.affinity.set_prefix(k, lease.addr()).await;
         }
         Ok(lease)
     }
@@ -190,8 +191,8 @@ impl WorkerPool {
     /// in the bounded queue when every worker is full.
     pub async fn admit(
         self: &Arc<Self>,
-        user: &str,
-        session: Option<&str>,
+        user: &UserId,
+        session: Option<&SessionId>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
         let preferred = self.session_worker(session).await;
@@ -200,7 +201,7 @@ impl WorkerPool {
             .await?;
         if let Some(s) = session {
             if preferred.as_deref() != Some(lease.addr()) {
-                self.affinity.set(s, lease.addr()).await;
+                self.affinity.set_session(s, lease.addr()).await;
             }
         }
         Ok(lease)
@@ -211,8 +212,8 @@ impl WorkerPool {
     /// waits ahead of its user's new requests, without the queue's bound or timeout.
     pub async fn readmit(
         self: &Arc<Self>,
-        user: &str,
-        session: Option<&str>,
+        user: &UserId,
+        session: Option<&SessionId>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
         let preferred = self.session_worker(session).await;
@@ -221,7 +222,7 @@ impl WorkerPool {
     }
 
     /// The worker that last served `session` (it likely holds the session's KV cache).
-    async fn session_worker(&self, session: Option<&str>) -> Option<String> {
+    async fn session_worker(&self, session: Option<&SessionId>) -> Option<String> {
         match session {
             Some(s) => self.affinity.get(s).await,
             None => None,
@@ -230,7 +231,7 @@ impl WorkerPool {
 
     async fn admit_preferring(
         self: &Arc<Self>,
-        user: &str,
+        user: &UserId,
         preferred: Option<&str>,
         exclude: &[String],
         resumed: bool,
@@ -297,7 +298,7 @@ impl WorkerPool {
 
     pub(super) fn pick(
         self: &Arc<Self>,
-        user: &str,
+        user: &UserId,
         preferred: Option<&str>,
         exclude: &[String],
     ) -> Pick {
@@ -311,12 +312,12 @@ impl WorkerPool {
         let signal = Arc::new(Notify::new());
         let id = {
             let mut fair = self.fair();
-            *fair.held.entry(user.to_string()).or_default() += 1;
+            *fair.held.entry(user.clone()).or_default() += 1;
             let id = fair.next_lease;
             fair.next_lease += 1;
             fair.leases.push(Held {
                 id,
-                user: user.to_string(),
+                user: user.clone(),
                 addr: slot.addr.clone(),
                 yielding: false,
                 signal: signal.clone(),
@@ -327,7 +328,7 @@ impl WorkerPool {
             slot,
             conn,
             pool: self.clone(),
-            user: user.to_string(),
+            user: user.clone(),
             id,
             yield_signal: signal,
         })

@@ -1,0 +1,218 @@
+//! A session's fields and a page query as the chat service takes them: checked once, at the
+//! API's edge, beside [`super::ValidTurn`]. Each can only be built through its checks.
+//!
+//! What needs the served model (whether a default `max_tokens` fits its context) is checked by
+//! the service when it stores the session.
+
+use hearth_shared::SamplingParams;
+
+use super::turn::{check_params, check_text};
+use super::ChatError;
+use crate::ids::SessionId;
+use crate::storage::{NewSession, SessionPatch, SessionQuery};
+
+const MAX_TITLE_CHARS: usize = 200;
+const MAX_SYSTEM_PROMPT_BYTES: usize = 64 << 10;
+const DEFAULT_TITLE: &str = "New chat";
+const DEFAULT_PAGE: u32 = 20;
+const MAX_PAGE: u32 = 100;
+const MAX_QUERY_BYTES: usize = 200;
+
+/// A new session, checked; `max_tokens` is checked against the model when it is stored.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidSession {
+    pub(super) new: NewSession,
+    pub(super) max_tokens: Option<u32>,
+}
+
+impl ValidSession {
+    /// A title of up to 200 characters, trimmed ("New chat" when empty), a system prompt of up
+    /// to 64 KiB, sampling parameters in range.
+    pub fn new(
+        title: Option<&str>,
+        system_prompt: Option<String>,
+        params: Option<SamplingParams>,
+        max_tokens: Option<u32>,
+    ) -> Result<Self, ChatError> {
+        let title = check_title(title.unwrap_or(""))?;
+        if let Some(sys) = &system_prompt {
+            check_system(sys)?;
+        }
+        Ok(Self {
+            new: NewSession {
+                title: if title.is_empty() {
+                    DEFAULT_TITLE.to_string()
+                } else {
+                    title
+                },
+                system_prompt,
+                params: params.map(stored_params).transpose()?,
+                max_tokens: None,
+            },
+            max_tokens,
+        })
+    }
+}
+
+/// Changes to a session, checked: `None` leaves a field as it is, `Some(None)` clears it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidPatch {
+    pub(super) patch: SessionPatch,
+    pub(super) max_tokens: Option<Option<u32>>,
+}
+
+impl ValidPatch {
+    pub fn new(
+        title: Option<&str>,
+        system_prompt: Option<Option<String>>,
+        params: Option<Option<SamplingParams>>,
+        max_tokens: Option<Option<u32>>,
+    ) -> Result<Self, ChatError> {
+        if let Some(Some(sys)) = &system_prompt {
+            check_system(sys)?;
+        }
+        Ok(Self {
+            patch: SessionPatch {
+                title: title.map(check_title).transpose()?,
+                system_prompt,
+                params: params
+                    .map(|p| p.map(stored_params).transpose())
+                    .transpose()?,
+                max_tokens: None,
+            },
+            max_tokens,
+        })
+    }
+}
+
+/// A page of the caller's sessions: `limit` 1 to 100 (default 20), a title filter of up to
+/// 200 bytes, and the previous page's cursor (see [`next_cursor`]).
+pub fn session_query(
+    limit: Option<u32>,
+    q: Option<String>,
+    before: Option<&str>,
+) -> Result<SessionQuery, ChatError> {
+    let limit = limit.unwrap_or(DEFAULT_PAGE);
+    if !(1..=MAX_PAGE).contains(&limit) {
+        return Err(ChatError::Invalid(format!(
+            "limit: must be between 1 and {MAX_PAGE}"
+        )));
+    }
+    let before = before
+        .map(|c| {
+            c.split_once('_')
+                .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, SessionId::parse(id)?)))
+                .ok_or_else(|| ChatError::Invalid("before: not a cursor from this API".into()))
+        })
+        .transpose()?;
+    if let Some(q) = &q {
+        check_text("q", q)?;
+        if q.len() > MAX_QUERY_BYTES {
+            return Err(ChatError::Invalid(format!(
+                "q: longer than {MAX_QUERY_BYTES} bytes"
+            )));
+        }
+    }
+    Ok(SessionQuery { q, limit, before })
+}
+
+/// The cursor of the page after one that ended with the session last updated at `updated_at`.
+pub fn next_cursor(updated_at: i64, id: &SessionId) -> String {
+    format!("{updated_at}_{id}")
+}
+
+fn check_title(t: &str) -> Result<String, ChatError> {
+    check_text("title", t)?;
+    let t = t.trim();
+    if t.chars().count() > MAX_TITLE_CHARS {
+        return Err(ChatError::Invalid(format!(
+            "title: longer than {MAX_TITLE_CHARS} characters"
+        )));
+    }
+    Ok(t.to_string())
+}
+
+fn check_system(s: &str) -> Result<(), ChatError> {
+    check_text("system_prompt", s)?;
+    if s.len() > MAX_SYSTEM_PROMPT_BYTES {
+        return Err(ChatError::Invalid(format!(
+            "system_prompt: longer than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
+
+/// A session's default sampling parameters, in range, as stored.
+fn stored_params(p: SamplingParams) -> Result<serde_json::Value, ChatError> {
+    let p = check_params(p, "params.")?;
+    serde_json::to_value(p).map_err(|e| ChatError::Internal(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn message(r: Result<impl std::fmt::Debug, ChatError>) -> String {
+        r.expect_err("refused").to_string()
+    }
+
+    #[test]
+    fn a_new_session_is_trimmed_named_and_checked_once() {
+        let s = ValidSession::new(Some("  hi  "), None, None, Some(5)).expect("valid");
+        assert_eq!(s.new.title, "hi");
+        assert_eq!(s.max_tokens, Some(5));
+        let untitled = ValidSession::new(Some("   "), None, None, None).expect("valid");
+        assert_eq!(untitled.new.title, "New chat");
+        assert_eq!(
+            message(ValidSession::new(Some("a\0b"), None, None, None)),
+            "title: must not contain NUL characters"
+        );
+        let long = "é".repeat(MAX_TITLE_CHARS + 1);
+        assert!(message(ValidSession::new(Some(&long), None, None, None)).starts_with("title:"));
+        let big = "a".repeat(MAX_SYSTEM_PROMPT_BYTES + 1);
+        assert!(
+            message(ValidSession::new(None, Some(big), None, None)).starts_with("system_prompt:")
+        );
+        let hot = SamplingParams {
+            temperature: -1.0,
+            ..SamplingParams::default()
+        };
+        assert!(
+            message(ValidSession::new(None, None, Some(hot.clone()), None))
+                .starts_with("params.temperature:")
+        );
+        assert!(message(ValidPatch::new(None, None, Some(Some(hot)), None))
+            .starts_with("params.temperature:"));
+    }
+
+    #[test]
+    fn a_patch_keeps_absent_fields_and_clears_null_ones() {
+        let p = ValidPatch::new(None, Some(None), None, Some(None)).expect("valid");
+        assert_eq!(p.patch.title, None);
+        assert_eq!(p.patch.system_prompt, Some(None));
+        assert_eq!(p.patch.params, None);
+        assert_eq!(p.max_tokens, Some(None));
+        assert_eq!(
+            message(ValidPatch::new(None, Some(Some("\0".into())), None, None)),
+            "system_prompt: must not contain NUL characters"
+        );
+    }
+
+    #[test]
+    fn only_a_cursor_this_api_made_pages_on() {
+        let id = SessionId::random();
+        let q = session_query(None, None, Some(&next_cursor(-5, &id))).expect("cursor");
+        assert_eq!(q.before, Some((-5, id)));
+        assert_eq!(q.limit, DEFAULT_PAGE);
+        for bad in ["", "12", "x_0123456789abcdef0123456789abcdef", "12_NOTANID"] {
+            assert_eq!(
+                message(session_query(None, None, Some(bad))),
+                "before: not a cursor from this API",
+                "{bad:?}"
+            );
+        }
+        assert!(message(session_query(Some(0), None, None)).starts_with("limit:"));
+        assert!(message(session_query(Some(101), None, None)).starts_with("limit:"));
+        assert!(message(session_query(None, Some("q".repeat(201)), None)).starts_with("q:"));
+    }
+}
