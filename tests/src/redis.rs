@@ -1,14 +1,15 @@
-//! A `redis-server` of a test's own, which the test can stop and start again (the shared one on
-//! 6379 must stay up for every other test).
+//! Redis for the tests: the shared server's address ([`redis_url`]), and a `redis-server` of a
+//! test's own which the test can stop and start again ([`RedisServer`]; the shared one on 6379
+//! must stay up for every other test).
 
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
+use crate::free_port;
+
+/// The shared Redis (`TEST_REDIS_URL`, default the local server).
+pub fn redis_url() -> String {
+    std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
 /// `redis-server` on a free port, without persistence; killed when dropped.

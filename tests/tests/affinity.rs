@@ -7,23 +7,13 @@
 use std::net::SocketAddr;
 
 use hearth_e2e::http::Req;
-use hearth_e2e::redis::RedisServer;
-use hearth_e2e::stack::{new_session, stream_turn, Db, Hearth, Stack};
-use serde_json::json;
-
-fn redis_url() -> String {
-    std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
+use hearth_e2e::redis::{redis_url, RedisServer};
+use hearth_e2e::stack::{json_turn, new_session, stream_turn, Db, Hearth, Stack};
 
 /// A short turn answered as JSON; the worker that served it.
 async fn turn_worker(addr: SocketAddr, key: &str, sid: &str) -> String {
-    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .json(&json!({"content": "hello", "max_tokens": 3, "stream": false}))
-        .send(addr)
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["worker"].as_str().expect("worker").to_string()
+    let r = json_turn(addr, key, sid, "hello", 3).await;
+    r["worker"].as_str().expect("worker").to_string()
 }
 
 /// Runs `sid`'s first turn on `first` while another session's long reply keeps worker-1 busy,

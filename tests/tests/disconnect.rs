@@ -6,9 +6,10 @@ use std::time::Duration;
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    assert_cancelled_before, new_session, slow_spec, wait_idle, worker_metric, Db, Stack, DECODED,
+    assert_cancelled_before, new_session, settled_reply, slow_spec, wait_idle, worker_metric, Db,
+    Stack, DECODED,
 };
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// Starts a long reply in a new session, reads three tokens and goes away; the session id.
 async fn leave_mid_reply(s: &Stack, key: &str, max_tokens: u32) -> String {
@@ -29,30 +30,13 @@ async fn leave_mid_reply(s: &Stack, key: &str, max_tokens: u32) -> String {
     sid
 }
 
-/// The stored reply once it is no longer streaming.
-async fn settled_reply(s: &Stack, key: &str, sid: &str) -> Value {
-    for _ in 0..300 {
-        let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-            .key(Some(key))
-            .send(s.addr())
-            .await;
-        assert_eq!(r.status, 200, "{}", r.text());
-        let reply = r.json()["data"][1].clone();
-        if reply["status"] != "streaming" {
-            return reply;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("the reply was still streaming after 30 s");
-}
-
 #[tokio::test]
 async fn a_reply_outlives_its_client_unless_the_server_cancels_on_disconnect() {
     // The default: the reply runs to its end and is stored whole.
     let s = Stack::start_with("keepgoing", &slow_spec(), Db::Sqlite, 1, &[]).await;
     let k = s.key("alice").await;
     let sid = leave_mid_reply(&s, &k, 60).await;
-    let reply = settled_reply(&s, &k, &sid).await;
+    let reply = settled_reply(s.addr(), &k, &sid, Duration::from_secs(30)).await;
     assert_eq!(reply["status"], "complete", "{reply}");
     assert_eq!(reply["finish_reason"], "length", "{reply}");
     assert_eq!(reply["completion_tokens"], 60, "{reply}");
@@ -70,7 +54,7 @@ async fn a_reply_outlives_its_client_unless_the_server_cancels_on_disconnect() {
     .await;
     let k = s.key("alice").await;
     let sid = leave_mid_reply(&s, &k, 900).await;
-    let reply = settled_reply(&s, &k, &sid).await;
+    let reply = settled_reply(s.addr(), &k, &sid, Duration::from_secs(30)).await;
     assert_eq!(reply["status"], "stopped", "{reply}");
     assert!(!reply["content"].as_str().unwrap_or_default().is_empty());
     assert_eq!(wait_idle(&s.workers[0]).await, 0.0);

@@ -4,8 +4,8 @@
 //! The worker is the scripted one: it echoes its prompt, so each reply shows exactly which
 //! history the orchestrator sent (the tiny tokenizer has one token per character).
 
-use hearth_e2e::http::{Event, Req, Sse};
-use hearth_e2e::stack::{Db, Stack};
+use hearth_e2e::http::{Req, Sse};
+use hearth_e2e::stack::{history, json_turn, new_session, token_text, Db, Stack};
 use hearth_worker::fixtures::TinySpec;
 use serde_json::{json, Value};
 
@@ -21,66 +21,28 @@ async fn start(tag: &str, db: Db) -> Stack {
     .await
 }
 
-async fn new_session(s: &Stack, key: &str) -> String {
-    let r = Req::new("POST", "/v1/sessions")
-        .key(Some(key))
-        .json(&json!({}))
-        .send(s.addr())
-        .await;
-    assert_eq!(r.status, 201, "{}", r.text());
-    r.json()["id"].as_str().expect("id").to_string()
-}
-
-async fn messages(s: &Stack, key: &str, sid: &str) -> Vec<Value> {
-    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .send(s.addr())
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["data"].as_array().expect("data").clone()
-}
-
-/// A finished turn as JSON.
-async fn turn(s: &Stack, key: &str, sid: &str, content: &str) -> Value {
-    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .json(&json!({"content": content, "max_tokens": 40, "stream": false}))
-        .send(s.addr())
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()
-}
-
 fn edit_path(sid: &str, mid: &str) -> String {
     format!("/v1/sessions/{sid}/messages/{mid}/edit")
-}
-
-fn text_of(events: &[Event]) -> String {
-    events
-        .iter()
-        .filter(|e| e.event == "token")
-        .map(|e| e.json()["text"].as_str().expect("text").to_string())
-        .collect()
 }
 
 async fn edit_and_resend(db: Db) {
     let s = start("edit", db).await;
     let (ka, kb) = (s.key("alice").await, s.key("bob").await);
-    let sid = new_session(&s, &ka).await;
+    let sid = new_session(s.addr(), &ka).await;
     let mut asked = Vec::new();
     for q in ["alpha one", "bravo two", "charlie three"] {
-        let t = turn(&s, &ka, &sid, q).await;
+        let t = json_turn(s.addr(), &ka, &sid, q, 40).await;
         asked.push(t["user_message_id"].as_str().expect("id").to_string());
     }
-    let before = messages(&s, &ka, &sid).await;
+    let before = history(s.addr(), &ka, &sid).await;
     assert_eq!(before.len(), 6);
     let first = asked[0].clone();
     let a_reply = before[1]["id"].as_str().expect("reply id").to_string();
     let body = json!({"content": "delta edited", "max_tokens": 60});
 
     // Refusals, none of which changes anything.
-    let other_sid = new_session(&s, &kb).await;
-    let b_turn = turn(&s, &kb, &other_sid, "bob's question").await;
+    let other_sid = new_session(s.addr(), &kb).await;
+    let b_turn = json_turn(s.addr(), &kb, &other_sid, "bob's question", 40).await;
     let b_msg = b_turn["user_message_id"].as_str().expect("id").to_string();
     let refused: Vec<(&str, String, &str, Value, u16, &str)> = vec![
         // Bob cannot edit Alice's message: her session is not his.
@@ -176,8 +138,8 @@ async fn edit_and_resend(db: Db) {
         assert_eq!(r.status, status, "{what}: {}", r.text());
         assert_eq!(r.json()["error"]["type"], kind, "{what}: {}", r.text());
     }
-    assert_eq!(messages(&s, &ka, &sid).await, before);
-    assert_eq!(messages(&s, &kb, &other_sid).await.len(), 2);
+    assert_eq!(history(s.addr(), &ka, &sid).await, before);
+    assert_eq!(history(s.addr(), &kb, &other_sid).await.len(), 2);
 
     // While a reply runs in the session, an edit is a 409 and changes nothing.
     let mut running = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
@@ -201,7 +163,7 @@ async fn edit_and_resend(db: Db) {
         .await;
     assert_eq!(r.json()["stopped"], true, "{}", r.text());
     running.rest().await;
-    let with_stopped = messages(&s, &ka, &sid).await;
+    let with_stopped = history(s.addr(), &ka, &sid).await;
     assert_eq!(with_stopped.len(), 8);
     assert_eq!(with_stopped[..6], before[..]);
 
@@ -223,7 +185,7 @@ async fn edit_and_resend(db: Db) {
     let end = events.last().expect("end");
     assert_eq!(end.event, "message_end", "{events:?}");
     assert_eq!(end.json()["status"], "complete");
-    let text = text_of(&events);
+    let text = token_text(&events);
     assert!(text.contains("delta edited"), "{text:?}");
     for gone in ["alpha", "bravo", "charlie", "echo for"] {
         assert!(
@@ -232,7 +194,7 @@ async fn edit_and_resend(db: Db) {
         );
     }
 
-    let after = messages(&s, &ka, &sid).await;
+    let after = history(s.addr(), &ka, &sid).await;
     assert_eq!(after.len(), 2, "{after:?}");
     assert_eq!(after[0]["id"], json!(first));
     assert_eq!(after[0]["role"], "user");
@@ -245,7 +207,7 @@ async fn edit_and_resend(db: Db) {
 
     // The session goes on from there; a JSON edit (`"stream": false`) of a later message works
     // the same way and keeps what came before it.
-    let second = turn(&s, &ka, &sid, "echo two").await;
+    let second = json_turn(s.addr(), &ka, &sid, "echo two", 40).await;
     let second_id = second["user_message_id"].as_str().expect("id");
     let r = Req::new("POST", &edit_path(&sid, second_id))
         .key(Some(&ka))
@@ -261,7 +223,7 @@ async fn edit_and_resend(db: Db) {
         "{content:?}"
     );
     assert!(!content.contains("echo two"), "{content:?}");
-    let after = messages(&s, &ka, &sid).await;
+    let after = history(s.addr(), &ka, &sid).await;
     let shape: Vec<(&str, &str)> = after
         .iter()
         .map(|m| {
@@ -283,7 +245,7 @@ async fn edit_and_resend(db: Db) {
     assert_eq!(after[2]["content"], "foxtrot");
     assert_eq!(after[3]["content"], json!(content));
     // Bob's session never moved.
-    assert_eq!(messages(&s, &kb, &other_sid).await.len(), 2);
+    assert_eq!(history(s.addr(), &kb, &other_sid).await.len(), 2);
     s.finish().await;
 }
 

@@ -8,7 +8,8 @@ use hearth_e2e::http::Req;
 use hearth_e2e::stack::{chat_completion, new_session, Db, Stack};
 use serde_json::{json, Value};
 
-async fn completion(addr: SocketAddr, key: &str, extra: Value) -> Value {
+/// A 40-token completion of "Tell me everything", with `extra` fields; it must succeed.
+async fn ask(addr: SocketAddr, key: &str, extra: Value) -> Value {
     let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "Tell me everything"}],
                           "max_tokens": 40, "ignore_eos": true});
     for (k, v) in extra.as_object().expect("object") {
@@ -29,14 +30,14 @@ async fn a_stop_string_ends_the_reply_before_it_on_both_apis() {
     // Scripted workers echo the prompt's tokens, so the reply's text is known in advance.
     let s = Stack::scripted("stop_strings", Db::Sqlite, 1, 2, &[]).await;
     let k = s.key("alice").await;
-    let whole = completion(s.addr(), &k, json!({})).await;
+    let whole = ask(s.addr(), &k, json!({})).await;
     let text = content(&whole);
     assert_eq!(whole["choices"][0]["finish_reason"], "length");
     let stop = "everything";
     let at = text
         .find(stop)
         .expect("the echoed prompt contains the stop string");
-    let cut = completion(s.addr(), &k, json!({"stop": [stop]})).await;
+    let cut = ask(s.addr(), &k, json!({"stop": [stop]})).await;
     assert_eq!(cut["choices"][0]["finish_reason"], "stop", "{cut}");
     assert_eq!(
         content(&cut),
@@ -68,14 +69,14 @@ async fn sampling_parameters_reach_the_worker() {
     let s = Stack::start("sampling", Db::Sqlite, 1, &[]).await;
     let k = s.key("alice").await;
     let sampled = |seed: u64| json!({"temperature": 1.5, "top_p": 1.0, "seed": seed});
-    let a = content(&completion(s.addr(), &k, sampled(1)).await);
-    let again = content(&completion(s.addr(), &k, sampled(1)).await);
-    let b = content(&completion(s.addr(), &k, sampled(2)).await);
+    let a = content(&ask(s.addr(), &k, sampled(1)).await);
+    let again = content(&ask(s.addr(), &k, sampled(1)).await);
+    let b = content(&ask(s.addr(), &k, sampled(2)).await);
     assert_eq!(a, again, "the same seed reproduces the reply");
     assert_ne!(a, b, "another seed changes it");
     // (OpenAI's default temperature is 1: greedy is asked for.)
-    let greedy = content(&completion(s.addr(), &k, json!({"temperature": 0.0})).await);
-    let zero = content(&completion(s.addr(), &k, json!({"temperature": 0.0, "seed": 5})).await);
+    let greedy = content(&ask(s.addr(), &k, json!({"temperature": 0.0})).await);
+    let zero = content(&ask(s.addr(), &k, json!({"temperature": 0.0, "seed": 5})).await);
     assert_eq!(greedy, zero, "temperature 0 is greedy whatever the seed");
     assert_ne!(greedy, a, "a hot sampled reply differs from the greedy one");
     s.finish().await;

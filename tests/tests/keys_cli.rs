@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use hearth_e2e::http::{Reply, Req};
-use hearth_e2e::stack::{clear_of_a_minute_boundary, hearth_bin, Db, Stack};
+use hearth_e2e::http::Reply;
+use hearth_e2e::stack::{clear_of_a_minute_boundary, completion, hearth_bin, Db, Stack};
 use hearth_orchestrator::storage::{now_ms, Store};
 use serde_json::json;
 
@@ -23,15 +23,11 @@ fn keys(s: &Stack, args: &[&str]) -> Result<String, String> {
     }
 }
 
-async fn completion(s: &Stack, key: &str, max_tokens: u32) -> Reply {
-    Req::new("POST", "/v1/chat/completions")
-        .key(Some(key))
-        .json(
-            &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": max_tokens, "ignore_eos": true}),
-        )
-        .send(s.addr())
-        .await
+/// A completion of exactly `max_tokens` tokens, whatever the answer.
+async fn ask(s: &Stack, key: &str, max_tokens: u32) -> Reply {
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": max_tokens, "ignore_eos": true});
+    completion(s.addr(), key, &body).await
 }
 
 #[tokio::test]
@@ -46,10 +42,10 @@ async fn keys_created_with_limits_and_an_expiry_are_enforced_over_http() {
     .expect("key");
     clear_of_a_minute_boundary(Duration::from_secs(20)).await;
     for _ in 0..2 {
-        let r = completion(&s, &rpm, 1).await;
+        let r = ask(&s, &rpm, 1).await;
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    let r = completion(&s, &rpm, 1).await;
+    let r = ask(&s, &rpm, 1).await;
     assert_eq!(r.status, 429, "{}", r.text());
     let message = r.json()["error"]["message"]
         .as_str()
@@ -61,11 +57,11 @@ async fn keys_created_with_limits_and_an_expiry_are_enforced_over_http() {
     // refused until the next UTC day.
     let tpd = keys(&s, &["create", "--user", "dave", "--tokens-per-day", "6"]).expect("key");
     for _ in 0..2 {
-        let r = completion(&s, &tpd, 4).await;
+        let r = ask(&s, &tpd, 4).await;
         assert_eq!(r.status, 200, "{}", r.text());
         assert_eq!(r.json()["usage"]["completion_tokens"], 4);
     }
-    let r = completion(&s, &tpd, 4).await;
+    let r = ask(&s, &tpd, 4).await;
     assert_eq!(r.status, 429, "{}", r.text());
     let message = r.json()["error"]["message"]
         .as_str()
@@ -79,12 +75,12 @@ async fn keys_created_with_limits_and_an_expiry_are_enforced_over_http() {
         "{retry} s, {to_midnight} s to midnight"
     );
     // The other key's limits are its own.
-    assert_eq!(completion(&s, &rpm, 1).await.status, 429);
+    assert_eq!(ask(&s, &rpm, 1).await.status, 429);
 
     // --expires-in-days 1: valid now, stored to expire a day from now; once that time has
     // passed it is refused.
     let expiring = keys(&s, &["create", "--user", "erin", "--expires-in-days", "1"]).expect("key");
-    assert_eq!(completion(&s, &expiring, 1).await.status, 200);
+    assert_eq!(ask(&s, &expiring, 1).await.status, 200);
     let (record, _) = s
         .store
         .api_keys_by_prefix(&expiring[..11])
@@ -106,12 +102,12 @@ async fn keys_created_with_limits_and_an_expiry_are_enforced_over_http() {
         .await
         .expect("age the key");
     db.close().await;
-    let r = completion(&s, &expiring, 1).await;
+    let r = ask(&s, &expiring, 1).await;
     assert_eq!(r.status, 401, "{}", r.text());
 
     // Revoked by its prefix: refused from then on.
     keys(&s, &["revoke", "--prefix", &rpm[..11]]).expect("revoke");
-    assert_eq!(completion(&s, &rpm, 1).await.status, 401);
+    assert_eq!(ask(&s, &rpm, 1).await.status, 401);
 
     // Bad flags are refused with the flag named.
     let err = keys(&s, &["create", "--user", "", "--tokens-per-day", "5"]).expect_err("empty user");

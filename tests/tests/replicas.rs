@@ -3,12 +3,9 @@
 //! across both.
 
 use hearth_e2e::http::Req;
+use hearth_e2e::redis::redis_url;
 use hearth_e2e::stack::{new_session, slow_spec, Db, Hearth, Stack};
 use serde_json::json;
-
-fn redis_url() -> String {
-    std::env::var("TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
-}
 
 #[tokio::test]
 async fn two_replicas_share_sessions_stops_and_limits() {

@@ -1,4 +1,5 @@
-//! Fixture builders shared by the engine tests.
+//! Fixture builders shared by the engine tests: tiny models and engines on them, greedy requests
+//! and deterministic prompts, and what a request produced; [`worker`] runs the worker binary.
 #![allow(dead_code)]
 
 pub mod worker;
@@ -6,9 +7,12 @@ pub mod worker;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use hearth_worker::engine::{Engine, EngineConfig, EngineEvent, EventStream};
+use hearth_worker::engine::{Engine, EngineConfig, EngineEvent, EventStream, GenerateRequest};
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
 use hearth_worker::model::{load_gguf, Model};
+
+/// The tiny models' vocabulary (`TinySpec::default().vocab`).
+pub const VOCAB: u32 = 512;
 
 /// A fresh directory under the system temp dir, unique per test.
 pub fn temp_dir(tag: &str) -> PathBuf {
@@ -70,4 +74,11 @@ pub fn prompt(len: usize, seed: u32, vocab: u32) -> Vec<u32> {
     (0..len as u32)
         .map(|i| 200 + (i * 37 + seed * 101) % (vocab - 200))
         .collect()
+}
+
+/// A request for exactly `n` tokens (the end of a turn does not stop it), greedy by default.
+pub fn greedy(id: u64, prompt: Vec<u32>, n: u32) -> GenerateRequest {
+    let mut r = GenerateRequest::new(id, prompt, n);
+    r.ignore_eos = true;
+    r
 }

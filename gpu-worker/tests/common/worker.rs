@@ -1,4 +1,5 @@
-//! A real `hearth-worker serve` process on loopback ports, and a gRPC client for it.
+//! A real `hearth-worker serve` process on loopback ports, the signals and exit a test sends and
+//! waits for, and a gRPC client for it.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -18,6 +19,24 @@ pub fn spawn_worker(model: &Path, extra: &[&str]) -> WorkerProc {
     args.extend_from_slice(extra);
     WorkerProc::spawn(Path::new(env!("CARGO_BIN_EXE_hearth-worker")), model, &args)
         .expect("start hearth-worker")
+}
+
+/// Sends a POSIX signal to the worker process.
+pub fn signal(w: &WorkerProc, sig: i32) {
+    // SAFETY: kill(2) on a child we own; no memory is touched.
+    let rc = unsafe { libc::kill(w.child.id() as i32, sig) };
+    assert_eq!(rc, 0, "kill failed");
+}
+
+/// Waits up to 20 s for the worker process to exit; its exit status.
+pub async fn wait_exit(w: &mut WorkerProc) -> std::process::ExitStatus {
+    for _ in 0..1000 {
+        if let Some(status) = w.child.try_wait().expect("try_wait") {
+            return status;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("worker did not exit within 20 s");
 }
 
 pub async fn connect(w: &WorkerProc) -> WorkerClient<Channel> {

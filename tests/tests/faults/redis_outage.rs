@@ -1,0 +1,139 @@
+//! Redis gone while the stack runs: chat keeps working, rate limits lapse, a stop still reaches
+//! its reply; and the limits hold again once Redis is back.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use hearth_e2e::http::{Reply, Req};
+use hearth_e2e::redis::RedisServer;
+use hearth_e2e::stack::{
+    completion, fold, json_turn, new_session, read_tokens, stream_turn, Db, Stack, Streamed,
+};
+use hearth_orchestrator::storage::{MessageStatus, SessionId, Store};
+use hearth_worker::fixtures::TinySpec;
+use serde_json::json;
+
+use super::check_history;
+
+/// A two-token completion, whatever the answer.
+async fn ask(addr: SocketAddr, key: &str) -> Reply {
+    let body =
+        json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+    completion(addr, key, &body).await
+}
+
+/// Sends completions until one is refused by the rate limit (at most `tries`); returns the
+/// statuses. A minute boundary may reset the count once, hence more tries than the limit + 1.
+async fn until_limited(addr: SocketAddr, key: &str, tries: usize) -> Vec<u16> {
+    let mut statuses = Vec::new();
+    for _ in 0..tries {
+        let r = ask(addr, key).await;
+        statuses.push(r.status);
+        if r.status == 429 {
+            assert!(r.header("retry-after").is_some(), "429 without Retry-After");
+            break;
+        }
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    statuses
+}
+
+#[tokio::test]
+async fn with_redis_down_chat_keeps_working_limits_lapse_and_stop_still_works() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let s = Stack::start_full(
+        "noredis",
+        &TinySpec::default(),
+        Db::Postgres,
+        1,
+        &["--scripted-token-ms", "20"],
+        &["--redis-url", &url],
+    )
+    .await;
+    let addr = s.addr();
+    let limited = s.limited_key("bob", 2).await;
+
+    // With Redis up the limit holds.
+    let statuses = until_limited(addr, &limited, 6).await;
+    assert_eq!(statuses.last(), Some(&429), "{statuses:?}");
+
+    redis.kill();
+    // Chat keeps working, and the limit (already used up in this minute) is not enforced
+    // while Redis is unreachable.
+    let mut took = Vec::new();
+    for i in 0..4 {
+        let t = Instant::now();
+        let r = ask(addr, &limited).await;
+        assert_eq!(r.status, 200, "request {i} with Redis down: {}", r.text());
+        took.push(t.elapsed());
+    }
+    let sid = new_session(addr, &limited).await;
+    let t = Instant::now();
+    let m = json_turn(addr, &limited, &sid, "one", 5).await;
+    assert_eq!(m["status"], "complete", "{m}");
+    took.push(t.elapsed());
+    eprintln!("with Redis down: 4 completions and a native turn took {took:.1?}");
+    assert!(
+        took.iter().all(|t| *t < Duration::from_secs(30)),
+        "{took:?}"
+    );
+
+    // A stop reaches a reply running on the same replica without Redis.
+    let mut sse = stream_turn(addr, &limited, &sid, 900).await;
+    let mut seen = read_tokens(&mut sse, 3).await;
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/stop"))
+        .key(Some(&limited))
+        .send(addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["stopped"], true, "{}", r.text());
+    assert_eq!(r.json()["message"]["status"], "stopped", "{}", r.text());
+    seen.extend(sse.rest().await);
+    let Streamed { text, last, .. } = fold(&seen);
+    assert_eq!(last.event, "message_end", "{last:?}");
+    let end = last.json();
+    assert_eq!(end["status"], "stopped", "{end}");
+    assert!(
+        end["usage"]["completion_tokens"]
+            .as_u64()
+            .is_some_and(|n| n < 900),
+        "{end}"
+    );
+    let user = s
+        .store
+        .user_by_name("bob")
+        .await
+        .expect("user")
+        .expect("bob");
+    let msgs = s
+        .store
+        .list_messages(&user.id, &SessionId::parse(&sid).expect("a session id"))
+        .await
+        .expect("messages");
+    check_history(&sid, &msgs);
+    let reply = msgs.last().expect("reply");
+    assert_eq!(reply.status, MessageStatus::Stopped);
+    assert_eq!(reply.content, text);
+
+    // Redis back: the limit holds again once the connection is re-established.
+    redis.resume();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut statuses = Vec::new();
+    while statuses.last() != Some(&429) {
+        assert!(
+            Instant::now() < deadline,
+            "the limit was not enforced again within 60 s of Redis coming back: {statuses:?}"
+        );
+        let r = ask(addr, &limited).await;
+        assert!(
+            r.status == 200 || r.status == 429,
+            "{}: {}",
+            r.status,
+            r.text()
+        );
+        statuses.push(r.status);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    s.finish().await;
+}
