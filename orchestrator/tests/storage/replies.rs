@@ -1,0 +1,277 @@
+//! A turn's messages: begin, stream, finish, fail an interrupted reply, regenerate and edit.
+
+use super::*;
+
+pub(crate) async fn turns_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let sess = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("session");
+    assert_eq!(s.last_message(&u, &sess.id).await.expect("last"), None);
+    let t1 = s.begin_turn(&u, &sess.id, "Hello?").await.expect("turn 1");
+    assert_eq!((t1.user.seq, t1.assistant.seq), (1, 2));
+    assert_eq!(
+        s.last_message(&u, &sess.id).await.expect("last"),
+        Some(t1.assistant.clone()),
+        "the last message is the newest one"
+    );
+    assert_eq!(t1.assistant.status, MessageStatus::Streaming);
+    s.save_progress(&t1.assistant.id, "Hi")
+        .await
+        .expect("progress");
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs[1].content, "Hi");
+    let done = Completion {
+        content: "Hi there.".into(),
+        status: MessageStatus::Complete,
+        finish_reason: Finish::Stop,
+        usage: ReplyUsage {
+            prompt_tokens: 12,
+            cached_tokens: 0,
+            completion_tokens: 4,
+        },
+        timings: ReplyTimings {
+            ttft_ms: Some(80),
+            duration_ms: 300,
+        },
+        worker: Some("127.0.0.1:50051".into()),
+    };
+    s.finish_message(&t1.assistant.id, &done)
+        .await
+        .expect("finish");
+    // Progress after the end changes nothing.
+    s.save_progress(&t1.assistant.id, "late")
+        .await
+        .expect("late progress");
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs.len(), 2);
+    assert_eq!(
+        (msgs[0].role, msgs[0].content.as_str()),
+        (Role::User, "Hello?")
+    );
+    let a = &msgs[1];
+    assert_eq!(
+        (a.role, a.status, a.content.as_str()),
+        (Role::Assistant, MessageStatus::Complete, "Hi there.")
+    );
+    assert_eq!(
+        (
+            a.prompt_tokens,
+            a.cached_tokens,
+            a.completion_tokens,
+            a.ttft_ms,
+            a.duration_ms
+        ),
+        (Some(12), Some(0), Some(4), Some(80), Some(300))
+    );
+    assert_eq!(a.worker.as_deref(), Some("127.0.0.1:50051"));
+
+    // A second turn left streaming by a crash is marked error at the next start-up, text kept.
+    let t2 = s
+        .begin_turn(&u, &sess.id, "And then?")
+        .await
+        .expect("turn 2");
+    assert_eq!(t2.user.seq, 3);
+    s.save_progress(&t2.assistant.id, "Partial ans")
+        .await
+        .expect("progress");
+    // The sweep lists it with the time of its last save, and fails it only if no save has
+    // landed since (a save in between means a live orchestrator: left alone).
+    let streaming = s.streaming_replies().await.expect("streaming");
+    let seen = streaming
+        .iter()
+        .find(|(id, _)| *id == t2.assistant.id)
+        .map(|&(_, at)| at)
+        .expect("the reply is listed as streaming");
+    assert!(
+        !s.fail_interrupted(&t2.assistant.id, seen - 1)
+            .await
+            .expect("saved since"),
+        "a reply saved after it was seen is left alone"
+    );
+    assert!(s
+        .fail_interrupted(&t2.assistant.id, seen)
+        .await
+        .expect("recover"));
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs[3].status, MessageStatus::Error);
+    assert_eq!(msgs[3].content, "Partial ans");
+    assert_eq!(msgs[3].finish_reason, Some(Finish::Interrupted));
+    assert!(
+        !s.streaming_replies()
+            .await
+            .expect("streaming")
+            .iter()
+            .any(|(id, _)| *id == t2.assistant.id),
+        "nothing left streaming"
+    );
+    assert!(!s
+        .fail_interrupted(&t2.assistant.id, seen)
+        .await
+        .expect("already failed"));
+
+    // Regenerate: the last reply is replaced by a new placeholder at the same place.
+    let again = s
+        .begin_regenerate(&u, &sess.id, 4)
+        .await
+        .expect("regenerate");
+    assert_eq!(again.seq, 4);
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs.len(), 4);
+    assert_eq!(
+        (msgs[3].id.as_str(), msgs[3].content.as_str()),
+        (again.id.as_str(), "")
+    );
+
+    // While the new reply streams, no other turn starts in the session (from any replica).
+    assert_eq!(
+        s.begin_turn(&u, &sess.id, "meanwhile").await.map(|_| ()),
+        Err(StoreError::ReplyRunning)
+    );
+    assert_eq!(
+        s.begin_regenerate(&u, &sess.id, 4).await.map(|_| ()),
+        Err(StoreError::ReplyRunning)
+    );
+    assert_eq!(
+        s.list_messages(&u, &sess.id).await.expect("messages").len(),
+        4
+    );
+    s.finish_message(&again.id, &done).await.expect("finish");
+
+    // Unicode and a long message survive the round trip.
+    let text = "Zürich 東京 🙂 ".repeat(2000);
+    let t3 = s.begin_turn(&u, &sess.id, &text).await.expect("turn 3");
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(
+        msgs.iter().find(|m| m.id == t3.user.id).map(|m| &m.content),
+        Some(&text)
+    );
+    assert_eq!(
+        s.finish_message(&MessageId::random(), &done).await,
+        Err(StoreError::NotFound("message"))
+    );
+}
+
+pub(crate) async fn edit_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let other = s.create_user("other").await.expect("other").id;
+    let sess = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("session");
+    let mut turns = Vec::new();
+    for (q, a) in [("one?", "One."), ("two?", "Two."), ("three?", "Three.")] {
+        let t = s.begin_turn(&u, &sess.id, q).await.expect("turn");
+        s.finish_message(&t.assistant.id, &complete(a))
+            .await
+            .expect("finish");
+        turns.push(t);
+    }
+    let before = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(before.len(), 6);
+
+    // Refusals change nothing: another user's session, a message of another session, an
+    // unknown message, an assistant message.
+    let nf = |what| Err(StoreError::NotFound(what));
+    assert_eq!(
+        s.begin_edit(&other, &sess.id, &turns[0].user.id, "x")
+            .await
+            .map(|_| ()),
+        nf("session")
+    );
+    let elsewhere = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("second session");
+    let foreign = s
+        .begin_turn(&u, &elsewhere.id, "elsewhere")
+        .await
+        .expect("turn elsewhere");
+    assert_eq!(
+        s.begin_edit(&u, &sess.id, &foreign.user.id, "x")
+            .await
+            .map(|_| ()),
+        nf("message")
+    );
+    assert_eq!(
+        s.begin_edit(&u, &sess.id, &MessageId::random(), "x")
+            .await
+            .map(|_| ()),
+        nf("message")
+    );
+    match s
+        .begin_edit(&u, &sess.id, &turns[1].assistant.id, "x")
+        .await
+    {
+        Err(StoreError::NotAUserMessage(why)) => assert!(why.contains("assistant"), "{why}"),
+        other => panic!("editing a reply: {other:?}"),
+    }
+    assert_eq!(
+        s.list_messages(&u, &sess.id).await.expect("unchanged"),
+        before
+    );
+    assert_eq!(
+        s.list_messages(&u, &elsewhere.id)
+            .await
+            .expect("other")
+            .len(),
+        2
+    );
+
+    // Editing the second question keeps the first turn, replaces the question in place (same
+    // id and seq), drops everything after it and adds a streaming placeholder.
+    let edited = s
+        .begin_edit(&u, &sess.id, &turns[1].user.id, "two, edited?")
+        .await
+        .expect("edit");
+    assert_eq!(edited.user.id, turns[1].user.id);
+    assert_eq!((edited.user.seq, edited.assistant.seq), (3, 4));
+    assert_eq!(edited.user.content, "two, edited?");
+    assert_eq!(edited.assistant.status, MessageStatus::Streaming);
+    let after = s.list_messages(&u, &sess.id).await.expect("messages");
+    let shape: Vec<(i64, Role, &str, MessageStatus)> = after
+        .iter()
+        .map(|m| (m.seq, m.role, m.content.as_str(), m.status))
+        .collect();
+    assert_eq!(
+        shape,
+        vec![
+            (1, Role::User, "one?", MessageStatus::Complete),
+            (2, Role::Assistant, "One.", MessageStatus::Complete),
+            (3, Role::User, "two, edited?", MessageStatus::Complete),
+            (4, Role::Assistant, "", MessageStatus::Streaming),
+        ]
+    );
+    assert_eq!(after[..2], before[..2]);
+    assert_eq!(after[3].id, edited.assistant.id);
+
+    // The first message: one user message and its new placeholder remain; a turn after that
+    // continues the sequence.
+    s.finish_message(&edited.assistant.id, &complete("Two again."))
+        .await
+        .expect("finish");
+    let first = s
+        .begin_edit(&u, &sess.id, &turns[0].user.id, "Zürich 東京 🙂")
+        .await
+        .expect("edit first");
+    let after = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(after.len(), 2);
+    assert_eq!(
+        (after[0].id.as_str(), after[0].content.as_str()),
+        (turns[0].user.id.as_str(), "Zürich 東京 🙂")
+    );
+    assert_eq!(after[1].id, first.assistant.id);
+    assert_eq!(
+        s.begin_edit(&u, &sess.id, &turns[0].user.id, "again")
+            .await
+            .map(|_| ()),
+        Err(StoreError::ReplyRunning),
+        "no edit while the edited turn's reply streams"
+    );
+    s.finish_message(&first.assistant.id, &complete("Done."))
+        .await
+        .expect("finish");
+    let next = s.begin_turn(&u, &sess.id, "more").await.expect("turn");
+    assert_eq!(next.user.seq, 3);
+}
