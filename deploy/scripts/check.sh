@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Offline checks of deploy/ (part of `make test`, no daemon, no network):
-#   - the compose file (and the offline override) validate with docker-compose;
+#   - the compose file (and the offline override) validate with docker-compose, every
+#     orchestrator and worker gets the worker token, and compose refuses to start without one;
 #   - hearth.Dockerfile and worker.Dockerfile have the same builder stage;
 #   - Prometheus config and rules pass promtool, and the rules' unit tests pass;
 #   - the Grafana dashboards match their generator;
@@ -24,12 +25,27 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 
 step "docker-compose config"
-docker-compose --env-file .env.example -f docker-compose.yml config -q
-docker-compose --env-file .env.example -f docker-compose.yml -f docker-compose.offline.yml config -q
+# .env.example leaves the worker token empty on purpose; the checks pass a throwaway one.
+compose() { HEARTH_WORKER_TOKEN=deploy-check docker-compose --env-file .env.example "$@"; }
+compose -f docker-compose.yml config -q
+compose -f docker-compose.yml -f docker-compose.offline.yml config -q
 # Captured first: with pipefail, `grep -q` stopping early would fail the pipe (SIGPIPE).
-gpu_services="$(docker-compose --env-file .env.example -f docker-compose.yml --profile gpu config --services)"
+gpu_config="$(compose -f docker-compose.yml --profile gpu config)"
+gpu_services="$(compose -f docker-compose.yml --profile gpu config --services)"
 grep -qx worker-gpu <<<"$gpu_services" \
   || { echo "deploy-check: the gpu profile has no worker-gpu service" >&2; fail=1; }
+# Every orchestrator and worker (the gpu one too) gets the token.
+for svc in $gpu_services; do
+  [[ "$svc" == hearth-* || "$svc" == worker-* ]] || continue
+  awk -v s="  $svc:" '$0 == s {on=1; next} on && /^  [^ ]/ {exit} on' <<<"$gpu_config" \
+    | grep -q 'HEARTH_WORKER_TOKEN: deploy-check' \
+    || { echo "deploy-check: $svc does not get HEARTH_WORKER_TOKEN" >&2; fail=1; }
+done
+# Without a token compose must refuse, naming the variable.
+if no_token="$(env -u HEARTH_WORKER_TOKEN docker-compose --env-file .env.example -f docker-compose.yml config -q 2>&1)" \
+  || ! grep -q 'set HEARTH_WORKER_TOKEN' <<<"$no_token"; then
+  echo "deploy-check: compose does not refuse to start without HEARTH_WORKER_TOKEN" >&2; fail=1
+fi
 
 step "the CPU images share one builder stage"
 # Docker compiles the workspace once only while both builder stages are the same text.

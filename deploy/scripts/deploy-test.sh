@@ -41,6 +41,7 @@ POSTGRES_USER=hearth
 POSTGRES_PASSWORD=$(rand)
 POSTGRES_DB=hearth
 REDIS_PASSWORD=$(rand)
+HEARTH_WORKER_TOKEN=$(head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n')
 GF_SECURITY_ADMIN_USER=admin
 GF_SECURITY_ADMIN_PASSWORD=$(rand)
 ENV
