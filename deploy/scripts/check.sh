@@ -5,8 +5,10 @@
 #   - hearth.Dockerfile and worker.Dockerfile have the same builder stage;
 #   - Prometheus config and rules pass promtool, and the rules' unit tests pass;
 #   - the Grafana dashboards match their generator;
-#   - both Kubernetes overlays render with kubectl kustomize and validate against the
-#     Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors).
+#   - the Kubernetes base refuses to render without the operator's k8s/base/secrets.env;
+#   - with a throwaway one, both overlays render with kubectl kustomize and validate against
+#     the Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors), and the
+#     orchestrator and the workers read the Secret's worker-token.
 # Needs docker-compose, promtool (Debian `prometheus`), kubectl and kubernetes-validate (PyPI);
 # .ci/run installs them.
 set -euo pipefail
@@ -64,10 +66,31 @@ promtool test rules prometheus/tests/*.yml
 step "grafana dashboards match deploy/grafana/generate.py"
 python3 grafana/generate.py --check
 
+# The overlays render from a copy: the Secret's input, k8s/base/secrets.env, is the operator's
+# (never committed), so the copy drops any local one and must then refuse to render, proving
+# nothing applies unchanged; a throwaway file stands in for the rest.
+mkdir -p "$tmp/deploy"
+cp -R k8s grafana prometheus "$tmp/deploy/"
+rm -f "$tmp/deploy/k8s/base/secrets.env"
+step "the Kubernetes base refuses to render without k8s/base/secrets.env"
+if kubectl kustomize "$tmp/deploy/k8s/overlays/cpu" >/dev/null 2>&1; then
+  echo "deploy-check: the cpu overlay renders without secrets.env (a Secret ships with values)" >&2; fail=1
+fi
+cat >"$tmp/deploy/k8s/base/secrets.env" <<'ENV'
+database-url=postgres://hearth:deploy-check@postgres:5432/hearth
+redis-url=redis://:deploy-check@redis:6379/0
+worker-token=deploy-check
+ENV
 for overlay in cpu gpu; do
   step "kustomize $overlay overlay + schema validation (Kubernetes $K8S_VERSION)"
-  kubectl kustomize "k8s/overlays/$overlay" >"$tmp/$overlay.yaml"
+  kubectl kustomize "$tmp/deploy/k8s/overlays/$overlay" >"$tmp/$overlay.yaml"
   kubernetes-validate --strict --quiet -k "$K8S_VERSION" "$tmp/$overlay.yaml" || fail=1
+  if grep -q 'change-me' "$tmp/$overlay.yaml"; then
+    echo "deploy-check: the $overlay overlay ships a change-me placeholder" >&2; fail=1
+  fi
+  # The orchestrator Deployment and the worker StatefulSet each read it.
+  [[ "$(grep -c 'key: worker-token' "$tmp/$overlay.yaml")" == 2 ]] \
+    || { echo "deploy-check: the $overlay overlay does not give orchestrator and worker the worker-token key" >&2; fail=1; }
 done
 grep -q 'nvidia.com/gpu: 1' "$tmp/gpu.yaml" || { echo "deploy-check: gpu overlay requests no nvidia.com/gpu" >&2; fail=1; }
 if grep -q 'nvidia.com/gpu: 1' "$tmp/cpu.yaml"; then echo "deploy-check: cpu overlay requests a GPU" >&2; fail=1; fi
