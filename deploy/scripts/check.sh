@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Offline checks of deploy/ (part of `make test`, no daemon, no network):
 #   - the compose file (and the offline override) validate with docker-compose, every
-#     orchestrator and worker gets the worker token, and compose refuses to start without one;
+#     orchestrator and worker gets the worker token, compose refuses to start without one,
+#     and Prometheus runs without --web.enable-lifecycle;
 #   - hearth.Dockerfile and worker.Dockerfile have the same builder stage;
 #   - Prometheus config and rules pass promtool, and the rules' unit tests pass;
 #   - the Grafana dashboards match their generator;
@@ -43,6 +44,10 @@ for svc in $gpu_services; do
     | grep -q 'HEARTH_WORKER_TOKEN: deploy-check' \
     || { echo "deploy-check: $svc does not get HEARTH_WORKER_TOKEN" >&2; fail=1; }
 done
+# Prometheus's HTTP lifecycle endpoints (reload, quit) stay off.
+if grep -q -- '--web.enable-lifecycle' <<<"$gpu_config"; then
+  echo "deploy-check: Prometheus runs with --web.enable-lifecycle" >&2; fail=1
+fi
 # Without a token compose must refuse, naming the variable.
 if no_token="$(env -u HEARTH_WORKER_TOKEN docker-compose --env-file .env.example -f docker-compose.yml config -q 2>&1)" \
   || ! grep -q 'set HEARTH_WORKER_TOKEN' <<<"$no_token"; then
