@@ -4,14 +4,15 @@
 #     orchestrator and worker gets the worker token, compose refuses to start without one,
 #     and Prometheus runs without --web.enable-lifecycle;
 #   - hearth.Dockerfile and worker.Dockerfile have the same builder stage;
-#   - Prometheus config and rules pass promtool, and the rules' unit tests pass;
+#   - Prometheus config and rules pass promtool, and the rules' unit tests pass and show
+#     every alert firing after its `for:` and then resolved (scripts/check-alert-tests.py);
 #   - the Grafana dashboards match their generator;
 #   - the Kubernetes base refuses to render without the operator's k8s/base/secrets.env;
 #   - with a throwaway one, both overlays render with kubectl kustomize and validate against
 #     the Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors), and the
 #     orchestrator and the workers read the Secret's worker-token.
-# Needs docker-compose, promtool (Debian `prometheus`), kubectl and kubernetes-validate (PyPI);
-# .ci/run installs them.
+# Needs docker-compose, promtool (Debian `prometheus`), kubectl, kubernetes-validate (PyPI) and
+# PyYAML for python3 (kubernetes-validate brings it); .ci/run installs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,8 @@ need docker-compose "apt-get install docker-compose"
 need promtool "apt-get install prometheus"
 need kubectl "the Kubernetes client, which includes kustomize"
 need kubernetes-validate "python3 -m pip install kubernetes-validate"
+python3 -c 'import yaml' 2>/dev/null \
+  || { echo "deploy-check: python3 lacks PyYAML (python3 -m pip install pyyaml)" >&2; exit 1; }
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -67,6 +70,8 @@ sed 's#/etc/prometheus/rules/#'"$PWD"'/prometheus/rules/#' prometheus/prometheus
 promtool check config "$tmp/prometheus.yml" >/dev/null
 promtool check rules prometheus/rules/*.yml >/dev/null
 promtool test rules prometheus/tests/*.yml
+# …and those tests show every alert firing after its `for:` and then resolved.
+python3 scripts/check-alert-tests.py || fail=1
 
 step "grafana dashboards match deploy/grafana/generate.py"
 python3 grafana/generate.py --check
