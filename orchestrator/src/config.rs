@@ -8,6 +8,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
+use hearth_shared::worker_auth::WorkerToken;
 
 use crate::api::ApiOptions;
 use crate::http_server::HttpLimits;
@@ -50,6 +51,10 @@ pub struct ServeArgs {
     /// Extra argument for the local worker (repeat), e.g. `--worker-arg=--kv-budget=1GiB`.
     #[arg(long = "worker-arg", allow_hyphen_values = true)]
     pub worker_args: Vec<String>,
+    /// Shared secret sent on every call to the workers (their `--worker-token`). Without it a
+    /// started local worker gets a random one.
+    #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
     /// Redis for what replicas share (rate limits, session affinity). None: in process.
     #[arg(long, env = "HEARTH_REDIS_URL")]
     pub redis_url: Option<String>,
@@ -140,6 +145,8 @@ pub struct LocalWorker {
     pub model: Option<PathBuf>,
     pub tokenizer: Option<PathBuf>,
     pub args: Vec<String>,
+    /// Given to the worker (`HEARTH_WORKER_TOKEN`): `--worker-token`, else a random one.
+    pub token: WorkerToken,
 }
 
 /// The orchestrator's checked configuration: what [`crate::server::App::bind`] takes.
@@ -219,18 +226,9 @@ impl Config {
             .tokenizer
             .clone()
             .unwrap_or_else(|| models_dir.join(DEFAULT_TOKENIZER));
-        let workers = if a.workers.is_empty() {
-            Workers::Local(LocalWorker {
-                bin: a.worker_bin.clone().unwrap_or_else(default_worker_bin),
-                models_dir,
-                model: a.model.clone(),
-                tokenizer: a.tokenizer.clone(),
-                args: a.worker_args.clone(),
-            })
-        } else {
-            Workers::Remote(a.workers.clone())
-        };
-        let (pool, limits) = (pool_config(&a)?, chat_limits(&a)?);
+        let (workers, token) = workers(&a, models_dir)?;
+        let (mut pool, limits) = (pool_config(&a)?, chat_limits(&a)?);
+        pool.token = token;
         let secs = Duration::from_secs;
         Ok(Self {
             listen: a.listen,
@@ -258,6 +256,36 @@ impl Config {
     }
 }
 
+/// The workers to use, and the token every call to them carries: the `--worker` list with
+/// `--worker-token`, or the quick start's local worker with that token or a random one.
+fn workers(
+    a: &ServeArgs,
+    models_dir: PathBuf,
+) -> Result<(Workers, Option<WorkerToken>), ConfigError> {
+    let token = a
+        .worker_token
+        .as_deref()
+        .map(WorkerToken::new)
+        .transpose()
+        .map_err(|why| refuse("--worker-token", "(hidden)", why))?;
+    if !a.workers.is_empty() {
+        return Ok((Workers::Remote(a.workers.clone()), token));
+    }
+    let token = match token {
+        Some(t) => t,
+        None => WorkerToken::random().map_err(|why| refuse("--worker-token", "(random)", why))?,
+    };
+    let local = LocalWorker {
+        token: token.clone(),
+        bin: a.worker_bin.clone().unwrap_or_else(default_worker_bin),
+        models_dir,
+        model: a.model.clone(),
+        tokenizer: a.tokenizer.clone(),
+        args: a.worker_args.clone(),
+    };
+    Ok((Workers::Local(local), Some(token)))
+}
+
 /// Admission, batching and health checks of the worker pool.
 fn pool_config(a: &ServeArgs) -> Result<PoolConfig, ConfigError> {
     let secs = Duration::from_secs;
@@ -275,6 +303,8 @@ fn pool_config(a: &ServeArgs) -> Result<PoolConfig, ConfigError> {
         max_queue: a.max_queue,
         queue_timeout: secs(a.queue_timeout_secs),
         stall_timeout: secs(at_least("--stall-timeout-secs", a.stall_timeout_secs, 1)?),
+        // Set with the workers (see `workers`).
+        token: None,
     })
 }
 

@@ -46,6 +46,7 @@ async fn start_local_worker(w: &config::LocalWorker) -> anyhow::Result<LocalWork
         cmd.arg("--tokenizer").arg(t);
     }
     cmd.args(&w.args)
+        .env("HEARTH_WORKER_TOKEN", w.token.expose())
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .kill_on_drop(true);

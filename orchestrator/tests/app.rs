@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{assets, path, spawn_worker};
+use hearth_e2e::stack::{assets, path, spawn_worker, WORKER_TOKEN};
 use hearth_orchestrator::server::{App, Config, ServeArgs};
 use hearth_orchestrator::storage::SqlStore;
 use serde_json::json;
@@ -30,6 +30,8 @@ async fn an_app_serves_from_bind_until_its_shutdown_future_completes() {
         "127.0.0.1:0",
         "--worker",
         &worker.grpc,
+        "--worker-token",
+        WORKER_TOKEN,
         "--tokenizer",
         &path(&a.tokenizer),
         "--health-interval-ms",

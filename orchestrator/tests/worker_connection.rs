@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError};
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
+use hearth_shared::worker_auth::{AddToken, WorkerToken};
 use hearth_worker::fixtures::WorkerProcess;
 
 struct Worker {
@@ -19,10 +20,28 @@ fn spawn_worker() -> Worker {
     }
 }
 
-async fn health(addr: &str) -> proto::HealthResponse {
-    let mut c = WorkerClient::connect(format!("http://{addr}"))
+/// The stack's worker token, as the orchestrator sends it.
+fn auth() -> AddToken {
+    let token = WorkerToken::new(hearth_e2e::stack::WORKER_TOKEN).expect("token");
+    AddToken::new(Some(&token))
+}
+
+/// A gRPC client of the worker at `addr` that sends the token.
+async fn client(
+    addr: &str,
+) -> WorkerClient<
+    tonic::service::interceptor::InterceptedService<tonic::transport::Channel, AddToken>,
+> {
+    let channel = tonic::transport::Channel::from_shared(format!("http://{addr}"))
+        .expect("address")
+        .connect()
         .await
         .expect("connect");
+    WorkerClient::with_interceptor(channel, auth())
+}
+
+async fn health(addr: &str) -> proto::HealthResponse {
+    let mut c = client(addr).await;
     for _ in 0..500 {
         let h = c
             .health(proto::HealthRequest {})
@@ -81,6 +100,7 @@ async fn many_requests_share_one_batched_stream_and_each_gets_its_own_result() {
             max_batch: 8,
             max_delay: Duration::from_millis(5),
         },
+        &auth(),
     )
     .await
     .expect("connect");
@@ -100,9 +120,7 @@ async fn many_requests_share_one_batched_stream_and_each_gets_its_own_result() {
     let mut long = conn.generate(request(99, 900)).expect("generate");
     until_tokens(&mut long).await;
     drop(long);
-    let mut c = WorkerClient::connect(format!("http://{}", w.addr))
-        .await
-        .expect("connect");
+    let mut c = client(&w.addr).await;
     let mut idle = false;
     for _ in 0..500 {
         let h = c
@@ -123,7 +141,7 @@ async fn many_requests_share_one_batched_stream_and_each_gets_its_own_result() {
 async fn a_dead_worker_fails_every_open_request_with_unavailable() {
     let mut w = spawn_worker();
     health(&w.addr).await;
-    let conn = WorkerConnection::connect(&w.addr, BatchConfig::default())
+    let conn = WorkerConnection::connect(&w.addr, BatchConfig::default(), &auth())
         .await
         .expect("connect");
     let mut gens: Vec<_> = (0..4)
@@ -149,8 +167,27 @@ async fn a_dead_worker_fails_every_open_request_with_unavailable() {
         conn.generate(request(1, 1)),
         Err(WorkerError::Closed(_))
     ));
-    let err = WorkerConnection::connect(&w.addr, BatchConfig::default())
+    let err = WorkerConnection::connect(&w.addr, BatchConfig::default(), &auth())
         .await
         .expect_err("gone");
     assert!(err.to_string().contains(&w.addr), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_without_the_worker_token_is_refused() {
+    let w = spawn_worker();
+    health(&w.addr).await;
+    let err = WorkerConnection::connect(&w.addr, BatchConfig::default(), &AddToken::default())
+        .await
+        .expect_err("no token");
+    assert!(err.to_string().contains("requires a token"), "{err}");
+    let wrong = WorkerToken::new("not-the-stack-token-0123456789").expect("token");
+    let err = WorkerConnection::connect(
+        &w.addr,
+        BatchConfig::default(),
+        &AddToken::new(Some(&wrong)),
+    )
+    .await
+    .expect_err("another token");
+    assert!(err.to_string().contains("wrong worker token"), "{err}");
 }

@@ -7,6 +7,7 @@
 //! - [`finish`]: why a generation ended.
 //! - [`proto`]: the orchestrator ⇄ worker gRPC contract (generated) and its conversions.
 //! - [`tokenizer`]: a thin wrapper over a `tokenizer.json` with Gemma's special tokens.
+//! - [`worker_auth`]: the token every orchestrator-to-worker call carries.
 
 pub mod chat;
 pub mod finish;
@@ -15,6 +16,7 @@ pub mod proto;
 pub mod sampling;
 pub mod telemetry;
 pub mod tokenizer;
+pub mod worker_auth;
 
 pub use finish::FinishReason;
 pub use ids::{RequestId, SessionId, UserId};

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::device::DeviceSpec;
 use crate::engine::{DiskConfig, EngineConfig};
 use crate::kv::KvDtype;
+use hearth_shared::worker_auth::WorkerToken;
 
 /// Default model and tokenizer file names inside the models directory (what
 /// `scripts/fetch-model.sh` writes).
@@ -38,6 +39,10 @@ pub struct ServeConfig {
         default_value = "127.0.0.1:9091"
     )]
     pub metrics_listen: SocketAddr,
+    /// Shared secret every gRPC call must carry (`authorization: Bearer …`); the orchestrator
+    /// sends it from its own `--worker-token`. Required to listen on a non-loopback address.
+    #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
+    pub worker_token: Option<String>,
     #[command(flatten)]
     pub run_on: RunOn,
     /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`) [default: 2GiB on the
@@ -195,6 +200,8 @@ pub struct ValidConfig {
     pub tokenizer: Option<PathBuf>,
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
+    /// Every gRPC call must carry it, when set.
+    pub token: Option<WorkerToken>,
     pub run_on: RunOn,
     /// `--kv-budget` when given; otherwise the engine's budget is set once the device is known
     /// (see [`ValidConfig::gpu_memory_fraction`]).
@@ -221,9 +228,14 @@ impl std::fmt::Display for ValidConfig {
         );
         write!(
             f,
-            "model {model} on {}, gRPC {}, metrics {}, K/V {} ",
+            "model {model} on {}, gRPC {} ({}), metrics {}, K/V {} ",
             self.run_on.device,
             self.listen,
+            if self.token.is_some() {
+                "token required"
+            } else {
+                "no token"
+            },
             self.metrics_listen,
             e.kv_dtype.name()
         )?;
@@ -342,6 +354,7 @@ impl ServeConfig {
                 format!("{} is not a size between 0 and 1000000", self.kv_disk_gb),
             ));
         }
+        let token = self.token()?;
         let kv_disk = (self.kv_disk_gb > 0.0).then(|| DiskConfig {
             dir: self.kv_disk_dir.clone(),
             bytes: (self.kv_disk_gb * 1e9) as u64,
@@ -371,6 +384,7 @@ impl ServeConfig {
             tokenizer: self.tokenizer,
             listen: self.listen,
             metrics_listen: self.metrics_listen,
+            token,
             run_on: self.run_on,
             kv_budget_given: self.kv_budget.is_some(),
             gpu_memory_fraction: self.gpu_memory_fraction,
@@ -380,6 +394,31 @@ impl ServeConfig {
             scripted_freeze_after: self.scripted_freeze_after_tokens,
             engine_stall: Duration::from_secs(self.engine_stall_secs.max(1)),
         })
+    }
+}
+
+impl ServeConfig {
+    /// The token, well formed; refuses a non-loopback gRPC address without one, where any peer
+    /// on the network could generate, drop sessions' caches and read every prompt and reply.
+    fn token(&self) -> Result<Option<WorkerToken>, ConfigError> {
+        let token = self
+            .worker_token
+            .as_deref()
+            .map(WorkerToken::new)
+            .transpose()
+            .map_err(|why| invalid("--worker-token", why))?;
+        if token.is_none() && !self.listen.ip().is_loopback() {
+            return Err(invalid(
+                "--listen",
+                format!(
+                    "refusing to serve gRPC on {} without --worker-token (HEARTH_WORKER_TOKEN): \
+                     any peer on the network could generate and read every prompt; set a token \
+                     (the orchestrator's --worker-token) or listen on 127.0.0.1",
+                    self.listen
+                ),
+            ));
+        }
+        Ok(token)
     }
 }
 
@@ -468,6 +507,29 @@ mod tests {
         let argv = ["hearth-worker", "--scripted-token-ms", "1"];
         let cli = <Cli as clap::Parser>::try_parse_from(argv.iter().chain(args)).unwrap();
         cli.serve.validate()
+    }
+
+    #[test]
+    fn a_network_address_needs_a_worker_token() {
+        let open = validate(&["--listen", "0.0.0.0:0"]).expect_err("no token");
+        assert!(
+            open.to_string()
+                .starts_with("--listen: refusing to serve gRPC on 0.0.0.0:0"),
+            "{open}"
+        );
+        let short = validate(&["--listen", "0.0.0.0:0", "--worker-token", "abc"]);
+        assert!(short
+            .expect_err("short")
+            .to_string()
+            .starts_with("--worker-token:"));
+        let token = "0123456789abcdef0123456789abcdef";
+        let c = validate(&["--listen", "0.0.0.0:0", "--worker-token", token]).expect("token");
+        assert_eq!(c.token.as_ref().map(|t| t.expose()), Some(token));
+        assert!(
+            !format!("{c:?}").contains(token),
+            "the token is never printed"
+        );
+        assert!(validate(&[]).expect("loopback").token.is_none());
     }
 
     #[test]

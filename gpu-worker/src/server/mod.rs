@@ -31,10 +31,12 @@ use std::time::{Duration, Instant};
 
 use hearth_shared::proto::worker_server::WorkerServer;
 use hearth_shared::tokenizer::Tokenizer;
+use hearth_shared::worker_auth::RequireToken;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
 
 use crate::device::{self, DeviceError};
@@ -139,11 +141,14 @@ impl Worker {
             metrics,
             stopped(stop_rx.clone()),
         ));
-        let service = WorkerServer::new(service::WorkerService::new(
-            state.clone(),
-            config.engine_stall,
-        ))
-        .max_decoding_message_size(MAX_MESSAGE_BYTES);
+        let service = InterceptedService::new(
+            WorkerServer::new(service::WorkerService::new(
+                state.clone(),
+                config.engine_stall,
+            ))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES),
+            RequireToken::new(config.token.as_ref()),
+        );
         let incoming = TcpIncoming::from(grpc).with_nodelay(Some(true));
         let grpc_task = tokio::spawn(
             tonic::transport::Server::builder()

@@ -3,9 +3,10 @@
 //!
 //! [`streams`] holds generation over the stream (health and info, concurrent requests, cancels,
 //! session caches, request ids); [`refusals`] the requests and configurations the worker refuses;
-//! [`shutdown`] SIGTERM and the drain, loaded or still loading. Here: the reference every
+//! [`shutdown`] SIGTERM and the drain, loaded or still loading; [`auth`] the worker token. Here: the reference every
 //! streamed result is compared with.
 
+mod auth;
 #[path = "../common/mod.rs"]
 mod common;
 mod refusals;

@@ -15,10 +15,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
+use hearth_shared::worker_auth::AddToken;
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Channel, Endpoint};
 use tonic::Code;
+
+/// A worker client whose every call carries the worker token.
+pub type Client = WorkerClient<InterceptedService<Channel, AddToken>>;
 
 /// When queued requests are sent.
 #[derive(Debug, Clone, Copy)]
@@ -105,14 +111,21 @@ impl Drop for Generation {
 
 impl WorkerConnection {
     /// Connects and opens the stream.
-    pub async fn connect(addr: &str, batch: BatchConfig) -> Result<Self, WorkerError> {
+    pub async fn connect(
+        addr: &str,
+        batch: BatchConfig,
+        auth: &AddToken,
+    ) -> Result<Self, WorkerError> {
         let err = |e: &dyn std::fmt::Display| WorkerError::Connect {
             addr: addr.to_string(),
             reason: e.to_string(),
         };
-        let mut client = WorkerClient::connect(format!("http://{addr}"))
+        let channel = Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| err(&e))?
+            .connect()
             .await
             .map_err(|e| err(&e))?;
+        let mut client = WorkerClient::with_interceptor(channel, auth.clone());
         let (out_tx, out_rx) = mpsc::channel(64);
         let inbound = client
             .generate(ReceiverStream::new(out_rx))

@@ -9,10 +9,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_shared::proto::{self, worker_client::WorkerClient};
+use hearth_shared::worker_auth::AddToken;
 use tokio::time::Instant;
 
-use super::connection::{BatchConfig, WorkerConnection};
-use super::pool::WorkerPool;
+use super::connection::{Client, WorkerConnection};
+use super::pool::{PoolConfig, WorkerPool};
 use crate::telemetry;
 
 #[derive(Debug, Default)]
@@ -42,7 +43,7 @@ pub struct WorkerSlot {
     pub(super) state: Mutex<SlotState>,
     pub(super) in_flight: AtomicUsize,
     /// For unary calls (`DropSession`); set by the poller.
-    pub(super) client: std::sync::OnceLock<WorkerClient<tonic::transport::Channel>>,
+    pub(super) client: std::sync::OnceLock<Client>,
 }
 
 impl WorkerSlot {
@@ -84,13 +85,19 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
             return;
         }
     };
-    let mut client = WorkerClient::new(endpoint.connect_lazy());
+    let Some(auth) = pool
+        .upgrade()
+        .map(|p| AddToken::new(p.config.token.as_ref()))
+    else {
+        return;
+    };
+    let mut client = WorkerClient::with_interceptor(endpoint.connect_lazy(), auth.clone());
     let _ = slot.client.set(client.clone());
     loop {
         let Some(p) = pool.upgrade() else { return };
         let interval = p.config.health_interval;
         let was_ready = slot.conn().is_some();
-        let outcome = check(&mut client, &slot, p.config.batch)
+        let outcome = check(&mut client, &slot, &p.config, &auth)
             .await
             .and_then(|h| {
                 if h.engine_stalled {
@@ -149,9 +156,10 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
 
 /// One health round: `Health`, `Info` the first time, and an open connection.
 async fn check(
-    client: &mut WorkerClient<tonic::transport::Channel>,
+    client: &mut Client,
     slot: &WorkerSlot,
-    batch: BatchConfig,
+    config: &PoolConfig,
+    auth: &AddToken,
 ) -> Result<proto::HealthResponse, String> {
     let health = client
         .health(proto::HealthRequest {})
@@ -168,7 +176,7 @@ async fn check(
     }
     let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
     if !open && health.ready && !health.engine_stalled {
-        let conn = WorkerConnection::connect(&slot.addr, batch)
+        let conn = WorkerConnection::connect(&slot.addr, config.batch, auth)
             .await
             .map_err(|e| e.to_string())?;
         slot.state().conn = Some(Arc::new(conn));

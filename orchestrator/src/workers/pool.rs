@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_shared::proto;
+use hearth_shared::worker_auth::WorkerToken;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
@@ -39,6 +40,8 @@ pub struct PoolConfig {
     /// A worker that fails its health checks this long while it has an open connection is
     /// given up on: the connection is closed and its replies fail over to other workers.
     pub stall_timeout: Duration,
+    /// The worker token every call carries (`--worker-token`).
+    pub token: Option<WorkerToken>,
 }
 
 impl Default for PoolConfig {
@@ -50,6 +53,7 @@ impl Default for PoolConfig {
             max_queue: 256,
             queue_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(10),
+            token: None,
         }
     }
 }

@@ -327,8 +327,15 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         Auth::None => json!({}),
     };
 
+    // The worker takes calls only from this stack's hearth.
+    let worker_token = format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
     let mut worker_cmd = Command::new(&worker_bin);
     worker_cmd
+        .env("HEARTH_WORKER_TOKEN", &worker_token)
         .arg("serve")
         .arg("--model")
         .arg(&assets.0.model)
@@ -353,6 +360,7 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         .unwrap_or_else(|| assets.0.tokenizer.clone());
     let mut hearth_cmd = Command::new(&hearth_bin);
     hearth_cmd
+        .env("HEARTH_WORKER_TOKEN", &worker_token)
         .arg("--listen")
         .arg(args.listen.to_string())
         .arg("--worker")

@@ -30,7 +30,9 @@ pub use metrics::{
     assert_cancelled_before, metric, serving_worker, wait_idle, wait_metric, worker_in_flight,
     worker_metric, DECODED,
 };
-pub use process::{rss_bytes, scripted_worker, signal, spawn_worker, wait_exit, Hearth};
+pub use process::{
+    rss_bytes, scripted_worker, signal, spawn_worker, wait_exit, worker_with, Hearth, WORKER_TOKEN,
+};
 pub use stream::{finish, fold, read_tokens, token_text, Streamed};
 
 use crate::pg::PgDatabase;
@@ -102,10 +104,7 @@ impl Stack {
             Db::Sqlite => (None, assets.sqlite_url()),
         };
         let workers: Vec<WorkerProcess> = (0..workers)
-            .map(|_| {
-                WorkerProcess::spawn(&worker_bin(), &assets.model, worker_flags)
-                    .expect("start worker")
-            })
+            .map(|_| worker_with(&assets.model, worker_flags))
             .collect();
         let hearth = Hearth::spawn(&Self::args(&assets, &db_url, &workers, extra));
         hearth.wait_ready().await;

@@ -14,15 +14,25 @@ use crate::http::Req;
 /// The flags test workers run with: a KV budget that suits the tiny model.
 pub(super) const WORKER_FLAGS: [&str; 2] = ["--kv-budget", "64MiB"];
 
+/// The worker token of every stack: its workers require it and its `hearth` sends it, so every
+/// whole-stack test goes through the authenticated gRPC link.
+pub const WORKER_TOKEN: &str = "hearth-test-worker-token-0123456789";
+
+/// A worker on `model` with `flags`, requiring [`WORKER_TOKEN`].
+pub fn worker_with(model: &Path, flags: &[&str]) -> WorkerProcess {
+    let mut args = vec!["--worker-token", WORKER_TOKEN];
+    args.extend_from_slice(flags);
+    WorkerProcess::spawn(&worker_bin(), model, &args).expect("start worker")
+}
+
 pub fn spawn_worker(a: &Assets) -> WorkerProcess {
-    WorkerProcess::spawn(&worker_bin(), &a.model, &WORKER_FLAGS).expect("start worker")
+    worker_with(&a.model, &WORKER_FLAGS)
 }
 
 /// A worker that gives every request one token per `token_ms` milliseconds (no model is run).
 pub fn scripted_worker(model: &Path, token_ms: u64) -> WorkerProcess {
     let ms = token_ms.to_string();
-    WorkerProcess::spawn(&worker_bin(), model, &["--scripted-token-ms", &ms])
-        .expect("start scripted worker")
+    worker_with(model, &["--scripted-token-ms", &ms])
 }
 
 /// Resident memory of a process, in bytes (Linux).
@@ -54,6 +64,7 @@ impl Hearth {
             .args(["--listen", "127.0.0.1:0"])
             .args(args)
             .env("RUST_LOG", "warn")
+            .env("HEARTH_WORKER_TOKEN", WORKER_TOKEN)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .spawn()

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 use hearth_e2e::http::Event;
 use hearth_e2e::stack::{
     assets, finish, history, metric, new_session, path, read_tokens, scripted_worker,
-    serving_worker, signal, stream_turn, token_text, worker_bin, Db, Hearth, Stack,
+    serving_worker, signal, stream_turn, token_text, worker_with, Db, Hearth, Stack,
 };
-use hearth_worker::fixtures::{TinySpec, WorkerProcess};
+use hearth_worker::fixtures::TinySpec;
 use serde_json::json;
 
 /// Scripted workers: a token every 40 ms, and a drain that gives up after 1 s.
@@ -103,8 +103,7 @@ async fn a_reply_whose_engine_sticks_before_its_first_token_is_served_by_another
 async fn reply_on_an_engine_stuck_after(tag: &str, tokens: u64) {
     let a = assets(tag);
     let freeze = tokens.to_string();
-    let stuck = WorkerProcess::spawn(
-        &worker_bin(),
+    let stuck = worker_with(
         &a.model,
         &[
             "--scripted-token-ms",
@@ -114,8 +113,7 @@ async fn reply_on_an_engine_stuck_after(tag: &str, tokens: u64) {
             "--engine-stall-secs",
             "1",
         ],
-    )
-    .expect("worker");
+    );
     let healthy = scripted_worker(&a.model, 40);
     let db = a.sqlite_url();
     let mut args: Vec<String> = [
