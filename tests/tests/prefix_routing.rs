@@ -60,3 +60,39 @@ async fn a_resent_conversation_returns_to_the_worker_holding_its_prefix() {
     assert_eq!(hits, cached as f64);
     drop(busy);
 }
+
+#[tokio::test]
+async fn another_users_prompt_is_never_served_from_the_prefix_cache() {
+    let s = Stack::start_with("prefix_users", &slow_spec(), Db::Sqlite, 1, &[]).await;
+    let (alice, bob) = (s.key("alice").await, s.key("bob").await);
+    let secret = "the launch code for the harbour lights is seven four one, and the spare key to \
+                  the lighthouse is under the third stone from the gate";
+    let ask = |key: String| {
+        let addr = s.addr();
+        async move {
+            let body = json!({"model": "tiny", "max_tokens": 2, "ignore_eos": true,
+                              "messages": [{"role": "user", "content": secret}]});
+            let r = chat_completion(addr, &key, &body).await;
+            let prompt = r["usage"]["prompt_tokens"].as_u64().expect("prompt tokens");
+            let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached tokens");
+            (prompt, cached)
+        }
+    };
+    let (prompt, cached) = ask(alice.clone()).await;
+    assert!(prompt > 32, "long enough for whole cache blocks: {prompt}");
+    assert_eq!(cached, 0);
+    // Bob sends Alice's exact prompt: the cache must not tell him she sent it.
+    assert_eq!(
+        ask(bob.clone()).await,
+        (prompt, 0),
+        "bob saw alice's prefix"
+    );
+    // Alice's own prefix is still cached for her, so the cache itself works.
+    let (_, again) = ask(alice).await;
+    assert!(again >= 32, "alice's resend was not cached: {again}");
+    // And bob's second send finds his own.
+    let (_, bobs) = ask(bob).await;
+    assert!(bobs >= 32, "bob's resend was not cached: {bobs}");
+}

@@ -17,7 +17,7 @@ use super::lookup;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
-use crate::kv::{chain_hash, BlockAllocator, BlockId, DiskTier, Packing, NO_BLOCK, ROOT_HASH};
+use crate::kv::{chain_hash, user_root, BlockAllocator, BlockId, DiskTier, Packing, NO_BLOCK};
 use crate::model::SeqChunk;
 use crate::sampling::{LogitSummary, Sampler};
 
@@ -92,6 +92,8 @@ struct Seq {
     packed: Vec<BlockId>,
     /// Chain hashes of the leading full blocks already offered to the prefix cache.
     hashes: Vec<u64>,
+    /// Where the chain starts: the user's own root, so no other user's prompt ever matches.
+    root: u64,
     generated: usize,
     max_new: usize,
     stop_ids: Vec<u32>,
@@ -327,6 +329,7 @@ impl Scheduler {
         let max_new = inner.max_new_tokens as usize;
         self.waiting.push(Seq {
             id: inner.id,
+            root: user_root(inner.user.as_str()),
             user: inner.user,
             session: inner.session,
             tokens: inner.prompt,
@@ -673,7 +676,7 @@ impl Scheduler {
     fn attach_cached_prefix(&mut self, s: &mut Seq) {
         let bs = self.config.block_size;
         let limit = s.tokens.len() - 1;
-        let hits = self.alloc.lookup_prefix(&s.tokens[..limit], bs);
+        let hits = self.alloc.lookup_prefix(s.root, &s.tokens[..limit], bs);
         let mut cache = s.session.as_ref().and_then(|id| self.sessions.remove(id));
         if let (None, Some(id)) = (&cache, s.session.clone()) {
             cache = self.restore(&id, &s.tokens[..limit], hits.len() * bs);
@@ -697,7 +700,7 @@ impl Scheduler {
         let hits = if hits.is_empty() {
             hits
         } else {
-            self.alloc.lookup_prefix(&s.tokens[..limit], bs)
+            self.alloc.lookup_prefix(s.root, &s.tokens[..limit], bs)
         };
         s.hashes.clear();
         match cache {
@@ -751,7 +754,7 @@ impl Scheduler {
         let s = &mut self.running[ix];
         while (s.hashes.len() + 1) * bs <= s.kv_len {
             let i = s.hashes.len();
-            let parent = s.hashes.last().copied().unwrap_or(ROOT_HASH);
+            let parent = s.hashes.last().copied().unwrap_or(s.root);
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
             let h = match s.blocks[i] {
                 // Packed away: only the chain goes on.

@@ -142,7 +142,9 @@ fn shared_prefix_blocks_are_never_written_and_answers_match_cold_ones() {
     // A stateless request leaves its full blocks (43 positions computed: two) in the prefix
     // cache, unreferenced; its partial last block is freed.
     assert_eq!((s.alloc.used(), s.alloc.cached()), (0, 2));
-    let shared = s.alloc.lookup_prefix(&base[..32], BS);
+    let shared = s
+        .alloc
+        .lookup_prefix(user_root("anonymous"), &base[..32], BS);
     assert_eq!(shared.len(), 2);
     let before = contents(&s, &shared);
 
@@ -188,7 +190,9 @@ fn rewinding_a_session_into_a_registered_block_copies_it_first() {
     let mut a = submit(&mut s, 1, base.clone(), 4, Some("s"));
     drain(&mut s, |_| {});
     outcome(&mut a);
-    let shared = s.alloc.lookup_prefix(&base[..32], BS);
+    let shared = s
+        .alloc
+        .lookup_prefix(user_root("anonymous"), &base[..32], BS);
     assert_eq!(shared.len(), 2);
     let before = contents(&s, &shared);
     // An edit at token 25 rewinds into the second (registered) block.
@@ -463,4 +467,31 @@ fn speculative_drafts_change_no_reply_greedy_or_seeded_and_leave_the_cache_exact
     assert!(on.spec_accepted_tokens > 0, "no draft was kept: {on:?}");
     assert!(on.spec_accepted_tokens <= on.spec_draft_tokens);
     assert!(steps1 < steps0, "kept drafts should save steps");
+}
+
+#[test]
+fn the_prefix_cache_never_matches_another_users_prompt() {
+    let model = tiny();
+    let mut s = Scheduler::new(model.clone(), EngineConfig::default()).unwrap();
+    let run = |s: &mut Scheduler, id: u64, user: &str, p: &[u32]| {
+        let mut r = GenerateRequest::new(id, p.to_vec(), 4);
+        r.ignore_eos = true;
+        r.user = hearth_shared::UserId::from(user);
+        let v = validate(r, &s.model_info()).unwrap();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        s.enqueue(v, tx);
+        drain(s, |_| {});
+        outcome(&mut rx)
+    };
+    let secret = prompt(40, 21);
+    let (cached, alice_tokens) = run(&mut s, 1, "alice", &secret);
+    assert_eq!(cached, 0);
+    // Bob sends Alice's exact prompt: nothing of hers is his, so nothing is cached for him.
+    let (cached, bob_tokens) = run(&mut s, 2, "bob", &secret);
+    assert_eq!(cached, 0, "another user's prompt matched the prefix cache");
+    assert_eq!(bob_tokens, alice_tokens, "the same answer, computed afresh");
+    // Alice again: her own blocks are still there for her.
+    let (cached, _) = run(&mut s, 3, "alice", &secret);
+    assert_eq!(cached, 32);
+    audit(&s);
 }

@@ -17,8 +17,19 @@ use std::hash::{Hash, Hasher};
 
 use super::{BlockId, NO_BLOCK};
 
-/// Parent hash of a sequence's first block.
+/// The chain every user's roots hang from (see [`user_root`]).
 pub const ROOT_HASH: u64 = 0x6865_6172_7468_6b76;
+
+/// Parent hash of the first block of `user`'s sequences. The prefix cache is scoped per user:
+/// with one root for everyone, a user could learn whether another user's prompt begins with
+/// guessed text from the `cached_tokens` of a reply (or its time to first token). The user id
+/// is the orchestrator's, which the worker token vouches for; a request cannot set another's.
+pub fn user_root(user: &str) -> u64 {
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    ROOT_HASH.hash(&mut h);
+    user.hash(&mut h);
+    h.finish()
+}
 
 /// The key of the block holding `tokens`, after the blocks whose chain ended in `parent`: it
 /// covers every earlier token of the sequence.
@@ -210,9 +221,10 @@ impl BlockAllocator {
         (k.parent == parent && *k.tokens == *tokens).then_some((b, hash))
     }
 
-    /// The longest run of registered blocks holding `tokens` from its start, whole blocks only.
-    pub fn lookup_prefix(&self, tokens: &[u32], block_size: usize) -> Vec<BlockId> {
-        let mut parent = ROOT_HASH;
+    /// The longest run of registered blocks holding `tokens` from its start, whole blocks only,
+    /// on the chain that starts at `root` (a user's: [`user_root`]).
+    pub fn lookup_prefix(&self, root: u64, tokens: &[u32], block_size: usize) -> Vec<BlockId> {
+        let mut parent = root;
         let mut out = Vec::new();
         for chunk in tokens.chunks_exact(block_size) {
             match self.lookup(parent, chunk) {
@@ -321,17 +333,17 @@ mod tests {
         a.release(&mut t);
         // Unreferenced but kept: available, not used, and found again.
         assert_eq!((a.used(), a.free(), a.cached()), (0, 6, 3));
-        let hit = a.lookup_prefix(&tokens, 4);
+        let hit = a.lookup_prefix(ROOT_HASH, &tokens, 4);
         assert_eq!(hit.len(), 3);
         // A different second block stops the match after the first; a partial block never matches.
         let mut other = tokens.clone();
         other[5] = 99;
-        assert_eq!(a.lookup_prefix(&other, 4), hit[..1]);
-        assert_eq!(a.lookup_prefix(&tokens[..7], 4), hit[..1]);
+        assert_eq!(a.lookup_prefix(ROOT_HASH, &other, 4), hit[..1]);
+        assert_eq!(a.lookup_prefix(ROOT_HASH, &tokens[..7], 4), hit[..1]);
         // The chain covers every earlier token: the same block content after another first
         // block is a different key.
         let shifted: Vec<u32> = [100, 101, 102, 103].into_iter().chain(4..8).collect();
-        assert!(a.lookup_prefix(&shifted, 4).is_empty());
+        assert!(a.lookup_prefix(ROOT_HASH, &shifted, 4).is_empty());
         for &b in &hit {
             a.share(b);
         }
@@ -360,8 +372,8 @@ mod tests {
         assert!(a.is_registered(z[0]));
         assert!(!a.grow(&mut w, 16, 4), "only the referenced block is left");
         // Reclaimed blocks lost their keys; the referenced one is still found.
-        assert_eq!(a.lookup_prefix(&[3, 3, 3, 3], 4), vec![z[0]]);
-        assert!(a.lookup_prefix(&[1, 1, 1, 1], 4).is_empty());
+        assert_eq!(a.lookup_prefix(ROOT_HASH, &[3, 3, 3, 3], 4), vec![z[0]]);
+        assert!(a.lookup_prefix(ROOT_HASH, &[1, 1, 1, 1], 4).is_empty());
         a.release(&mut z);
         a.release(&mut w);
         assert_eq!((a.used(), a.free()), (0, 4));
@@ -382,7 +394,10 @@ mod tests {
         let mut w = Vec::new();
         assert!(a.grow(&mut w, 4, 4));
         assert_eq!(w, vec![x1], "the tail of the oldest chain goes first");
-        assert_eq!(a.lookup_prefix(&[1, 1, 1, 1, 2, 2, 2, 2], 4), vec![x0]);
+        assert_eq!(
+            a.lookup_prefix(ROOT_HASH, &[1, 1, 1, 1, 2, 2, 2, 2], 4),
+            vec![x0]
+        );
     }
 
     #[test]

@@ -394,7 +394,10 @@ impl ChatService {
         let lease = self
             .generator
             .pool
-            .admit_prefix(&caller.user.id, &crate::workers::prefix_keys(&prompt))
+            .admit_prefix(
+                &caller.user.id,
+                &crate::workers::prefix_keys(&caller.user.id, &prompt),
+            )
             .await?;
         let live = Live::new(None);
         let job = Job {

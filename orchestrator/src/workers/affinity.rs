@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use crate::ids::SessionId;
+use crate::ids::{SessionId, UserId};
 
 /// Where sessions' caches live: in this process, and shared through Redis when there is one.
 /// The local map is written either way, so while Redis is down this replica still sends the
@@ -42,17 +42,19 @@ impl Key {
     }
 }
 
-/// Affinity keys of a stateless prompt: a hash of each of its leading runs of 16, 32, 64, …
-/// tokens (short of its last token, which a worker always computes), shortest first. A
-/// conversation resent with one more turn shares its earlier keys; prompts with a common
-/// system prompt share the keys that fall inside it.
-pub fn prefix_keys(prompt: &[u32]) -> Vec<PrefixKey> {
+/// Affinity keys of `user`'s stateless prompt: a hash of each of its leading runs of 16, 32,
+/// 64, … tokens (short of its last token, which a worker always computes), shortest first. A
+/// conversation resent with one more turn shares its earlier keys; the user's prompts with a
+/// common system prompt share the keys that fall inside it. Workers cache prefixes per user, so
+/// the keys are per user too: another user's prompt is never routed by this one's.
+pub fn prefix_keys(user: &UserId, prompt: &[u32]) -> Vec<PrefixKey> {
     use std::hash::{Hash, Hasher};
     let mut keys = Vec::new();
     let mut len = PREFIX_UNIT;
     while len < prompt.len() {
         // The same key in every orchestrator replica: DefaultHasher::new() has fixed keys.
         let mut h = std::collections::hash_map::DefaultHasher::new();
+        user.as_str().hash(&mut h);
         prompt[..len].hash(&mut h);
         keys.push(PrefixKey(format!("prefix:{len}:{:016x}", h.finish())));
         len *= 2;
@@ -150,23 +152,29 @@ mod tests {
         let turn1: Vec<u32> = (0..40).collect();
         let mut turn2 = turn1.clone();
         turn2.extend(100..200);
-        let (k1, k2) = (prefix_keys(&turn1), prefix_keys(&turn2));
+        let u = UserId::random();
+        let (k1, k2) = (prefix_keys(&u, &turn1), prefix_keys(&u, &turn2));
         // 16 and 32 tokens fit before turn 1's last token; 64 and 128 also in turn 2's.
         assert_eq!(k1.len(), 2);
         assert_eq!(k2.len(), 4);
         assert_eq!(k2[..2], k1[..]);
         let mut other = turn1.clone();
         other[20] = 999;
-        let k3 = prefix_keys(&other);
+        let k3 = prefix_keys(&u, &other);
         assert_eq!(k3[0], k1[0], "the first 16 tokens are the same");
         assert_ne!(k3[1], k1[1]);
-        assert!(prefix_keys(&turn1[..16]).is_empty());
+        assert!(prefix_keys(&u, &turn1[..16]).is_empty());
+        let v = UserId::random();
+        assert!(
+            prefix_keys(&v, &turn1).iter().all(|k| !k1.contains(k)),
+            "another user's keys"
+        );
     }
 
     #[tokio::test]
     async fn the_longest_known_prefix_key_wins() {
         let a = Affinity::local();
-        let keys = prefix_keys(&(0..100).collect::<Vec<u32>>());
+        let keys = prefix_keys(&UserId::random(), &(0..100).collect::<Vec<u32>>());
         assert_eq!(a.get_last(&keys).await, None);
         a.set_prefix(&keys[0], "w1").await;
         a.set_prefix(&keys[2], "w2").await;
