@@ -52,11 +52,20 @@ pub fn raise_open_files_limit() -> Option<u64> {
     Some(lim.rlim_cur)
 }
 
-/// The default connection cap: the open-file limit less a reserve for the database, Redis,
-/// workers and files.
+/// Most connections open by default: with each connection's buffer capped at
+/// [`MAX_CONNECTION_BUFFER`] and request bodies at `MAX_BODY_BYTES_IN_FLIGHT` in all, their
+/// memory stays well inside a 1 GiB pod.
+pub const DEFAULT_MAX_CONNECTIONS: u64 = 2048;
+
+/// Largest buffer one connection reads into (a request's header must fit); hyper's default is
+/// about 400 KiB.
+pub const MAX_CONNECTION_BUFFER: usize = 64 << 10;
+
+/// The default connection cap: [`DEFAULT_MAX_CONNECTIONS`], or the open-file limit less a
+/// reserve for the database, Redis, workers and files where that is lower.
 pub fn default_max_connections() -> usize {
     let files = raise_open_files_limit().unwrap_or(1024);
-    files.saturating_sub(512).clamp(64, 65_536) as usize
+    files.saturating_sub(512).clamp(64, DEFAULT_MAX_CONNECTIONS) as usize
 }
 
 /// Serves `app` on `listener` until `shutdown` turns true; see the module docs.
@@ -73,7 +82,8 @@ pub async fn serve(
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout);
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(MAX_CONNECTION_BUFFER);
     let builder = Arc::new(builder);
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     // Every connection task holds a receiver; all dropped means all closed.

@@ -140,8 +140,13 @@ impl Shared {
     }
 }
 
+/// How long a deleted session's rows stay before they are purged: a minute for a stop or a last
+/// write on another replica to land. The session is gone from every query at once.
+const PURGE_AFTER: Duration = Duration::from_secs(60);
+
 /// Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
-/// Only stale ones: another replica's live replies are saved at least every few seconds.
+/// Only stale ones: another replica's live replies are saved at least every few seconds. And
+/// sessions deleted more than [`PURGE_AFTER`] ago are removed with their messages.
 fn spawn_orphan_sweep(
     store: Arc<dyn Store>,
     orphan_after: Duration,
@@ -150,6 +155,14 @@ fn spawn_orphan_sweep(
     tokio::spawn(async move {
         loop {
             sweep.run(&store).await;
+            let before = crate::storage::now_ms() - PURGE_AFTER.as_millis() as i64;
+            match store.purge_deleted(before).await {
+                Ok((0, _)) => {}
+                Ok((sessions, messages)) => {
+                    tracing::debug!(sessions, messages, "deleted sessions purged");
+                }
+                Err(e) => tracing::warn!(error = %e, "could not purge deleted sessions"),
+            }
             tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
         }
     })
@@ -233,6 +246,9 @@ impl App {
             auth,
             options: config.api.clone(),
             metrics,
+            body_bytes: Arc::new(tokio::sync::Semaphore::new(
+                crate::api::MAX_BODY_BYTES_IN_FLIGHT,
+            )),
         };
         let listener = bind(config.listen)
             .with_context(|| format!("--listen {}: cannot bind", config.listen))?;

@@ -69,6 +69,9 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
             ..ApiOptions::default()
         },
         metrics: None,
+        body_bytes: Arc::new(tokio::sync::Semaphore::new(
+            hearth_orchestrator::api::MAX_BODY_BYTES_IN_FLIGHT,
+        )),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

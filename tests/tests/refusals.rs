@@ -215,3 +215,50 @@ async fn a_refused_turn_is_not_charged_to_the_rate_limit() {
     assert_eq!(history(s.addr(), &k, &sid).await.len(), 2);
     s.finish().await;
 }
+
+/// Sends a request's header (announcing a 1 MB body) and as much of the body as `body` holds;
+/// the first bytes of the answer, if one comes within a minute.
+async fn header_then_wait(addr: std::net::SocketAddr, key: Option<&str>, body: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut conn = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let auth = key.map_or(String::new(), |k| format!("Authorization: Bearer {k}\r\n"));
+    let len = if body.is_empty() {
+        1_000_000
+    } else {
+        body.len()
+    };
+    let head = format!(
+        "POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\
+         Content-Type: application/json\r\nContent-Length: {len}\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.expect("header");
+    conn.write_all(body).await.expect("body");
+    let mut buf = vec![0; 512];
+    let n = tokio::time::timeout(Duration::from_secs(60), conn.read(&mut buf))
+        .await
+        .map_err(|_| "no answer within a minute")
+        .expect("an answer before the body")
+        .expect("read");
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+#[tokio::test]
+async fn a_body_without_a_valid_key_is_refused_before_it_is_read() {
+    // A server that read the body first would wait ten minutes for this one.
+    let s = Stack::scripted(
+        "keyfirst",
+        Db::Sqlite,
+        1,
+        10,
+        &["--body-timeout-secs", "600"],
+    )
+    .await;
+    for key in [None, Some("hk_not_a_key_of_this_server")] {
+        let answer = header_then_wait(s.addr(), key, b"").await;
+        assert!(answer.starts_with("HTTP/1.1 401"), "{key:?}: {answer}");
+    }
+    // With a valid key the body is read and the request served as usual.
+    let k = s.key("alice").await;
+    let answer = header_then_wait(s.addr(), Some(&k), b"{}").await;
+    assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
+}

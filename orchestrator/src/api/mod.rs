@@ -39,6 +39,10 @@ pub const DEFAULT_WEB_DIR: &str = "web/out";
 /// Largest request body accepted (a chat message with a long paste fits; a file does not).
 pub const MAX_BODY_BYTES: usize = 1 << 20;
 
+/// Bytes of request bodies read or held at once, across every connection: 64 bodies of the
+/// largest size. A request that would go over waits for no one: it is answered 503 at once.
+pub const MAX_BODY_BYTES_IN_FLIGHT: usize = 64 << 20;
+
 /// What the handlers share: the chat service (the only way to the store, the workers and the
 /// limits), how callers are identified, and the HTTP layer's own settings.
 #[derive(Clone, Debug)]
@@ -47,6 +51,8 @@ pub struct AppState {
     pub auth: AuthMode,
     pub options: ApiOptions,
     pub metrics: Option<PrometheusHandle>,
+    /// Permits for [`MAX_BODY_BYTES_IN_FLIGHT`], one a byte.
+    pub body_bytes: Arc<tokio::sync::Semaphore>,
 }
 
 /// Settings of the HTTP layer.
@@ -81,7 +87,6 @@ pub enum AuthMode {
 
 pub fn router(state: AppState) -> Router {
     let open = matches!(state.auth, AuthMode::Disabled(_));
-    let body_timeout = state.options.body_timeout;
     let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
@@ -93,9 +98,10 @@ pub fn router(state: AppState) -> Router {
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .layer(axum::middleware::from_fn(move |req, next| {
-            read_body_within(body_timeout, req, next)
-        }));
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            read_body_within,
+        ));
     // Without keys, anything that can reach the port is the user: refuse requests that a web
     // page on another site made through a name that resolves to this machine (DNS rebinding).
     let router = if open {
@@ -108,17 +114,51 @@ pub fn router(state: AppState) -> Router {
         .with_state(state)
 }
 
-/// Reads a request's whole body within `deadline` of its header, or answers 408 (and one over
-/// [`MAX_BODY_BYTES`] 413) before any handler runs. The accept loop bounds the header's arrival;
-/// without this a client could send a header and then its body a byte at a time, or never,
-/// and hold a connection and a task for as long as it liked. Bodies here are small JSON
-/// documents, so buffering them first costs nothing a handler would not pay.
+/// Reads a request's whole body within `--body-timeout-secs` of its header, or answers 408
+/// (and one over [`MAX_BODY_BYTES`] 413) before any handler runs. The accept loop bounds the
+/// header's arrival; without this a client could send a header and then its body a byte at a
+/// time, or never, and hold a connection and a task for as long as it liked. Bodies here are
+/// small JSON documents, so buffering them first costs nothing a handler would not pay.
+///
+/// Nothing of a body is read before its sender is known: with keys, a request that has a body
+/// must carry a valid key first (401 otherwise, the body unread), and the caller found is handed
+/// to the handler. And no more than [`MAX_BODY_BYTES_IN_FLIGHT`] of bodies are held at once.
 async fn read_body_within(
-    deadline: std::time::Duration,
+    State(s): State<AppState>,
     req: Request,
     next: axum::middleware::Next,
 ) -> Response {
-    let (parts, body) = req.into_parts();
+    let (mut parts, body) = req.into_parts();
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    let has_body = declared.map_or(parts.headers.contains_key(header::TRANSFER_ENCODING), |n| {
+        n > 0
+    });
+    if !has_body {
+        return next.run(Request::from_parts(parts, body)).await;
+    }
+    if matches!(s.auth, AuthMode::Keys) {
+        match caller_of(&parts, &s).await {
+            Ok(caller) => {
+                parts.extensions.insert(caller);
+            }
+            Err(e) => return e.into_response(),
+        }
+    }
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return ApiError::PayloadTooLarge.into_response();
+    }
+    let reserve = declared.map_or(MAX_BODY_BYTES, |n| n as usize) as u32;
+    let Ok(_held) = s.body_bytes.clone().try_acquire_many_owned(reserve) else {
+        return ApiError::Unavailable(
+            "too many request bodies are being received at once; try again shortly".into(),
+        )
+        .into_response();
+    };
+    let deadline = s.options.body_timeout;
     match tokio::time::timeout(deadline, axum::body::to_bytes(body, MAX_BODY_BYTES)).await {
         Ok(Ok(bytes)) => {
             next.run(Request::from_parts(parts, axum::body::Body::from(bytes)))
@@ -221,18 +261,27 @@ struct SessionPath {
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
+    /// The caller the body guard already found (a request with a body), else from the headers.
     async fn from_request_parts(parts: &mut Parts, state: &AppState) -> Result<Self, ApiError> {
-        match &state.auth {
-            AuthMode::Disabled(user) => Ok(state.chat.local_caller(user)),
-            AuthMode::Keys => {
-                let token = parts
-                    .headers
-                    .get(header::AUTHORIZATION)
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-                    .ok_or(ApiError::Unauthorized)?;
-                Ok(state.chat.key_caller(token.trim()).await?)
-            }
+        if let Some(c) = parts.extensions.get::<Caller>() {
+            return Ok(c.clone());
+        }
+        caller_of(parts, state).await
+    }
+}
+
+/// The request's caller: the local user without keys, else the owner of its API key.
+async fn caller_of(parts: &Parts, state: &AppState) -> Result<Caller, ApiError> {
+    match &state.auth {
+        AuthMode::Disabled(user) => Ok(state.chat.local_caller(user)),
+        AuthMode::Keys => {
+            let token = parts
+                .headers
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .ok_or(ApiError::Unauthorized)?;
+            Ok(state.chat.key_caller(token.trim()).await?)
         }
     }
 }

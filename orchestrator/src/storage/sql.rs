@@ -843,6 +843,28 @@ impl Store for SqlStore {
             .collect()
     }
 
+    async fn purge_deleted(&self, before_ms: i64) -> StoreResult<(u64, u64)> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let messages = sqlx::query(
+            "DELETE FROM messages WHERE session_id IN \
+             (SELECT id FROM sessions WHERE deleted_at IS NOT NULL AND deleted_at < $1)",
+        )
+        .bind(before_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_err)?
+        .rows_affected();
+        let sessions =
+            sqlx::query("DELETE FROM sessions WHERE deleted_at IS NOT NULL AND deleted_at < $1")
+                .bind(before_ms)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?
+                .rows_affected();
+        tx.commit().await.map_err(db_err)?;
+        Ok((sessions, messages))
+    }
+
     async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool> {
         let done = sqlx::query(
             "UPDATE messages SET status = 'error', \

@@ -64,6 +64,7 @@ both!(isolation, accounts::isolation_suite);
 both!(concurrency, races::concurrency_suite);
 both!(search_and_values, listing::search_and_values_suite);
 both!(edit, replies::edit_suite);
+both!(purge, replies::purge_suite);
 
 #[tokio::test]
 async fn a_bad_database_url_is_a_clear_error() {

@@ -275,3 +275,32 @@ pub(crate) async fn edit_suite(s: &SqlStore) {
     let next = s.begin_turn(&u, &sess.id, "more").await.expect("turn");
     assert_eq!(next.user.seq, 3);
 }
+
+pub(crate) async fn purge_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let mut ids = Vec::new();
+    for title in ["gone", "kept"] {
+        let new = NewSession {
+            title: title.into(),
+            ..Default::default()
+        };
+        let id = s.create_session(&u, new).await.expect("session").id;
+        let t = s.begin_turn(&u, &id, "hello").await.expect("turn");
+        s.finish_message(&t.assistant.id, &complete("hi"))
+            .await
+            .expect("finish");
+        ids.push(id);
+    }
+    s.delete_session(&u, &ids[0]).await.expect("delete");
+    // Within the grace period nothing goes.
+    assert_eq!(s.purge_deleted(0).await.expect("purge"), (0, 0));
+    let later = hearth_orchestrator::storage::now_ms() + 1_000;
+    assert_eq!(
+        s.purge_deleted(later).await.expect("purge"),
+        (1, 2),
+        "the deleted session and its two messages"
+    );
+    assert_eq!(s.purge_deleted(later).await.expect("again"), (0, 0));
+    let kept = s.list_messages(&u, &ids[1]).await.expect("kept");
+    assert_eq!(kept.len(), 2, "a live session keeps its messages");
+}

@@ -1,13 +1,13 @@
 //! Replies that run to their end, and requests refused before a reply starts: a multi-turn
-//! session streamed, stored and served from the cache, another user's session, and generation
-//! requests that are malformed or over the key's rate limit.
+//! session streamed, stored and served from the cache, another user's session (idle, or with a
+//! reply running), and generation requests that are malformed or over the key's rate limit.
 
 use std::time::Duration;
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    clear_of_a_minute_boundary, fold, history, new_session, new_session_with, stream_turn_with, Db,
-    Stack,
+    clear_of_a_minute_boundary, finish, fold, history, new_session, new_session_with, read_tokens,
+    stream_turn, stream_turn_with, Db, Stack,
 };
 use serde_json::json;
 
@@ -183,6 +183,47 @@ async fn another_users_session_is_404_on_every_generation_route() {
     }
     // A's conversation is untouched.
     assert_eq!(history(s.addr(), &ka, &sid).await.len(), 2);
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn another_user_cannot_stop_resume_or_replace_a_live_reply() {
+    let s = Stack::scripted("isolation_live", Db::Postgres, 1, 20, &[]).await;
+    let (ka, kb) = (s.key("a").await, s.key("b").await);
+    let sid = new_session(s.addr(), &ka).await;
+    let mut live = stream_turn(s.addr(), &ka, &sid, 60).await;
+    read_tokens(&mut live, 2).await;
+    let routes = [
+        ("POST", format!("/v1/sessions/{sid}/stop"), None),
+        ("GET", format!("/v1/sessions/{sid}/stream"), None),
+        (
+            "POST",
+            format!("/v1/sessions/{sid}/regenerate"),
+            Some(json!({"max_tokens": 2})),
+        ),
+        (
+            "POST",
+            format!("/v1/sessions/{sid}/messages"),
+            Some(json!({"content": "mine now", "max_tokens": 2})),
+        ),
+        ("DELETE", format!("/v1/sessions/{sid}"), None),
+    ];
+    for (m, p, body) in &routes {
+        let mut req = Req::new(m, p).key(Some(&kb));
+        if let Some(b) = body {
+            req = req.json(b);
+        }
+        let r = req.send(s.addr()).await;
+        assert_eq!(r.status, 404, "{m} {p} on a live reply: {}", r.text());
+    }
+    // A's reply ran on untouched to its length, and is stored whole.
+    let (_, last) = finish(&mut live).await;
+    assert_eq!(last.event, "message_end", "{last:?}");
+    assert_eq!(last.json()["finish_reason"], "length");
+    assert_eq!(last.json()["usage"]["completion_tokens"], 60);
+    let stored = history(s.addr(), &ka, &sid).await;
+    assert_eq!(stored.len(), 2);
+    assert_eq!(stored[1]["status"], "complete");
     s.finish().await;
 }
 
