@@ -1,10 +1,12 @@
 //! A session with 5,000 messages: its turns re-read and re-render the whole history (about
 //! 0.3 s of tokenizing each, on the blocking pool), and other users' turns must not wait on
-//! that. The figures are printed. The bound asserted is loose, since this machine is shared:
-//! Bob's p99 measured 15 ms alone and 92 ms beside the large session; with the rendering moved
-//! back onto the async runtime it measured 298 ms, which the bound refuses.
+//! that. Asserted without timing: Bob's turns complete, whole, while one of Alice's turns on the
+//! large session is in flight (a turn that queued behind hers could not), and every turn is
+//! stored. How long Bob's turns take alone and beside hers is printed, not asserted (the machine
+//! is shared): Bob's p99 measured 15 ms alone and 92 ms beside the large session; with the
+//! rendering moved back onto the async runtime it measured 298 ms.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -84,23 +86,43 @@ async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
         alone.push(turn(s.addr(), &bob, &theirs).await);
     }
 
-    // Alice keeps taking turns on the large session while Bob's are measured again.
+    // Alice keeps taking turns on the large session while Bob takes his again. `alice` counts
+    // her turns' starts and ends: odd while one is in flight, the same odd value from start
+    // to end of one of Bob's turns when his fell inside one of hers.
     let done = Arc::new(AtomicBool::new(false));
+    let alice_turns = Arc::new(AtomicU64::new(0));
     let heavy = {
-        let (addr, alice, big, done) = (s.addr(), alice.clone(), big.clone(), done.clone());
+        let (addr, alice, big) = (s.addr(), alice.clone(), big.clone());
+        let (done, alice_turns) = (done.clone(), alice_turns.clone());
         tokio::spawn(async move {
             let mut took = Vec::new();
             while !done.load(Ordering::SeqCst) {
+                alice_turns.fetch_add(1, Ordering::SeqCst);
                 took.push(turn(addr, &alice, &big).await);
+                alice_turns.fetch_add(1, Ordering::SeqCst);
             }
             took
         })
     };
-    // Her first turn has started before Bob's are timed.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Her first turn has started before Bob's are taken.
+    while alice_turns.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
     let mut beside = Vec::new();
-    for _ in 0..40 {
+    let mut inside = 0;
+    // 40 turns, and on until one has fallen inside one of hers (a deadline fails a hang).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while beside.len() < 40 || inside == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "none of bob's {} turns completed while one of alice's was in flight",
+            beside.len()
+        );
+        let before = alice_turns.load(Ordering::SeqCst);
         beside.push(turn(s.addr(), &bob, &theirs).await);
+        if before % 2 == 1 && alice_turns.load(Ordering::SeqCst) == before {
+            inside += 1;
+        }
     }
     done.store(true, Ordering::SeqCst);
     let heavy = heavy.await.expect("alice's turns");
@@ -108,6 +130,10 @@ async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
     println!("bob alone: {}", summary(&alone));
     println!("bob beside the 5,000-message session: {}", summary(&beside));
     println!("alice on the 5,000-message session: {}", summary(&heavy));
+    println!(
+        "{inside} of bob's {} turns began and ended inside one of alice's",
+        beside.len()
+    );
     assert!(!heavy.is_empty());
     let r = Req::new("GET", &format!("/v1/sessions/{big}/messages"))
         .key(Some(&alice))
@@ -119,10 +145,15 @@ async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
         Some(5_000 + 2 * heavy.len()),
         "every turn on the large session was stored"
     );
-    let (before, after) = (quantile(&alone, 0.99), quantile(&beside, 0.99));
-    assert!(
-        after <= before * 3 + Duration::from_millis(200),
-        "bob's p99 went from {before:?} alone to {after:?} beside the large session"
+    let r = Req::new("GET", &format!("/v1/sessions/{theirs}/messages"))
+        .key(Some(&bob))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.json()["data"].as_array().map(Vec::len),
+        Some(2 * (alone.len() + beside.len())),
+        "every one of bob's turns was stored"
     );
     s.finish().await;
 }

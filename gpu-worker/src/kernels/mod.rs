@@ -237,4 +237,4 @@ fn matmul_tasks(
 }
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;

@@ -7,16 +7,68 @@ pub(crate) fn noise(n: usize, seed: u64) -> Vec<f32> {
     crate::fixtures::noise(n, seed, 1.0)
 }
 
+/// Whether this CPU runs the `path` under test, reported either way for the running test (the
+/// harness names its thread after it): a path that runs is printed with the test's output; one
+/// that cannot, with the CPU features it lacks (`missing`), is written straight to stderr, past
+/// the harness's capture, so a test that passes without it never passes silently.
+pub(crate) fn cpu_runs(path: &str, missing: &[&str]) -> bool {
+    let thread = std::thread::current();
+    let test = thread.name().unwrap_or("(unnamed test)");
+    if missing.is_empty() {
+        println!("{test}: {path} path tested");
+        return true;
+    }
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "{test}: {path} path SKIPPED (cpu lacks {})",
+        missing.join(", ")
+    );
+    false
+}
+
+/// The CPU features in `wanted` (name, present) that are absent.
+pub(crate) fn lacking<'a>(wanted: &[(&'a str, bool)]) -> Vec<&'a str> {
+    wanted
+        .iter()
+        .filter(|(_, has)| !has)
+        .map(|(n, _)| *n)
+        .collect()
+}
+
+/// Every kernel path this CPU can run; each one it cannot is reported by [`cpu_runs`].
 fn all_isas() -> Vec<Isa> {
     let mut v = vec![Isa::Scalar];
+    cpu_runs("scalar", &[]);
     #[cfg(target_arch = "x86_64")]
     {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        let avx2 = [
+            ("avx2", is_x86_feature_detected!("avx2")),
+            ("fma", is_x86_feature_detected!("fma")),
+        ];
+        if cpu_runs("AVX2", &lacking(&avx2)) {
             v.push(Isa::Avx2);
         }
-        if detect_isa() == Isa::Avx512Vnni {
+        // What `detect_isa` asks before it picks the VNNI kernels.
+        let vnni = [
+            ("avx512vnni", is_x86_feature_detected!("avx512vnni")),
+            ("avx512vl", is_x86_feature_detected!("avx512vl")),
+            ("avx512bw", is_x86_feature_detected!("avx512bw")),
+            ("avx2", is_x86_feature_detected!("avx2")),
+            ("fma", is_x86_feature_detected!("fma")),
+        ];
+        if cpu_runs("AVX-512 VNNI", &lacking(&vnni)) {
+            assert_eq!(
+                detect_isa(),
+                Isa::Avx512Vnni,
+                "the features detect_isa asks"
+            );
             v.push(Isa::Avx512Vnni);
         }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for path in ["AVX2", "AVX-512 VNNI"] {
+        cpu_runs(path, &["x86_64"]);
     }
     v
 }
@@ -429,9 +481,14 @@ fn q6_k_panels_hold_the_file_s_weights_and_multiply_like_candle() {
 #[test]
 #[cfg(target_arch = "x86_64")]
 fn the_avx512_activation_quantizer_gives_the_portable_blocks_bit_for_bit() {
-    if !has_avx512() {
+    let wanted = [
+        ("avx512f", is_x86_feature_detected!("avx512f")),
+        ("avx512bw", is_x86_feature_detected!("avx512bw")),
+    ];
+    if !cpu_runs("AVX-512 activation quantizer", &lacking(&wanted)) {
         return;
     }
+    assert!(has_avx512(), "the features has_avx512 asks");
     // Noise at several magnitudes, an all-zero block, ties at .5 once scaled (amax 127 makes the
     // scale 1), huge, infinite and subnormal values, and a block with a single nonzero value.
     let mut x = Vec::new();

@@ -407,9 +407,16 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn four_heads_by_four_keys_score_as_each_pair_alone() {
-        if !crate::kernels::has_avx512() {
+        use crate::kernels::tests::{cpu_runs, lacking};
+        let wanted = [
+            ("avx512f", is_x86_feature_detected!("avx512f")),
+            ("avx512bw", is_x86_feature_detected!("avx512bw")),
+        ];
+        // Not run where the CPU lacks it, and then said so, loudly (see `cpu_runs`).
+        if !cpu_runs("AVX-512 four-by-four scores", &lacking(&wanted)) {
             return;
         }
+        assert!(crate::kernels::has_avx512(), "the features has_avx512 asks");
         let hd = 256;
         let qs = crate::fixtures::noise(4 * hd, 1, 3.0);
         let keys = crate::fixtures::noise(4 * hd, 2, 5.0);

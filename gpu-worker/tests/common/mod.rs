@@ -41,6 +41,8 @@ pub fn engine(model: Arc<Model>, config: EngineConfig) -> Engine {
 #[derive(Debug, Default)]
 pub struct Outcome {
     pub cached_tokens: Option<usize>,
+    /// How long after it reached the engine it was admitted (its `Started` event).
+    pub queue_ms: Option<f64>,
     pub tokens: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub finish: Option<EngineEvent>,
@@ -51,7 +53,13 @@ pub fn collect(mut rx: EventStream) -> Outcome {
     let mut o = Outcome::default();
     while let Some(e) = rx.blocking_recv() {
         match e {
-            EngineEvent::Started { cached_tokens, .. } => o.cached_tokens = Some(cached_tokens),
+            EngineEvent::Started {
+                cached_tokens,
+                queue_ms,
+            } => {
+                o.cached_tokens = Some(cached_tokens);
+                o.queue_ms = Some(queue_ms);
+            }
             EngineEvent::Token { id, logprob } => {
                 o.tokens.push(id);
                 o.logprobs.push(logprob);

@@ -44,20 +44,36 @@ async fn idle_and_half_open_connections_block_neither_chat_nor_shutdown() {
         "a turn beside 2,000 idle connections took {:?}",
         started.elapsed()
     );
-    // SIGTERM with all of them still open: the server exits within its shutdown timeout (2 s)
-    // plus the time open connections get to close (5 s), not never.
+    // SIGTERM with all of them still open: the server exits (after its shutdown timeout, 2 s,
+    // plus the time open connections get to close, 5 s), not never. The 60 s deadline only
+    // fails a server that hangs; how long it took is printed.
     signal(&s.hearth.child, libc::SIGTERM);
     let signalled = Instant::now();
-    let status = wait_exit(&mut s.hearth.child, signalled + Duration::from_secs(10))
+    let status = wait_exit(&mut s.hearth.child, signalled + Duration::from_secs(60))
         .await
-        .expect(
-            "hearth did not exit within 2 s + 5 s (and a margin) of SIGTERM with idle \
-             connections open",
-        );
+        .expect("hearth did not exit within 60 s of SIGTERM with idle connections open");
     println!("exited {:?} after SIGTERM", signalled.elapsed());
     assert!(status.success(), "{status}");
     drop(idle);
     s.finish().await;
+}
+
+/// Whether the peer has closed `c`, read without waiting: at end of file (after any bytes it
+/// sent first) or reset, yes; open with nothing more to read ("would block"), no.
+fn closed_by_peer(c: TcpStream) -> bool {
+    use std::io::{ErrorKind, Read};
+    let mut c = c.into_std().expect("a std socket");
+    c.set_nonblocking(true).expect("nonblocking");
+    let mut buf = [0u8; 4096];
+    loop {
+        match c.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == ErrorKind::ConnectionReset => return true,
+            Err(e) => panic!("reading a held connection: {e}"),
+        }
+    }
 }
 
 /// `--max-connections` holds connections past the cap in the backlog until one closes, and
@@ -93,31 +109,27 @@ async fn connections_past_the_cap_wait_for_a_place_and_silent_ones_are_closed() 
         .write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         .await
         .expect("write");
+    // The header deadline (3 s) closes the four; only then does the fifth take a place and get
+    // its answer. The deadline only fails a server that never answers.
     let mut answer = Vec::new();
-    let early = tokio::time::timeout(Duration::from_millis(1500), fifth.read_to_end(&mut answer));
-    assert!(
-        early.await.is_err(),
-        "a fifth connection was served beside four with --max-connections 4: {:?}",
-        String::from_utf8_lossy(&answer)
-    );
-    // The header deadline (3 s) closes the four; the fifth then takes a place and is answered.
-    for (i, c) in idle.iter_mut().enumerate() {
-        let mut buf = Vec::new();
-        let closed = tokio::time::timeout(Duration::from_secs(15), c.read_to_end(&mut buf)).await;
-        assert!(
-            closed.is_ok(),
-            "connection {i} without a complete header was still open {:?} after it opened",
-            opened.elapsed()
-        );
-    }
+    tokio::time::timeout(Duration::from_secs(60), fifth.read_to_end(&mut answer))
+        .await
+        .expect("the fifth connection was not answered within 60 s")
+        .expect("read");
     println!(
-        "silent connections closed {:?} after they opened",
+        "the fifth connection was answered {:?} after the four opened",
         opened.elapsed()
     );
-    tokio::time::timeout(Duration::from_secs(15), fifth.read_to_end(&mut answer))
-        .await
-        .expect("the fifth connection was answered once a place freed")
-        .expect("read");
+    // Ordered, not timed: when the fifth has its answer, each of the four has already been
+    // closed by the server (its end of file is waiting to be read), so the fifth was not served
+    // beside them. A connection still open reads as "would block".
+    for (i, c) in idle.into_iter().enumerate() {
+        assert!(
+            closed_by_peer(c),
+            "connection {i} without a complete header was still open when the fifth, past \
+             --max-connections 4, was answered"
+        );
+    }
     let answer = String::from_utf8_lossy(&answer);
     assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
     s.finish().await;
@@ -131,7 +143,7 @@ async fn a_body_that_does_not_arrive_in_time_gets_408_and_stores_nothing() {
         Db::Sqlite,
         1,
         40,
-        &["--body-timeout-secs", "1"],
+        &["--body-timeout-secs", "3"],
     )
     .await;
     let k = s.key("alice").await;
@@ -150,17 +162,18 @@ async fn a_body_that_does_not_arrive_in_time_gets_408_and_stores_nothing() {
         .expect("write");
     let started = Instant::now();
     let mut answer = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(15), c.read_to_end(&mut answer)).await;
+    let read = tokio::time::timeout(Duration::from_secs(60), c.read_to_end(&mut answer)).await;
     let answer = String::from_utf8_lossy(&answer);
     assert!(
         read.is_ok(),
-        "no answer 15 s after a stalled body: {answer:?}"
+        "no answer 60 s after a stalled body: {answer:?}"
     );
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     assert!(answer.contains("\"body_timeout\""), "{answer}");
+    // A lower bound only (no slowness can answer early): the 408 waited for the deadline.
     assert!(
-        started.elapsed() >= Duration::from_millis(900),
-        "answered before the deadline: {:?}",
+        started.elapsed() >= Duration::from_millis(2900),
+        "answered before the 3 s deadline: {:?}",
         started.elapsed()
     );
     println!(
@@ -171,7 +184,8 @@ async fn a_body_that_does_not_arrive_in_time_gets_408_and_stores_nothing() {
         history(s.addr(), &k, &sid).await.is_empty(),
         "nothing stored"
     );
-    // A body that arrives in pieces, all within the deadline, is served.
+    // A body that arrives in pieces, all within the deadline, is served (four pieces 100 ms
+    // apart: the 3 s deadline leaves room for a busy machine).
     let mut c = TcpStream::connect(s.addr()).await.expect("connect");
     c.write_all(head.as_bytes()).await.expect("write");
     for piece in body.as_bytes().chunks(body.len() / 4 + 1) {
@@ -179,7 +193,7 @@ async fn a_body_that_does_not_arrive_in_time_gets_408_and_stores_nothing() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut answer = vec![0u8; 12];
-    tokio::time::timeout(Duration::from_secs(15), c.read_exact(&mut answer))
+    tokio::time::timeout(Duration::from_secs(60), c.read_exact(&mut answer))
         .await
         .expect("no answer")
         .expect("read");

@@ -134,7 +134,9 @@ fn p50(mut v: Vec<Duration>) -> Duration {
 async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
     // One worker that takes 4 requests at a time from hearth, and a queue of 100: alice's 200
     // requests fill both, and 96 are refused. Each of her replies holds a place for about 0.8 s,
-    // so her queue lasts about 20 s. Bob's TTFT must stay within 2x of his TTFT alone.
+    // so her queue lasts about 20 s. Each of bob's requests must be served while her queue is
+    // still long, by taking one of her places (a preemption), not after it drains. His TTFT
+    // alone and beside her is printed, not asserted: the machine is shared.
     let s = Stack::scripted(
         "fairness",
         Db::Sqlite,
@@ -166,22 +168,30 @@ async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
         "alice's requests should fill the queue: {depth}"
     );
     let mut busy = Vec::new();
-    for _ in 0..5 {
+    for i in 0..5 {
+        let before = metric(s.addr(), "hearth_fair_share_preemptions_total").await;
         busy.push(ttft(s.addr(), &bob).await);
+        // Progress, not time: when bob's reply has ended, alice's queue has not drained (with
+        // FIFO order he would have waited behind all of it), and his request took one of her
+        // places (without preemption it would have waited for one of her replies to end).
+        let depth = metric(s.addr(), "hearth_queue_depth").await;
+        let preempted = metric(s.addr(), "hearth_fair_share_preemptions_total").await;
+        assert!(
+            depth > 0.0,
+            "bob's request {i} was served only once alice's queue had drained"
+        );
+        assert!(
+            preempted > before,
+            "bob's request {i} was served without taking one of alice's places \
+             ({before} preemptions before, {preempted} after)"
+        );
     }
     let depth = metric(s.addr(), "hearth_queue_depth").await;
     let (alone, busy) = (p50(alone), p50(busy));
     println!(
         "bob's TTFT p50: {alone:?} alone, {busy:?} beside alice's 200 requests ({depth} still queued)"
     );
-    // Without a shared queue bob is refused (alice holds every place); without fair order he
-    // waits behind her queue (about 20 s); without preemption, for one of her replies to end
-    // (about 0.8 s, twenty times his TTFT alone). Each of his requests takes one of her places.
-    assert!(depth >= 60.0, "alice's queue should still be long: {depth}");
-    assert!(
-        busy <= alone * 2,
-        "bob's TTFT p50 went from {alone:?} alone to {busy:?} beside alice's queue"
-    );
+    // Without a shared queue bob is refused (alice holds every place): `ttft` asserts 200.
     let preempted = metric(s.addr(), "hearth_fair_share_preemptions_total").await;
     assert!(
         preempted >= 5.0,

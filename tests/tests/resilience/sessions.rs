@@ -33,7 +33,7 @@ async fn resuming_at_or_past_the_end_of_a_finished_stream_closes_at_once() {
                 .events(addr)
                 .await;
             assert_eq!(sse.status, 200);
-            tokio::time::timeout(Duration::from_secs(5), sse.rest())
+            tokio::time::timeout(Duration::from_secs(60), sse.rest())
                 .await
                 .unwrap_or_else(|_| panic!("resuming after event {from} of {n} did not close"))
         }
@@ -62,7 +62,7 @@ async fn deleting_a_session_stops_its_reply_and_frees_its_cache_on_the_worker() 
     let cached = wait_metric(
         metrics,
         "hearth_worker_cached_sessions",
-        Duration::from_secs(5),
+        Duration::from_secs(60),
         |v| v == 1.0,
     )
     .await;
@@ -74,7 +74,7 @@ async fn deleting_a_session_stops_its_reply_and_frees_its_cache_on_the_worker() 
         .send(s.addr())
         .await;
     assert_eq!(r.status, 204, "{}", r.text());
-    let (_, end) = tokio::time::timeout(Duration::from_secs(10), finish(&mut sse))
+    let (_, end) = tokio::time::timeout(Duration::from_secs(60), finish(&mut sse))
         .await
         .expect("the deleted session's reply kept streaming");
     assert_eq!(end.json()["status"], "stopped", "{end:?}");
@@ -86,7 +86,7 @@ async fn deleting_a_session_stops_its_reply_and_frees_its_cache_on_the_worker() 
     let cached = wait_metric(
         metrics,
         "hearth_worker_cached_sessions",
-        Duration::from_secs(10),
+        Duration::from_secs(60),
         |v| v == 0.0,
     )
     .await;
@@ -107,7 +107,7 @@ async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_cl
         Db::Postgres,
         1,
         40,
-        &["--orphan-after-secs", "2"],
+        &["--orphan-after-secs", "5"],
     )
     .await;
     let k = s.key("alice").await;
@@ -135,10 +135,11 @@ async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_cl
         let h = history(s.addr(), &k, &sid).await;
         (h[1]["status"].clone(), h[1]["content"].clone())
     };
-    // Its progress saves, every 400 ms for 6 s (three times --orphan-after-secs), stamped by
-    // its lagging clock.
+    // Its progress saves, every 400 ms for 8 s (longer than --orphan-after-secs, so only the
+    // saves keep it alive), stamped by its lagging clock. The 5 s window leaves 4.6 s between
+    // two saves for a busy machine to fall behind before a save counts as missed.
     let mut last_save = Instant::now();
-    for i in 0..15i64 {
+    for i in 0..20i64 {
         sqlx::query("UPDATE messages SET content = $1, updated_at = $2 WHERE id = $3")
             .bind(format!("part {i}"))
             .bind(behind + i * 400)
@@ -174,10 +175,11 @@ async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_cl
             );
         }
     }
-    // The replica dies: no more saves. Failed within --orphan-after-secs and a sweep or two.
+    // The replica dies: no more saves. Failed once --orphan-after-secs has passed without
+    // one; the 60 s deadline only fails a sweep that never comes.
     let (st, content) = loop {
         let (st, content) = status().await;
-        if st != "streaming" || last_save.elapsed() > Duration::from_secs(15) {
+        if st != "streaming" || last_save.elapsed() > Duration::from_secs(60) {
             break (st, content);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -185,9 +187,10 @@ async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_cl
     let after = last_save.elapsed();
     println!("an abandoned reply was failed {after:?} after its last save");
     assert_eq!(st, "error", "an abandoned reply is failed");
-    assert_eq!(content, "part 14", "and keeps its text");
+    assert_eq!(content, "part 19", "and keeps its text");
+    // A lower bound only (no slowness fails it early): the sweep waited for the window.
     assert!(
-        after >= Duration::from_millis(1900),
+        after >= Duration::from_millis(4900),
         "failed before --orphan-after-secs had passed: {after:?}"
     );
     // Once failed, the session takes turns again.
