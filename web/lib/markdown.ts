@@ -25,10 +25,24 @@ export function escapeHtml(s: string): string {
   return s.replace(/[&<>"']/g, (ch) => `&#${ch.charCodeAt(0)};`);
 }
 
+/** Protocols a link in a reply may use; a relative link takes the page's (http or https). */
+const LINK_PROTOCOLS = new Set(["http:", "https:", "mailto:"]);
+/** Stands in for the page when resolving: any http(s) page gives a relative link the same
+ *  protocol, and a fixed one keeps rendering independent of where it runs. */
+const LINK_BASE = "https://hearth.invalid/";
+
+/** `href` if a browser would follow it to an allowed protocol, else null. Judged by the URL
+ *  parser itself, not by matching text: the parser drops tabs and newlines anywhere and leading
+ *  spaces and control characters, so `java\tscript:` is a javascript: link. */
 function safeHref(href: string): string | null {
   const h = href.trim();
-  if (/^(https?:|mailto:)/i.test(h) || /^[/#?.]/.test(h) || !/^[a-z][a-z0-9+.-]*:/i.test(h)) return h;
-  return null;
+  let url: URL;
+  try {
+    url = new URL(h, LINK_BASE);
+  } catch {
+    return null;
+  }
+  return LINK_PROTOCOLS.has(url.protocol) ? h : null;
 }
 
 function codeBlock(text: string, lang: string | undefined, highlight: boolean): string {
