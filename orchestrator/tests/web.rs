@@ -1,7 +1,8 @@
 //! The web UI's static files at `/`, over a real socket: content types, Next's `name.html`
 //! routes, cache headers, the export's 404 page, path traversal, the API's JSON answers beside
-//! them, and the page shown when the UI is not built.
+//! them, the page shown when the UI is not built, and the Content-Security-Policy on all of it.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -254,4 +255,141 @@ async fn without_a_build_the_root_says_how_to_build_it_and_the_api_works() {
     assert_eq!(get(&s, "/v1/sessions").await.status, 401);
     let r = get(&s, "/v1/nope").await;
     assert_eq!(r.json()["error"]["type"], "not_found_error");
+}
+
+/// A page as Next's export writes it: chunks by `src`, and inline scripts for the theme (before
+/// first paint), the bundler's bootstrap and the flight data (`self.__next_f`), which differs
+/// from page to page.
+fn next_page(text: &str) -> String {
+    [
+        r#"<!DOCTYPE html><html lang="en"><head><meta charSet="utf-8"/>"#,
+        r#"<link rel="stylesheet" href="/_next/static/chunks/site-9c1d.css"/>"#,
+        r#"<script src="/_next/static/chunks/app-3f2a.js" async=""></script>"#,
+        r#"<script>try{var t=localStorage.getItem("hearth.theme");if(t)"#,
+        r#"document.documentElement.dataset.theme=t}catch(e){}</script>"#,
+        r#"</head><body><main>"#,
+        text,
+        r#"</main><script src="/_next/static/chunks/poly-0c.js" noModule=""></script>"#,
+        r#"<script id="_R_">(globalThis["TURBOPACK"] || (globalThis["TURBOPACK"] = []))"#,
+        r#".push({"otherChunks":["/_next/static/chunks/app-3f2a.js"]})</script>"#,
+        r#"<script>(self.__next_f=self.__next_f||[]).push([0])</script>"#,
+        r#"<script>self.__next_f.push([1,"1:\"$Sreact.fragment\"\n2:[\"\u003cp\u003e"#,
+        text,
+        r#"\"]\n"])</script></body></html>"#,
+    ]
+    .concat()
+}
+
+fn next_export(out: &Path) {
+    write(out, "index.html", &next_page("chat home"));
+    write(out, "settings.html", &next_page("settings page"));
+    write(out, "404.html", &next_page("custom not found"));
+    write(out, "_next/static/chunks/app-3f2a.js", "console.log('app')");
+    write(out, "icon.svg", "<svg xmlns='http://www.w3.org/2000/svg'/>");
+}
+
+/// The body of each `<script>` without `src` (enough for the pages above).
+fn inline_scripts(page: &str) -> Vec<&str> {
+    page.split("<script")
+        .skip(1)
+        .filter_map(|rest| {
+            let (attrs, rest) = rest.split_once('>')?;
+            let (body, _) = rest.split_once("</script>")?;
+            (!attrs.contains("src=")).then_some(body)
+        })
+        .collect()
+}
+
+fn hash_source(script: &str) -> String {
+    use base64::Engine as _;
+    use sha2::Digest as _;
+    let digest = sha2::Sha256::digest(script.as_bytes());
+    format!(
+        "'sha256-{}'",
+        base64::engine::general_purpose::STANDARD.encode(digest)
+    )
+}
+
+/// The policy of `r` as directive name to sources, after checking what every web answer must
+/// carry: the policy, no framing (old browsers too), and no inline script or `eval` by fiat.
+fn policy_of(r: &Reply, what: &str) -> HashMap<String, Vec<String>> {
+    let header = r
+        .header("content-security-policy")
+        .unwrap_or_else(|| panic!("{what}: no Content-Security-Policy"));
+    let policy: HashMap<String, Vec<String>> = header
+        .split(';')
+        .filter_map(|d| {
+            let mut words = d.split_whitespace().map(str::to_string);
+            Some((words.next()?, words.collect()))
+        })
+        .collect();
+    assert_eq!(r.header("x-frame-options"), Some("DENY"), "{what}");
+    for (name, sources) in [
+        ("frame-ancestors", &["'none'"][..]),
+        ("default-src", &["'self'"][..]),
+        ("object-src", &["'none'"][..]),
+        ("base-uri", &["'none'"][..]),
+    ] {
+        let got = policy.get(name).cloned().unwrap_or_default();
+        assert_eq!(got, sources, "{what}: {header}");
+    }
+    let scripts = &policy["script-src"];
+    assert_eq!(
+        scripts.first().map(String::as_str),
+        Some("'self'"),
+        "{what}"
+    );
+    for loose in ["'unsafe-inline'", "'unsafe-eval'", "*", "data:"] {
+        assert!(!scripts.iter().any(|s| s == loose), "{what}: {header}");
+    }
+    policy
+}
+
+#[tokio::test]
+async fn every_page_admits_exactly_its_own_inline_scripts() {
+    let s = start(next_export).await;
+    let mut hashes_by_page = Vec::new();
+    for (path, status) in [("/", 200), ("/settings", 200), ("/no/such/page", 404)] {
+        let r = get(&s, path).await;
+        assert_eq!(r.status, status, "{path}");
+        let page = r.text();
+        let inline = inline_scripts(&page);
+        assert_eq!(inline.len(), 4, "{path}: {page}");
+        let mut hashes: Vec<String> = inline.into_iter().map(hash_source).collect();
+        hashes.dedup();
+        let policy = policy_of(&r, path);
+        assert_eq!(policy["script-src"][1..], hashes[..], "{path}");
+        hashes_by_page.push(hashes);
+    }
+    // The flight data differs, so one page's hashes do not admit another's scripts.
+    assert_ne!(hashes_by_page[0], hashes_by_page[1]);
+
+    // A revalidated page keeps its policy: the browser updates its copy's headers from the 304.
+    let home = get(&s, "/").await;
+    let etag = home.header("etag").expect("etag").to_string();
+    let again = Req::new("GET", "/")
+        .header("If-None-Match", etag)
+        .send(s.addr)
+        .await;
+    assert_eq!(again.status, 304);
+    assert_eq!(
+        again.header("content-security-policy"),
+        home.header("content-security-policy")
+    );
+
+    // Other files carry the policy too (a script's applies to it as a worker, an SVG's when
+    // opened on its own), with no inline script admitted.
+    for path in ["/_next/static/chunks/app-3f2a.js", "/icon.svg"] {
+        let r = get(&s, path).await;
+        assert_eq!(r.status, 200, "{path}");
+        assert_eq!(policy_of(&r, path)["script-src"], ["'self'"], "{path}");
+    }
+}
+
+#[tokio::test]
+async fn the_page_without_a_build_carries_the_policy_too() {
+    let s = start(|_| {}).await;
+    let r = get(&s, "/").await;
+    assert!(r.text().contains("not built"));
+    assert_eq!(policy_of(&r, "/ (not built)")["script-src"], ["'self'"]);
 }

@@ -7,6 +7,11 @@
 //! export writes route `/name` there), then `name/index.html`; anything else is the export's
 //! `404.html` with status 404. Every segment is checked before the file system is touched, and
 //! the resolved file must lie inside the directory, so `..`, encoded or not, reaches nothing.
+//!
+//! Every answer from here carries the UI's Content-Security-Policy ([`csp`]; an HTML page's
+//! lists its own inline scripts by hash) and may not be framed.
+
+mod csp;
 
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
@@ -172,31 +177,43 @@ async fn file_response(
     } else {
         REVALIDATE
     };
-    let mut builder = Response::builder()
-        .header(header::CONTENT_TYPE, content_type(rel))
-        .header(header::CACHE_CONTROL, cache)
-        .header(header::X_CONTENT_TYPE_OPTIONS, "nosniff");
-    if let Ok(v) = HeaderValue::from_str(&etag) {
-        builder = builder.header(header::ETAG, v);
-    }
     let unchanged = status == StatusCode::OK
         && headers
             .get(header::IF_NONE_MATCH)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.split(',').any(|t| t.trim() == etag || t.trim() == "*"));
-    if unchanged {
-        return builder
-            .status(StatusCode::NOT_MODIFIED)
-            .body(Body::empty())
-            .unwrap_or_else(|e| ApiError::Internal(e.to_string()).into_response());
+    let content_type = content_type(rel);
+    let html = content_type.starts_with("text/html");
+    // A page's policy depends on its inline scripts, so a page is read for a 304 too: the
+    // browser updates its cached copy's headers from the 304, and they must stay the same.
+    let bytes = if unchanged && !html {
+        None
+    } else {
+        match tokio::fs::read(file).await {
+            Ok(b) => Some(b),
+            Err(e) => {
+                return ApiError::Internal(format!("{}: {e}", file.display())).into_response()
+            }
+        }
+    };
+    let policy = csp::policy(bytes.as_deref().filter(|_| html));
+    let mut builder = Response::builder()
+        .header(header::CONTENT_TYPE, content_type)
+        .header(header::CACHE_CONTROL, cache)
+        .header(header::X_CONTENT_TYPE_OPTIONS, "nosniff")
+        .header(header::CONTENT_SECURITY_POLICY, policy)
+        .header(header::X_FRAME_OPTIONS, csp::FRAME_OPTIONS);
+    if let Ok(v) = HeaderValue::from_str(&etag) {
+        builder = builder.header(header::ETAG, v);
     }
-    match tokio::fs::read(file).await {
-        Ok(bytes) => builder
-            .status(status)
-            .body(Body::from(bytes))
-            .unwrap_or_else(|e| ApiError::Internal(e.to_string()).into_response()),
-        Err(e) => ApiError::Internal(format!("{}: {e}", file.display())).into_response(),
-    }
+    let (status, body) = match bytes {
+        Some(b) if !unchanged => (status, Body::from(b)),
+        _ => (StatusCode::NOT_MODIFIED, Body::empty()),
+    };
+    builder
+        .status(status)
+        .body(body)
+        .unwrap_or_else(|e| ApiError::Internal(e.to_string()).into_response())
 }
 
 /// By extension, for what a Next.js export contains.
@@ -249,8 +266,14 @@ fn not_built(root: &Path) -> Response {
     (
         StatusCode::NOT_FOUND,
         [
-            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
-            (header::CACHE_CONTROL, REVALIDATE),
+            (header::CONTENT_TYPE, "text/html; charset=utf-8".to_string()),
+            (header::CACHE_CONTROL, REVALIDATE.to_string()),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff".to_string()),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                csp::policy(Some(page.as_bytes())),
+            ),
+            (header::X_FRAME_OPTIONS, csp::FRAME_OPTIONS.to_string()),
         ],
         page,
     )
