@@ -30,6 +30,10 @@ pub struct ServeArgs {
     /// HTTP address to listen on.
     #[arg(long, env = "HEARTH_LISTEN", default_value = "127.0.0.1:8080")]
     pub listen: SocketAddr,
+    /// Serve `/metrics` on this address of its own, and not on `--listen` [default: on
+    /// `--listen`, beside the API].
+    #[arg(long, env = "HEARTH_METRICS_LISTEN")]
+    pub metrics_listen: Option<SocketAddr>,
     /// A worker's gRPC address (repeat for several). None: start a local worker.
     #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',')]
     pub workers: Vec<String>,
@@ -153,6 +157,8 @@ pub struct LocalWorker {
 #[derive(Debug, Clone)]
 pub struct Config {
     pub listen: SocketAddr,
+    /// `/metrics` on a listener of its own, off the API's port.
+    pub metrics_listen: Option<SocketAddr>,
     pub auth: AuthArg,
     pub workers: Workers,
     pub tokenizer: PathBuf,
@@ -230,8 +236,16 @@ impl Config {
         let (mut pool, limits) = (pool_config(&a)?, chat_limits(&a)?);
         pool.token = token;
         let secs = Duration::from_secs;
+        if a.metrics_listen == Some(a.listen) && a.listen.port() != 0 {
+            return Err(refuse(
+                "--metrics-listen",
+                a.listen,
+                "is also the API's --listen address; give metrics a port of their own",
+            ));
+        }
         Ok(Self {
             listen: a.listen,
+            metrics_listen: a.metrics_listen,
             auth: a.auth,
             workers,
             tokenizer,
@@ -239,6 +253,7 @@ impl Config {
             pool,
             limits,
             api: ApiOptions {
+                metrics_on_api: a.metrics_listen.is_none(),
                 cancel_on_disconnect: a.cancel_on_disconnect,
                 web_dir: a.web_dir,
                 body_timeout: secs(at_least("--body-timeout-secs", a.body_timeout_secs, 1)?),

@@ -197,7 +197,7 @@ async fn start_workers(
 /// Runs the server until SIGINT/SIGTERM.
 pub async fn serve(config: Config, store: Arc<dyn Store>) -> anyhow::Result<()> {
     let app = App::bind(config, store).await?;
-    announce(app.local_addr(), &app.state);
+    announce(app.local_addr(), app.metrics_addr(), &app.state);
     app.run(shutdown_signal()).await
 }
 
@@ -208,6 +208,8 @@ pub async fn serve(config: Config, store: Arc<dyn Store>) -> anyhow::Result<()> 
 pub struct App {
     state: AppState,
     listener: tokio::net::TcpListener,
+    /// `--metrics-listen`, bound.
+    metrics: Option<tokio::net::TcpListener>,
     limits: crate::http_server::HttpLimits,
     shutdown_timeout: Duration,
     streams: Arc<Streams>,
@@ -252,11 +254,18 @@ impl App {
         };
         let listener = bind(config.listen)
             .with_context(|| format!("--listen {}: cannot bind", config.listen))?;
+        let metrics = match config.metrics_listen {
+            Some(addr) => {
+                Some(bind(addr).with_context(|| format!("--metrics-listen {addr}: cannot bind"))?)
+            }
+            None => None,
+        };
         let mut tasks = vec![sweeper, database_check];
         tasks.extend(shared.listener);
         Ok(Self {
             state,
             listener,
+            metrics,
             limits: config.http,
             shutdown_timeout: config.shutdown_timeout,
             streams,
@@ -272,6 +281,11 @@ impl App {
             .unwrap_or_else(|_| SocketAddr::from(([127, 0, 0, 1], 0)))
     }
 
+    /// The address `--metrics-listen` was bound to, if it was given.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
     /// Serves until `shutdown` completes; then stops accepting, lets running replies finish
     /// for the shutdown timeout (and stops those still running, stored as `stopped`), and
     /// stops the background tasks and the local worker.
@@ -282,6 +296,7 @@ impl App {
         let Self {
             state,
             listener,
+            metrics,
             limits,
             shutdown_timeout,
             streams,
@@ -310,6 +325,15 @@ impl App {
         });
         // Open connections get the replies' grace period and a little more to send their ends.
         let hard_deadline = shutdown_timeout + Duration::from_secs(5);
+        // Scraped until the very end; a tiny router with nothing to drain.
+        let metrics_task = metrics.map(|l| {
+            let app = crate::api::metrics_router(state.metrics.clone());
+            tokio::spawn(async move {
+                if let Err(e) = axum::serve(l, app).await {
+                    tracing::warn!(error = %e, "the metrics listener stopped");
+                }
+            })
+        });
         crate::http_server::serve(
             listener,
             router(state),
@@ -324,7 +348,7 @@ impl App {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         stopper.abort();
-        for t in tasks {
+        for t in tasks.into_iter().chain(metrics_task) {
             t.abort();
         }
         drop(local);
@@ -409,8 +433,11 @@ impl OrphanSweep {
 }
 
 /// One JSON line on stdout for programs (`{"listening":{"http":…}}`), and a human banner.
-fn announce(addr: SocketAddr, state: &AppState) {
-    let line = serde_json::json!({"listening": {"http": addr.to_string()}});
+fn announce(addr: SocketAddr, metrics: Option<SocketAddr>, state: &AppState) {
+    let mut line = serde_json::json!({"listening": {"http": addr.to_string()}});
+    if let Some(m) = metrics {
+        line["listening"]["metrics"] = m.to_string().into();
+    }
     #[allow(clippy::print_stdout)]
     {
         println!("{line}");

@@ -83,3 +83,53 @@ async fn an_app_serves_from_bind_until_its_shutdown_future_completes() {
     drop(worker);
     let _ = std::fs::remove_dir_all(&a.dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_move_to_their_own_listener_off_the_api_port() {
+    let a = assets("app_metrics");
+    let worker = spawn_worker(&a);
+    let db = format!("sqlite://{}?mode=rwc", a.dir.join("hearth.db").display());
+    let store = Arc::new(SqlStore::connect(&db).await.expect("store"));
+    let cli = Cli::parse_from([
+        "hearth",
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "127.0.0.1:0",
+        "--worker",
+        &worker.grpc,
+        "--worker-token",
+        WORKER_TOKEN,
+        "--tokenizer",
+        &path(&a.tokenizer),
+    ]);
+    let config = Config::from_args(cli.serve).expect("a valid configuration");
+    let app = App::bind(config, store.clone()).await.expect("bind");
+    let (addr, metrics) = (
+        app.local_addr(),
+        app.metrics_addr().expect("metrics address"),
+    );
+    assert_ne!(metrics.port(), 0);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let client = async move {
+        let public = Req::new("GET", "/metrics").send(addr).await;
+        assert_eq!(public.status, 404, "no metrics on the API's port");
+        let scraped = Req::new("GET", "/metrics").send(metrics).await;
+        assert_eq!(scraped.status, 200);
+        assert!(scraped.text().contains("hearth_"), "{}", scraped.text());
+        stop.send(()).expect("run is waiting");
+    };
+    let shutdown = async {
+        let _ = stopped.await;
+    };
+    let (served, ()) = tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::join!(app.run(shutdown), client)
+    })
+    .await
+    .expect("run returned within 30 s");
+    served.expect("run");
+    assert!(tokio::net::TcpStream::connect(metrics).await.is_err());
+    store.close().await;
+    drop(worker);
+    let _ = std::fs::remove_dir_all(&a.dir);
+}

@@ -58,6 +58,8 @@ pub struct AppState {
 /// Settings of the HTTP layer.
 #[derive(Clone, Debug)]
 pub struct ApiOptions {
+    /// Whether `/metrics` is served beside the API (no `--metrics-listen`).
+    pub metrics_on_api: bool,
     /// On the native API, stop a reply when its client disconnects (default: finish and store).
     pub cancel_on_disconnect: bool,
     /// The statically exported web UI served at `/`.
@@ -69,6 +71,7 @@ pub struct ApiOptions {
 impl Default for ApiOptions {
     fn default() -> Self {
         Self {
+            metrics_on_api: true,
             cancel_on_disconnect: false,
             web_dir: PathBuf::from(DEFAULT_WEB_DIR),
             body_timeout: std::time::Duration::from_secs(30),
@@ -89,8 +92,13 @@ pub fn router(state: AppState) -> Router {
     let open = matches!(state.auth, AuthMode::Disabled(_));
     let router = Router::new()
         .route("/healthz", get(|| async { "ok" }))
-        .route("/readyz", get(ready))
-        .route("/metrics", get(render_metrics))
+        .route("/readyz", get(ready));
+    let router = if state.options.metrics_on_api {
+        router.route("/metrics", get(render_metrics))
+    } else {
+        router
+    };
+    let router = router
         .route("/openapi.json", get(openapi::serve))
         .merge(sessions::routes())
         .route("/v1/chat/completions", post(openai::completions))
@@ -244,7 +252,25 @@ async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
 }
 
 async fn render_metrics(State(s): State<AppState>) -> Response {
-    let text = crate::telemetry::render(s.metrics.as_ref());
+    metrics_text(s.metrics.as_ref())
+}
+
+/// `/metrics` alone (and `/healthz`), for `--metrics-listen`: a port Prometheus reaches and
+/// clients of the API do not.
+pub fn metrics_router(metrics: Option<PrometheusHandle>) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move { metrics_text(metrics.as_ref()) }
+            }),
+        )
+}
+
+fn metrics_text(metrics: Option<&PrometheusHandle>) -> Response {
+    let text = crate::telemetry::render(metrics);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
