@@ -5,8 +5,9 @@
 //! (sessions, turns, streamed replies, metrics, waits); [`http`] is a small HTTP/1.1 and SSE
 //! client over real sockets; [`pg`] gives each test a PostgreSQL database of its own, or a whole
 //! server it may stop; [`redis`] is a Redis a test may stop; [`prometheus`] runs a real Prometheus
-//! for the deploy/ dashboard test; and [`rng`] is the tests' one seeded random source
-//! (`HEARTH_TEST_SEED` replays a run). The tests are in `tests/tests/`; the engine's own tests are
+//! for the deploy/ dashboard test; [`tls`] makes a test's own certificate authority for servers
+//! with TLS on; and [`rng`] is the tests' one seeded random source (`HEARTH_TEST_SEED` replays a
+//! run). The tests are in `tests/tests/`; the engine's own tests are
 //! in `gpu-worker/tests`. [`bench`] is the `hearth-bench` load generator.
 
 pub mod bench;
@@ -16,6 +17,7 @@ pub mod prometheus;
 pub mod redis;
 pub mod rng;
 pub mod stack;
+pub mod tls;
 
 /// A loopback port that was free a moment ago, for a server the test starts itself.
 pub fn free_port() -> u16 {

@@ -146,6 +146,37 @@ impl PgServer {
         pg
     }
 
+    /// Like [`start`](Self::start), with TLS on (the server certificate of `ca`) and plain
+    /// connections refused (`hostnossl … reject`).
+    pub fn start_tls(tag: &str, ca: &crate::tls::TestCa) -> Self {
+        let pg = Self::start(tag);
+        pg.stop();
+        let data = PathBuf::from(pg.data());
+        for (from, to) in [
+            (&ca.server_cert, "server.crt"),
+            (&ca.server_key, "server.key"),
+        ] {
+            let dest = data.join(to);
+            std::fs::copy(from, &dest).expect("copy the certificate");
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+            if let Some((uid, gid)) = postgres_user_ids() {
+                std::os::unix::fs::chown(&dest, Some(uid), Some(gid)).expect("chown");
+            }
+        }
+        let conf = data.join("postgresql.conf");
+        let mut text = std::fs::read_to_string(&conf).expect("postgresql.conf");
+        text.push_str("\nssl = on\nssl_cert_file = 'server.crt'\nssl_key_file = 'server.key'\n");
+        std::fs::write(&conf, text).expect("write postgresql.conf");
+        let hba = data.join("pg_hba.conf");
+        let rules = std::fs::read_to_string(&hba).expect("pg_hba.conf");
+        let tls_only =
+            "hostssl all all 127.0.0.1/32 trust\nhostnossl all all 127.0.0.1/32 reject\n";
+        std::fs::write(&hba, format!("{tls_only}{rules}")).expect("write pg_hba.conf");
+        pg.resume();
+        pg
+    }
+
     fn data(&self) -> String {
         self.base.join("data").display().to_string()
     }

@@ -33,6 +33,50 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// A `redis-server` that speaks TLS only, with the server certificate of `ca` (clients are
+    /// not asked for one); its `rediss://` URL.
+    pub fn start_tls(ca: &crate::tls::TestCa) -> (Self, String) {
+        let port = free_port();
+        let arg = |p: &std::path::Path| p.display().to_string();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
+            .args(["--tls-cert-file", &arg(&ca.server_cert)])
+            .args(["--tls-key-file", &arg(&ca.server_key)])
+            .args(["--tls-ca-cert-file", &arg(&ca.ca)])
+            .args([
+                "--tls-auth-clients",
+                "no",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("redis-server is required for this test");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not listen on {port} within 30 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let server = Self {
+            port,
+            child: Some(child),
+        };
+        (server, format!("rediss://127.0.0.1:{port}"))
+    }
+
     /// Starts it (again, on the same port) and waits until it answers PING.
     pub fn resume(&mut self) {
         let port = self.port.to_string();

@@ -33,8 +33,9 @@ async fn int8_kv_serves_sessions_and_keeps_their_caches() {
     // int8 rows take about half the bytes of f16 ones: the same budget holds about twice the
     // blocks of an f16 worker's.
     let f16 = Stack::start("kv_f16", Db::Sqlite, 1, &[]).await;
-    let blocks = |s: &Stack| worker_metric(&s.workers[0], "hearth_worker_kv_blocks_total");
-    let (int8_blocks, f16_blocks) = (blocks(&s).await, blocks(&f16).await);
+    let blocks = "hearth_worker_kv_blocks_total";
+    let int8_blocks = worker_metric(&s.workers[0], blocks).await;
+    let f16_blocks = worker_metric(&f16.workers[0], blocks).await;
     assert!(
         int8_blocks > 1.5 * f16_blocks,
         "int8 {int8_blocks} blocks, f16 {f16_blocks}"
