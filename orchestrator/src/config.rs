@@ -115,6 +115,10 @@ pub struct ServeArgs {
         default_value_t = 10_000
     )]
     pub max_messages_per_session: usize,
+    /// Bytes of text one session may hold, its messages together; a turn beyond answers 422
+    /// `session_full`.
+    #[arg(long, env = "HEARTH_MAX_SESSION_BYTES", default_value_t = 16 << 20)]
+    pub max_session_bytes: usize,
     /// A client has this long from opening a connection (or from the last reply on a kept-alive
     /// one) to the end of a request's header.
     #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
@@ -336,6 +340,7 @@ fn chat_limits(a: &ServeArgs) -> Result<ChatLimits, ConfigError> {
             a.max_messages_per_session,
             2,
         )?,
+        max_session_bytes: at_least("--max-session-bytes", a.max_session_bytes, 1024)?,
     })
 }
 

@@ -231,10 +231,12 @@ impl From<ChatError> for ApiError {
                 kind: "too_many_sessions",
                 message: e.to_string(),
             },
-            ChatError::SessionFull { .. } => Self::Unprocessable {
-                kind: "session_full",
-                message: e.to_string(),
-            },
+            ChatError::SessionFull { .. } | ChatError::SessionTooLarge { .. } => {
+                Self::Unprocessable {
+                    kind: "session_full",
+                    message: e.to_string(),
+                }
+            }
             ChatError::NotAUserMessage(m) => Self::not_a_user_message(m),
             ChatError::NothingToRegenerate => Self::Conflict(e.to_string()),
             ChatError::Busy(b) => b.into(),

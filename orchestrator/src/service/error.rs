@@ -31,6 +31,12 @@ pub enum ChatError {
          in a new session"
     )]
     SessionFull { held: usize, max: usize },
+    /// The session's text would pass the most bytes a session may hold.
+    #[error(
+        "this session holds {held} bytes of text, and with this turn it would pass the {max} a \
+         session may hold; continue in a new session"
+    )]
+    SessionTooLarge { held: usize, max: usize },
     /// An edit aimed at a message that is not a user's; the message says which.
     #[error("{0}")]
     NotAUserMessage(String),

@@ -48,6 +48,8 @@ pub struct ChatLimits {
     pub max_sessions_per_user: u64,
     /// Messages one session may hold; a longer conversation continues in a new session.
     pub max_messages_per_session: usize,
+    /// Bytes of text one session may hold (its messages together), checked when a turn starts.
+    pub max_session_bytes: usize,
 }
 
 impl Default for ChatLimits {
@@ -58,6 +60,7 @@ impl Default for ChatLimits {
             tokens_per_day: None,
             max_sessions_per_user: 10_000,
             max_messages_per_session: 10_000,
+            max_session_bytes: 16 << 20,
         }
     }
 }
@@ -297,6 +300,11 @@ impl ChatService {
                 held: history.len(),
                 max: cap,
             });
+        }
+        let held: usize = history.iter().map(|m| m.content.len()).sum();
+        let max = self.limits.max_session_bytes;
+        if held + input.text_len() > max {
+            return Err(ChatError::SessionTooLarge { held, max });
         }
         let (convo, store) = prepare(&session, history, &input)?;
         let budget = self.charge(caller, max_tokens).await?;

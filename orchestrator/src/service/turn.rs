@@ -108,6 +108,16 @@ pub enum NativeTurn {
     },
 }
 
+impl NativeTurn {
+    /// Bytes of new text the turn adds to its session (an edit's replaces text, counted whole).
+    pub(super) fn text_len(&self) -> usize {
+        match self {
+            Self::Post(t) | Self::Edit { content: t, .. } => t.as_str().len(),
+            Self::Regenerate => 0,
+        }
+    }
+}
+
 /// A user message's text: not blank, at most [`MAX_CONTENT_BYTES`], no NUL characters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UserText(String);

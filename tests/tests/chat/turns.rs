@@ -228,6 +228,37 @@ async fn another_user_cannot_stop_resume_or_replace_a_live_reply() {
 }
 
 #[tokio::test]
+async fn a_turn_past_the_sessions_byte_cap_is_422_and_stores_nothing() {
+    let s = Stack::scripted(
+        "bytecap",
+        Db::Sqlite,
+        1,
+        5,
+        &["--max-session-bytes", "2048"],
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let path = format!("/v1/sessions/{sid}/messages");
+    let post = |text: String| {
+        Req::new("POST", &path)
+            .key(Some(&k))
+            .json(&json!({"content": text, "max_tokens": 2, "stream": false}))
+    };
+    let r = post("a".repeat(1500)).send(s.addr()).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = post("b".repeat(1000)).send(s.addr()).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(r.json()["error"]["type"], "session_full", "{}", r.text());
+    assert!(r.text().contains("2048"), "{}", r.text());
+    assert_eq!(history(s.addr(), &k, &sid).await.len(), 2, "nothing stored");
+    // A turn that fits still goes through.
+    let r = post("c".repeat(100)).send(s.addr()).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    s.finish().await;
+}
+
+#[tokio::test]
 async fn bad_generation_requests_are_refused_and_store_nothing() {
     let s = Stack::start("badgen", Db::Postgres, 1, &[]).await;
     let k = s.limited_key("limited", 3).await;
