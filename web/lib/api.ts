@@ -99,8 +99,19 @@ export const api = {
   async deleteSession(id: string): Promise<void> {
     await request(sid(id), { method: "DELETE" });
   },
+  /** Every message of a session, oldest first: the newest page, then earlier ones. */
   async messages(id: string): Promise<ApiMessage[]> {
-    return (await json<{ data: ApiMessage[] }>(`${sid(id)}/messages`)).data;
+    let all: ApiMessage[] = [];
+    let before: string | null = null;
+    do {
+      const query: string = before ? `?before=${encodeURIComponent(before)}` : "";
+      const page: { data: ApiMessage[]; next_cursor: string | null } = await json(
+        `${sid(id)}/messages${query}`,
+      );
+      all = page.data.concat(all);
+      before = page.next_cursor;
+    } while (before);
+    return all;
   },
   async stop(id: string): Promise<{ stopped: boolean; message?: ApiMessage }> {
     return json(`${sid(id)}/stop`, { method: "POST", body: "{}" });

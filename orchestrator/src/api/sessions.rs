@@ -11,7 +11,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::{created, ApiError, AppState, ValidJson, ValidQuery};
 use crate::ids::SessionId;
-use crate::service::{next_cursor, session_query, Caller, ValidPatch, ValidSession};
+use crate::service::{next_cursor, session_query, Caller, MessagePage, ValidPatch, ValidSession};
 use crate::storage::{Message, Session};
 
 pub fn routes() -> Router<AppState> {
@@ -100,10 +100,25 @@ pub(super) struct SessionPage {
     next_cursor: Option<String>,
 }
 
-/// A session's messages, oldest first.
+/// One page of a session's messages, oldest first.
 #[derive(Debug, Serialize, ToSchema)]
 pub(super) struct MessageList {
     data: Vec<Message>,
+    /// Pass as `before` for the page of earlier messages; `null` on the first page.
+    #[schema(required = true)]
+    next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+#[into_params(parameter_in = Query)]
+pub(super) struct MessageParams {
+    /// Page size, 1 to 1000 (default 1000): the newest messages before `before`.
+    #[param(minimum = 1, maximum = 1000)]
+    limit: Option<u32>,
+    /// The later page's `next_cursor`.
+    #[param(pattern = "^[0-9]+$")]
+    before: Option<String>,
 }
 
 /// Creates a session for the caller.
@@ -204,18 +219,21 @@ pub(super) async fn remove(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// A session's stored messages, oldest first (a reply still streaming included, with what it
-/// has said so far).
-#[utoipa::path(get, path = "/v1/sessions/{id}/messages", operation_id = "listMessages", tag = "sessions", params(super::SessionPath),
+/// A session's stored messages, a page at a time: the newest, oldest first (a reply still
+/// streaming included, with what it has said so far); `next_cursor` pages back.
+#[utoipa::path(get, path = "/v1/sessions/{id}/messages", operation_id = "listMessages", tag = "sessions", params(super::SessionPath, MessageParams),
     responses(
-        (status = 200, description = "Every message", body = MessageList),
+        (status = 200, description = "One page of messages", body = MessageList),
         (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 422, description = "A parameter is out of range or not a cursor from this API", body = super::ErrorBody),
     ))]
 pub(super) async fn messages(
     State(s): State<AppState>,
     Caller { user, .. }: Caller,
     id: SessionId,
+    ValidQuery(p): ValidQuery<MessageParams>,
 ) -> Result<Json<MessageList>, ApiError> {
-    let data: Vec<Message> = s.chat.messages(&user, &id).await?;
-    Ok(Json(MessageList { data }))
+    let page = MessagePage::new(p.limit, p.before.as_deref())?;
+    let (data, next_cursor) = s.chat.messages(&user, &id, page).await?;
+    Ok(Json(MessageList { data, next_cursor }))
 }

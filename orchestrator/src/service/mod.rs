@@ -11,7 +11,7 @@ mod session;
 mod turn;
 
 pub use error::ChatError;
-pub use session::{next_cursor, session_query, ValidPatch, ValidSession};
+pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
 
 pub use turn::{
     check_params, Conversation, GenOptions, NativeTurn, UserText, ValidTurn, MAX_CONTENT_BYTES,
@@ -238,9 +238,24 @@ impl ChatService {
         Ok(self.store.update_session(&user.id, id, patch).await?)
     }
 
-    /// A session's messages, oldest first (a reply still streaming included).
-    pub async fn messages(&self, user: &User, id: &SessionId) -> Result<Vec<Message>, ChatError> {
-        Ok(self.store.list_messages(&user.id, id).await?)
+    /// One page of a session's messages, oldest first (a reply still streaming included), and
+    /// the cursor of the page before it when there is one.
+    pub async fn messages(
+        &self,
+        user: &User,
+        id: &SessionId,
+        page: MessagePage,
+    ) -> Result<(Vec<Message>, Option<String>), ChatError> {
+        let data = self
+            .store
+            .list_messages_page(&user.id, id, page.before, page.limit)
+            .await?;
+        let full = data.len() == page.limit as usize;
+        let earlier = data
+            .first()
+            .filter(|m| full && m.seq > 1)
+            .map(|m| m.seq.to_string());
+        Ok((data, earlier))
     }
 
     /// Deletes a session: stops its running reply first (here, or on another replica through

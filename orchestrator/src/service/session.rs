@@ -17,6 +17,37 @@ const DEFAULT_TITLE: &str = "New chat";
 const DEFAULT_PAGE: u32 = 20;
 const MAX_PAGE: u32 = 100;
 const MAX_QUERY_BYTES: usize = 200;
+/// Messages in one page of a session's history, at most and by default.
+pub const MAX_MESSAGE_PAGE: u32 = 1000;
+
+/// A page of a session's messages: the newest `limit` before message `before` (by sequence
+/// number), oldest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MessagePage {
+    pub(super) before: Option<i64>,
+    pub(super) limit: u32,
+}
+
+impl MessagePage {
+    /// `limit` 1 to 1000 (default 1000); `before` the previous page's `next_cursor`.
+    pub fn new(limit: Option<u32>, before: Option<&str>) -> Result<Self, ChatError> {
+        let limit = limit.unwrap_or(MAX_MESSAGE_PAGE);
+        if !(1..=MAX_MESSAGE_PAGE).contains(&limit) {
+            return Err(ChatError::Invalid(format!(
+                "limit: must be between 1 and {MAX_MESSAGE_PAGE}"
+            )));
+        }
+        let before = before
+            .map(|c| {
+                c.parse::<i64>()
+                    .ok()
+                    .filter(|&seq| seq > 0)
+                    .ok_or_else(|| ChatError::Invalid("before: not a cursor from this API".into()))
+            })
+            .transpose()?;
+        Ok(Self { before, limit })
+    }
+}
 
 /// A new session, checked; `max_tokens` is checked against the model when it is stored.
 #[derive(Debug, Clone, PartialEq)]

@@ -80,6 +80,15 @@ pub trait Store: Send + Sync + std::fmt::Debug {
         user_id: &UserId,
         session_id: &SessionId,
     ) -> StoreResult<Vec<Message>>;
+    /// One page of the session's messages: the newest `limit` before sequence number `before`
+    /// (all, without it), oldest first.
+    async fn list_messages_page(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<Message>>;
     /// The session's last message, if it has any (one row, however long the history).
     async fn last_message(
         &self,

@@ -659,6 +659,35 @@ impl Store for SqlStore {
         Ok(())
     }
 
+    async fn list_messages_page(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+        before: Option<i64>,
+        limit: u32,
+    ) -> StoreResult<Vec<Message>> {
+        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        Self::owned(&mut *tx, user_id, session_id).await?;
+        let sql = format!(
+            "SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 AND seq < $2 \
+             ORDER BY seq DESC LIMIT $3"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(session_id)
+            .bind(before.unwrap_or(i64::MAX))
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db_err)?;
+        tx.commit().await.map_err(db_err)?;
+        let mut page = rows
+            .iter()
+            .map(message_from)
+            .collect::<StoreResult<Vec<_>>>()?;
+        page.reverse();
+        Ok(page)
+    }
+
     async fn list_messages(
         &self,
         user_id: &UserId,

@@ -26,12 +26,24 @@ pub async fn new_session_with(addr: SocketAddr, key: &str, body: &Value) -> Stri
 
 /// A session's stored messages, in order.
 pub async fn history(addr: SocketAddr, key: &str, sid: &str) -> Vec<Value> {
-    let r = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(key))
-        .send(addr)
-        .await;
-    assert_eq!(r.status, 200, "{}", r.text());
-    r.json()["data"].as_array().cloned().expect("messages")
+    let mut all: Vec<Value> = Vec::new();
+    let mut before: Option<String> = None;
+    loop {
+        let page = match &before {
+            Some(c) => format!("/v1/sessions/{sid}/messages?before={c}"),
+            None => format!("/v1/sessions/{sid}/messages"),
+        };
+        let r = Req::new("GET", &page).key(Some(key)).send(addr).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        let mut data = v["data"].as_array().cloned().expect("messages");
+        data.append(&mut all);
+        all = data;
+        match v["next_cursor"].as_str() {
+            Some(c) => before = Some(c.to_string()),
+            None => return all,
+        }
+    }
 }
 
 /// The stored reply of a session's first turn (its second message) once it is no longer

@@ -259,6 +259,48 @@ async fn a_turn_past_the_sessions_byte_cap_is_422_and_stores_nothing() {
 }
 
 #[tokio::test]
+async fn a_sessions_messages_come_a_page_at_a_time() {
+    let s = Stack::scripted("pages", Db::Postgres, 1, 5, &[]).await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    for i in 0..3 {
+        let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+            .key(Some(&k))
+            .json(&json!({"content": format!("turn {i}"), "max_tokens": 2, "stream": false}))
+            .send(s.addr())
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let (addr, key, sid) = (s.addr(), k.clone(), sid.clone());
+    let page = move |q: &str| {
+        let (path, key) = (format!("/v1/sessions/{sid}/messages{q}"), key.clone());
+        async move { Req::new("GET", &path).key(Some(&key)).send(addr).await }
+    };
+    let seqs = |v: &serde_json::Value| -> Vec<i64> {
+        v["data"]
+            .as_array()
+            .expect("data")
+            .iter()
+            .map(|m| m["seq"].as_i64().expect("seq"))
+            .collect()
+    };
+    let newest = page("?limit=4").await.json();
+    assert_eq!(seqs(&newest), [3, 4, 5, 6], "the newest four, oldest first");
+    assert_eq!(newest["next_cursor"], "3");
+    let earlier = page("?limit=4&before=3").await.json();
+    assert_eq!(seqs(&earlier), [1, 2]);
+    assert!(earlier["next_cursor"].is_null(), "{earlier}");
+    let all = page("").await.json();
+    assert_eq!(seqs(&all), [1, 2, 3, 4, 5, 6]);
+    assert!(all["next_cursor"].is_null());
+    for bad in ["?limit=0", "?limit=1001", "?before=abc", "?before=-1"] {
+        let r = page(bad).await;
+        assert_eq!(r.status, 422, "{bad}: {}", r.text());
+    }
+    s.finish().await;
+}
+
+#[tokio::test]
 async fn bad_generation_requests_are_refused_and_store_nothing() {
     let s = Stack::start("badgen", Db::Postgres, 1, &[]).await;
     let k = s.limited_key("limited", 3).await;
