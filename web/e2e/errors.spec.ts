@@ -60,5 +60,8 @@ test.describe("503", () => {
     await expect(banner).toHaveCount(0);
     await expect(reply(page)).toHaveAttribute("data-status", /complete|streaming/);
     await expect(page.locator("article.msg.user .bubble")).toHaveText(["am I served?"]);
+    // The retry went to the chat the first try created, not to a second one.
+    const titles = (await api.sessions()).map((s) => s.title).filter((t) => t !== "Busy");
+    expect(titles).toHaveLength(1);
   });
 });

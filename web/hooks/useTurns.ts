@@ -37,13 +37,15 @@ export function useTurns({
     try {
       id = t.kind === "regenerate" ? sessionId! : await ensureSession(t.content);
     } catch (e) {
-      return showRefusal(e, () => void turn(t));
+      return showRefusal(e, () => void turnRef.current(t));
     }
     if (t.kind === "send") setDraft("");
     onTurn();
+    // A retry runs with the state of its own render (turnRef), so it goes to the session this
+    // try created rather than creating another.
     await start(id, t, (e) => {
       if (t.kind === "send") setDraft(t.content);
-      showRefusal(e, () => void turn(t));
+      showRefusal(e, () => void turnRef.current(t));
     });
   };
 
