@@ -90,8 +90,8 @@ export interface paths {
             cookie?: never;
         };
         /**
-         * A session's stored messages, oldest first (a reply still streaming included, with what it
-         *     has said so far).
+         * A session's stored messages, a page at a time: the newest, oldest first (a reply still
+         *     streaming included, with what it has said so far); `next_cursor` pages back.
          */
         get: operations["listMessages"];
         put?: never;
@@ -348,9 +348,11 @@ export interface components {
             updated_at: number;
             worker: string | null;
         };
-        /** @description A session's messages, oldest first. */
+        /** @description One page of a session's messages, oldest first. */
         MessageList: {
             data: components["schemas"]["Message"][];
+            /** @description Pass as `before` for the page of earlier messages; `null` on the first page. */
+            next_cursor: string | null;
         };
         /** @description Ids that name a stored turn. On the native API it is the SSE `message_start` event's data. */
         MessageStart: {
@@ -1225,7 +1227,12 @@ export interface operations {
     };
     listMessages: {
         parameters: {
-            query?: never;
+            query?: {
+                /** @description Page size, 1 to 1000 (default 1000): the newest messages before `before`. */
+                limit?: number;
+                /** @description The later page's `next_cursor`. */
+                before?: string;
+            };
             header?: never;
             path: {
                 /** @description A session id, as `POST /v1/sessions` returned it. */
@@ -1235,7 +1242,7 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
-            /** @description Every message */
+            /** @description One page of messages */
             200: {
                 headers: {
                     [name: string]: unknown;
@@ -1273,6 +1280,15 @@ export interface operations {
             };
             /** @description The body did not arrive in time */
             408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A parameter is out of range or not a cursor from this API */
+            422: {
                 headers: {
                     [name: string]: unknown;
                 };
