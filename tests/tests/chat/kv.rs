@@ -49,7 +49,7 @@ async fn the_disk_tier_brings_back_a_session_evicted_from_memory() {
     let dir_arg = dir.display().to_string();
     let flags = [
         "--kv-budget",
-        "160KiB",
+        "1MiB",
         "--kv-disk-gb",
         "0.01",
         "--kv-disk-dir",
@@ -62,7 +62,7 @@ async fn the_disk_tier_brings_back_a_session_evicted_from_memory() {
     let prompt1 = one["usage"]["prompt_tokens"].as_u64().expect("prompt");
     // Other sessions fill the memory budget until the first one's cache is evicted.
     let evictions = "hearth_worker_session_evictions_total";
-    for i in 0..40 {
+    for i in 0..200 {
         if worker_metric(&s.workers[0], evictions).await > 0.0 {
             break;
         }
