@@ -53,7 +53,7 @@ test("reloading mid-reply shows the reply still streaming and ends with the stor
   await setMaxTokens(page, 1000);
   await send(page, "Tell me about reloading");
   const r = reply(page);
-  await expect.poll(async () => (await r.locator(".content").innerText()).length).toBeGreaterThan(0);
+  await expect.poll(async () => (await r.locator(".content").innerText()).length).toBeGreaterThan(10);
   // The address names the session once the page knows it, which is what a reload reopens.
   await expect(page).toHaveURL(/[?&]s=\w+/);
   const resumes: (string | null)[] = [];
@@ -62,7 +62,8 @@ test("reloading mid-reply shows the reply still streaming and ends with the stor
   });
   await page.reload();
   const again = reply(page);
-  await expect(again).toHaveAttribute("data-status", "streaming");
+  // A deadline for a hung page only: the reply runs for 20 s.
+  await expect(again).toHaveAttribute("data-status", "streaming", { timeout: 30_000 });
   await expect(again.getByText("Streaming")).toBeVisible();
   await expect(page.getByRole("button", { name: "Stop reply" })).toBeVisible();
   // The reloaded page follows the reply where it stands: its text grows, then it completes.
