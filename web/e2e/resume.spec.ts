@@ -1,53 +1,44 @@
 import { expect, test } from "@playwright/test";
+import { startProxy } from "./proxy";
 import { apiClient, reply, send, setMaxTokens, stackFor } from "./stack";
 
 const stack = stackFor(["--scripted-token-ms", "20"]);
 
-test("a connection cut mid-reply resumes with Last-Event-ID: nothing repeated, nothing missing", async ({ page }) => {
-  await page.goto(stack().url);
-  await setMaxTokens(page, 120);
-  // The first turn's stream is cut in the middle of an event, after about a third of it.
-  let cut = false;
-  await page.route("**/v1/sessions/*/messages", async (route) => {
-    if (route.request().method() !== "POST" || cut) return route.continue();
-    cut = true;
-    const response = await route.fetch();
-    const body = await response.text();
-    // Whole events for the first third, then half of the next one (its id line included, so
-    // the client must resume after the last event it completed, not the last id it read).
-    const events = body.split("\n\n");
-    const third = Math.floor(events.length / 3);
-    const keep = events.slice(0, third).join("\n\n") + "\n\n" + events[third].slice(0, 60);
-    expect(events[third].indexOf("\n")).toBeLessThan(60);
-    await route.fulfill({
-      status: response.status(),
-      headers: { "content-type": "text/event-stream", "cache-control": "no-cache" },
-      body: keep,
+test("a connection reset mid-reply resumes with Last-Event-ID: nothing repeated, nothing missing", async ({ page }) => {
+  // The page talks to the stack through a proxy that resets every open connection on demand,
+  // while the reply is still being generated.
+  const proxy = await startProxy(stack().url);
+  try {
+    await page.goto(proxy.url);
+    // 400 tokens at 20 ms: the reply runs for about 8 s, long after the cut.
+    await setMaxTokens(page, 400);
+    const resumes: (string | null)[] = [];
+    page.on("request", (r) => {
+      if (r.url().endsWith("/stream")) resumes.push(r.headers()["last-event-id"] ?? null);
     });
-  });
-  const resumes: (string | null)[] = [];
-  page.on("request", (r) => {
-    if (r.url().endsWith("/stream")) resumes.push(r.headers()["last-event-id"] ?? null);
-  });
 
-  await send(page, "Count to a hundred slowly");
-  const r = reply(page);
-  await expect(r).toHaveAttribute("data-status", "complete", { timeout: 30_000 });
-  expect(cut).toBe(true);
-  expect(resumes.length).toBeGreaterThanOrEqual(1);
-  expect(resumes[0]).toMatch(/^\S+:\d+$/);
+    await send(page, "Count to a hundred slowly");
+    const r = reply(page);
+    // Some text has arrived, and the server is still generating: cut now.
+    await expect(r).toHaveAttribute("data-text", /\S/);
+    await expect.poll(() => new URL(page.url()).searchParams.get("s")).not.toBeNull();
+    const id = new URL(page.url()).searchParams.get("s")!;
+    const api = apiClient(stack());
+    expect((await api.messages(id))[1].status).toBe("streaming");
+    expect(proxy.cutAll()).toBeGreaterThan(0);
 
-  const id = new URL(page.url()).searchParams.get("s")!;
-  const stored = await apiClient(stack()).messages(id);
-  expect(stored[1].status).toBe("complete");
-  expect(await r.getAttribute("data-text")).toBe(stored[1].content);
-  await expect(r.locator(".details")).toContainText("120 tokens");
+    await expect(r).toHaveAttribute("data-status", "complete", { timeout: 30_000 });
+    expect(resumes.length).toBeGreaterThanOrEqual(1);
+    expect(resumes[0]).toMatch(/^\S+:\d+$/);
+    const stored = await api.messages(id);
+    expect(stored[1].status).toBe("complete");
+    expect(await r.getAttribute("data-text")).toBe(stored[1].content);
+    await expect(r.locator(".details")).toContainText("400 tokens");
+  } finally {
+    await proxy.close();
+  }
 });
 
-// The reloads below wait on events, not time: they begin once the reply's first tokens show, and
-// the replies are long (20 s and 80 s at 20 ms a token) so the server is still generating when the
-// reloaded page asks for them however slowly the page reloads; each test then waits for what the
-// page shows.
 test("reloading mid-reply shows the reply still streaming and ends with the stored text", async ({ page }) => {
   await page.goto(stack().url);
   await setMaxTokens(page, 1000);
