@@ -27,7 +27,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Serve the model over gRPC (the orchestrator's workers run this).
-    Serve(ServeConfig),
+    Serve(Box<ServeConfig>),
     /// Measure the engine on a GGUF model and print JSON.
     Bench(BenchOptions),
     /// Write a random-weight GGUF file with the shapes, quantization mix and metadata of a real
@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<()> {
         .map(PathBuf::from)
         .unwrap_or_else(default_models_dir);
     match cli.command {
-        Command::Serve(config) => serve(config),
+        Command::Serve(config) => serve(*config),
         Command::Bench(options) => {
             print_report(options.model.clone(), &models, |m| run_bench(m, &options))?;
             Ok(())

@@ -59,6 +59,10 @@ pub struct ServeArgs {
     /// started local worker gets a random one.
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
+    /// Reach the workers over TLS, their certificates checked against this authority (PEM
+    /// file; the workers' `--tls-cert`). None: plain TCP.
+    #[arg(long, env = "HEARTH_WORKER_CA")]
+    pub worker_ca: Option<PathBuf>,
     /// Redis for what replicas share (rate limits, session affinity). None: in process.
     #[arg(long, env = "HEARTH_REDIS_URL")]
     pub redis_url: Option<String>,
@@ -324,6 +328,14 @@ fn pool_config(a: &ServeArgs) -> Result<PoolConfig, ConfigError> {
         stall_timeout: secs(at_least("--stall-timeout-secs", a.stall_timeout_secs, 1)?),
         // Set with the workers (see `workers`).
         token: None,
+        worker_ca: match &a.worker_ca {
+            Some(p) => Some(
+                std::fs::read(p)
+                    .map_err(|e| refuse("--worker-ca", p.display(), e.to_string()))?
+                    .into(),
+            ),
+            None => None,
+        },
     })
 }
 

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError};
+use hearth_orchestrator::workers::{BatchConfig, WorkerConnection, WorkerError, WorkerLink};
 use hearth_shared::proto::{self, worker_client::WorkerClient, worker_event::Kind};
 use hearth_shared::worker_auth::{AddToken, WorkerToken};
 use hearth_worker::fixtures::WorkerProcess;
@@ -21,9 +21,17 @@ fn spawn_worker() -> Worker {
 }
 
 /// The stack's worker token, as the orchestrator sends it.
-fn auth() -> AddToken {
+fn token() -> AddToken {
     let token = WorkerToken::new(hearth_e2e::stack::WORKER_TOKEN).expect("token");
     AddToken::new(Some(&token))
+}
+
+/// The link to a stack worker: its token, plain TCP.
+fn auth() -> WorkerLink {
+    WorkerLink {
+        auth: token(),
+        ca: None,
+    }
 }
 
 /// A gRPC client of the worker at `addr` that sends the token.
@@ -37,7 +45,7 @@ async fn client(
         .connect()
         .await
         .expect("connect");
-    WorkerClient::with_interceptor(channel, auth())
+    WorkerClient::with_interceptor(channel, token())
 }
 
 async fn health(addr: &str) -> proto::HealthResponse {
@@ -177,17 +185,77 @@ async fn a_dead_worker_fails_every_open_request_with_unavailable() {
 async fn a_connection_without_the_worker_token_is_refused() {
     let w = spawn_worker();
     health(&w.addr).await;
-    let err = WorkerConnection::connect(&w.addr, BatchConfig::default(), &AddToken::default())
+    let err = WorkerConnection::connect(&w.addr, BatchConfig::default(), &WorkerLink::default())
         .await
         .expect_err("no token");
     assert!(err.to_string().contains("requires a token"), "{err}");
     let wrong = WorkerToken::new("not-the-stack-token-0123456789").expect("token");
-    let err = WorkerConnection::connect(
-        &w.addr,
-        BatchConfig::default(),
-        &AddToken::new(Some(&wrong)),
-    )
-    .await
-    .expect_err("another token");
+    let link = WorkerLink {
+        auth: AddToken::new(Some(&wrong)),
+        ca: None,
+    };
+    let err = WorkerConnection::connect(&w.addr, BatchConfig::default(), &link)
+        .await
+        .expect_err("another token");
     assert!(err.to_string().contains("wrong worker token"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_over_tls_is_checked_against_the_authority() {
+    let ca = hearth_e2e::tls::TestCa::new("worker");
+    let other = hearth_e2e::tls::TestCa::new("worker-other");
+    let assets = hearth_e2e::stack::assets("wc_tls");
+    let (cert, key) = (
+        ca.server_cert.display().to_string(),
+        ca.server_key.display().to_string(),
+    );
+    let w = hearth_e2e::stack::worker_with(
+        &assets.model,
+        &[
+            "--kv-budget",
+            "64MiB",
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+        ],
+    );
+    let link = |ca: Option<&std::path::Path>| WorkerLink {
+        auth: token(),
+        ca: ca.map(|p| std::fs::read(p).expect("CA").into()),
+    };
+    let verified = link(Some(&ca.ca));
+    let channel = verified
+        .endpoint(&w.grpc)
+        .expect("endpoint")
+        .connect()
+        .await
+        .expect("a verified TLS channel");
+    let mut c = WorkerClient::with_interceptor(channel, token());
+    for _ in 0..500 {
+        let h = c
+            .health(proto::HealthRequest {})
+            .await
+            .expect("health over TLS");
+        if h.into_inner().ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let conn = WorkerConnection::connect(&w.grpc, BatchConfig::default(), &verified)
+        .await
+        .expect("a verified TLS connection");
+    let mut g = conn.generate(request(1, 4)).expect("generate");
+    assert_eq!(
+        drain(&mut g).await,
+        (4, Ok(proto::FinishReason::Length as i32)),
+        "a reply over TLS"
+    );
+    for (what, l) in [
+        ("plain TCP", link(None)),
+        ("another authority", link(Some(&other.ca))),
+    ] {
+        let refused = WorkerConnection::connect(&w.grpc, BatchConfig::default(), &l).await;
+        assert!(refused.is_err(), "{what} reached a TLS worker");
+    }
 }

@@ -43,6 +43,13 @@ pub struct ServeConfig {
     /// sends it from its own `--worker-token`. Required to listen on a non-loopback address.
     #[arg(long, env = "HEARTH_WORKER_TOKEN", hide_env_values = true)]
     pub worker_token: Option<String>,
+    /// Serve gRPC over TLS with this certificate (PEM; with --tls-key); orchestrators check it
+    /// against their `--worker-ca`.
+    #[arg(long, env = "HEARTH_WORKER_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(long, env = "HEARTH_WORKER_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     #[command(flatten)]
     pub run_on: RunOn,
     /// KV cache budget: bytes, or with a unit (`512MiB`, `2GiB`, `1.5GB`) [default: 2GiB on the
@@ -190,6 +197,20 @@ pub enum ForwardPass {
     Candle,
 }
 
+/// A certificate and its private key (PEM); `Debug` shows neither, so logging a
+/// configuration never prints the key.
+#[derive(Clone)]
+pub struct TlsIdentity {
+    pub cert: Vec<u8>,
+    pub key: Vec<u8>,
+}
+
+impl std::fmt::Debug for TlsIdentity {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TlsIdentity(…)")
+    }
+}
+
 /// Default K/V budget on the CPU.
 pub const DEFAULT_CPU_KV_BUDGET: usize = 2 << 30;
 
@@ -202,6 +223,8 @@ pub struct ValidConfig {
     pub metrics_listen: SocketAddr,
     /// Every gRPC call must carry it, when set.
     pub token: Option<WorkerToken>,
+    /// The certificate and key gRPC is served with over TLS, when set.
+    pub tls: Option<TlsIdentity>,
     pub run_on: RunOn,
     /// `--kv-budget` when given; otherwise the engine's budget is set once the device is known
     /// (see [`ValidConfig::gpu_memory_fraction`]).
@@ -231,10 +254,11 @@ impl std::fmt::Display for ValidConfig {
             "model {model} on {}, gRPC {} ({}), metrics {}, K/V {} ",
             self.run_on.device,
             self.listen,
-            if self.token.is_some() {
-                "token required"
-            } else {
-                "no token"
+            match (self.token.is_some(), self.tls.is_some()) {
+                (true, true) => "TLS, token required",
+                (true, false) => "token required",
+                (false, true) => "TLS, no token",
+                (false, false) => "no token",
             },
             self.metrics_listen,
             e.kv_dtype.name()
@@ -355,6 +379,18 @@ impl ServeConfig {
             ));
         }
         let token = self.token()?;
+        let tls = match (&self.tls_cert, &self.tls_key) {
+            (Some(cert), Some(key)) => {
+                let read = |flag: &'static str, p: &PathBuf| {
+                    std::fs::read(p).map_err(|e| invalid(flag, format!("{}: {e}", p.display())))
+                };
+                Some(TlsIdentity {
+                    cert: read("--tls-cert", cert)?,
+                    key: read("--tls-key", key)?,
+                })
+            }
+            _ => None,
+        };
         let kv_disk = (self.kv_disk_gb > 0.0).then(|| DiskConfig {
             dir: self.kv_disk_dir.clone(),
             bytes: (self.kv_disk_gb * 1e9) as u64,
@@ -385,6 +421,7 @@ impl ServeConfig {
             listen: self.listen,
             metrics_listen: self.metrics_listen,
             token,
+            tls,
             run_on: self.run_on,
             kv_budget_given: self.kv_budget.is_some(),
             gpu_memory_fraction: self.gpu_memory_fraction,

@@ -38,6 +38,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Identity, ServerTlsConfig};
 
 use crate::device::{self, DeviceError};
 use crate::engine::{Engine, EngineError, Weights};
@@ -150,8 +151,13 @@ impl Worker {
             RequireToken::new(config.token.as_ref()),
         );
         let incoming = TcpIncoming::from(grpc).with_nodelay(Some(true));
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = &config.tls {
+            let identity = Identity::from_pem(&tls.cert, &tls.key);
+            builder = builder.tls_config(ServerTlsConfig::new().identity(identity))?;
+        }
         let grpc_task = tokio::spawn(
-            tonic::transport::Server::builder()
+            builder
                 // Notice orchestrators that vanished without closing their connection, so their
                 // requests are cancelled instead of generating for nobody.
                 .http2_keepalive_interval(Some(Duration::from_secs(10)))

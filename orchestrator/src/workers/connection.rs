@@ -20,11 +20,45 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 use tonic::Code;
 
 /// A worker client whose every call carries the worker token.
 pub type Client = WorkerClient<InterceptedService<Channel, AddToken>>;
+
+/// How the orchestrator reaches its workers: the token every call carries, and TLS when the
+/// workers serve it (`--worker-ca`).
+#[derive(Clone, Debug, Default)]
+pub struct WorkerLink {
+    pub auth: AddToken,
+    /// The authority that signed the workers' certificates (PEM); without it, plain TCP.
+    pub ca: Option<Arc<[u8]>>,
+}
+
+impl WorkerLink {
+    /// The endpoint of the worker at `host:port`: `https://`, its certificate checked against
+    /// the authority for `host`, with a CA; `http://` without.
+    pub fn endpoint(&self, addr: &str) -> Result<Endpoint, String> {
+        let Some(ca) = &self.ca else {
+            return Endpoint::from_shared(format!("http://{addr}")).map_err(|e| e.to_string());
+        };
+        let host = addr
+            .rsplit_once(':')
+            .map_or(addr, |(h, _)| h)
+            .trim_start_matches('[')
+            .trim_end_matches(']');
+        let tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(ca))
+            .domain_name(host);
+        Endpoint::from_shared(format!("https://{addr}"))
+            .and_then(|e| e.tls_config(tls))
+            .map_err(|e| e.to_string())
+    }
+
+    pub(super) fn client(&self, channel: Channel) -> Client {
+        WorkerClient::with_interceptor(channel, self.auth.clone())
+    }
+}
 
 /// When queued requests are sent.
 #[derive(Debug, Clone, Copy)]
@@ -114,18 +148,19 @@ impl WorkerConnection {
     pub async fn connect(
         addr: &str,
         batch: BatchConfig,
-        auth: &AddToken,
+        link: &WorkerLink,
     ) -> Result<Self, WorkerError> {
         let err = |e: &dyn std::fmt::Display| WorkerError::Connect {
             addr: addr.to_string(),
             reason: e.to_string(),
         };
-        let channel = Endpoint::from_shared(format!("http://{addr}"))
+        let channel = link
+            .endpoint(addr)
             .map_err(|e| err(&e))?
             .connect()
             .await
             .map_err(|e| err(&e))?;
-        let mut client = WorkerClient::with_interceptor(channel, auth.clone());
+        let mut client = link.client(channel);
         let (out_tx, out_rx) = mpsc::channel(64);
         let inbound = client
             .generate(ReceiverStream::new(out_rx))

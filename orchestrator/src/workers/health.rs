@@ -8,11 +8,10 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hearth_shared::proto::{self, worker_client::WorkerClient};
-use hearth_shared::worker_auth::AddToken;
+use hearth_shared::proto;
 use tokio::time::Instant;
 
-use super::connection::{Client, WorkerConnection};
+use super::connection::{Client, WorkerConnection, WorkerLink};
 use super::pool::{PoolConfig, WorkerPool};
 use crate::telemetry;
 
@@ -76,7 +75,10 @@ impl WorkerSlot {
 
 /// Keeps one worker's health, info and connection current while the pool exists.
 pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
-    let endpoint = match tonic::transport::Endpoint::from_shared(format!("http://{}", slot.addr)) {
+    let Some(link) = pool.upgrade().map(|p| p.config.link()) else {
+        return;
+    };
+    let endpoint = match link.endpoint(&slot.addr) {
         Ok(e) => e
             .connect_timeout(Duration::from_secs(1))
             .timeout(Duration::from_secs(2)),
@@ -85,19 +87,13 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
             return;
         }
     };
-    let Some(auth) = pool
-        .upgrade()
-        .map(|p| AddToken::new(p.config.token.as_ref()))
-    else {
-        return;
-    };
-    let mut client = WorkerClient::with_interceptor(endpoint.connect_lazy(), auth.clone());
+    let mut client = link.client(endpoint.connect_lazy());
     let _ = slot.client.set(client.clone());
     loop {
         let Some(p) = pool.upgrade() else { return };
         let interval = p.config.health_interval;
         let was_ready = slot.conn().is_some();
-        let outcome = check(&mut client, &slot, &p.config, &auth)
+        let outcome = check(&mut client, &slot, &p.config, &link)
             .await
             .and_then(|h| {
                 if h.engine_stalled {
@@ -159,7 +155,7 @@ async fn check(
     client: &mut Client,
     slot: &WorkerSlot,
     config: &PoolConfig,
-    auth: &AddToken,
+    link: &WorkerLink,
 ) -> Result<proto::HealthResponse, String> {
     let health = client
         .health(proto::HealthRequest {})
@@ -176,7 +172,7 @@ async fn check(
     }
     let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
     if !open && health.ready && !health.engine_stalled {
-        let conn = WorkerConnection::connect(&slot.addr, config.batch, auth)
+        let conn = WorkerConnection::connect(&slot.addr, config.batch, link)
             .await
             .map_err(|e| e.to_string())?;
         slot.state().conn = Some(Arc::new(conn));

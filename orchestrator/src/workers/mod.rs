@@ -11,7 +11,7 @@ mod lease;
 pub mod pool;
 
 pub use affinity::{prefix_keys, Affinity, PrefixKey};
-pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError};
+pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError, WorkerLink};
 pub use health::WorkerStatus;
 pub use lease::Lease;
 pub use pool::{PoolConfig, PoolError, WorkerPool};

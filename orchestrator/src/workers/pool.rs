@@ -14,12 +14,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_shared::proto;
-use hearth_shared::worker_auth::WorkerToken;
+use hearth_shared::worker_auth::{AddToken, WorkerToken};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::affinity::{Affinity, PrefixKey};
-use super::connection::{BatchConfig, WorkerConnection};
+use super::connection::{BatchConfig, WorkerConnection, WorkerLink};
 use super::fair::{Fair, Held};
 use super::health::{poll, SlotState, WorkerSlot, WorkerStatus};
 use super::Lease;
@@ -42,6 +42,18 @@ pub struct PoolConfig {
     pub stall_timeout: Duration,
     /// The worker token every call carries (`--worker-token`).
     pub token: Option<WorkerToken>,
+    /// The authority of the workers' TLS certificates (`--worker-ca`, PEM); none: plain TCP.
+    pub worker_ca: Option<Arc<[u8]>>,
+}
+
+impl PoolConfig {
+    /// How to reach the workers: the token, and TLS with a CA.
+    pub fn link(&self) -> WorkerLink {
+        WorkerLink {
+            auth: AddToken::new(self.token.as_ref()),
+            ca: self.worker_ca.clone(),
+        }
+    }
 }
 
 impl Default for PoolConfig {
@@ -54,6 +66,7 @@ impl Default for PoolConfig {
             queue_timeout: Duration::from_secs(10),
             stall_timeout: Duration::from_secs(10),
             token: None,
+            worker_ca: None,
         }
     }
 }
