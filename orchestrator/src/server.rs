@@ -348,8 +348,13 @@ impl App {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         stopper.abort();
-        for t in tasks.into_iter().chain(metrics_task) {
+        for t in tasks {
             t.abort();
+        }
+        // Awaited, so the metrics port is closed once `run` returns.
+        if let Some(t) = metrics_task {
+            t.abort();
+            let _ = t.await;
         }
         drop(local);
         Ok(())
