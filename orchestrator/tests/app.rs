@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{assets, path, spawn_worker, WORKER_TOKEN};
+use hearth_e2e::stack::{assets, path, spawn_worker, Assets, WORKER_TOKEN};
 use hearth_orchestrator::server::{App, Config, ServeArgs};
 use hearth_orchestrator::storage::SqlStore;
+use hearth_worker::fixtures::WorkerProcess;
 use serde_json::json;
 
 #[derive(Parser)]
@@ -18,29 +19,38 @@ struct Cli {
     serve: ServeArgs,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_app_serves_from_bind_until_its_shutdown_future_completes() {
-    let a = assets("app");
+/// An app bound to a loopback port (with `extra` flags) on a real worker and a SQLite store.
+async fn bound(tag: &str, extra: &[&str]) -> (Assets, WorkerProcess, Arc<SqlStore>, App) {
+    let a = assets(tag);
     let worker = spawn_worker(&a);
     let db = format!("sqlite://{}?mode=rwc", a.dir.join("hearth.db").display());
     let store = Arc::new(SqlStore::connect(&db).await.expect("store"));
-    let cli = Cli::parse_from([
+    let tokenizer = path(&a.tokenizer);
+    let mut args = vec![
         "hearth",
         "--listen",
         "127.0.0.1:0",
         "--worker",
-        &worker.grpc,
+        worker.grpc.as_str(),
         "--worker-token",
         WORKER_TOKEN,
         "--tokenizer",
-        &path(&a.tokenizer),
-        "--health-interval-ms",
-        "50",
-        "--shutdown-timeout-secs",
-        "1",
-    ]);
+        tokenizer.as_str(),
+    ];
+    args.extend_from_slice(extra);
+    let cli = Cli::parse_from(args);
     let config = Config::from_args(cli.serve).expect("a valid configuration");
     let app = App::bind(config, store.clone()).await.expect("bind");
+    (a, worker, store, app)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_app_serves_from_bind_until_its_shutdown_future_completes() {
+    let (a, worker, store, app) = bound(
+        "app",
+        &["--health-interval-ms", "50", "--shutdown-timeout-secs", "1"],
+    )
+    .await;
     let addr = app.local_addr();
     assert_ne!(addr.port(), 0, "port 0 is resolved to the bound port");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -86,25 +96,7 @@ async fn an_app_serves_from_bind_until_its_shutdown_future_completes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_move_to_their_own_listener_off_the_api_port() {
-    let a = assets("app_metrics");
-    let worker = spawn_worker(&a);
-    let db = format!("sqlite://{}?mode=rwc", a.dir.join("hearth.db").display());
-    let store = Arc::new(SqlStore::connect(&db).await.expect("store"));
-    let cli = Cli::parse_from([
-        "hearth",
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "127.0.0.1:0",
-        "--worker",
-        &worker.grpc,
-        "--worker-token",
-        WORKER_TOKEN,
-        "--tokenizer",
-        &path(&a.tokenizer),
-    ]);
-    let config = Config::from_args(cli.serve).expect("a valid configuration");
-    let app = App::bind(config, store.clone()).await.expect("bind");
+    let (a, worker, store, app) = bound("app_metrics", &["--metrics-listen", "127.0.0.1:0"]).await;
     let (addr, metrics) = (
         app.local_addr(),
         app.metrics_addr().expect("metrics address"),
