@@ -1,5 +1,9 @@
 //! Choosing the next token from a row of logits, per request: greedy, temperature, top-k, top-p,
-//! min-p and repetition penalty, with the request's own seeded RNG so a seed reproduces the output.
+//! min-p, the repetition, presence and frequency penalties, logit bias and DRY, with the
+//! request's own seeded RNG so a seed reproduces the output.
+
+use std::collections::HashMap;
+use std::sync::Arc;
 
 use hearth_shared::SamplingParams;
 
@@ -53,17 +57,28 @@ impl Rng {
     }
 }
 
-/// A request's sampler: its parameters and RNG.
+/// A request's sampler: its parameters and RNG, and what its penalties need to know of the
+/// sequence.
 #[derive(Clone, Debug)]
 pub struct Sampler {
     params: SamplingParams,
     rng: Rng,
+    /// Where the reply begins in the sequence's tokens (presence and frequency penalties count
+    /// the reply's tokens only, as OpenAI's do).
+    reply_from: usize,
+    /// Tokens that end a DRY run, sorted.
+    breakers: Arc<[u32]>,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let rng = params.seed.map_or_else(Rng::from_entropy, Rng::seeded);
-        Self { params, rng }
+        Self {
+            params,
+            rng,
+            reply_from: 0,
+            breakers: Arc::from([]),
+        }
     }
 
     /// A sampler for a reply of which `sampled` tokens were already drawn elsewhere (a
@@ -79,11 +94,21 @@ impl Sampler {
         s
     }
 
+    /// Says where the reply begins among the sequence's tokens (its prompt's length, less the
+    /// tokens of it a continuation already holds), and which tokens end a DRY run.
+    pub fn for_sequence(mut self, reply_from: usize, mut breakers: Vec<u32>) -> Self {
+        breakers.sort_unstable();
+        breakers.dedup();
+        self.reply_from = reply_from;
+        self.breakers = breakers.into();
+        self
+    }
+
     /// Picks a token from `logits` (modified in place); `history` holds the tokens seen so far
-    /// (for the repetition penalty), `summary` the row's [`LogitSummary`] where the forward pass
-    /// made it (it is made here otherwise). Returns the token and its log-probability under the
-    /// model's unmodified distribution. A greedy sampler without a penalty reads only the summary
-    /// ([`Sampler::needs_row`]), so its row may be left on the device.
+    /// (for the penalties), `summary` the row's [`LogitSummary`] where the forward pass made it
+    /// (it is made here otherwise). Returns the token and its log-probability under the model's
+    /// unmodified distribution. A greedy sampler without a penalty or bias reads only the
+    /// summary ([`Sampler::needs_row`]), so its row may be left on the device.
     pub fn sample(
         &mut self,
         logits: &mut [f32],
@@ -91,22 +116,10 @@ impl Sampler {
         summary: Option<LogitSummary>,
     ) -> (u32, f32) {
         let LogitSummary { argmax, max, lse } = summary.unwrap_or_else(|| LogitSummary::of(logits));
-        // Penalized tokens' unmodified logits (each seen token once, however often it appears).
-        let mut original = std::collections::HashMap::new();
-        let penalty = self.params.repetition_penalty;
-        if penalty != 1.0 {
-            for &t in history {
-                let Some(l) = logits.get_mut(t as usize) else {
-                    continue;
-                };
-                if let std::collections::hash_map::Entry::Vacant(e) = original.entry(t) {
-                    e.insert(*l);
-                    *l = if *l > 0.0 { *l / penalty } else { *l * penalty };
-                }
-            }
-        }
+        // Adjusted tokens' unmodified logits.
+        let original = self.adjust(logits, history);
         let token = if self.params.is_greedy() {
-            // The first maximum is already known unless the penalty moved logits.
+            // The first maximum is already known unless an adjustment moved logits.
             if original.is_empty() {
                 argmax
             } else {
@@ -123,9 +136,60 @@ impl Sampler {
         (token, raw - lse)
     }
 
+    /// Applies the penalties and the bias to `logits`; returns each changed token's logit as
+    /// the model gave it.
+    fn adjust(&self, logits: &mut [f32], history: &[u32]) -> HashMap<u32, f32> {
+        let mut original = HashMap::new();
+        let p = &self.params;
+        if !p.modifies_logits() {
+            return original;
+        }
+        let mut change = |t: u32, f: &dyn Fn(f32) -> f32| {
+            if let Some(l) = logits.get_mut(t as usize) {
+                original.entry(t).or_insert(*l);
+                *l = f(*l);
+            }
+        };
+        let penalty = p.repetition_penalty;
+        if penalty != 1.0 {
+            let mut seen = std::collections::HashSet::new();
+            for &t in history {
+                if seen.insert(t) {
+                    change(t, &|l| if l > 0.0 { l / penalty } else { l * penalty });
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: HashMap<u32, u32> = HashMap::new();
+            for &t in history.get(self.reply_from..).unwrap_or_default() {
+                *counts.entry(t).or_default() += 1;
+            }
+            for (t, n) in counts {
+                let by = p.presence_penalty + p.frequency_penalty * n as f32;
+                change(t, &|l| l - by);
+            }
+        }
+        for (&t, &b) in &p.logit_bias {
+            change(t, &|l| l + b);
+        }
+        if p.dry_enabled() {
+            let window = match usize::try_from(p.dry_penalty_last_n) {
+                Ok(n) => history.len().saturating_sub(n),
+                Err(_) => 0,
+            };
+            let runs = dry_runs(&history[window..], &self.breakers, p.dry_allowed_length);
+            for (t, len) in runs {
+                let exponent = (len - p.dry_allowed_length).min(64) as i32;
+                let by = (p.dry_multiplier * p.dry_base.powi(exponent)).min(1e30);
+                change(t, &|l| l - by);
+            }
+        }
+        original
+    }
+
     /// Whether [`Sampler::sample`] reads the row of logits, not only its summary.
     pub fn needs_row(&self) -> bool {
-        !self.params.is_greedy() || self.params.repetition_penalty != 1.0
+        !self.params.is_greedy() || self.params.modifies_logits()
     }
 
     fn sample_stochastic(&mut self, logits: &[f32]) -> u32 {
@@ -185,6 +249,54 @@ impl Sampler {
         }
         cand.last().map_or(0, |c| c.1)
     }
+}
+
+/// DRY's repeated runs in `ctx`: for each token that would continue a run of at least
+/// `allowed` tokens that `ctx` ends with and that also occurs earlier, followed by that token,
+/// the longest such run. Runs never hold a token of `breakers` (sorted), so none reaches back
+/// past the last one in `ctx`.
+///
+/// The run ending at an earlier position is the common suffix of `ctx` and `ctx` cut there: in
+/// `ctx` reversed, the common prefix of the whole and the part from that position on, which the
+/// Z-algorithm finds for every position in one pass.
+pub fn dry_runs(ctx: &[u32], breakers: &[u32], allowed: u32) -> Vec<(u32, u32)> {
+    let cap = ctx
+        .iter()
+        .rev()
+        .take_while(|t| breakers.binary_search(t).is_err())
+        .count();
+    let allowed = allowed as usize;
+    if cap < allowed.max(1) {
+        return Vec::new();
+    }
+    let r: Vec<u32> = ctx.iter().rev().copied().collect();
+    let n = r.len();
+    let mut z = vec![0usize; n];
+    let (mut left, mut right) = (0usize, 0usize);
+    for k in 1..n {
+        let mut len = if k < right {
+            z[k - left].min(right - k)
+        } else {
+            0
+        };
+        while k + len < n && r[len] == r[k + len] {
+            len += 1;
+        }
+        z[k] = len;
+        if k + len > right {
+            (left, right) = (k, k + len);
+        }
+    }
+    let mut longest: HashMap<u32, u32> = HashMap::new();
+    for k in 1..n {
+        // The run ending just before r[k - 1] (in ctx order: followed by it).
+        let len = z[k].min(cap);
+        if len >= allowed {
+            let e = longest.entry(r[k - 1]).or_default();
+            *e = (*e).max(len as u32);
+        }
+    }
+    longest.into_iter().collect()
 }
 
 /// What sampling needs of a row of logits besides the logits: where the largest first occurs,
@@ -477,5 +589,79 @@ mod tests {
         // The logprob is the model's, before the penalty.
         let want = 2.0 - (1f32.exp() + 3f32.exp() + 2f32.exp()).ln();
         assert!((lp - want).abs() < 1e-5);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_the_reply_only() {
+        let params = SamplingParams {
+            presence_penalty: 1.0,
+            frequency_penalty: 0.5,
+            ..Default::default()
+        };
+        // Token 1 twice in the reply, token 2 only in the prompt.
+        let s = Sampler::new(params).for_sequence(2, Vec::new());
+        let mut l = vec![0.0, 3.0, 3.0, 0.0];
+        s.adjust(&mut l, &[2, 2, 1, 1]);
+        assert_eq!(l, vec![0.0, 1.0, 3.0, 0.0]);
+    }
+
+    #[test]
+    fn logit_bias_bans_and_forces_tokens_and_reports_the_models_logprob() {
+        let mut s = Sampler::new(SamplingParams {
+            logit_bias: [(1, -100.0), (0, 5.0)].into(),
+            ..Default::default()
+        });
+        assert!(s.needs_row());
+        let mut l = vec![1.0, 3.0, 2.0];
+        let (t, lp) = s.sample(&mut l, &[], None);
+        assert_eq!(t, 0);
+        let want = 1.0 - (1f32.exp() + 3f32.exp() + 2f32.exp()).ln();
+        assert!((lp - want).abs() < 1e-5);
+    }
+
+    #[test]
+    fn dry_finds_the_longest_run_each_token_would_continue() {
+        // "a b c x a b c ?": continuing with x repeats "a b c x" (run of 3 before it).
+        let ctx = [1, 2, 3, 9, 1, 2, 3];
+        assert_eq!(dry_runs(&ctx, &[], 2), vec![(9, 3)]);
+        assert!(dry_runs(&ctx, &[], 4).is_empty(), "3 is below 4");
+        // Two earlier continuations: the longer run counts for each token.
+        let mut runs = dry_runs(&[5, 1, 2, 7, 3, 1, 2, 8, 1, 2], &[], 2);
+        runs.sort_unstable();
+        assert_eq!(runs, vec![(7, 2), (8, 2)]);
+        // A breaker inside the ending run caps it: nothing reaches back past the 3.
+        assert!(dry_runs(&ctx, &[3], 1).is_empty());
+        assert_eq!(dry_runs(&[1, 2, 4, 1, 2], &[4], 2), vec![(4, 2)]);
+        // A repeated token: the run is as long as the repeat allows.
+        assert_eq!(dry_runs(&[6, 6, 6, 6], &[], 2), vec![(6, 3)]);
+    }
+
+    #[test]
+    fn dry_steers_greedy_off_a_loop_that_the_model_would_repeat() {
+        let params = SamplingParams {
+            dry_multiplier: 0.8,
+            dry_base: 2.0,
+            dry_allowed_length: 2,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(params).for_sequence(0, Vec::new());
+        // The model prefers 9, which would repeat "1 2 3 9" for the third time.
+        let history = [1, 2, 3, 9, 1, 2, 3, 9, 1, 2, 3];
+        let mut l = vec![0.0; 10];
+        l[9] = 2.0;
+        l[4] = 1.0;
+        let (t, _) = s.sample(&mut l, &history, None);
+        // The run before 9 is 7 tokens: 0.8 * 2^5 = 25.6 off its logit.
+        assert_eq!(t, 4);
+        assert!((l[9] - (2.0 - 25.6)).abs() < 1e-4, "{}", l[9]);
+        // Limited to the last 3 tokens, the loop is out of sight, and 9 stays first.
+        let mut s = Sampler::new(SamplingParams {
+            dry_penalty_last_n: 3,
+            ..s.params.clone()
+        });
+        let mut l = vec![0.0; 10];
+        l[9] = 2.0;
+        l[4] = 1.0;
+        assert_eq!(s.sample(&mut l, &history, None).0, 9);
     }
 }

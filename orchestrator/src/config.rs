@@ -12,7 +12,7 @@ use hearth_shared::worker_auth::WorkerToken;
 
 use crate::api::ApiOptions;
 use crate::http_server::HttpLimits;
-use crate::service::ChatLimits;
+use crate::service::{ChatLimits, SharedPromptText};
 use crate::workers::{BatchConfig, PoolConfig};
 
 const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
@@ -63,6 +63,16 @@ pub struct ServeArgs {
     /// file; the workers' `--tls-cert`). None: plain TCP.
     #[arg(long, env = "HEARTH_WORKER_CA")]
     pub worker_ca: Option<PathBuf>,
+    /// An operator's system prompt whose prefix cache every user shares, as `NAME=FILE` (repeat
+    /// for several). Prompts are otherwise cached per user, so that no user learns what another
+    /// sent; a request whose prompt begins with this system prompt shares the operator's text
+    /// (and only that) with everyone's.
+    #[arg(
+        long = "shared-prompt",
+        env = "HEARTH_SHARED_PROMPTS",
+        value_delimiter = ','
+    )]
+    pub shared_prompts: Vec<String>,
     /// Redis for what replicas share (rate limits, session affinity). None: in process.
     #[arg(long, env = "HEARTH_REDIS_URL")]
     pub redis_url: Option<String>,
@@ -170,6 +180,8 @@ pub struct Config {
     pub auth: AuthArg,
     pub workers: Workers,
     pub tokenizer: PathBuf,
+    /// `--shared-prompt`s, read.
+    pub shared_prompts: Vec<SharedPromptText>,
     pub redis_url: Option<String>,
     pub pool: PoolConfig,
     pub limits: ChatLimits,
@@ -257,6 +269,7 @@ impl Config {
             auth: a.auth,
             workers,
             tokenizer,
+            shared_prompts: shared_prompts(&a.shared_prompts)?,
             redis_url: a.redis_url,
             pool,
             limits,
@@ -277,6 +290,56 @@ impl Config {
             shutdown_timeout: secs(a.shutdown_timeout_secs),
         })
     }
+}
+
+/// Most bytes of one shared prompt.
+const MAX_SHARED_PROMPT_BYTES: u64 = 256 << 10;
+
+/// Reads each `--shared-prompt NAME=FILE`: a name of letters, digits, `-` and `_`, used once,
+/// and a non-empty UTF-8 file of at most 256 KiB.
+fn shared_prompts(args: &[String]) -> Result<Vec<SharedPromptText>, ConfigError> {
+    const FLAG: &str = "--shared-prompt";
+    let mut out: Vec<SharedPromptText> = Vec::new();
+    for arg in args {
+        let Some((name, file)) = arg.split_once('=') else {
+            return Err(refuse(FLAG, arg, "expected NAME=FILE"));
+        };
+        let name_ok = !name.is_empty()
+            && name.len() <= 64
+            && name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !name_ok {
+            return Err(refuse(
+                FLAG,
+                arg,
+                "the name must be 1-64 letters, digits, '-' or '_'",
+            ));
+        }
+        if out.iter().any(|p| p.name == name) {
+            return Err(refuse(FLAG, arg, "this name is given twice"));
+        }
+        let len = std::fs::metadata(file)
+            .map_err(|e| refuse(FLAG, arg, format!("cannot read {file}: {e}")))?
+            .len();
+        if len > MAX_SHARED_PROMPT_BYTES {
+            return Err(refuse(
+                FLAG,
+                arg,
+                format!("{file} is {len} bytes; at most {MAX_SHARED_PROMPT_BYTES}"),
+            ));
+        }
+        let text = std::fs::read_to_string(file)
+            .map_err(|e| refuse(FLAG, arg, format!("cannot read {file}: {e}")))?;
+        if text.trim().is_empty() {
+            return Err(refuse(FLAG, arg, format!("{file} is empty")));
+        }
+        out.push(SharedPromptText {
+            name: name.to_string(),
+            text,
+        });
+    }
+    Ok(out)
 }
 
 /// The workers to use, and the token every call to them carries: the `--worker` list with
@@ -416,6 +479,33 @@ mod tests {
         let cli = Cli::try_parse_from(std::iter::once("hearth").chain(args.iter().copied()))
             .expect("the arguments parse");
         Config::from_args(cli.serve)
+    }
+
+    #[test]
+    fn shared_prompts_are_read_and_bad_ones_named() {
+        let dir = std::env::temp_dir().join(format!("hearth-shared-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let (good, empty) = (dir.join("support.txt"), dir.join("empty.txt"));
+        std::fs::write(&good, "You are the support desk of the harbour.").expect("write");
+        std::fs::write(&empty, " \n").expect("write");
+        let arg = |name: &str, p: &std::path::Path| format!("{name}={}", p.display());
+        let c = config(&["--shared-prompt", &arg("support", &good)]).expect("ok");
+        assert_eq!(c.shared_prompts.len(), 1);
+        assert_eq!(c.shared_prompts[0].name, "support");
+        assert!(c.shared_prompts[0].text.contains("harbour"));
+        let twice = format!("{},{}", arg("a", &good), arg("a", &good));
+        for (bad, why) in [
+            ("no-equals-sign".to_string(), "NAME=FILE"),
+            (arg("bad name", &good), "letters"),
+            (twice, "twice"),
+            (arg("e", &empty), "empty"),
+            (arg("m", &dir.join("missing.txt")), "cannot read"),
+        ] {
+            let e = config(&["--shared-prompt", &bad]).expect_err(&bad);
+            assert_eq!(e.flag, "--shared-prompt");
+            assert!(e.reason.contains(why), "{bad}: {}", e.reason);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

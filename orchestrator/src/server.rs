@@ -17,7 +17,7 @@ pub use crate::config::{AuthArg, Config, ServeArgs};
 use crate::generate::Streams;
 use crate::ids::MessageId;
 use crate::limits::{connect_redis, Limiter};
-use crate::service::{ChatService, ServiceParts};
+use crate::service::{ChatService, ServiceParts, SharedPrompts};
 use crate::storage::Store;
 use crate::workers::{Affinity, WorkerPool};
 
@@ -228,6 +228,11 @@ impl App {
         let auth = auth_mode(config.auth, store.as_ref()).await?;
         let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&config.tokenizer)
             .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
+        let shared_prompts = SharedPrompts::new(&tokenizer, &config.shared_prompts)
+            .context("--shared-prompt: cannot render the prompt with the chat template")?;
+        for (name, tokens) in shared_prompts.summary() {
+            tracing::info!(name, tokens, "shared prompt: cached once for every user");
+        }
         let streams = Arc::new(Streams::default());
         let shared = Shared::connect(config.redis_url.as_deref(), &streams).await?;
         let sweeper = spawn_orphan_sweep(store.clone(), config.orphan_after);
@@ -242,6 +247,7 @@ impl App {
             streams: streams.clone(),
             stop_bus: shared.stop_bus,
             limits: config.limits.clone(),
+            shared_prompts,
         }));
         let state = AppState {
             chat,

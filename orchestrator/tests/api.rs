@@ -39,6 +39,7 @@ async fn start() -> Server {
         streams: Arc::new(Streams::default()),
         stop_bus: None,
         limits: ChatLimits::default(),
+        shared_prompts: Default::default(),
     }));
     let app = router(AppState {
         chat,

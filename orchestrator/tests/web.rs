@@ -61,6 +61,7 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
         streams: Arc::new(Streams::default()),
         stop_bus: None,
         limits: ChatLimits::default(),
+        shared_prompts: Default::default(),
     }));
     let app = router(AppState {
         chat,

@@ -60,6 +60,13 @@ impl From<&DomainSampling> for generated::SamplingParams {
             min_p: Some(p.min_p),
             repetition_penalty: Some(p.repetition_penalty),
             seed: p.seed,
+            presence_penalty: Some(p.presence_penalty),
+            frequency_penalty: Some(p.frequency_penalty),
+            logit_bias: p.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
+            dry_multiplier: Some(p.dry_multiplier),
+            dry_base: Some(p.dry_base),
+            dry_allowed_length: Some(p.dry_allowed_length),
+            dry_penalty_last_n: Some(p.dry_penalty_last_n),
         }
     }
 }
@@ -75,6 +82,15 @@ impl From<generated::SamplingParams> for DomainSampling {
             min_p: p.min_p.unwrap_or(d.min_p),
             repetition_penalty: p.repetition_penalty.unwrap_or(d.repetition_penalty),
             seed: p.seed,
+            presence_penalty: p.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: p.frequency_penalty.unwrap_or(d.frequency_penalty),
+            logit_bias: p.logit_bias.into_iter().collect(),
+            dry_multiplier: p.dry_multiplier.unwrap_or(d.dry_multiplier),
+            dry_base: p.dry_base.unwrap_or(d.dry_base),
+            dry_allowed_length: p.dry_allowed_length.unwrap_or(d.dry_allowed_length),
+            dry_penalty_last_n: p.dry_penalty_last_n.unwrap_or(d.dry_penalty_last_n),
+            // The worker reads the breakers as token ids (GenerateRequest::dry_breaker_ids).
+            dry_sequence_breakers: d.dry_sequence_breakers,
         }
     }
 }
@@ -116,6 +132,14 @@ mod tests {
             min_p: 0.05,
             repetition_penalty: 1.1,
             seed: Some(7),
+            presence_penalty: 0.5,
+            frequency_penalty: -0.25,
+            logit_bias: [(3, -100.0), (900, 2.5)].into(),
+            dry_multiplier: 0.8,
+            dry_base: 2.0,
+            dry_allowed_length: 3,
+            dry_penalty_last_n: 512,
+            ..SamplingParams::default()
         };
         assert_eq!(SamplingParams::from(generated::SamplingParams::from(&p)), p);
         assert_eq!(

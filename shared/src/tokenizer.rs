@@ -15,6 +15,8 @@ pub enum TokenizerError {
 /// Gemma's tokenizer with the ids of the tokens the engine must know.
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// Each token's text, decoded alone; made on first use (see [`Tokenizer::ids_containing`]).
+    texts: std::sync::OnceLock<Vec<String>>,
     pub bos_id: u32,
     pub eos_id: u32,
     pub start_of_turn_id: u32,
@@ -60,6 +62,7 @@ impl Tokenizer {
             end_of_turn_id: id("<end_of_turn>")?,
             pad_id: inner.token_to_id("<pad>"),
             inner,
+            texts: std::sync::OnceLock::new(),
         })
     }
 
@@ -88,5 +91,22 @@ impl Tokenizer {
 
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
+    }
+
+    /// The ids of the tokens whose text, decoded alone, contains one of `needles` (control
+    /// tokens have none). The first call decodes the whole vocabulary once (a fraction of a
+    /// second for Gemma's 262k tokens): call it off the async runtime.
+    pub fn ids_containing(&self, needles: &[String]) -> Vec<u32> {
+        let texts = self.texts.get_or_init(|| {
+            (0..self.vocab_size() as u32)
+                .map(|id| self.inner.decode(&[id], true).unwrap_or_default())
+                .collect()
+        });
+        texts
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| needles.iter().any(|n| t.contains(n.as_str())))
+            .map(|(id, _)| id as u32)
+            .collect()
     }
 }

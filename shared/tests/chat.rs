@@ -196,3 +196,21 @@ fn incremental_detokenization_never_splits_a_character_and_adds_up_to_the_whole(
         assert_eq!(out, text);
     }
 }
+
+#[test]
+fn tokens_containing_a_breaker_are_found_by_their_decoded_text() {
+    let tok = tokenizer();
+    let newline = tok.ids_containing(&["\n".to_string()]);
+    assert!(newline.len() > 10, "Gemma has many tokens with newlines");
+    for &id in newline.iter().take(50) {
+        assert!(tok.decode(&[id]).expect("decode").contains('\n'), "{id}");
+    }
+    // The tokens of a line break in real text are among them; a plain word's are not.
+    let text = tok.encode("one\ntwo").expect("encode");
+    assert!(text.iter().any(|t| newline.contains(t)), "{text:?}");
+    let word = tok.encode("harbour").expect("encode");
+    assert!(word.iter().all(|t| !newline.contains(t)));
+    // Control tokens have no text.
+    assert!(!newline.contains(&tok.end_of_turn_id));
+    assert!(tok.ids_containing(&[]).is_empty());
+}

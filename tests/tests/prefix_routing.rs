@@ -96,3 +96,55 @@ async fn another_users_prompt_is_never_served_from_the_prefix_cache() {
     let (_, bobs) = ask(bob).await;
     assert!(bobs >= 32, "bob's resend was not cached: {bobs}");
 }
+
+#[tokio::test]
+async fn an_operators_shared_prompt_is_cached_for_everyone_and_nothing_after_it() {
+    let file = std::env::temp_dir().join(format!("hearth-desk-{}.txt", std::process::id()));
+    let system = "You are the harbour office's assistant. Answer questions about moorings, tides, \
+                  the ferry timetable and the fish market politely, briefly and in plain words, \
+                  and never invent a timetable that you were not given.";
+    std::fs::write(&file, system).expect("write the shared prompt");
+    let flag = format!("desk={}", file.display());
+    let s = Stack::start_with(
+        "prefix_shared",
+        &slow_spec(),
+        Db::Sqlite,
+        1,
+        &["--shared-prompt", &flag],
+    )
+    .await;
+    let (alice, bob) = (s.key("alice").await, s.key("bob").await);
+    let secret = "my boat is the blue one on mooring forty two and the padlock code is nine \
+                  nine three one, please tell me when the tide is high enough to leave";
+    let ask = |key: String, text: &'static str| {
+        let addr = s.addr();
+        async move {
+            let body = json!({"model": "tiny", "max_tokens": 2, "ignore_eos": true,
+                              "messages": [{"role": "system", "content": system},
+                                           {"role": "user", "content": text}]});
+            let r = chat_completion(addr, &key, &body).await;
+            let usage = &r["usage"];
+            let prompt = usage["prompt_tokens"].as_u64().expect("prompt tokens");
+            let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+            (prompt, cached.expect("cached tokens"))
+        }
+    };
+    let (prompt, first) = ask(alice.clone(), secret).await;
+    assert_eq!(first, 0, "nothing was cached yet");
+    // Alice's resend finds her whole prompt but its last partial block.
+    let (_, alices) = ask(alice, secret).await;
+    assert!(
+        alices + 16 > prompt - 1,
+        "alice's resend: {alices} of {prompt}"
+    );
+    // Bob sends her exact conversation: he finds the operator's prompt, and nothing of hers.
+    let (bob_prompt, bobs) = ask(bob.clone(), secret).await;
+    assert_eq!(bob_prompt, prompt);
+    assert!(bobs >= 32, "the shared prompt was not shared: {bobs}");
+    let (system_only, _) = ask(bob, "hi").await;
+    assert!(
+        bobs <= system_only && bobs < alices,
+        "bob saw alice's text: {bobs} cached, the system prompt renders to {system_only}"
+    );
+    let _ = std::fs::remove_file(&file);
+}

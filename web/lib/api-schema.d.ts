@@ -215,13 +215,26 @@ export interface components {
          *     `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
          */
         ChatRequest: {
+            /** Format: u-int32 */
+            dry_allowed_length?: number | null;
+            /** Format: float */
+            dry_base?: number | null;
             /**
              * Format: float
-             * @description Only 0.
+             * @description Non-standard (llama.cpp's DRY sampler); see the native API's `params`.
              */
+            dry_multiplier?: number | null;
+            /** Format: int32 */
+            dry_penalty_last_n?: number | null;
+            dry_sequence_breakers?: string[] | null;
+            /** Format: float */
             frequency_penalty?: number | null;
             /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
             ignore_eos?: boolean;
+            /** @description Token id (as a string key) to a bias in [-100, 100] added to its logit; at most 300. */
+            logit_bias?: {
+                [key: string]: number;
+            } | null;
             /** @description Only `false`. */
             logprobs?: boolean | null;
             /**
@@ -244,10 +257,7 @@ export interface components {
              * @description Only 1.
              */
             n?: number | null;
-            /**
-             * Format: float
-             * @description Only 0.
-             */
+            /** Format: float */
             presence_penalty?: number | null;
             /** Format: float */
             repetition_penalty?: number | null;
@@ -469,11 +479,69 @@ export interface components {
          */
         SamplingParams: {
             /**
+             * Format: u-int32
+             * @description Repeated runs up to this long go unpenalized.
+             * @default 2
+             */
+            dry_allowed_length?: number;
+            /**
+             * Format: float
+             * @default 1.75
+             */
+            dry_base?: number;
+            /**
+             * Format: float
+             * @description DRY ("don't repeat yourself", llama.cpp's parameters): a token that would continue a run
+             *     of `n > dry_allowed_length` tokens already seen earlier in the context, followed by that
+             *     token, loses `dry_multiplier * dry_base^(n - dry_allowed_length)` from its logit. 0
+             *     disables.
+             * @default 0
+             */
+            dry_multiplier?: number;
+            /**
+             * Format: int32
+             * @description How many of the latest tokens DRY looks back over; -1: the whole context, 0: none.
+             * @default -1
+             */
+            dry_penalty_last_n?: number;
+            /**
+             * @description A run never extends across a token whose text contains one of these (at most 16, each
+             *     of 1 to 32 characters): a repeated line or list item does not grow a penalty from the
+             *     one before.
+             * @default [
+             *       "\n",
+             *       ":",
+             *       "\"",
+             *       "*"
+             *     ]
+             */
+            dry_sequence_breakers?: string[];
+            /**
+             * Format: float
+             * @description Subtracted from a token's logit once per time the reply already holds it; 0 disables.
+             * @default 0
+             */
+            frequency_penalty?: number;
+            /**
+             * @description Added to the logits of these token ids (keys), each in [-100, 100]; at most 300.
+             *     -100 bans a token, 100 all but forces it.
+             * @default {}
+             */
+            logit_bias?: {
+                [key: string]: number;
+            };
+            /**
              * Format: float
              * @description Drop tokens whose probability is below `min_p` times the most likely one; 0 disables.
              * @default 0
              */
             min_p?: number;
+            /**
+             * Format: float
+             * @description Subtracted from the logit of every token the reply already holds (OpenAI's); 0 disables.
+             * @default 0
+             */
+            presence_penalty?: number;
             /**
              * Format: float
              * @description Divides positive logits (multiplies negative ones) of tokens already seen; 1 disables.

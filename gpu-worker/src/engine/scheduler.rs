@@ -17,7 +17,7 @@ use super::lookup;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
-use crate::kv::{chain_hash, user_root, BlockAllocator, BlockId, DiskTier, Packing, NO_BLOCK};
+use crate::kv::{chain_hash, BlockAllocator, BlockId, Chain, DiskTier, Packing, NO_BLOCK};
 use crate::model::SeqChunk;
 use crate::sampling::{LogitSummary, Sampler};
 
@@ -92,8 +92,9 @@ struct Seq {
     packed: Vec<BlockId>,
     /// Chain hashes of the leading full blocks already offered to the prefix cache.
     hashes: Vec<u64>,
-    /// Where the chain starts: the user's own root, so no other user's prompt ever matches.
-    root: u64,
+    /// Where each block's chain hangs from: the user's own root, so no other user's prompt ever
+    /// matches, but for an operator's shared system prompt.
+    chain: Chain,
     generated: usize,
     max_new: usize,
     stop_ids: Vec<u32>,
@@ -329,7 +330,11 @@ impl Scheduler {
         let max_new = inner.max_new_tokens as usize;
         self.waiting.push(Seq {
             id: inner.id,
-            root: user_root(inner.user.as_str()),
+            chain: Chain::new(
+                inner.user.as_str(),
+                (inner.shared_prefix as usize).min(prompt_len),
+                self.config.block_size,
+            ),
             user: inner.user,
             session: inner.session,
             tokens: inner.prompt,
@@ -341,7 +346,10 @@ impl Scheduler {
             generated: 0,
             max_new,
             stop_ids,
-            sampler: Sampler::continuing(inner.params, inner.sampled_before),
+            sampler: Sampler::continuing(inner.params, inner.sampled_before).for_sequence(
+                prompt_len.saturating_sub(inner.sampled_before as usize),
+                inner.dry_breakers,
+            ),
             draft: 0,
             draft_cap: self.config.spec_tokens,
             cached_tokens: 0,
@@ -676,7 +684,7 @@ impl Scheduler {
     fn attach_cached_prefix(&mut self, s: &mut Seq) {
         let bs = self.config.block_size;
         let limit = s.tokens.len() - 1;
-        let hits = self.alloc.lookup_prefix(s.root, &s.tokens[..limit], bs);
+        let hits = self.alloc.lookup_prefix(&s.chain, &s.tokens[..limit], bs);
         let mut cache = s.session.as_ref().and_then(|id| self.sessions.remove(id));
         if let (None, Some(id)) = (&cache, s.session.clone()) {
             cache = self.restore(&id, &s.tokens[..limit], hits.len() * bs);
@@ -700,7 +708,7 @@ impl Scheduler {
         let hits = if hits.is_empty() {
             hits
         } else {
-            self.alloc.lookup_prefix(s.root, &s.tokens[..limit], bs)
+            self.alloc.lookup_prefix(&s.chain, &s.tokens[..limit], bs)
         };
         s.hashes.clear();
         match cache {
@@ -754,7 +762,7 @@ impl Scheduler {
         let s = &mut self.running[ix];
         while (s.hashes.len() + 1) * bs <= s.kv_len {
             let i = s.hashes.len();
-            let parent = s.hashes.last().copied().unwrap_or(s.root);
+            let parent = s.chain.parent(i, s.hashes.last().copied());
             let tokens = &s.tokens[i * bs..(i + 1) * bs];
             let h = match s.blocks[i] {
                 // Packed away: only the chain goes on.

@@ -144,7 +144,7 @@ fn shared_prefix_blocks_are_never_written_and_answers_match_cold_ones() {
     assert_eq!((s.alloc.used(), s.alloc.cached()), (0, 2));
     let shared = s
         .alloc
-        .lookup_prefix(user_root("anonymous"), &base[..32], BS);
+        .lookup_prefix(&Chain::private("anonymous"), &base[..32], BS);
     assert_eq!(shared.len(), 2);
     let before = contents(&s, &shared);
 
@@ -192,7 +192,7 @@ fn rewinding_a_session_into_a_registered_block_copies_it_first() {
     outcome(&mut a);
     let shared = s
         .alloc
-        .lookup_prefix(user_root("anonymous"), &base[..32], BS);
+        .lookup_prefix(&Chain::private("anonymous"), &base[..32], BS);
     assert_eq!(shared.len(), 2);
     let before = contents(&s, &shared);
     // An edit at token 25 rewinds into the second (registered) block.

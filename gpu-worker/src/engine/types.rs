@@ -98,6 +98,11 @@ pub struct GenerateRequest {
     /// Tokens of this reply sampled before (a continuation after a failover): the seeded RNG
     /// skips that many draws first, so a seed reproduces the uncut reply.
     pub sampled_before: u32,
+    /// Leading prompt tokens that are an operator's shared system prompt, whose whole blocks
+    /// are cached for every user (see [`crate::kv::Chain`]); 0: the prompt is the user's alone.
+    pub shared_prefix: u32,
+    /// Tokens that end a DRY run (see [`crate::sampling::dry_runs`]).
+    pub dry_breakers: Vec<u32>,
 }
 
 impl GenerateRequest {
@@ -113,6 +118,8 @@ impl GenerateRequest {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             sampled_before: 0,
+            shared_prefix: 0,
+            dry_breakers: Vec::new(),
         }
     }
 }
@@ -159,6 +166,20 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
         });
     }
     req.params.validate()?;
+    if let Some(&id) = req
+        .params
+        .logit_bias
+        .keys()
+        .find(|&&t| t as usize >= info.vocab_size)
+    {
+        return Err(EngineError::InvalidSampling(hearth_shared::SamplingError {
+            field: "logit_bias",
+            reason: format!(
+                "token {id} is not in the model's vocabulary of {}",
+                info.vocab_size
+            ),
+        }));
+    }
     if req.max_new_tokens == 0 {
         return Err(EngineError::InvalidMaxNewTokens);
     }

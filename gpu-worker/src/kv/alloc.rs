@@ -17,7 +17,8 @@ use std::hash::{Hash, Hasher};
 
 use super::{BlockId, NO_BLOCK};
 
-/// The chain every user's roots hang from (see [`user_root`]).
+/// The chain every user's roots hang from (see [`user_root`]), and the root of operators'
+/// shared system prompts (see [`Chain`]).
 pub const ROOT_HASH: u64 = 0x6865_6172_7468_6b76;
 
 /// Parent hash of the first block of `user`'s sequences. The prefix cache is scoped per user:
@@ -29,6 +30,46 @@ pub fn user_root(user: &str) -> u64 {
     ROOT_HASH.hash(&mut h);
     user.hash(&mut h);
     h.finish()
+}
+
+/// Where a sequence's prefix-cache chain starts, block by block. Every block is the user's own
+/// ([`user_root`]), except the leading blocks that lie wholly inside an operator's shared system
+/// prompt: those hang from [`ROOT_HASH`], so every user's copy of that prompt is one cached copy.
+/// The first block past them is chained to the user's root as well as to them, so nothing a
+/// user wrote after the shared prompt ever matches another user's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chain {
+    user: u64,
+    shared_blocks: usize,
+}
+
+impl Chain {
+    /// `user`'s chain, whose first `shared_tokens` tokens are an operator's shared prompt (the
+    /// orchestrator says so; 0 for none). Only whole blocks are shared.
+    pub fn new(user: &str, shared_tokens: usize, block_size: usize) -> Self {
+        Self {
+            user: user_root(user),
+            shared_blocks: shared_tokens / block_size.max(1),
+        }
+    }
+
+    /// A chain private to `user` from its first block.
+    pub fn private(user: &str) -> Self {
+        Self::new(user, 0, 1)
+    }
+
+    /// The parent hash of block `index`, whose predecessor's hash is `prev` (`None` for the
+    /// first block).
+    pub fn parent(&self, index: usize, prev: Option<u64>) -> u64 {
+        match prev {
+            None if self.shared_blocks > 0 => ROOT_HASH,
+            None => self.user,
+            Some(h) if index == self.shared_blocks => {
+                chain_hash(h, &[(self.user >> 32) as u32, self.user as u32])
+            }
+            Some(h) => h,
+        }
+    }
 }
 
 /// The key of the block holding `tokens`, after the blocks whose chain ended in `parent`: it
@@ -222,15 +263,15 @@ impl BlockAllocator {
     }
 
     /// The longest run of registered blocks holding `tokens` from its start, whole blocks only,
-    /// on the chain that starts at `root` (a user's: [`user_root`]).
-    pub fn lookup_prefix(&self, root: u64, tokens: &[u32], block_size: usize) -> Vec<BlockId> {
-        let mut parent = root;
+    /// on `chain` (see [`Chain`]).
+    pub fn lookup_prefix(&self, chain: &Chain, tokens: &[u32], block_size: usize) -> Vec<BlockId> {
+        let mut prev = None;
         let mut out = Vec::new();
-        for chunk in tokens.chunks_exact(block_size) {
-            match self.lookup(parent, chunk) {
+        for (i, chunk) in tokens.chunks_exact(block_size).enumerate() {
+            match self.lookup(chain.parent(i, prev), chunk) {
                 Some((b, h)) => {
                     out.push(b);
-                    parent = h;
+                    prev = Some(h);
                 }
                 None => break,
             }
@@ -314,6 +355,12 @@ mod tests {
         assert_eq!(a.free(), 0);
     }
 
+    /// A chain whose every block hangs from [`ROOT_HASH`], as [`register_all`] registers them.
+    const ALL_SHARED: Chain = Chain {
+        user: 0,
+        shared_blocks: usize::MAX,
+    };
+
     /// Registers every block of `table` as the chain of `tokens`.
     fn register_all(a: &mut BlockAllocator, table: &[BlockId], tokens: &[u32], bs: usize) {
         let mut parent = ROOT_HASH;
@@ -333,17 +380,17 @@ mod tests {
         a.release(&mut t);
         // Unreferenced but kept: available, not used, and found again.
         assert_eq!((a.used(), a.free(), a.cached()), (0, 6, 3));
-        let hit = a.lookup_prefix(ROOT_HASH, &tokens, 4);
+        let hit = a.lookup_prefix(&ALL_SHARED, &tokens, 4);
         assert_eq!(hit.len(), 3);
         // A different second block stops the match after the first; a partial block never matches.
         let mut other = tokens.clone();
         other[5] = 99;
-        assert_eq!(a.lookup_prefix(ROOT_HASH, &other, 4), hit[..1]);
-        assert_eq!(a.lookup_prefix(ROOT_HASH, &tokens[..7], 4), hit[..1]);
+        assert_eq!(a.lookup_prefix(&ALL_SHARED, &other, 4), hit[..1]);
+        assert_eq!(a.lookup_prefix(&ALL_SHARED, &tokens[..7], 4), hit[..1]);
         // The chain covers every earlier token: the same block content after another first
         // block is a different key.
         let shifted: Vec<u32> = [100, 101, 102, 103].into_iter().chain(4..8).collect();
-        assert!(a.lookup_prefix(ROOT_HASH, &shifted, 4).is_empty());
+        assert!(a.lookup_prefix(&ALL_SHARED, &shifted, 4).is_empty());
         for &b in &hit {
             a.share(b);
         }
@@ -372,8 +419,8 @@ mod tests {
         assert!(a.is_registered(z[0]));
         assert!(!a.grow(&mut w, 16, 4), "only the referenced block is left");
         // Reclaimed blocks lost their keys; the referenced one is still found.
-        assert_eq!(a.lookup_prefix(ROOT_HASH, &[3, 3, 3, 3], 4), vec![z[0]]);
-        assert!(a.lookup_prefix(ROOT_HASH, &[1, 1, 1, 1], 4).is_empty());
+        assert_eq!(a.lookup_prefix(&ALL_SHARED, &[3, 3, 3, 3], 4), vec![z[0]]);
+        assert!(a.lookup_prefix(&ALL_SHARED, &[1, 1, 1, 1], 4).is_empty());
         a.release(&mut z);
         a.release(&mut w);
         assert_eq!((a.used(), a.free()), (0, 4));
@@ -395,7 +442,7 @@ mod tests {
         assert!(a.grow(&mut w, 4, 4));
         assert_eq!(w, vec![x1], "the tail of the oldest chain goes first");
         assert_eq!(
-            a.lookup_prefix(ROOT_HASH, &[1, 1, 1, 1, 2, 2, 2, 2], 4),
+            a.lookup_prefix(&ALL_SHARED, &[1, 1, 1, 1, 2, 2, 2, 2], 4),
             vec![x0]
         );
     }
@@ -418,5 +465,50 @@ mod tests {
         );
         a.release(&mut x);
         assert_eq!(a.cached(), 1);
+    }
+
+    /// Registers `tokens`' whole blocks on `chain`, as the scheduler does.
+    fn register_chain(
+        a: &mut BlockAllocator,
+        chain: &Chain,
+        tokens: &[u32],
+        bs: usize,
+    ) -> Vec<BlockId> {
+        let mut t = Vec::new();
+        assert!(a.grow(&mut t, tokens.len(), bs));
+        let mut prev = None;
+        for (i, (b, chunk)) in t.iter().zip(tokens.chunks_exact(bs)).enumerate() {
+            prev = Some(a.register(*b, chain.parent(i, prev), chunk));
+        }
+        t
+    }
+
+    #[test]
+    fn users_share_the_operators_prompt_blocks_and_nothing_after_them() {
+        let mut a = BlockAllocator::new(16);
+        // Two blocks of an operator's prompt, then what alice wrote.
+        let tokens: Vec<u32> = (0..16).collect();
+        let alice = Chain::new("alice", 9, 4);
+        let mut t = register_chain(&mut a, &alice, &tokens, 4);
+        a.release(&mut t);
+        assert_eq!(a.lookup_prefix(&alice, &tokens, 4).len(), 4);
+        // Bob, with the same shared prompt, finds its whole blocks (two of its nine tokens'
+        // worth), but not alice's blocks after it, though he sends her exact tokens.
+        assert_eq!(
+            a.lookup_prefix(&Chain::new("bob", 9, 4), &tokens, 4).len(),
+            2
+        );
+        assert_eq!(
+            a.lookup_prefix(&Chain::new("bob", 16, 4), &tokens, 4).len(),
+            2
+        );
+        // Without a shared prompt, nothing of alice's is his.
+        assert!(a
+            .lookup_prefix(&Chain::private("bob"), &tokens, 4)
+            .is_empty());
+        // And alice's own private chain is not her shared one.
+        assert!(a
+            .lookup_prefix(&Chain::private("alice"), &tokens, 4)
+            .is_empty());
     }
 }

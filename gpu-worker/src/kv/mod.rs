@@ -14,7 +14,7 @@ mod alloc;
 mod disk;
 mod store;
 
-pub use alloc::{chain_hash, user_root, BlockAllocator, ROOT_HASH};
+pub use alloc::{chain_hash, user_root, BlockAllocator, Chain, ROOT_HASH};
 pub use disk::{DiskTier, Spilled};
 pub use store::{KvDtype, KvStore, Packing};
 

@@ -215,6 +215,8 @@ impl Connection {
             stop_token_ids: r.stop_token_ids,
             ignore_eos: r.ignore_eos,
             sampled_before: r.sampled_tokens,
+            shared_prefix: r.shared_prefix_tokens,
+            dry_breakers: r.dry_breaker_ids,
         })
     }
 

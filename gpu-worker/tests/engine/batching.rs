@@ -61,6 +61,7 @@ fn seeded_sampling_is_reproducible_and_sessions_can_be_dropped() {
             min_p: 0.01,
             repetition_penalty: 1.1,
             seed: Some(seed),
+            ..SamplingParams::default()
         },
         session: Some(SessionId::from("seeded")),
         ..greedy(id, prompt(12, 4, VOCAB), 20)

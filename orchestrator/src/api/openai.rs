@@ -1,8 +1,8 @@
 //! The OpenAI-compatible API: `POST /v1/chat/completions` (streaming and not) and
 //! `GET /v1/models`. Stateless: nothing is stored, and a client that goes away cancels its
-//! generation. Fields Hearth cannot honour (several choices, tools, logprobs, penalties other
-//! than zero) are refused with a 422 that names them rather than silently ignored; fields that
-//! do not change the output (`user`, `metadata`, …) are accepted.
+//! generation. Fields Hearth cannot honour (several choices, tools, logprobs) are refused with a
+//! 422 that names them rather than silently ignored; fields that do not change the output
+//! (`metadata`, …) are accepted.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -71,14 +71,30 @@ pub struct ChatRequest {
     #[serde(default)]
     #[schema(minimum = 1, maximum = 1)]
     n: Option<u32>,
-    /// Only 0.
     #[serde(default)]
-    #[schema(minimum = 0, maximum = 0)]
+    #[schema(minimum = -2, maximum = 2)]
     frequency_penalty: Option<f32>,
-    /// Only 0.
     #[serde(default)]
-    #[schema(minimum = 0, maximum = 0)]
+    #[schema(minimum = -2, maximum = 2)]
     presence_penalty: Option<f32>,
+    /// Token id (as a string key) to a bias in [-100, 100] added to its logit; at most 300.
+    #[serde(default)]
+    logit_bias: Option<std::collections::BTreeMap<u32, f32>>,
+    /// Non-standard (llama.cpp's DRY sampler); see the native API's `params`.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 10)]
+    dry_multiplier: Option<f32>,
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 10)]
+    dry_base: Option<f32>,
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 1024)]
+    dry_allowed_length: Option<u32>,
+    #[serde(default)]
+    #[schema(minimum = -1)]
+    dry_penalty_last_n: Option<i32>,
+    #[serde(default)]
+    dry_sequence_breakers: Option<Vec<String>>,
     /// Only `false`.
     #[serde(default)]
     logprobs: Option<bool>,
@@ -137,17 +153,6 @@ impl ChatRequest {
         if self.n.is_some_and(|n| n != 1) {
             return Err(refuse("n", "only 1 choice is supported"));
         }
-        for (field, v) in [
-            ("frequency_penalty", self.frequency_penalty),
-            ("presence_penalty", self.presence_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(refuse(
-                    field,
-                    "not supported; use repetition_penalty instead",
-                ));
-            }
-        }
         if self.logprobs == Some(true) {
             return Err(refuse("logprobs", "not supported"));
         }
@@ -171,6 +176,17 @@ impl ChatRequest {
             top_p: self.top_p.unwrap_or(d.top_p),
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            logit_bias: self.logit_bias.clone().unwrap_or_default(),
+            dry_multiplier: self.dry_multiplier.unwrap_or(d.dry_multiplier),
+            dry_base: self.dry_base.unwrap_or(d.dry_base),
+            dry_allowed_length: self.dry_allowed_length.unwrap_or(d.dry_allowed_length),
+            dry_penalty_last_n: self.dry_penalty_last_n.unwrap_or(d.dry_penalty_last_n),
+            dry_sequence_breakers: self
+                .dry_sequence_breakers
+                .clone()
+                .unwrap_or(d.dry_sequence_breakers),
             seed: self.seed,
         }
     }

@@ -120,6 +120,8 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
         stop_token_ids: Vec::new(),
         ignore_eos: job.ignore_eos,
         sampled_tokens: p.generated.len() as u32,
+        shared_prefix_tokens: job.shared_prefix,
+        dry_breaker_ids: job.dry_breakers.to_vec(),
     }
 }
 

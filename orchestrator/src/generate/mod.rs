@@ -53,7 +53,12 @@ pub struct Job {
     /// Where the reply is kept, if anywhere.
     pub persistence: Persistence,
     pub prompt: Vec<u32>,
+    /// Leading prompt tokens that are an operator's shared system prompt, whose prefix cache
+    /// every user shares (see [`crate::service::SharedPrompts`]); 0 for none.
+    pub shared_prefix: u32,
     pub params: SamplingParams,
+    /// Tokens that end a DRY run (`params.dry_sequence_breakers` as token ids).
+    pub dry_breakers: Arc<[u32]>,
     pub max_new_tokens: u32,
     pub stop: Vec<String>,
     pub ignore_eos: bool,

@@ -6,12 +6,15 @@
 //! Requests reach it validated ([`ValidTurn`]); it answers with stored records or a running
 //! reply's [`Live`] log, which the API turns into JSON or Server-Sent Events.
 
+mod breakers;
 mod error;
 mod session;
+mod shared_prompt;
 mod turn;
 
 pub use error::ChatError;
 pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
+pub use shared_prompt::{SharedPromptText, SharedPrompts};
 
 pub use turn::{
     check_params, Conversation, GenOptions, NativeTurn, UserText, ValidTurn, MAX_CONTENT_BYTES,
@@ -77,6 +80,8 @@ pub struct ServiceParts {
     /// Relays stops to the replica running a reply (with Redis).
     pub stop_bus: Option<StopBus>,
     pub limits: ChatLimits,
+    /// Operators' system prompts whose prefix cache every user shares.
+    pub shared_prompts: SharedPrompts,
 }
 
 #[derive(Debug)]
@@ -86,6 +91,8 @@ pub struct ChatService {
     limiter: Arc<Limiter>,
     stop_bus: Option<StopBus>,
     limits: ChatLimits,
+    shared_prompts: SharedPrompts,
+    breakers: Arc<breakers::Breakers>,
 }
 
 /// The authenticated user of a request and the limits that apply to it.
@@ -130,6 +137,8 @@ impl ChatService {
             limiter: Arc::new(p.limiter),
             stop_bus: p.stop_bus,
             limits: p.limits,
+            shared_prompts: p.shared_prompts,
+            breakers: Arc::default(),
         }
     }
 
@@ -323,7 +332,16 @@ impl ChatService {
         }
         let (convo, store) = prepare(&session, history, &input)?;
         let budget = self.charge(caller, max_tokens).await?;
-        let (prompt, max_new_tokens) = self.plan(convo, max_tokens).await?;
+        let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens).await?;
+        let params = match opts.params() {
+            Some(p) => p.clone(),
+            None => session
+                .params
+                .clone()
+                .and_then(|stored| serde_json::from_value(stored).ok())
+                .unwrap_or_default(),
+        };
+        let dry_breakers = self.dry_breakers(&params).await?;
         let lease = self
             .generator
             .pool
@@ -336,13 +354,6 @@ impl ChatService {
             message_id: message_id.clone(),
         }));
         reservation.fill(&live);
-        let params = match opts.params() {
-            Some(p) => p.clone(),
-            None => session
-                .params
-                .and_then(|stored| serde_json::from_value(stored).ok())
-                .unwrap_or_default(),
-        };
         let job = Job {
             user_id: user_id.clone(),
             persistence: Persistence::Stored {
@@ -350,7 +361,9 @@ impl ChatService {
                 message_id,
             },
             prompt,
+            shared_prefix,
             params,
+            dry_breakers,
             max_new_tokens,
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
@@ -413,24 +426,24 @@ impl ChatService {
             self.check_max_tokens(n)?;
         }
         let budget = self.charge(caller, max_tokens).await?;
-        let (prompt, max_new_tokens) = self.plan(convo.into_messages(), max_tokens).await?;
+        let (prompt, max_new_tokens, shared_prefix) =
+            self.plan(convo.into_messages(), max_tokens).await?;
+        let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
         let lease = self
             .generator
             .pool
-            .admit_prefix(
-                &caller.user.id,
-                &crate::workers::prefix_keys(&caller.user.id, &prompt),
-            )
+            .admit_prefix(&caller.user.id, &keys)
             .await?;
         let live = Live::new(None);
+        let params = opts.params().cloned().unwrap_or_default();
+        let dry_breakers = self.dry_breakers(&params).await?;
         let job = Job {
             user_id: caller.user.id.clone(),
             persistence: Persistence::Stateless,
             prompt,
-            params: opts
-                .params()
-                .cloned()
-                .unwrap_or_else(SamplingParams::default),
+            shared_prefix,
+            params,
+            dry_breakers,
             max_new_tokens,
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
@@ -539,15 +552,31 @@ impl ChatService {
             .await?)
     }
 
-    /// Prompt tokens for `convo` and the number of tokens to generate: the oldest whole turns
-    /// are dropped until the prompt leaves room for the reply. Tokenizing runs on the blocking
+    /// The tokens that end a DRY run for `params` (none when DRY is off).
+    async fn dry_breakers(&self, params: &SamplingParams) -> Result<Arc<[u32]>, ChatError> {
+        if !params.dry_enabled() || params.dry_sequence_breakers.is_empty() {
+            return Ok(Arc::from([]));
+        }
+        let (tok, wanted) = (
+            self.generator.tokenizer.clone(),
+            params.dry_sequence_breakers.clone(),
+        );
+        let cache = self.breakers.clone();
+        tokio::task::spawn_blocking(move || cache.ids(&tok, &wanted))
+            .await
+            .map_err(|e| ChatError::Internal(format!("resolving DRY breakers failed: {e}")))
+    }
+
+    /// Prompt tokens for `convo`, the number of tokens to generate, and how many leading tokens
+    /// are an operator's shared prompt (see [`SharedPrompts`]): the oldest whole turns are
+    /// dropped until the prompt leaves room for the reply. Tokenizing runs on the blocking
     /// pool, so a long history never holds up the runtime's other requests (or its health
     /// checks).
     async fn plan(
         &self,
         convo: Vec<ChatMessage>,
         max_tokens: Option<u32>,
-    ) -> Result<(Vec<u32>, u32), ChatError> {
+    ) -> Result<(Vec<u32>, u32, u32), ChatError> {
         let ctx = self
             .context_length()
             .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
@@ -565,7 +594,18 @@ impl ChatService {
             other => ChatError::Invalid(other.to_string()),
         })?;
         let room = (ctx - prompt.tokens.len()) as u32;
-        Ok((prompt.tokens, want.min(room)))
+        let shared = match self.shared_prompts.leading(&prompt.tokens) {
+            Some((name, n)) => {
+                tracing::debug!(
+                    shared_prompt = name,
+                    tokens = n,
+                    "prompt begins with a shared prompt"
+                );
+                n as u32
+            }
+            None => 0,
+        };
+        Ok((prompt.tokens, want.min(room), shared))
     }
 }
 

@@ -46,15 +46,19 @@ impl Key {
 /// 64, … tokens (short of its last token, which a worker always computes), shortest first. A
 /// conversation resent with one more turn shares its earlier keys; the user's prompts with a
 /// common system prompt share the keys that fall inside it. Workers cache prefixes per user, so
-/// the keys are per user too: another user's prompt is never routed by this one's.
-pub fn prefix_keys(user: &UserId, prompt: &[u32]) -> Vec<PrefixKey> {
+/// the keys are per user too: another user's prompt is never routed by this one's. The
+/// exception is the first `shared` tokens, an operator's shared system prompt that workers cache
+/// for everyone: runs inside it are everyone's keys.
+pub fn prefix_keys(user: &UserId, prompt: &[u32], shared: usize) -> Vec<PrefixKey> {
     use std::hash::{Hash, Hasher};
     let mut keys = Vec::new();
     let mut len = PREFIX_UNIT;
     while len < prompt.len() {
         // The same key in every orchestrator replica: DefaultHasher::new() has fixed keys.
         let mut h = std::collections::hash_map::DefaultHasher::new();
-        user.as_str().hash(&mut h);
+        if len > shared {
+            user.as_str().hash(&mut h);
+        }
         prompt[..len].hash(&mut h);
         keys.push(PrefixKey(format!("prefix:{len}:{:016x}", h.finish())));
         len *= 2;
@@ -153,28 +157,34 @@ mod tests {
         let mut turn2 = turn1.clone();
         turn2.extend(100..200);
         let u = UserId::random();
-        let (k1, k2) = (prefix_keys(&u, &turn1), prefix_keys(&u, &turn2));
+        let (k1, k2) = (prefix_keys(&u, &turn1, 0), prefix_keys(&u, &turn2, 0));
         // 16 and 32 tokens fit before turn 1's last token; 64 and 128 also in turn 2's.
         assert_eq!(k1.len(), 2);
         assert_eq!(k2.len(), 4);
         assert_eq!(k2[..2], k1[..]);
         let mut other = turn1.clone();
         other[20] = 999;
-        let k3 = prefix_keys(&u, &other);
+        let k3 = prefix_keys(&u, &other, 0);
         assert_eq!(k3[0], k1[0], "the first 16 tokens are the same");
         assert_ne!(k3[1], k1[1]);
-        assert!(prefix_keys(&u, &turn1[..16]).is_empty());
+        assert!(prefix_keys(&u, &turn1[..16], 0).is_empty());
         let v = UserId::random();
         assert!(
-            prefix_keys(&v, &turn1).iter().all(|k| !k1.contains(k)),
+            prefix_keys(&v, &turn1, 0).iter().all(|k| !k1.contains(k)),
             "another user's keys"
         );
+        // With a 40-token shared prompt, runs inside it (16, 32) are everyone's; longer ones
+        // are still each user's own.
+        let (ku, kv) = (prefix_keys(&u, &turn2, 40), prefix_keys(&v, &turn2, 40));
+        assert_eq!(ku[..2], kv[..2]);
+        assert!(ku[2..].iter().all(|k| !kv.contains(k)));
+        assert_ne!(ku[0], k2[0], "shared keys are not the user's own");
     }
 
     #[tokio::test]
     async fn the_longest_known_prefix_key_wins() {
         let a = Affinity::local();
-        let keys = prefix_keys(&UserId::random(), &(0..100).collect::<Vec<u32>>());
+        let keys = prefix_keys(&UserId::random(), &(0..100).collect::<Vec<u32>>(), 0);
         assert_eq!(a.get_last(&keys).await, None);
         a.set_prefix(&keys[0], "w1").await;
         a.set_prefix(&keys[2], "w2").await;
