@@ -51,8 +51,12 @@ fn newest_source(dir: &Path) -> Option<(std::time::SystemTime, PathBuf)> {
         for e in entries.flatten() {
             let p = e.path();
             if p.is_dir() {
-                // `src/bin/*` are other binaries, named one by one where they count.
-                if p.file_name().is_some_and(|n| n != "bin") {
+                // `src/bin/*` are other binaries, named one by one where they count; a crate's
+                // tests, benchmarks and examples are not in its binaries at all.
+                let skipped = p.file_name().is_some_and(|n| {
+                    matches!(n.to_str(), Some("bin" | "tests" | "benches" | "examples"))
+                });
+                if !skipped {
                     stack.push(p);
                 }
                 continue;
