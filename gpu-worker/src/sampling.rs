@@ -68,6 +68,8 @@ pub struct Sampler {
     reply_from: usize,
     /// Tokens that end a DRY run, sorted.
     breakers: Arc<[u32]>,
+    /// Alternatives reported with each token ([`Sampler::top_logprobs`]).
+    top_n: usize,
 }
 
 impl Sampler {
@@ -78,6 +80,7 @@ impl Sampler {
             rng,
             reply_from: 0,
             breakers: Arc::from([]),
+            top_n: 0,
         }
     }
 
@@ -102,6 +105,33 @@ impl Sampler {
         self.reply_from = reply_from;
         self.breakers = breakers.into();
         self
+    }
+
+    /// Reports the `n` likeliest tokens with each pick ([`Sampler::top_logprobs`]).
+    pub fn with_top_logprobs(mut self, n: usize) -> Self {
+        self.top_n = n;
+        self
+    }
+
+    /// The likeliest tokens of `logits` under the model's own distribution (before any penalty
+    /// or bias), likeliest first, with their log-probabilities: as many as the request asked
+    /// for, none by default. Call it before [`Sampler::sample`], which changes the row.
+    pub fn top_logprobs(&self, logits: &[f32], summary: Option<LogitSummary>) -> Vec<(u32, f32)> {
+        let n = self.top_n.min(logits.len());
+        if n == 0 {
+            return Vec::new();
+        }
+        let lse = summary.unwrap_or_else(|| LogitSummary::of(logits)).lse;
+        let mut cand: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (l, i as u32))
+            .collect();
+        let desc = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        cand.select_nth_unstable_by(n - 1, desc);
+        cand.truncate(n);
+        cand.sort_unstable_by(desc);
+        cand.into_iter().map(|(l, t)| (t, l - lse)).collect()
     }
 
     /// Picks a token from `logits` (modified in place); `history` holds the tokens seen so far
@@ -189,7 +219,7 @@ impl Sampler {
 
     /// Whether [`Sampler::sample`] reads the row of logits, not only its summary.
     pub fn needs_row(&self) -> bool {
-        !self.params.is_greedy() || self.params.modifies_logits()
+        !self.params.is_greedy() || self.params.modifies_logits() || self.top_n > 0
     }
 
     fn sample_stochastic(&mut self, logits: &[f32]) -> u32 {
@@ -663,5 +693,21 @@ mod tests {
         l[9] = 2.0;
         l[4] = 1.0;
         assert_eq!(s.sample(&mut l, &history, None).0, 9);
+    }
+
+    #[test]
+    fn top_logprobs_are_the_likeliest_tokens_of_the_models_own_distribution() {
+        let s = Sampler::new(SamplingParams {
+            logit_bias: [(0, 50.0)].into(),
+            ..Default::default()
+        })
+        .with_top_logprobs(2);
+        assert!(s.needs_row());
+        let l = vec![1.0, 3.0, 2.0, -1.0];
+        let top = s.top_logprobs(&l, None);
+        let lse = l.iter().map(|x: &f32| x.exp()).sum::<f32>().ln();
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
+        assert!((top[0].1 - (3.0 - lse)).abs() < 1e-5 && (top[1].1 - (2.0 - lse)).abs() < 1e-5);
+        assert!(Sampler::new(SamplingParams::default()).top_logprobs(&l, None).is_empty());
     }
 }

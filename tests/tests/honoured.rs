@@ -81,3 +81,100 @@ async fn sampling_parameters_reach_the_worker() {
     assert_ne!(greedy, a, "a hot sampled reply differs from the greedy one");
     s.finish().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_and_dry_reach_the_worker() {
+    let s = Stack::start("bias_dry", Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    // Whether the 40-token reply is one piece of text 40 times over.
+    let one_piece = |text: &str| {
+        let piece = &text[..text.len() / 40];
+        !piece.is_empty() && text == piece.repeat(40)
+    };
+    // +100 on one token (of the tiny model's 512) forces a loop of it.
+    let forced = json!({"temperature": 0.0, "logit_bias": {"300": 100}});
+    let looped = content(&ask(s.addr(), &k, forced.clone()).await);
+    assert!(one_piece(&looped), "{looped:?}");
+    // DRY's penalty grows with the repeated run until it outweighs the bias.
+    let mut dry = forced;
+    dry["dry_multiplier"] = json!(10.0);
+    dry["dry_base"] = json!(10.0);
+    dry["dry_allowed_length"] = json!(1);
+    let broken = content(&ask(s.addr(), &k, dry.clone()).await);
+    assert!(!one_piece(&broken), "{broken:?}");
+    assert!(
+        broken.starts_with(&looped[..looped.len() / 40]),
+        "{broken:?}"
+    );
+    // The native API takes the same parameters.
+    let sid = new_session(s.addr(), &k).await;
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(
+            &json!({"content": "Tell me everything", "max_tokens": 40, "ignore_eos": true,
+                      "params": {"logit_bias": {"300": 100}}, "stream": false}),
+        )
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let native = r.json()["content"].as_str().unwrap_or_default().to_string();
+    assert!(one_piece(&native), "{native:?}");
+    // A token outside the vocabulary is refused by name.
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(
+            &json!({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                      "logit_bias": {"600": 1}}),
+        )
+        .send(s.addr())
+        .await;
+    assert!(
+        (400..500).contains(&r.status) && r.text().contains("logit_bias"),
+        "{}: {}",
+        r.status,
+        r.text()
+    );
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_native_api_streams_log_probabilities_on_request() {
+    let s = Stack::start("native_logprobs", Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let turn = |extra: Value| {
+        let mut body = json!({"content": "Tell me everything", "max_tokens": 6, "ignore_eos": true});
+        for (key, v) in extra.as_object().expect("object") {
+            body[key] = v.clone();
+        }
+        let (addr, path, key) = (s.addr(), format!("/v1/sessions/{sid}/messages"), k.clone());
+        async move {
+            Req::new("POST", &path)
+                .key(Some(&key))
+                .json(&body)
+                .events(addr)
+                .await
+                .rest()
+                .await
+        }
+    };
+    let events = turn(json!({"logprobs": true, "top_logprobs": 3})).await;
+    let tokens: Vec<Value> = events
+        .iter()
+        .filter(|e| e.event == "logprobs")
+        .flat_map(|e| e.json()["content"].as_array().cloned().unwrap_or_default())
+        .collect();
+    assert_eq!(tokens.len(), 6, "{tokens:?}");
+    for t in &tokens {
+        let lp = t["logprob"].as_f64().expect("logprob");
+        let top = t["top_logprobs"].as_array().expect("top");
+        assert!(lp <= 0.0 && top.len() == 3, "{t}");
+        // Greedy: the pick is the likeliest.
+        assert_eq!(top[0]["token"], t["token"], "{t}");
+    }
+    // Without asking, no such events.
+    let plain = turn(json!({})).await;
+    assert!(plain.iter().all(|e| e.event != "logprobs"));
+    assert!(plain.iter().any(|e| e.event == "message_end"));
+    s.finish().await;
+}

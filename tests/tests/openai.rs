@@ -85,7 +85,9 @@ async fn completions_stream_and_not_with_usage() {
     for (extra, field) in [
         (json!({"n": 2}), "n"),
         (json!({"tools": [{"type": "function"}]}), "tools"),
-        (json!({"frequency_penalty": 0.5}), "frequency_penalty"),
+        (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
+        (json!({"logit_bias": {"7": 101}}), "logit_bias"),
+        (json!({"dry_multiplier": -1}), "dry_multiplier"),
         (json!({"temperature": -2}), "temperature"),
         (json!({"max_tokens": 0}), "max_tokens"),
     ] {
@@ -181,6 +183,28 @@ for chunk in stream:
     for c in chunk.choices:
         text += c.delta.content or ""
 assert usage is not None and usage.completion_tokens == 9, usage
+
+# Log-probabilities: each a probability of at most 1, the greedy pick the likeliest of its
+# alternatives, the same streamed and not, and the text the tokens' own.
+ask = dict(model=model, messages=[{"role": "user", "content": "Hello"}], max_tokens=8,
+           temperature=0, logprobs=True, top_logprobs=5, extra_body={"ignore_eos": True})
+g = client.chat.completions.create(**ask)
+content = g.choices[0].logprobs.content
+assert len(content) == 8, content
+for t in content:
+    assert t.logprob <= 0 and len(t.top_logprobs) == 5, t
+    assert all(a.logprob <= 0 for a in t.top_logprobs), t
+    assert t.top_logprobs[0].token == t.token and abs(t.top_logprobs[0].logprob - t.logprob) < 1e-6, t
+    assert t.bytes == list(t.token.encode()), t
+    ranked = [a.logprob for a in t.top_logprobs]
+    assert ranked == sorted(ranked, reverse=True), ranked
+assert "".join(t.token for t in content) == g.choices[0].message.content
+streamed_lp = []
+for chunk in client.chat.completions.create(stream=True, **ask):
+    for c in chunk.choices:
+        if c.logprobs is not None and c.logprobs.content:
+            streamed_lp += c.logprobs.content
+assert [(t.token, t.logprob) for t in streamed_lp] == [(t.token, t.logprob) for t in content]
 print(json.dumps({"model": model, "text": r.choices[0].message.content, "streamed": text}))
 "#;
 

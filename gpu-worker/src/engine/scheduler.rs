@@ -349,7 +349,8 @@ impl Scheduler {
             sampler: Sampler::continuing(inner.params, inner.sampled_before).for_sequence(
                 prompt_len.saturating_sub(inner.sampled_before as usize),
                 inner.dry_breakers,
-            ),
+            )
+            .with_top_logprobs(inner.top_logprobs as usize),
             draft: 0,
             draft_cap: self.config.spec_tokens,
             cached_tokens: 0,
@@ -1069,8 +1070,8 @@ impl Scheduler {
             }
         }
         let mut finished = Vec::new();
-        for (ix, token, logprob) in sample_rows(&mut self.running, plain) {
-            if let Some(r) = emit(&mut self.running[ix], token, logprob, ctx) {
+        for (ix, token, logprob, top) in sample_rows(&mut self.running, plain) {
+            if let Some(r) = emit(&mut self.running[ix], (token, logprob, top), ctx) {
                 finished.push((self.running[ix].id, r));
             }
         }
@@ -1125,7 +1126,7 @@ fn decode_cost(c: &crate::model::GemmaConfig) -> f64 {
 fn sample_rows(
     running: &mut [Seq],
     rows: Vec<(usize, &mut [f32], Option<LogitSummary>)>,
-) -> Vec<(usize, u32, f32)> {
+) -> Vec<(usize, u32, f32, Vec<(u32, f32)>)> {
     let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
     type Work<'a> = (usize, &'a mut Seq, &'a mut [f32], Option<LogitSummary>);
     let work: Vec<Mutex<Work<'_>>> = rows
@@ -1136,13 +1137,17 @@ fn sample_rows(
                 .map(|s| Mutex::new((ix, s, row, summary)))
         })
         .collect();
-    let picks: Vec<Mutex<(usize, u32, f32)>> =
-        work.iter().map(|_| Mutex::new((0, 0, 0.0))).collect();
+    type Picked = (usize, u32, f32, Vec<(u32, f32)>);
+    let picks: Vec<Mutex<Picked>> = work
+        .iter()
+        .map(|_| Mutex::new((0, 0, 0.0, Vec::new())))
+        .collect();
     SpinPool::global().run(work.len(), &|i| {
         if let (Ok(mut w), Ok(mut p)) = (work[i].lock(), picks[i].lock()) {
             let (ix, s, row, summary) = &mut *w;
+            let top = s.sampler.top_logprobs(row, *summary);
             let (t, lp) = s.sampler.sample(row, &s.tokens, *summary);
-            *p = (*ix, t, lp);
+            *p = (*ix, t, lp, top);
         }
     });
     picks
@@ -1152,7 +1157,9 @@ fn sample_rows(
 }
 
 /// Appends a sampled token to `s` and streams it; the reason it ends, if it does.
-fn emit(s: &mut Seq, token: u32, logprob: f32, ctx: usize) -> Option<FinishReason> {
+/// Emits a picked token: `(token, logprob, top)`, its likeliest alternatives when asked for.
+fn emit(s: &mut Seq, pick: (u32, f32, Vec<(u32, f32)>), ctx: usize) -> Option<FinishReason> {
+    let (token, logprob, top) = pick;
     s.tokens.push(token);
     s.generated += 1;
     if s.first_token.is_none() {
@@ -1161,7 +1168,11 @@ fn emit(s: &mut Seq, token: u32, logprob: f32, ctx: usize) -> Option<FinishReaso
     if s.stop_ids.contains(&token) {
         return Some(FinishReason::Stop);
     }
-    s.send(EngineEvent::Token { id: token, logprob });
+    s.send(EngineEvent::Token {
+        id: token,
+        logprob,
+        top,
+    });
     if s.generated >= s.max_new {
         Some(FinishReason::Length)
     } else if s.tokens.len() >= ctx {
@@ -1194,8 +1205,10 @@ fn verify(
     let mut kept = 0;
     let mut end = None;
     for (j, row) in rows.chunks_exact_mut(vocab).enumerate() {
-        let (token, logprob) = s.sampler.sample(row, &s.tokens, summaries.get(j).copied());
-        end = emit(s, token, logprob, ctx);
+        let summary = summaries.get(j).copied();
+        let top = s.sampler.top_logprobs(row, summary);
+        let (token, logprob) = s.sampler.sample(row, &s.tokens, summary);
+        end = emit(s, (token, logprob, top), ctx);
         if end.is_some() || draft.get(j) != Some(&token) {
             break;
         }

@@ -127,7 +127,11 @@ fn tick(active: &mut Vec<Active>) -> u64 {
             return false;
         }
         let id = a.prompt[a.sent % a.prompt.len()];
-        let _ = a.tx.send(EngineEvent::Token { id, logprob: 0.0 });
+        let _ = a.tx.send(EngineEvent::Token {
+            id,
+            logprob: 0.0,
+            top: Vec::new(),
+        });
         a.sent += 1;
         sent += 1;
         a.first.get_or_insert(now);

@@ -103,7 +103,12 @@ pub struct GenerateRequest {
     pub shared_prefix: u32,
     /// Tokens that end a DRY run (see [`crate::sampling::dry_runs`]).
     pub dry_breakers: Vec<u32>,
+    /// With each token, this many of the likeliest (at most [`MAX_TOP_LOGPROBS`]).
+    pub top_logprobs: u32,
 }
+
+/// Most alternatives a token reports (OpenAI's limit).
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 impl GenerateRequest {
     /// A greedy request with default stop tokens; handy in tests and benchmarks.
@@ -120,6 +125,7 @@ impl GenerateRequest {
             sampled_before: 0,
             shared_prefix: 0,
             dry_breakers: Vec::new(),
+            top_logprobs: 0,
         }
     }
 }
@@ -180,6 +186,12 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
             ),
         }));
     }
+    if req.top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(EngineError::InvalidSampling(hearth_shared::SamplingError {
+            field: "top_logprobs",
+            reason: format!("at most {MAX_TOP_LOGPROBS}, got {}", req.top_logprobs),
+        }));
+    }
     if req.max_new_tokens == 0 {
         return Err(EngineError::InvalidMaxNewTokens);
     }
@@ -219,6 +231,9 @@ pub enum EngineEvent {
     Token {
         id: u32,
         logprob: f32,
+        /// The likeliest tokens at this position with their log-probabilities, likeliest
+        /// first, when the request asked for them.
+        top: Vec<(u32, f32)>,
     },
     Finished {
         reason: FinishReason,

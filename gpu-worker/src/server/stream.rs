@@ -217,6 +217,7 @@ impl Connection {
             sampled_before: r.sampled_tokens,
             shared_prefix: r.shared_prefix_tokens,
             dry_breakers: r.dry_breaker_ids,
+            top_logprobs: r.top_logprobs,
         })
     }
 
@@ -236,6 +237,16 @@ async fn forward(
     in_flight: InFlight,
 ) -> (proto::WorkerEvent, InFlight) {
     (relay(client_id, &mut events, &out).await, in_flight)
+}
+
+/// Adds a token (and its alternatives, when asked for) to a batch of them.
+fn push_token(t: &mut proto::Tokens, id: u32, logprob: f32, top: Vec<(u32, f32)>) {
+    t.ids.push(id);
+    t.logprobs.push(logprob);
+    if !top.is_empty() {
+        let (ids, logprobs) = top.into_iter().unzip();
+        t.top.push(proto::TopLogprobs { ids, logprobs });
+    }
 }
 
 async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto::WorkerEvent {
@@ -259,16 +270,13 @@ async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto
                 cached_tokens: cached_tokens as u32,
                 queue_ms,
             }),
-            EngineEvent::Token { id, logprob } => {
-                let mut t = proto::Tokens {
-                    ids: vec![id],
-                    logprobs: vec![logprob],
-                };
+            EngineEvent::Token { id, logprob, top } => {
+                let mut t = proto::Tokens::default();
+                push_token(&mut t, id, logprob, top);
                 while t.ids.len() < MAX_TOKENS_PER_EVENT {
                     match events.try_recv() {
-                        Ok(EngineEvent::Token { id, logprob }) => {
-                            t.ids.push(id);
-                            t.logprobs.push(logprob);
+                        Ok(EngineEvent::Token { id, logprob, top }) => {
+                            push_token(&mut t, id, logprob, top);
                         }
                         Ok(other) => {
                             next = Some(other);

@@ -60,7 +60,7 @@ pub fn collect(mut rx: EventStream) -> Outcome {
                 o.cached_tokens = Some(cached_tokens);
                 o.queue_ms = Some(queue_ms);
             }
-            EngineEvent::Token { id, logprob } => {
+            EngineEvent::Token { id, logprob, .. } => {
                 o.tokens.push(id);
                 o.logprobs.push(logprob);
             }

@@ -56,6 +56,13 @@ pub struct TurnBody {
     /// Generate `max_tokens` even past the model's end of turn.
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Stream each token's log-probability as `logprobs` events (Server-Sent Events only).
+    #[serde(default)]
+    pub logprobs: bool,
+    /// With `logprobs`: this many likeliest alternatives per token (0 to 20).
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 20)]
+    pub top_logprobs: Option<u32>,
 }
 
 impl TurnBody {
@@ -67,7 +74,8 @@ impl TurnBody {
             self.max_tokens,
             self.stop.clone().unwrap_or_default(),
             self.ignore_eos,
-        )?)
+        )?
+        .with_logprobs(self.logprobs, self.top_logprobs)?)
     }
 
     /// The body as a validated turn answering `input`.
@@ -256,6 +264,9 @@ fn native_events(
         Ok(match e {
             RunEvent::Begin => event.event("message_start").data(event_data(&ids)),
             RunEvent::Text(text) => event.event("token").data(event_data(&TokenText { text })),
+            RunEvent::Logprobs(content) => event
+                .event("logprobs")
+                .data(event_data(&serde_json::json!({ "content": content }))),
             RunEvent::End(o) => match o.end.error() {
                 Some(e) => event.event("error").data(event_data(&ReplyFailed {
                     error_type: e.kind().to_string(),

@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 
 use super::chat::sse;
 use super::{ApiError, AppState, ValidJson};
-use crate::generate::{Live, Outcome, RunEvent};
+use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
 use crate::service::{Caller, Conversation, GenOptions, ValidTurn};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`user`,
@@ -95,9 +95,13 @@ pub struct ChatRequest {
     dry_penalty_last_n: Option<i32>,
     #[serde(default)]
     dry_sequence_breakers: Option<Vec<String>>,
-    /// Only `false`.
+    /// Each token's log-probability in `choices[].logprobs.content`.
     #[serde(default)]
     logprobs: Option<bool>,
+    /// With `logprobs`: this many likeliest alternatives per token.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 20)]
+    top_logprobs: Option<u32>,
     /// Refused unless `null`: tool calling is not supported.
     #[serde(default)]
     tools: Option<Value>,
@@ -152,9 +156,6 @@ impl ChatRequest {
     fn check_supported(&self) -> Result<(), ApiError> {
         if self.n.is_some_and(|n| n != 1) {
             return Err(refuse("n", "only 1 choice is supported"));
-        }
-        if self.logprobs == Some(true) {
-            return Err(refuse("logprobs", "not supported"));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(refuse("tools", "tool calling is not supported"));
@@ -244,7 +245,8 @@ impl ChatRequest {
             self.max_completion_tokens.or(self.max_tokens),
             stop,
             self.ignore_eos,
-        )?;
+        )?
+        .with_logprobs(self.logprobs == Some(true), self.top_logprobs)?;
         Ok(ValidTurn::new(self.conversation()?, options, self.stream))
     }
 }
@@ -266,6 +268,7 @@ pub async fn completions(
     ValidJson(req): ValidJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
     let turn = req.turn()?;
+    let logprobs = req.logprobs == Some(true);
     let live = s.chat.complete(&caller, turn).await?;
     let head = Head {
         id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
@@ -276,12 +279,17 @@ pub async fn completions(
     let guard = StopOnDrop(live.clone());
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(streamed(head, guard, include_usage));
+        return Ok(streamed(head, guard, include_usage, logprobs));
     }
     let outcome = live
         .outcome()
         .await
         .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+    let logprobs = if logprobs {
+        Some(json!({"content": collected_logprobs(&live).await}))
+    } else {
+        None
+    };
     drop(guard);
     let reason = outcome
         .end
@@ -298,7 +306,7 @@ pub async fn completions(
                 role: "assistant".into(),
                 content: outcome.content.clone(),
             },
-            logprobs: None,
+            logprobs,
             finish_reason: reason.into(),
         }],
         usage: Usage::of(&outcome),
@@ -313,36 +321,64 @@ struct Head {
     model: String,
 }
 
-/// The completion as `chat.completion.chunk` events, then `[DONE]`.
-fn streamed(head: Head, guard: StopOnDrop, include_usage: bool) -> Response {
-    let chunk = move |delta: Value, finish: Value| {
+/// Every token's log-probability of a finished reply.
+async fn collected_logprobs(live: &Arc<Live>) -> Vec<TokenLogprob> {
+    let mut all = Vec::new();
+    let mut events = std::pin::pin!(live.subscribe(0));
+    while let Some((_, e)) = events.next().await {
+        match e {
+            RunEvent::Logprobs(l) => all.extend(l),
+            RunEvent::End(_) => break,
+            _ => {}
+        }
+    }
+    all
+}
+
+/// The completion as `chat.completion.chunk` events, then `[DONE]`. With `logprobs`, each
+/// content chunk carries the log-probabilities of the tokens that arrived with or before it.
+fn streamed(head: Head, guard: StopOnDrop, include_usage: bool, logprobs: bool) -> Response {
+    let chunk = move |delta: Value, finish: Value, lp: &mut Vec<TokenLogprob>| {
+        let lp = if logprobs {
+            json!({"content": std::mem::take(lp)})
+        } else {
+            Value::Null
+        };
         json!({
             "id": head.id,
             "object": "chat.completion.chunk",
             "created": head.created,
             "model": head.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish}],
+            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
         })
     };
     let events = async_stream::stream! {
         let live = guard.0.clone();
         let _guard = guard;
         let mut events = std::pin::pin!(live.subscribe(0));
+        let mut pending: Vec<TokenLogprob> = Vec::new();
         while let Some((_, e)) = events.next().await {
             match e {
                 RunEvent::Begin => {
-                    yield data(chunk(json!({"role": "assistant", "content": ""}), Value::Null));
+                    let mut none = Vec::new();
+                    yield data(chunk(json!({"role": "assistant", "content": ""}), Value::Null, &mut none));
                 }
-                RunEvent::Text(t) => yield data(chunk(json!({"content": t}), Value::Null)),
+                RunEvent::Logprobs(l) => pending.extend(l),
+                RunEvent::Text(t) => yield data(chunk(json!({"content": t}), Value::Null, &mut pending)),
                 RunEvent::End(o) => {
                     match o.end.openai_finish_reason() {
                         Err(e) => {
                             yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
                         }
                         Ok(reason) => {
-                            yield data(chunk(json!({}), json!(reason)));
+                            if logprobs && !pending.is_empty() {
+                                // Tokens whose text the stop matcher held back or cut.
+                                yield data(chunk(json!({"content": ""}), Value::Null, &mut pending));
+                            }
+                            let mut none = Vec::new();
+                            yield data(chunk(json!({}), json!(reason), &mut none));
                             if include_usage {
-                                let mut u = chunk(json!({}), Value::Null);
+                                let mut u = chunk(json!({}), Value::Null, &mut none);
                                 u["choices"] = json!([]);
                                 u["usage"] = json!(Usage::of(&o));
                                 yield data(u);
@@ -389,7 +425,7 @@ pub struct ChatCompletion {
 pub struct CompletionChoice {
     pub index: u32,
     pub message: AssistantMessage,
-    /// Always `null`.
+    /// `{"content": [TokenLogprob, …]}` when the request set `logprobs`, else `null`.
     #[schema(value_type = Option<Object>, required = true)]
     pub logprobs: Option<Value>,
     /// `stop` or `length`.

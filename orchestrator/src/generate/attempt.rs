@@ -122,6 +122,7 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
         sampled_tokens: p.generated.len() as u32,
         shared_prefix_tokens: job.shared_prefix,
         dry_breaker_ids: job.dry_breakers.to_vec(),
+        top_logprobs: job.logprobs.unwrap_or(0),
     }
 }
 

@@ -44,8 +44,33 @@ pub enum RunEvent {
     /// The first event: the reply exists (and, on the native API, is stored).
     Begin,
     Text(String),
+    /// The log-probabilities of tokens whose text comes in the next `Text` events (only when
+    /// the request asked for them).
+    Logprobs(Vec<TokenLogprob>),
     /// The last event.
     End(Box<Outcome>),
+}
+
+/// One generated token's log-probability and its likeliest alternatives (OpenAI's
+/// `logprobs.content[]` entry; the native API's `logprobs` event).
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct TokenLogprob {
+    /// The token's text, decoded alone.
+    pub token: String,
+    /// Under the model's distribution, before any penalty or bias.
+    pub logprob: f32,
+    /// The token's text as UTF-8 bytes (a token may hold part of a character).
+    pub bytes: Vec<u8>,
+    /// The likeliest tokens at this position, likeliest first (`top_logprobs` of them).
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+/// An alternative token at a position.
+#[derive(Debug, Clone, PartialEq, Serialize, utoipa::ToSchema)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
 }
 
 /// Ids that name a stored turn. On the native API it is the SSE `message_start` event's data.

@@ -19,7 +19,8 @@ mod end;
 mod live;
 
 pub use live::{
-    Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TurnIds,
+    Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TokenLogprob,
+    TopLogprob, TurnIds,
 };
 
 use std::sync::Arc;
@@ -60,6 +61,8 @@ pub struct Job {
     /// Tokens that end a DRY run (`params.dry_sequence_breakers` as token ids).
     pub dry_breakers: Arc<[u32]>,
     pub max_new_tokens: u32,
+    /// Each token's log-probability as [`RunEvent::Logprobs`], with this many alternatives.
+    pub logprobs: Option<u32>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// When the HTTP request arrived (TTFT is measured from here).
@@ -259,7 +262,7 @@ impl Generator {
                     }
                     None
                 }
-                Some(Kind::Tokens(t)) => self.tokens(job, live, p, a, t.ids),
+                Some(Kind::Tokens(t)) => self.tokens(job, live, p, a, t),
                 Some(Kind::Finished(f)) => Some(self.finished(job, live, p, a, lease, f.reason)),
                 Some(Kind::Error(e)) => Some(a.fault(lease.addr(), e, p.generated.len())),
                 None => {
@@ -280,7 +283,7 @@ impl Generator {
         live: &Live,
         p: &mut Progress,
         a: &mut Attempts,
-        ids: Vec<u32>,
+        t: proto::Tokens,
     ) -> Option<Next> {
         let now = Instant::now();
         if let Some(prev) = p.last_token {
@@ -290,7 +293,10 @@ impl Generator {
             );
         }
         p.last_token = Some(now);
-        for id in ids {
+        if job.logprobs.is_some() {
+            live.push(RunEvent::Logprobs(self.logprobs(&t)));
+        }
+        for id in t.ids {
             p.generated.push(id);
             let piece = a.detok.push(&self.tokenizer, id).unwrap_or_default();
             if piece.is_empty() {
@@ -303,6 +309,39 @@ impl Generator {
             }
         }
         None
+    }
+
+    /// The worker's log-probabilities of `t`'s tokens, with their text.
+    fn logprobs(&self, t: &proto::Tokens) -> Vec<TokenLogprob> {
+        let text = |id: u32| {
+            let token = self.tokenizer.decode(&[id]).unwrap_or_default();
+            let bytes = token.as_bytes().to_vec();
+            (token, bytes)
+        };
+        t.ids
+            .iter()
+            .zip(&t.logprobs)
+            .enumerate()
+            .map(|(i, (&id, &logprob))| {
+                let (token, bytes) = text(id);
+                let top = t.top.get(i).map_or(Vec::new(), |top| {
+                    top.ids
+                        .iter()
+                        .zip(&top.logprobs)
+                        .map(|(&id, &logprob)| {
+                            let (token, bytes) = text(id);
+                            TopLogprob { token, logprob, bytes }
+                        })
+                        .collect()
+                });
+                TokenLogprob {
+                    token,
+                    logprob,
+                    bytes,
+                    top_logprobs: top,
+                }
+            })
+            .collect()
     }
 
     /// The worker ended the reply: flush what the detokenizer and stop matcher hold back.

@@ -56,7 +56,12 @@ pub struct GenOptions {
     max_tokens: Option<u32>,
     stop: Vec<String>,
     ignore_eos: bool,
+    /// Log-probabilities with each token, with this many alternatives.
+    logprobs: Option<u32>,
 }
+
+/// Most alternatives per token (`top_logprobs`), as OpenAI's.
+pub const MAX_TOP_LOGPROBS: u32 = 20;
 
 impl GenOptions {
     /// Checks each option. `params_prefix` is how the request names the sampling parameters'
@@ -74,7 +79,30 @@ impl GenOptions {
             max_tokens,
             stop: check_stops(stop, "stop")?,
             ignore_eos,
+            logprobs: None,
         })
+    }
+
+    /// Asks for each token's log-probability (`logprobs`), with `top` alternatives (0 to 20;
+    /// OpenAI's `top_logprobs`, which needs `logprobs`).
+    pub fn with_logprobs(mut self, logprobs: bool, top: Option<u32>) -> Result<Self, ChatError> {
+        match (logprobs, top) {
+            (_, Some(n)) if n > MAX_TOP_LOGPROBS => Err(ChatError::Invalid(format!(
+                "top_logprobs: at most {MAX_TOP_LOGPROBS}, got {n}"
+            ))),
+            (false, Some(n)) if n > 0 => Err(ChatError::Invalid(
+                "top_logprobs: needs `logprobs: true`".into(),
+            )),
+            (true, top) => {
+                self.logprobs = Some(top.unwrap_or(0));
+                Ok(self)
+            }
+            (false, _) => Ok(self),
+        }
+    }
+
+    pub(super) fn logprobs(&self) -> Option<u32> {
+        self.logprobs
     }
 
     pub(super) fn params(&self) -> Option<&SamplingParams> {

@@ -134,13 +134,24 @@ pub(crate) fn out_of_range(rng: &mut Rng, route: BodyRoute) -> (String, Value) {
                 ("n = 0", with(v.clone(), "n", json!(0))),
                 (
                     "frequency penalty",
-                    with(v.clone(), "frequency_penalty", json!(0.5)),
+                    with(v.clone(), "frequency_penalty", json!(2.5)),
                 ),
                 (
                     "presence penalty",
-                    with(v.clone(), "presence_penalty", json!(-1.25)),
+                    with(v.clone(), "presence_penalty", json!(-3.25)),
                 ),
-                ("logprobs", with(v.clone(), "logprobs", json!(true))),
+                (
+                    "top_logprobs over 20",
+                    with(
+                        with(v.clone(), "logprobs", json!(true)),
+                        "top_logprobs",
+                        json!(rng.range(21, 1000)),
+                    ),
+                ),
+                (
+                    "top_logprobs without logprobs",
+                    with(v.clone(), "top_logprobs", json!(rng.range(1, 20))),
+                ),
                 (
                     "tools",
                     with(
