@@ -708,6 +708,8 @@ mod tests {
         let lse = l.iter().map(|x: &f32| x.exp()).sum::<f32>().ln();
         assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 2]);
         assert!((top[0].1 - (3.0 - lse)).abs() < 1e-5 && (top[1].1 - (2.0 - lse)).abs() < 1e-5);
-        assert!(Sampler::new(SamplingParams::default()).top_logprobs(&l, None).is_empty());
+        assert!(Sampler::new(SamplingParams::default())
+            .top_logprobs(&l, None)
+            .is_empty());
     }
 }

@@ -98,6 +98,24 @@ pub struct Budget {
 }
 
 impl Budget {
+    /// The reservation as `parts` budgets (the first takes the remainder), one per choice of a
+    /// request with several: each settles what its own choice used.
+    pub fn split(mut self, parts: usize) -> Vec<Budget> {
+        let n = parts.max(1) as i64;
+        let each = self.reserved / n;
+        let first = self.reserved - each * (n - 1);
+        // The parts carry the reservation now.
+        self.settled = true;
+        (0..n)
+            .map(|i| Budget {
+                limiter: self.limiter.clone(),
+                key: self.key.clone(),
+                reserved: if i == 0 { first } else { each },
+                settled: false,
+            })
+            .collect()
+    }
+
     /// Charges `used` tokens in place of the reservation.
     pub async fn settle(mut self, used: u64) {
         self.settled = true;

@@ -143,7 +143,8 @@ async fn the_native_api_streams_log_probabilities_on_request() {
     let k = s.key("alice").await;
     let sid = new_session(s.addr(), &k).await;
     let turn = |extra: Value| {
-        let mut body = json!({"content": "Tell me everything", "max_tokens": 6, "ignore_eos": true});
+        let mut body =
+            json!({"content": "Tell me everything", "max_tokens": 6, "ignore_eos": true});
         for (key, v) in extra.as_object().expect("object") {
             body[key] = v.clone();
         }

@@ -3,7 +3,8 @@
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    assert_cancelled_before, slow_spec, wait_idle, worker_in_flight, Db, Stack,
+    assert_cancelled_before, chat_completion, slow_spec, wait_idle, worker_in_flight,
+    worker_metric, Db, Stack,
 };
 
 use serde_json::{json, Value};
@@ -83,7 +84,7 @@ async fn completions_stream_and_not_with_usage() {
 
     // What Hearth cannot honour is refused by name, not ignored.
     for (extra, field) in [
-        (json!({"n": 2}), "n"),
+        (json!({"n": 17}), "n"),
         (json!({"tools": [{"type": "function"}]}), "tools"),
         (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
         (json!({"logit_bias": {"7": 101}}), "logit_bias"),
@@ -205,6 +206,14 @@ for chunk in client.chat.completions.create(stream=True, **ask):
         if c.logprobs is not None and c.logprobs.content:
             streamed_lp += c.logprobs.content
 assert [(t.token, t.logprob) for t in streamed_lp] == [(t.token, t.logprob) for t in content]
+
+# Several choices: each its own, the prompt counted once.
+m = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hello"}],
+                                   max_tokens=6, n=3, temperature=1.5, seed=7,
+                                   extra_body={"ignore_eos": True})
+assert [c.index for c in m.choices] == [0, 1, 2], m.choices
+assert m.usage.completion_tokens == 18 and m.usage.prompt_tokens == r.usage.prompt_tokens, m.usage
+assert len({c.message.content for c in m.choices}) > 1, m.choices
 print(json.dumps({"model": model, "text": r.choices[0].message.content, "streamed": text}))
 "#;
 
@@ -235,5 +244,60 @@ async fn the_unmodified_openai_python_client_works() {
     );
     let v: Value = serde_json::from_str(stdout.trim()).expect("client output");
     assert!(v["text"].is_string() && v["streamed"].is_string(), "{v}");
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn several_choices_share_one_prefill_and_stream_by_index() {
+    let s = Stack::start("choices", Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let long = "tell me a long story about a small town by the sea where every evening the \
+                lights of the harbour come on one by one and the boats return home";
+    let body = chat(
+        long,
+        json!({"n": 3, "max_tokens": 4, "ignore_eos": true, "temperature": 1.0, "seed": 3}),
+    );
+    let before = worker_metric(
+        &s.workers[0],
+        "hearth_worker_prefix_cache_hits_tokens_total",
+    )
+    .await;
+    let r = chat_completion(s.addr(), &k, &body).await;
+    let choices = r["choices"].as_array().expect("choices");
+    assert_eq!(choices.len(), 3, "{r}");
+    let prompt = r["usage"]["prompt_tokens"].as_u64().expect("prompt");
+    assert!(prompt > 32, "{r}");
+    assert_eq!(r["usage"]["completion_tokens"], 12, "{r}");
+    // The second and third choices found the first's prompt blocks in the prefix cache.
+    let hits = worker_metric(
+        &s.workers[0],
+        "hearth_worker_prefix_cache_hits_tokens_total",
+    )
+    .await;
+    assert!(
+        hits - before >= 64.0,
+        "prefix cache hits went from {before} to {hits}"
+    );
+
+    // Streamed: every choice's chunks, each tagged with its index, one finish each.
+    let mut body = body;
+    body["stream"] = json!(true);
+    let mut sse = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&body)
+        .events(s.addr())
+        .await;
+    assert_eq!(sse.status, 200);
+    let mut finished = [0; 3];
+    for e in sse.rest().await {
+        let v = e.json();
+        for c in v["choices"].as_array().into_iter().flatten() {
+            let i = c["index"].as_u64().expect("index") as usize;
+            if !c["finish_reason"].is_null() {
+                finished[i] += 1;
+            }
+        }
+    }
+    assert_eq!(finished, [1, 1, 1]);
     s.finish().await;
 }

@@ -346,11 +346,12 @@ impl Scheduler {
             generated: 0,
             max_new,
             stop_ids,
-            sampler: Sampler::continuing(inner.params, inner.sampled_before).for_sequence(
-                prompt_len.saturating_sub(inner.sampled_before as usize),
-                inner.dry_breakers,
-            )
-            .with_top_logprobs(inner.top_logprobs as usize),
+            sampler: Sampler::continuing(inner.params, inner.sampled_before)
+                .for_sequence(
+                    prompt_len.saturating_sub(inner.sampled_before as usize),
+                    inner.dry_breakers,
+                )
+                .with_top_logprobs(inner.top_logprobs as usize),
             draft: 0,
             draft_cap: self.config.spec_tokens,
             cached_tokens: 0,

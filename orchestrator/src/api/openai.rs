@@ -1,7 +1,7 @@
 //! The OpenAI-compatible API: `POST /v1/chat/completions` (streaming and not) and
 //! `GET /v1/models`. Stateless: nothing is stored, and a client that goes away cancels its
-//! generation. Fields Hearth cannot honour (several choices, tools, logprobs) are refused with a
-//! 422 that names them rather than silently ignored; fields that do not change the output
+//! generation. Fields Hearth cannot honour (tools, structured output) are refused with a 422
+//! that names them rather than silently ignored; fields that do not change the output
 //! (`metadata`, …) are accepted.
 
 use std::convert::Infallible;
@@ -21,7 +21,7 @@ use utoipa::ToSchema;
 use super::chat::sse;
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
-use crate::service::{Caller, Conversation, GenOptions, ValidTurn};
+use crate::service::{Caller, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`user`,
 /// `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
@@ -67,9 +67,9 @@ pub struct ChatRequest {
     /// Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`.
     #[serde(default)]
     ignore_eos: bool,
-    /// Only 1.
+    /// Choices to generate (1 to 16); the prompt is prefilled once and counted once in usage.
     #[serde(default)]
-    #[schema(minimum = 1, maximum = 1)]
+    #[schema(minimum = 1, maximum = 16)]
     n: Option<u32>,
     #[serde(default)]
     #[schema(minimum = -2, maximum = 2)]
@@ -154,8 +154,11 @@ fn refuse(field: &str, why: &str) -> ApiError {
 
 impl ChatRequest {
     fn check_supported(&self) -> Result<(), ApiError> {
-        if self.n.is_some_and(|n| n != 1) {
-            return Err(refuse("n", "only 1 choice is supported"));
+        if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
+            return Err(refuse(
+                "n",
+                &format!("must be 1 to {MAX_CHOICES} choices, got {n}"),
+            ));
         }
         if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
             return Err(refuse("tools", "tool calling is not supported"));
@@ -269,47 +272,53 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     let turn = req.turn()?;
     let logprobs = req.logprobs == Some(true);
-    let live = s.chat.complete(&caller, turn).await?;
+    let lives = s.chat.complete(&caller, turn, req.n.unwrap_or(1)).await?;
     let head = Head {
         id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
         created: crate::storage::now_ms() / 1000,
         model: s.chat.model_name(),
     };
-    // Dropping this (the client went away) stops the generation.
-    let guard = StopOnDrop(live.clone());
+    // Dropping these (the client went away) stops the generations.
+    let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(streamed(head, guard, include_usage, logprobs));
+        return Ok(streamed(head, guards, include_usage, logprobs));
     }
-    let outcome = live
-        .outcome()
-        .await
-        .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
-    let logprobs = if logprobs {
-        Some(json!({"content": collected_logprobs(&live).await}))
-    } else {
-        None
-    };
-    drop(guard);
-    let reason = outcome
-        .end
-        .openai_finish_reason()
-        .map_err(|e| ApiError::from(e.clone()))?;
-    Ok(Json(ChatCompletion {
-        id: head.id,
-        object: "chat.completion".into(),
-        created: head.created,
-        model: head.model,
-        choices: vec![CompletionChoice {
-            index: 0,
+    let mut choices = Vec::with_capacity(lives.len());
+    let mut outcomes = Vec::with_capacity(lives.len());
+    for (index, live) in (0u32..).zip(&lives) {
+        let outcome = live
+            .outcome()
+            .await
+            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+        let reason = outcome
+            .end
+            .openai_finish_reason()
+            .map_err(|e| ApiError::from(e.clone()))?;
+        let logprobs = if logprobs {
+            Some(json!({"content": collected_logprobs(live).await}))
+        } else {
+            None
+        };
+        choices.push(CompletionChoice {
+            index,
             message: AssistantMessage {
                 role: "assistant".into(),
                 content: outcome.content.clone(),
             },
             logprobs,
             finish_reason: reason.into(),
-        }],
-        usage: Usage::of(&outcome),
+        });
+        outcomes.push(outcome);
+    }
+    drop(guards);
+    Ok(Json(ChatCompletion {
+        id: head.id,
+        object: "chat.completion".into(),
+        created: head.created,
+        model: head.model,
+        choices,
+        usage: Usage::of(&outcomes),
     })
     .into_response())
 }
@@ -335,10 +344,11 @@ async fn collected_logprobs(live: &Arc<Live>) -> Vec<TokenLogprob> {
     all
 }
 
-/// The completion as `chat.completion.chunk` events, then `[DONE]`. With `logprobs`, each
-/// content chunk carries the log-probabilities of the tokens that arrived with or before it.
-fn streamed(head: Head, guard: StopOnDrop, include_usage: bool, logprobs: bool) -> Response {
-    let chunk = move |delta: Value, finish: Value, lp: &mut Vec<TokenLogprob>| {
+/// The completion as `chat.completion.chunk` events, then `[DONE]`: each choice's chunks as
+/// they come, tagged with its index. With `logprobs`, each content chunk carries the
+/// log-probabilities of the tokens that arrived with or before it.
+fn streamed(head: Head, guards: Vec<StopOnDrop>, include_usage: bool, logprobs: bool) -> Response {
+    let chunk = move |index: usize, delta: Value, finish: Value, lp: &mut Vec<TokenLogprob>| {
         let lp = if logprobs {
             json!({"content": std::mem::take(lp)})
         } else {
@@ -349,47 +359,51 @@ fn streamed(head: Head, guard: StopOnDrop, include_usage: bool, logprobs: bool) 
             "object": "chat.completion.chunk",
             "created": head.created,
             "model": head.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
         })
     };
     let events = async_stream::stream! {
-        let live = guard.0.clone();
-        let _guard = guard;
-        let mut events = std::pin::pin!(live.subscribe(0));
-        let mut pending: Vec<TokenLogprob> = Vec::new();
-        while let Some((_, e)) = events.next().await {
+        let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
+        let _guards = guards;
+        let mut merged = tokio_stream::StreamMap::new();
+        for (i, live) in lives.iter().enumerate() {
+            merged.insert(i, Box::pin(live.subscribe(0)));
+        }
+        let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); lives.len()];
+        let mut outcomes: Vec<Outcome> = Vec::new();
+        while let Some((i, (_, e))) = merged.next().await {
             match e {
                 RunEvent::Begin => {
                     let mut none = Vec::new();
-                    yield data(chunk(json!({"role": "assistant", "content": ""}), Value::Null, &mut none));
+                    yield data(chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, &mut none));
                 }
-                RunEvent::Logprobs(l) => pending.extend(l),
-                RunEvent::Text(t) => yield data(chunk(json!({"content": t}), Value::Null, &mut pending)),
-                RunEvent::End(o) => {
-                    match o.end.openai_finish_reason() {
-                        Err(e) => {
-                            yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
-                        }
-                        Ok(reason) => {
-                            if logprobs && !pending.is_empty() {
-                                // Tokens whose text the stop matcher held back or cut.
-                                yield data(chunk(json!({"content": ""}), Value::Null, &mut pending));
-                            }
-                            let mut none = Vec::new();
-                            yield data(chunk(json!({}), json!(reason), &mut none));
-                            if include_usage {
-                                let mut u = chunk(json!({}), Value::Null, &mut none);
-                                u["choices"] = json!([]);
-                                u["usage"] = json!(Usage::of(&o));
-                                yield data(u);
-                            }
-                        }
+                RunEvent::Logprobs(l) => pending[i].extend(l),
+                RunEvent::Text(t) => yield data(chunk(i, json!({"content": t}), Value::Null, &mut pending[i])),
+                RunEvent::End(o) => match o.end.openai_finish_reason() {
+                    Err(e) => {
+                        yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
+                        break;
                     }
-                    yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
-                    break;
-                }
+                    Ok(reason) => {
+                        if logprobs && !pending[i].is_empty() {
+                            // Tokens whose text the stop matcher held back or cut.
+                            yield data(chunk(i, json!({"content": ""}), Value::Null, &mut pending[i]));
+                        }
+                        let mut none = Vec::new();
+                        yield data(chunk(i, json!({}), json!(reason), &mut none));
+                        outcomes.push(*o);
+                    }
+                },
             }
         }
+        if include_usage && outcomes.len() == lives.len() {
+            let mut none = Vec::new();
+            let mut u = chunk(0, json!({}), Value::Null, &mut none);
+            u["choices"] = json!([]);
+            u["usage"] = json!(Usage::of(&outcomes));
+            yield data(u);
+        }
+        yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
     };
     sse(events)
 }
@@ -454,14 +468,18 @@ pub struct PromptTokensDetails {
 }
 
 impl Usage {
-    fn of(o: &Outcome) -> Self {
-        let u = o.usage;
+    /// The usage of a request's choices: its prompt once (the first choice's, with what of it
+    /// was cached), and every choice's generated tokens.
+    fn of(choices: &[Outcome]) -> Self {
+        let prompt = choices.first().map_or(0, |o| o.usage.prompt_tokens);
+        let cached = choices.first().map_or(0, |o| o.usage.cached_tokens);
+        let completion: u64 = choices.iter().map(|o| o.usage.completion_tokens).sum();
         Self {
-            prompt_tokens: u.prompt_tokens,
-            completion_tokens: u.completion_tokens,
-            total_tokens: u.prompt_tokens + u.completion_tokens,
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt + completion,
             prompt_tokens_details: PromptTokensDetails {
-                cached_tokens: u.cached_tokens,
+                cached_tokens: cached,
             },
         }
     }

@@ -136,6 +136,16 @@ impl Live {
         let _ = rx.wait_for(|s| *s).await;
     }
 
+    /// Waits until the reply has made progress past its start: a token, or its end.
+    pub async fn first_progress(self: &Arc<Self>) {
+        let mut events = std::pin::pin!(self.subscribe(0));
+        while let Some((_, e)) = tokio_stream::StreamExt::next(&mut events).await {
+            if !matches!(e, RunEvent::Begin) {
+                return;
+            }
+        }
+    }
+
     /// The events from index `from` on (0-based), each with its index, ending after `End`.
     pub fn subscribe(
         self: &Arc<Self>,

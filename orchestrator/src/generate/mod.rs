@@ -330,7 +330,11 @@ impl Generator {
                         .zip(&top.logprobs)
                         .map(|(&id, &logprob)| {
                             let (token, bytes) = text(id);
-                            TopLogprob { token, logprob, bytes }
+                            TopLogprob {
+                                token,
+                                logprob,
+                                bytes,
+                            }
                         })
                         .collect()
                 });

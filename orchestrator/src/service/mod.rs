@@ -95,6 +95,9 @@ pub struct ChatService {
     breakers: Arc<breakers::Breakers>,
 }
 
+/// Most choices (`n`) one request may ask for.
+pub const MAX_CHOICES: u32 = 16;
+
 /// The authenticated user of a request and the limits that apply to it.
 #[derive(Debug, Clone)]
 pub struct Caller {
@@ -414,19 +417,25 @@ impl ChatService {
         })
     }
 
-    /// Starts a stateless completion of a whole conversation (OpenAI's API): nothing is
-    /// stored, and the worker that likely holds the conversation's earlier turns is preferred.
+    /// Starts a stateless completion of a whole conversation (OpenAI's API), `n` choices of
+    /// it: nothing is stored, and the worker that likely holds the conversation's earlier turns
+    /// is preferred. The first choice starts at once; the others once it has its first token,
+    /// on the worker that holds its prompt's K/V by then (prefix affinity), so the prompt is
+    /// prefilled once. A seed gives choice `i` the seed `seed + i`.
     pub async fn complete(
         &self,
         caller: &Caller,
         turn: ValidTurn<Conversation>,
-    ) -> Result<Arc<Live>, ChatError> {
+        n: u32,
+    ) -> Result<Vec<Arc<Live>>, ChatError> {
         let (convo, opts, arrived) = turn.into_parts();
         let max_tokens = opts.max_tokens();
         if let Some(n) = max_tokens {
             self.check_max_tokens(n)?;
         }
-        let budget = self.charge(caller, max_tokens).await?;
+        let n = n.clamp(1, MAX_CHOICES);
+        let reserve = max_tokens.unwrap_or(self.limits.default_max_tokens);
+        let budget = self.charge(caller, Some(reserve.saturating_mul(n))).await?;
         let (prompt, max_new_tokens, shared_prefix) =
             self.plan(convo.into_messages(), max_tokens).await?;
         let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
@@ -435,26 +444,52 @@ impl ChatService {
             .pool
             .admit_prefix(&caller.user.id, &keys)
             .await?;
-        let live = Live::new(None);
         let params = opts.params().cloned().unwrap_or_default();
         let dry_breakers = self.dry_breakers(&params).await?;
-        let job = Job {
+        let mut budgets: Vec<Option<Budget>> = match budget {
+            Some(b) => b.split(n as usize).into_iter().map(Some).collect(),
+            None => (0..n).map(|_| None).collect(),
+        };
+        let job = |i: u32, budget: Option<Budget>| Job {
             user_id: caller.user.id.clone(),
             persistence: Persistence::Stateless,
-            prompt,
+            prompt: prompt.clone(),
             shared_prefix,
-            params,
-            dry_breakers,
+            params: SamplingParams {
+                seed: params.seed.map(|s| s.wrapping_add(u64::from(i))),
+                ..params.clone()
+            },
+            dry_breakers: dry_breakers.clone(),
             max_new_tokens,
             logprobs: opts.logprobs(),
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
             arrived,
             budget,
-            lease: Some(lease),
+            lease: None,
         };
-        tokio::spawn(self.generator.clone().run(job, live.clone()));
-        Ok(live)
+        let first = Live::new(None);
+        let mut lives = vec![first.clone()];
+        let mut lead = job(0, budgets.remove(0));
+        lead.lease = Some(lease);
+        tokio::spawn(self.generator.clone().run(lead, first.clone()));
+        for (i, budget) in (1..n).zip(budgets) {
+            let live = Live::new(None);
+            lives.push(live.clone());
+            let (g, mut follower, user) = (
+                self.generator.clone(),
+                job(i, budget),
+                caller.user.id.clone(),
+            );
+            let (keys, first) = (keys.clone(), first.clone());
+            tokio::spawn(async move {
+                first.first_progress().await;
+                // Failing here, the generation waits in the queue like a failover.
+                follower.lease = g.pool.admit_prefix(&user, &keys).await.ok();
+                g.run(follower, live).await;
+            });
+        }
+        Ok(lives)
     }
 
     /// The session's running or just-finished reply on this replica, to resume.

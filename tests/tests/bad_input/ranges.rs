@@ -130,7 +130,7 @@ pub(crate) fn out_of_range(rng: &mut Rng, route: BodyRoute) -> (String, Value) {
                     ),
                 ),
                 ("sampling out of range", with(v.clone(), &k, pv)),
-                ("n > 1", with(v.clone(), "n", json!(rng.range(2, 1000)))),
+                ("n > 16", with(v.clone(), "n", json!(rng.range(17, 1000)))),
                 ("n = 0", with(v.clone(), "n", json!(0))),
                 (
                     "frequency penalty",
