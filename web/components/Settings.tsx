@@ -12,6 +12,8 @@ function check(v: SettingsValue): string | null {
   if (p && !(Number(p) > 0 && Number(p) <= 1)) return "Top-p must be above 0 and at most 1.";
   const k = v.topK.trim();
   if (k && !(Number.isInteger(Number(k)) && Number(k) >= 0)) return "Top-k must be a whole number, 0 or more.";
+  const d = v.dry.trim();
+  if (d && !(Number(d) >= 0 && Number(d) <= 10)) return "Repetition guard must be between 0 and 10.";
   const m = v.maxTokens.trim();
   if (m && !(Number.isInteger(Number(m)) && Number(m) >= 1)) return "Max tokens must be a whole number, 1 or more.";
   return null;
@@ -80,6 +82,12 @@ export function Settings({
           <div>
             <label htmlFor="set-max">Max tokens</label>
             <input id="set-max" inputMode="numeric" placeholder="server default" {...field("maxTokens")} />
+          </div>
+          <div>
+            <label htmlFor="set-dry" title="DRY: penalizes repeating earlier text, so replies do not loop">
+              Repetition guard (DRY)
+            </label>
+            <input id="set-dry" inputMode="decimal" placeholder="0 (off)" {...field("dry")} />
           </div>
         </div>
         {error && (

@@ -9,6 +9,9 @@ test("session settings are stored with the session; code blocks copy their code"
   await send(page, "```python\nprint('copied')\n```");
   await expect(reply(page)).toHaveAttribute("data-status", "complete");
   const id = new URL(page.url()).searchParams.get("s")!;
+  // A new chat starts with the repetition guard (DRY) on.
+  const created = (await apiClient(stack()).call("GET", `/v1/sessions/${id}`)).json;
+  expect(created.params.dry_multiplier).toBeCloseTo(1.5, 6);
 
   await page.getByRole("button", { name: "Chat settings" }).click();
   const dialog = page.getByRole("dialog", { name: "Chat settings" });
@@ -17,6 +20,8 @@ test("session settings are stored with the session; code blocks copy their code"
   await dialog.getByLabel("Top-p").fill("0.9");
   await dialog.getByLabel("Top-k").fill("40");
   await dialog.getByLabel("Max tokens").fill("64");
+  await expect(dialog.getByLabel("Repetition guard (DRY)")).toHaveValue("1.5");
+  await dialog.getByLabel("Repetition guard (DRY)").fill("0.5");
   // A value out of range is refused in place, naming the field.
   await dialog.getByLabel("Top-p").fill("3");
   await dialog.getByRole("button", { name: "Save" }).click();
@@ -32,6 +37,7 @@ test("session settings are stored with the session; code blocks copy their code"
   expect(s.params.top_p).toBeCloseTo(0.9, 6);
   expect(s.params.top_k).toBe(40);
   expect(s.max_tokens).toBe(64);
+  expect(s.params.dry_multiplier).toBeCloseTo(0.5, 6);
 
   // Reopened after a reload, the dialog shows what is stored.
   // In a fresh browser context (nothing in local storage), since everything lives on the server.
@@ -43,6 +49,7 @@ test("session settings are stored with the session; code blocks copy their code"
   await expect(dialog.getByLabel("Top-p")).toHaveValue("0.9");
   await expect(dialog.getByLabel("Top-k")).toHaveValue("40");
   await expect(dialog.getByLabel("Max tokens")).toHaveValue("64");
+  await expect(dialog.getByLabel("Repetition guard (DRY)")).toHaveValue("0.5");
   await dialog.getByRole("button", { name: "Cancel" }).click();
 
   // The next turn is limited to 64 tokens and uses the stored system prompt.

@@ -235,7 +235,7 @@ export interface components {
             logit_bias?: {
                 [key: string]: number;
             } | null;
-            /** @description Only `false`. */
+            /** @description Each token's log-probability in `choices[].logprobs.content`. */
             logprobs?: boolean | null;
             /**
              * Format: u-int32
@@ -254,7 +254,7 @@ export interface components {
             model?: string | null;
             /**
              * Format: u-int32
-             * @description Only 1.
+             * @description Choices to generate (1 to 16); the prompt is prefilled once and counted once in usage.
              */
             n?: number | null;
             /** Format: float */
@@ -277,6 +277,11 @@ export interface components {
             tools?: unknown;
             /** Format: u-int32 */
             top_k?: number | null;
+            /**
+             * Format: u-int32
+             * @description With `logprobs`: this many likeliest alternatives per token.
+             */
+            top_logprobs?: number | null;
             /** Format: float */
             top_p?: number | null;
         };
@@ -285,7 +290,7 @@ export interface components {
             finish_reason: string;
             /** Format: u-int32 */
             index: number;
-            /** @description Always `null`. */
+            /** @description `{"content": [TokenLogprob, …]}` when the request set `logprobs`, else `null`. */
             logprobs: Record<string, never> | null;
             message: components["schemas"]["AssistantMessage"];
         };
@@ -619,6 +624,8 @@ export interface components {
             content?: string | null;
             /** @description Generate `max_tokens` even past the model's end of turn. */
             ignore_eos?: boolean;
+            /** @description Stream each token's log-probability as `logprobs` events (Server-Sent Events only). */
+            logprobs?: boolean;
             /**
              * Format: u-int32
              * @description Longest reply: at least 1 and less than the model's context; the session's default, else
@@ -632,6 +639,11 @@ export interface components {
              * @default true
              */
             stream?: boolean | null;
+            /**
+             * Format: u-int32
+             * @description With `logprobs`: this many likeliest alternatives per token (0 to 20).
+             */
+            top_logprobs?: number | null;
         };
         /** @description A finished reply, as a turn with `"stream": false` answers. */
         TurnReply: components["schemas"]["ReplyEnd"] & {

@@ -2,7 +2,7 @@
 // page or a changed session merges into the list, and which `?s=` values name a session.
 // Pure, so unit tests drive it; hooks/useSessionList.ts and hooks/useSessions.ts hold the state.
 
-import { maxTokensFrom, paramsFrom, type SettingsValue } from "./settings";
+import { maxTokensFrom, paramsFrom, settingsFrom, type SettingsValue } from "./settings";
 import type { Session, SessionFields } from "./types";
 
 /** A new chat's title: the first line of its first message, without markdown markers. */
@@ -18,13 +18,16 @@ export function titleFrom(content: string): string {
 
 /**
  * The body that creates a chat on its first message: the title from that message, plus the
- * settings chosen before the chat existed, if any.
+ * settings chosen before the chat existed, or else the new-chat defaults (DRY on).
  */
 export function newSessionFields(content: string, pending: SettingsValue | null): SessionFields {
+  // Unchanged settings are the new-chat defaults (DRY on).
+  const settings = pending ?? settingsFrom(null);
   return {
     title: titleFrom(content),
-    ...(pending?.systemPrompt.trim() ? { system_prompt: pending.systemPrompt } : {}),
-    ...(pending ? { params: paramsFrom(pending, null), max_tokens: maxTokensFrom(pending) } : {}),
+    ...(settings.systemPrompt.trim() ? { system_prompt: settings.systemPrompt } : {}),
+    params: paramsFrom(settings, null),
+    max_tokens: maxTokensFrom(settings),
   };
 }
 

@@ -1,5 +1,6 @@
 import { describe, expect, it } from "vitest";
 import { mergePage, newSessionFields, sessionIdFrom, titleFrom, upsertSession } from "../lib/sessions";
+import { DEFAULT_DRY } from "../lib/settings";
 import type { Session } from "../lib/types";
 
 function s(id: string, title: string, updated_at: number): Session {
@@ -24,12 +25,16 @@ describe("titleFrom", () => {
 });
 
 describe("newSessionFields", () => {
-  it("without waiting settings: only the title", () => {
-    expect(newSessionFields("Hello there", null)).toEqual({ title: "Hello there" });
+  it("without waiting settings: the title and the new-chat defaults (DRY on)", () => {
+    expect(newSessionFields("Hello there", null)).toEqual({
+      title: "Hello there",
+      params: { dry_multiplier: Number(DEFAULT_DRY) },
+      max_tokens: null,
+    });
   });
 
   it("with waiting settings: system prompt only when set, params and max tokens always", () => {
-    const v = { systemPrompt: " ", temperature: "0.5", topP: "", topK: "", maxTokens: "" };
+    const v = { systemPrompt: " ", temperature: "0.5", topP: "", topK: "", maxTokens: "", dry: "" };
     expect(newSessionFields("Hi", v)).toEqual({ title: "Hi", params: { temperature: 0.5 }, max_tokens: null });
     expect(newSessionFields("Hi", { ...v, systemPrompt: "Be brief." })).toEqual({
       title: "Hi",

@@ -1,8 +1,8 @@
 import { describe, expect, it } from "vitest";
-import { maxTokensFrom, paramsFrom, settingsFrom, settingsPatch, type SettingsValue } from "../lib/settings";
+import { DEFAULT_DRY, maxTokensFrom, paramsFrom, settingsFrom, settingsPatch, type SettingsValue } from "../lib/settings";
 import type { Session } from "../lib/types";
 
-const EMPTY: SettingsValue = { systemPrompt: "", temperature: "", topP: "", topK: "", maxTokens: "" };
+const EMPTY: SettingsValue = { systemPrompt: "", temperature: "", topP: "", topK: "", maxTokens: "", dry: "" };
 
 function session(over: Partial<Session> = {}): Session {
   return {
@@ -38,12 +38,18 @@ describe("settings form ↔ session fields", () => {
     const v = settingsFrom(
       session({ system_prompt: "Be terse.", params: { temperature: 0.699999988079071, top_p: 0.8999999761581421, top_k: 40 }, max_tokens: 64 }),
     );
-    expect(v).toEqual({ systemPrompt: "Be terse.", temperature: "0.7", topP: "0.9", topK: "40", maxTokens: "64" });
+    expect(v).toEqual({ systemPrompt: "Be terse.", temperature: "0.7", topP: "0.9", topK: "40", maxTokens: "64", dry: "" });
   });
 
-  it("a session with nothing set (or none) shows empty fields", () => {
+  it("a session with nothing set shows empty fields; a chat not yet created, DRY on", () => {
     expect(settingsFrom(session())).toEqual(EMPTY);
-    expect(settingsFrom(null)).toEqual(EMPTY);
+    expect(settingsFrom(null)).toEqual({ ...EMPTY, dry: DEFAULT_DRY });
+  });
+
+  it("DRY: the multiplier is stored as dry_multiplier, blank turns it off", () => {
+    expect(paramsFrom({ ...EMPTY, dry: "0.8" }, null)).toEqual({ dry_multiplier: 0.8 });
+    expect(paramsFrom(EMPTY, { dry_multiplier: 0.8, dry_base: 2 })).toEqual({ dry_base: 2 });
+    expect(settingsFrom(session({ params: { dry_multiplier: 0.5 } })).dry).toBe("0.5");
   });
 
   it("the PATCH clears what the form left blank", () => {
