@@ -214,6 +214,13 @@ m = client.chat.completions.create(model=model, messages=[{"role": "user", "cont
 assert [c.index for c in m.choices] == [0, 1, 2], m.choices
 assert m.usage.completion_tokens == 18 and m.usage.prompt_tokens == r.usage.prompt_tokens, m.usage
 assert len({c.message.content for c in m.choices}) > 1, m.choices
+
+# The legacy completions API.
+c = client.completions.create(model=model, prompt="Once upon a time", max_tokens=4, temperature=0,
+                              logprobs=2, extra_body={"ignore_eos": True})
+assert c.object == "text_completion" and c.usage.completion_tokens == 4, c
+assert len(c.choices[0].logprobs.tokens) == 4, c.choices[0].logprobs
+assert client.models.retrieve(model).id == model
 print(json.dumps({"model": model, "text": r.choices[0].message.content, "streamed": text}))
 "#;
 
@@ -299,5 +306,123 @@ async fn several_choices_share_one_prefill_and_stream_by_index() {
         }
     }
     assert_eq!(finished, [1, 1, 1]);
+    s.finish().await;
+}
+
+#[tokio::test]
+async fn legacy_completions_take_text_or_token_ids_and_models_are_found_by_id() {
+    let s = Stack::start("legacy", Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let post = |body: Value| {
+        let (addr, key) = (s.addr(), k.clone());
+        async move {
+            Req::new("POST", "/v1/completions")
+                .key(Some(&key))
+                .json(&body)
+                .send(addr)
+                .await
+        }
+    };
+    let greedy = json!({"model": "m", "prompt": "Once upon a time", "max_tokens": 5,
+                        "temperature": 0, "ignore_eos": true});
+    let r = post(greedy.clone()).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+    let text = v["choices"][0]["text"].as_str().expect("text").to_string();
+    assert!(!text.is_empty(), "{v}");
+
+    // Echo puts the prompt first; logprobs come in the legacy shape, one per token.
+    let mut echo = greedy.clone();
+    echo["echo"] = json!(true);
+    let e = post(echo).await.json();
+    assert_eq!(
+        e["choices"][0]["text"],
+        format!("Once upon a time{text}"),
+        "{e}"
+    );
+    let mut lp = greedy.clone();
+    lp["logprobs"] = json!(2);
+    let l = post(lp).await.json();
+    let logprobs = &l["choices"][0]["logprobs"];
+    assert_eq!(logprobs["tokens"].as_array().map(Vec::len), Some(5), "{l}");
+    assert_eq!(logprobs["token_logprobs"].as_array().map(Vec::len), Some(5));
+    let offsets: Vec<u64> = logprobs["text_offset"]
+        .as_array()
+        .expect("offsets")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert!(
+        offsets.windows(2).all(|w| w[0] <= w[1]) && offsets[0] == 0,
+        "{offsets:?}"
+    );
+    let tokens: String = logprobs["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert_eq!(tokens, text, "the tokens spell the text");
+
+    // Token ids work as the prompt; streamed text is the same as the finished one.
+    let mut ids = greedy.clone();
+    ids["prompt"] = json!([2, 300, 301, 302]);
+    assert_eq!(post(ids).await.status, 200);
+    let mut streamed = greedy.clone();
+    streamed["stream"] = json!(true);
+    let mut sse = Req::new("POST", "/v1/completions")
+        .key(Some(&k))
+        .json(&streamed)
+        .events(s.addr())
+        .await;
+    let mut joined = String::new();
+    for ev in sse.rest().await {
+        let c = ev.json();
+        if c["object"] == "text_completion" {
+            joined.push_str(c["choices"][0]["text"].as_str().unwrap_or_default());
+        }
+    }
+    assert_eq!(joined, text);
+
+    // What cannot be honoured is refused by name.
+    for (extra, field) in [
+        (json!({"suffix": "end"}), "suffix"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": [2, 600]}), "prompt"),
+        (json!({"echo": true, "logprobs": 1}), "echo"),
+        (json!({"logprobs": 6}), "logprobs"),
+        (json!({"best_of": 3}), "best_of"),
+    ] {
+        let mut body = greedy.clone();
+        for (key, v) in extra.as_object().expect("object") {
+            body[key] = v.clone();
+        }
+        let r = post(body).await;
+        assert_eq!(r.status, 422, "{extra}: {}", r.text());
+        assert!(r.text().contains(field), "{extra}: {}", r.text());
+    }
+
+    // /v1/models/{id}: the listed model, and 404 for any other.
+    let list = Req::new("GET", "/v1/models")
+        .key(Some(&k))
+        .send(s.addr())
+        .await
+        .json();
+    let id = list["data"][0]["id"]
+        .as_str()
+        .expect("model id")
+        .to_string();
+    let one = Req::new("GET", &format!("/v1/models/{id}"))
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!((one.status, one.json()["id"].clone()), (200, json!(id)));
+    let other = Req::new("GET", "/v1/models/not-a-model")
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(other.status, 404, "{}", other.text());
     s.finish().await;
 }

@@ -25,6 +25,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/completions": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * OpenAI-compatible text completion of a prompt sent as it is (no chat template), streaming
+         *     (`text_completion` chunks, then `[DONE]`) or not. Stateless.
+         */
+        post: operations["createCompletion"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/models": {
         parameters: {
             query?: never;
@@ -34,6 +54,23 @@ export interface paths {
         };
         /** The served model (the one every worker runs). */
         get: operations["listModels"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/models/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** One model by its id: the served model, else 404. */
+        get: operations["retrieveModel"];
         put?: never;
         post?: never;
         delete?: never;
@@ -296,6 +333,67 @@ export interface components {
         };
         CompletionEvent: {
             data: string;
+        };
+        /**
+         * @description OpenAI's text completion request. Fields that do not change the output (`user`, …) are
+         *     accepted; those Hearth cannot honour are refused by name.
+         */
+        CompletionRequest: {
+            /**
+             * Format: u-int32
+             * @description Only equal to `n` (or 1): Hearth does not rank extra candidates.
+             */
+            best_of?: number | null;
+            /** @description The prompt's text before each choice's. */
+            echo?: boolean;
+            /** Format: float */
+            frequency_penalty?: number | null;
+            /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
+            ignore_eos?: boolean;
+            logit_bias?: {
+                [key: string]: number;
+            } | null;
+            /**
+             * Format: u-int32
+             * @description This many likeliest alternatives per generated token (0 to 5), with each token's own.
+             */
+            logprobs?: number | null;
+            /**
+             * Format: u-int32
+             * @description Longest reply (OpenAI's default: 16).
+             */
+            max_tokens?: number | null;
+            /** Format: float */
+            min_p?: number | null;
+            /** @description Accepted for compatibility; the one served model answers whatever it names. */
+            model?: string | null;
+            /**
+             * Format: u-int32
+             * @description Choices to generate (1 to 16).
+             */
+            n?: number | null;
+            /** Format: float */
+            presence_penalty?: number | null;
+            /** @description Text, token ids, or a list of one of them. */
+            prompt: Record<string, never>;
+            /** Format: float */
+            repetition_penalty?: number | null;
+            /** Format: u-int64 */
+            seed?: number | null;
+            stop?: null | components["schemas"]["StopList"];
+            stream?: boolean;
+            stream_options?: null | components["schemas"]["StreamUsage"];
+            /** @description Refused: inserting text before a suffix is not supported. */
+            suffix?: string | null;
+            /**
+             * Format: float
+             * @description OpenAI's default, 1, when absent; 0 is greedy.
+             */
+            temperature?: number | null;
+            /** Format: u-int32 */
+            top_k?: number | null;
+            /** Format: float */
+            top_p?: number | null;
         };
         Content: string | components["schemas"]["Part"][];
         /** @description A new session; every field is optional. */
@@ -611,6 +709,36 @@ export interface components {
         StreamOptions: {
             include_usage?: boolean;
         };
+        StreamUsage: {
+            include_usage?: boolean;
+        };
+        TextChoice: {
+            /** @description `stop` or `length`. */
+            finish_reason: string;
+            /** Format: u-int32 */
+            index: number;
+            /**
+             * @description With `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (token to log-probability)
+             *     and `text_offset`, as OpenAI's legacy API; else `null`.
+             */
+            logprobs: Record<string, never> | null;
+            /** @description The prompt's text first with `echo`. */
+            text: string;
+        };
+        /** @description A finished text completion. */
+        TextCompletion: {
+            choices: components["schemas"]["TextChoice"][];
+            /**
+             * Format: int64
+             * @description Unix seconds.
+             */
+            created: number;
+            id: string;
+            model: string;
+            /** @description `text_completion` */
+            object: string;
+            usage: components["schemas"]["Usage"];
+        };
         /** @description The SSE `token` event's data. */
         TokenText: {
             text: string;
@@ -785,6 +913,112 @@ export interface operations {
             };
         };
     };
+    createCompletion: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["CompletionRequest"];
+            };
+        };
+        responses: {
+            /** @description The completion */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TextCompletion"];
+                    "text/event-stream": components["schemas"]["CompletionEvent"];
+                };
+            };
+            /** @description The body is not JSON, or not a JSON object */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A field is out of range or asks for what Hearth cannot do */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     listModels: {
         parameters: {
             query?: never;
@@ -814,6 +1048,83 @@ export interface operations {
             };
             /** @description Without API keys: the request names another site (Host or Origin) */
             403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    retrieveModel: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description The model's id, as `/v1/models` lists it */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description The model */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ModelCard"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No model has this id */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };

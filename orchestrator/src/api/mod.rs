@@ -2,12 +2,13 @@
 //!
 //! - [`sessions`]: the caller's sessions and stored messages;
 //! - [`chat`]: generation on the native API (post, regenerate, stop, resume; SSE or JSON);
-//! - [`openai`]: `/v1/chat/completions` and `/v1/models`;
+//! - [`openai`]: `/v1/chat/completions` and `/v1/models`; [`completions`]: `/v1/completions`;
 //! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`;
 //! - [`openapi`]: the API's OpenAPI 3.1 document at `/openapi.json`;
 //! - [`web`]: the web UI's static files at `/` (every path the API does not claim).
 
 mod chat;
+mod completions;
 mod error;
 mod ids;
 mod openai;
@@ -102,7 +103,9 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi.json", get(openapi::serve))
         .merge(sessions::routes())
         .route("/v1/chat/completions", post(openai::completions))
+        .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -282,7 +282,7 @@ pub async fn completions(
     let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(streamed(head, guards, include_usage, logprobs));
+        return Ok(streamed(head, guards, include_usage, logprobs, Shape::Chat));
     }
     let mut choices = Vec::with_capacity(lives.len());
     let mut outcomes = Vec::with_capacity(lives.len());
@@ -324,14 +324,14 @@ pub async fn completions(
 }
 
 /// What every object of one completion repeats.
-struct Head {
-    id: String,
-    created: i64,
-    model: String,
+pub(super) struct Head {
+    pub(super) id: String,
+    pub(super) created: i64,
+    pub(super) model: String,
 }
 
 /// Every token's log-probability of a finished reply.
-async fn collected_logprobs(live: &Arc<Live>) -> Vec<TokenLogprob> {
+pub(super) async fn collected_logprobs(live: &Arc<Live>) -> Vec<TokenLogprob> {
     let mut all = Vec::new();
     let mut events = std::pin::pin!(live.subscribe(0));
     while let Some((_, e)) = events.next().await {
@@ -344,41 +344,121 @@ async fn collected_logprobs(live: &Arc<Live>) -> Vec<TokenLogprob> {
     all
 }
 
-/// The completion as `chat.completion.chunk` events, then `[DONE]`: each choice's chunks as
-/// they come, tagged with its index. With `logprobs`, each content chunk carries the
-/// log-probabilities of the tokens that arrived with or before it.
-fn streamed(head: Head, guards: Vec<StopOnDrop>, include_usage: bool, logprobs: bool) -> Response {
-    let chunk = move |index: usize, delta: Value, finish: Value, lp: &mut Vec<TokenLogprob>| {
-        let lp = if logprobs {
-            json!({"content": std::mem::take(lp)})
-        } else {
-            Value::Null
-        };
-        json!({
-            "id": head.id,
-            "object": "chat.completion.chunk",
-            "created": head.created,
-            "model": head.model,
-            "choices": [{"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-        })
-    };
+/// What a streamed choice looks like: a chat completion's delta, or a legacy completion's text.
+#[derive(Debug, Clone)]
+pub(super) enum Shape {
+    Chat,
+    /// `echo`: the prompt's text, sent first.
+    Text {
+        echo: Option<String>,
+    },
+}
+
+impl Shape {
+    fn object(&self) -> &'static str {
+        match self {
+            Self::Chat => "chat.completion.chunk",
+            Self::Text { .. } => "text_completion",
+        }
+    }
+
+    /// One choice of a chunk: `text` (None: the chat's opening role delta, or an empty one).
+    fn choice(&self, index: usize, text: Option<&str>, finish: Value, lp: Value) -> Value {
+        match self {
+            Self::Chat => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None if finish.is_null() => json!({"role": "assistant", "content": ""}),
+                    None => json!({}),
+                };
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+            Self::Text { .. } => {
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
+            }
+        }
+    }
+
+    /// The log-probabilities of `tokens` as this shape reports them; `offset` is where the
+    /// first token's text starts in the choice's text (legacy `text_offset`), moved past them.
+    pub(super) fn logprobs(&self, tokens: Vec<TokenLogprob>, offset: &mut usize) -> Value {
+        match self {
+            Self::Chat => json!({ "content": tokens }),
+            Self::Text { .. } => {
+                let mut offsets = Vec::with_capacity(tokens.len());
+                for t in &tokens {
+                    offsets.push(*offset);
+                    *offset += t.token.len();
+                }
+                let top: Vec<serde_json::Map<String, Value>> = tokens
+                    .iter()
+                    .map(|t| {
+                        t.top_logprobs
+                            .iter()
+                            .map(|a| (a.token.clone(), json!(a.logprob)))
+                            .collect()
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+}
+
+/// The completion as chunk events, then `[DONE]`: each choice's chunks as they come, tagged
+/// with its index. With `logprobs`, each text chunk carries the log-probabilities of the tokens
+/// that arrived with or before it.
+pub(super) fn streamed(
+    head: Head,
+    guards: Vec<StopOnDrop>,
+    include_usage: bool,
+    logprobs: bool,
+    shape: Shape,
+) -> Response {
     let events = async_stream::stream! {
         let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
         let _guards = guards;
+        let chunk = |choice: Value| json!({
+            "id": head.id, "object": shape.object(), "created": head.created,
+            "model": head.model, "choices": [choice],
+        });
         let mut merged = tokio_stream::StreamMap::new();
         for (i, live) in lives.iter().enumerate() {
             merged.insert(i, Box::pin(live.subscribe(0)));
         }
+        let echo = match &shape {
+            Shape::Text { echo } => echo.clone(),
+            Shape::Chat => None,
+        };
         let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); lives.len()];
+        let mut offsets: Vec<usize> = vec![echo.as_ref().map_or(0, String::len); lives.len()];
         let mut outcomes: Vec<Outcome> = Vec::new();
         while let Some((i, (_, e))) = merged.next().await {
-            match e {
-                RunEvent::Begin => {
-                    let mut none = Vec::new();
-                    yield data(chunk(i, json!({"role": "assistant", "content": ""}), Value::Null, &mut none));
+            let lp = |pending: &mut Vec<TokenLogprob>, offset: &mut usize| {
+                if logprobs {
+                    shape.logprobs(std::mem::take(pending), offset)
+                } else {
+                    Value::Null
                 }
+            };
+            match e {
+                RunEvent::Begin => match &shape {
+                    Shape::Chat => yield data(chunk(shape.choice(i, None, Value::Null, Value::Null))),
+                    Shape::Text { echo: Some(p) } => {
+                        yield data(chunk(shape.choice(i, Some(p), Value::Null, Value::Null)));
+                    }
+                    Shape::Text { echo: None } => {}
+                },
                 RunEvent::Logprobs(l) => pending[i].extend(l),
-                RunEvent::Text(t) => yield data(chunk(i, json!({"content": t}), Value::Null, &mut pending[i])),
+                RunEvent::Text(t) => {
+                    let lp = lp(&mut pending[i], &mut offsets[i]);
+                    yield data(chunk(shape.choice(i, Some(&t), Value::Null, lp)));
+                }
                 RunEvent::End(o) => match o.end.openai_finish_reason() {
                     Err(e) => {
                         yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
@@ -387,18 +467,17 @@ fn streamed(head: Head, guards: Vec<StopOnDrop>, include_usage: bool, logprobs: 
                     Ok(reason) => {
                         if logprobs && !pending[i].is_empty() {
                             // Tokens whose text the stop matcher held back or cut.
-                            yield data(chunk(i, json!({"content": ""}), Value::Null, &mut pending[i]));
+                            let lp = lp(&mut pending[i], &mut offsets[i]);
+                            yield data(chunk(shape.choice(i, Some(""), Value::Null, lp)));
                         }
-                        let mut none = Vec::new();
-                        yield data(chunk(i, json!({}), json!(reason), &mut none));
+                        yield data(chunk(shape.choice(i, None, json!(reason), Value::Null)));
                         outcomes.push(*o);
                     }
                 },
             }
         }
         if include_usage && outcomes.len() == lives.len() {
-            let mut none = Vec::new();
-            let mut u = chunk(0, json!({}), Value::Null, &mut none);
+            let mut u = chunk(Value::Null);
             u["choices"] = json!([]);
             u["usage"] = json!(Usage::of(&outcomes));
             yield data(u);
@@ -408,11 +487,11 @@ fn streamed(head: Head, guards: Vec<StopOnDrop>, include_usage: bool, logprobs: 
     sse(events)
 }
 
-fn data(v: Value) -> Result<Event, Infallible> {
+pub(super) fn data(v: Value) -> Result<Event, Infallible> {
     Ok(Event::default().data(v.to_string()))
 }
 
-struct StopOnDrop(Arc<Live>);
+pub(super) struct StopOnDrop(pub(super) Arc<Live>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {
@@ -470,7 +549,7 @@ pub struct PromptTokensDetails {
 impl Usage {
     /// The usage of a request's choices: its prompt once (the first choice's, with what of it
     /// was cached), and every choice's generated tokens.
-    fn of(choices: &[Outcome]) -> Self {
+    pub(super) fn of(choices: &[Outcome]) -> Self {
         let prompt = choices.first().map_or(0, |o| o.usage.prompt_tokens);
         let cached = choices.first().map_or(0, |o| o.usage.cached_tokens);
         let completion: u64 = choices.iter().map(|o| o.usage.completion_tokens).sum();
@@ -511,12 +590,36 @@ pub struct ModelCard {
 pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
-        data: vec![ModelCard {
-            id: s.chat.model_name(),
-            object: "model".into(),
-            created: 0,
-            owned_by: "hearth".into(),
-            max_model_len: s.chat.context_length().map(|n| n as u64),
-        }],
+        data: vec![model_card(&s)],
     })
+}
+
+fn model_card(s: &AppState) -> ModelCard {
+    ModelCard {
+        id: s.chat.model_name(),
+        object: "model".into(),
+        created: 0,
+        owned_by: "hearth".into(),
+        max_model_len: s.chat.context_length().map(|n| n as u64),
+    }
+}
+
+/// One model by its id: the served model, else 404.
+#[utoipa::path(get, path = "/v1/models/{id}", operation_id = "retrieveModel", tag = "openai",
+    params(("id" = String, Path, description = "The model's id, as `/v1/models` lists it")),
+    responses(
+        (status = 200, description = "The model", body = ModelCard),
+        (status = 404, description = "No model has this id", body = super::ErrorBody),
+    ))]
+pub async fn model(
+    State(s): State<AppState>,
+    _caller: Caller,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    let card = model_card(&s);
+    if card.id == id {
+        Ok(Json(card))
+    } else {
+        Err(ApiError::NotFound("model"))
+    }
 }

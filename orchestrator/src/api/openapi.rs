@@ -32,7 +32,9 @@ use super::chat::{ReplyFailed, TokenText};
         super::chat::stop,
         super::chat::resume,
         super::openai::completions,
+        super::completions::completions,
         super::openai::models,
+        super::openai::model,
     ),
     // The SSE events' data, which no path's schema reaches.
     components(schemas(crate::generate::TurnIds, TokenText, super::chat::ReplyEnd, ReplyFailed)),

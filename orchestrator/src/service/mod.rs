@@ -17,7 +17,8 @@ pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSess
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
 
 pub use turn::{
-    check_params, Conversation, GenOptions, NativeTurn, UserText, ValidTurn, MAX_CONTENT_BYTES,
+    check_params, Conversation, GenOptions, NativeTurn, RawPrompt, UserText, ValidTurn,
+    MAX_CONTENT_BYTES,
 };
 
 use std::sync::Arc;
@@ -200,6 +201,12 @@ impl ChatService {
     }
 
     /// The served model's context in tokens, once a worker has reported it.
+    /// The text of token ids (a legacy completion's echoed prompt); nothing for ids the
+    /// tokenizer cannot read.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.generator.tokenizer.decode(ids).unwrap_or_default()
+    }
+
     pub fn context_length(&self) -> Option<usize> {
         self.generator.pool.context_length()
     }
@@ -418,10 +425,7 @@ impl ChatService {
     }
 
     /// Starts a stateless completion of a whole conversation (OpenAI's API), `n` choices of
-    /// it: nothing is stored, and the worker that likely holds the conversation's earlier turns
-    /// is preferred. The first choice starts at once; the others once it has its first token,
-    /// on the worker that holds its prompt's K/V by then (prefix affinity), so the prompt is
-    /// prefilled once. A seed gives choice `i` the seed `seed + i`.
+    /// it (see [`Self::start_choices`]).
     pub async fn complete(
         &self,
         caller: &Caller,
@@ -433,11 +437,104 @@ impl ChatService {
         if let Some(n) = max_tokens {
             self.check_max_tokens(n)?;
         }
-        let n = n.clamp(1, MAX_CHOICES);
-        let reserve = max_tokens.unwrap_or(self.limits.default_max_tokens);
-        let budget = self.charge(caller, Some(reserve.saturating_mul(n))).await?;
+        let budget = self.charge_choices(caller, max_tokens, n).await?;
         let (prompt, max_new_tokens, shared_prefix) =
             self.plan(convo.into_messages(), max_tokens).await?;
+        let plan = Planned {
+            prompt,
+            max_new_tokens,
+            shared_prefix,
+        };
+        self.start_choices(caller, plan, opts, arrived, budget, n)
+            .await
+    }
+
+    /// Starts a stateless completion of a prompt sent as it is (OpenAI's legacy completions),
+    /// `n` choices of it.
+    pub async fn complete_raw(
+        &self,
+        caller: &Caller,
+        turn: ValidTurn<RawPrompt>,
+        n: u32,
+    ) -> Result<Vec<Arc<Live>>, ChatError> {
+        let (raw, opts, arrived) = turn.into_parts();
+        let ctx = self
+            .context_length()
+            .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
+        let max_tokens = opts.max_tokens();
+        if let Some(n) = max_tokens {
+            self.check_max_tokens(n)?;
+        }
+        let tok = &self.generator.tokenizer;
+        let prompt = match raw {
+            RawPrompt::Text(text) => {
+                let mut ids = vec![tok.bos_id];
+                ids.extend(
+                    tok.encode(&text)
+                        .map_err(|e| ChatError::Internal(e.to_string()))?,
+                );
+                ids
+            }
+            RawPrompt::Tokens(ids) => {
+                let vocab = tok.vocab_size();
+                if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                    return Err(ChatError::Invalid(format!(
+                        "prompt[{i}]: token id {id} is outside the vocabulary of {vocab}"
+                    )));
+                }
+                ids
+            }
+        };
+        if prompt.len() >= ctx {
+            return Err(ChatError::Invalid(format!(
+                "prompt: {} tokens do not fit the model's context of {ctx} (one position is \
+                 needed to generate)",
+                prompt.len()
+            )));
+        }
+        let want = max_tokens.unwrap_or(LEGACY_DEFAULT_MAX_TOKENS);
+        let budget = self.charge_choices(caller, Some(want), n).await?;
+        let plan = Planned {
+            max_new_tokens: want.min((ctx - prompt.len()) as u32),
+            shared_prefix: 0,
+            prompt,
+        };
+        self.start_choices(caller, plan, opts, arrived, budget, n)
+            .await
+    }
+
+    /// Charges one request of `n` choices, each of up to `max_tokens` (else the server's
+    /// default).
+    async fn charge_choices(
+        &self,
+        caller: &Caller,
+        max_tokens: Option<u32>,
+        n: u32,
+    ) -> Result<Option<Budget>, ChatError> {
+        let n = n.clamp(1, MAX_CHOICES);
+        let reserve = max_tokens.unwrap_or(self.limits.default_max_tokens);
+        self.charge(caller, Some(reserve.saturating_mul(n))).await
+    }
+
+    /// Starts `n` choices of a planned prompt: nothing is stored, and the worker that likely
+    /// holds the prompt's beginning is preferred. The first choice starts at once; the others
+    /// once it has its first token, on the worker that holds its prompt's K/V by then (prefix
+    /// affinity), so the prompt is prefilled once. A seed gives choice `i` the seed `seed + i`.
+    async fn start_choices(
+        &self,
+        caller: &Caller,
+        plan: Planned,
+        opts: GenOptions,
+        arrived: tokio::time::Instant,
+        budget: Option<Budget>,
+        n: u32,
+    ) -> Result<Vec<Arc<Live>>, ChatError> {
+        let n = n.clamp(1, MAX_CHOICES);
+        let Planned {
+            prompt,
+            max_new_tokens,
+            shared_prefix,
+        } = plan;
         let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
         let lease = self
             .generator
@@ -644,6 +741,17 @@ impl ChatService {
         };
         Ok((prompt.tokens, want.min(room), shared))
     }
+}
+
+/// OpenAI's default reply length on the legacy completions API.
+const LEGACY_DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// A prompt ready for a worker.
+struct Planned {
+    prompt: Vec<u32>,
+    max_new_tokens: u32,
+    /// Leading tokens that are an operator's shared prompt (see [`SharedPrompts`]).
+    shared_prefix: u32,
 }
 
 /// How a prepared native turn is stored once a worker has taken it.

@@ -196,6 +196,33 @@ impl Conversation {
     }
 }
 
+/// A prompt sent as it is, without the chat template (OpenAI's legacy `/v1/completions`): text,
+/// which is tokenized after a BOS token as the model was trained, or token ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RawPrompt {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+impl RawPrompt {
+    /// Text (at most [`MAX_CONTENT_BYTES`], no NUL, not empty) as the prompt.
+    pub fn text(text: String) -> Result<Self, ChatError> {
+        check_storable("prompt", &text)?;
+        if text.is_empty() {
+            return Err(ChatError::Invalid("prompt: must not be empty".into()));
+        }
+        Ok(Self::Text(text))
+    }
+
+    /// Token ids (at least one; the service checks them against the vocabulary) as the prompt.
+    pub fn tokens(ids: Vec<u32>) -> Result<Self, ChatError> {
+        if ids.is_empty() {
+            return Err(ChatError::Invalid("prompt: must not be empty".into()));
+        }
+        Ok(Self::Tokens(ids))
+    }
+}
+
 /// Text a message may hold: at most [`MAX_CONTENT_BYTES`], without NUL characters (which
 /// PostgreSQL cannot store).
 fn check_storable(field: &str, c: &str) -> Result<(), ChatError> {

@@ -1,0 +1,318 @@
+//! OpenAI's legacy text completions, `POST /v1/completions`: a prompt sent as it is (text, or
+//! token ids), without the chat template, as evaluation harnesses and older clients send it.
+//! Stateless, like the chat completions it shares its sampling, choices and streaming with.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use hearth_shared::SamplingParams;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use utoipa::ToSchema;
+
+use super::openai::{collected_logprobs, streamed, Head, Shape, StopField, StopOnDrop, Usage};
+use super::{ApiError, AppState, ValidJson};
+use crate::service::{Caller, GenOptions, RawPrompt, ValidTurn, MAX_CHOICES};
+
+/// Most alternatives the legacy `logprobs` asks for per token (OpenAI's limit).
+const MAX_LEGACY_LOGPROBS: u32 = 5;
+
+/// OpenAI's text completion request. Fields that do not change the output (`user`, …) are
+/// accepted; those Hearth cannot honour are refused by name.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    /// Accepted for compatibility; the one served model answers whatever it names.
+    #[serde(default)]
+    #[allow(dead_code)] // read by serde and documented; nothing routes on it
+    model: Option<String>,
+    /// Text, token ids, or a list of one of them.
+    #[schema(value_type = Object)]
+    prompt: PromptField,
+    #[serde(default)]
+    stream: bool,
+    #[serde(default)]
+    stream_options: Option<StreamUsage>,
+    /// Longest reply (OpenAI's default: 16).
+    #[serde(default)]
+    #[schema(minimum = 1)]
+    max_tokens: Option<u32>,
+    /// OpenAI's default, 1, when absent; 0 is greedy.
+    #[serde(default)]
+    temperature: Option<f32>,
+    #[serde(default)]
+    top_p: Option<f32>,
+    #[serde(default)]
+    top_k: Option<u32>,
+    #[serde(default)]
+    min_p: Option<f32>,
+    #[serde(default)]
+    repetition_penalty: Option<f32>,
+    #[serde(default)]
+    presence_penalty: Option<f32>,
+    #[serde(default)]
+    frequency_penalty: Option<f32>,
+    #[serde(default)]
+    logit_bias: Option<std::collections::BTreeMap<u32, f32>>,
+    #[serde(default)]
+    seed: Option<u64>,
+    #[serde(default)]
+    #[schema(value_type = Option<super::openapi::StopList>)]
+    stop: Option<StopField>,
+    /// Choices to generate (1 to 16).
+    #[serde(default)]
+    #[schema(minimum = 1, maximum = 16)]
+    n: Option<u32>,
+    /// Only equal to `n` (or 1): Hearth does not rank extra candidates.
+    #[serde(default)]
+    best_of: Option<u32>,
+    /// The prompt's text before each choice's.
+    #[serde(default)]
+    echo: bool,
+    /// Refused: inserting text before a suffix is not supported.
+    #[serde(default)]
+    suffix: Option<String>,
+    /// This many likeliest alternatives per generated token (0 to 5), with each token's own.
+    #[serde(default)]
+    #[schema(minimum = 0, maximum = 5)]
+    logprobs: Option<u32>,
+    /// Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`.
+    #[serde(default)]
+    ignore_eos: bool,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+struct StreamUsage {
+    #[serde(default)]
+    include_usage: bool,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+fn refuse(field: &str, why: &str) -> ApiError {
+    ApiError::Validation(format!("{field}: {why}"))
+}
+
+impl CompletionRequest {
+    fn prompt(&self) -> Result<RawPrompt, ApiError> {
+        let one = "only one prompt per request is supported";
+        Ok(match &self.prompt {
+            PromptField::Text(t) => RawPrompt::text(t.clone())?,
+            PromptField::Tokens(ids) => RawPrompt::tokens(ids.clone())?,
+            PromptField::Texts(v) => match v.as_slice() {
+                [t] => RawPrompt::text(t.clone())?,
+                _ => return Err(refuse("prompt", one)),
+            },
+            PromptField::TokenLists(v) => match v.as_slice() {
+                [ids] => RawPrompt::tokens(ids.clone())?,
+                _ => return Err(refuse("prompt", one)),
+            },
+        })
+    }
+
+    fn check_supported(&self) -> Result<u32, ApiError> {
+        if self.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+            return Err(refuse(
+                "suffix",
+                "inserting text before a suffix is not supported",
+            ));
+        }
+        let n = self.n.unwrap_or(1);
+        if !(1..=MAX_CHOICES).contains(&n) {
+            return Err(refuse(
+                "n",
+                &format!("must be 1 to {MAX_CHOICES} choices, got {n}"),
+            ));
+        }
+        if self.best_of.is_some_and(|b| b != n && b != 1) {
+            return Err(refuse(
+                "best_of",
+                "only equal to n: Hearth does not rank extra candidates",
+            ));
+        }
+        if self.logprobs.is_some_and(|l| l > MAX_LEGACY_LOGPROBS) {
+            return Err(refuse(
+                "logprobs",
+                &format!("at most {MAX_LEGACY_LOGPROBS} alternatives"),
+            ));
+        }
+        if self.echo && self.logprobs.is_some() {
+            return Err(refuse(
+                "echo",
+                "with logprobs it needs the prompt's log-probabilities, which are not computed",
+            ));
+        }
+        Ok(n)
+    }
+
+    fn params(&self) -> SamplingParams {
+        let d = SamplingParams::default();
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(1.0),
+            top_k: self.top_k.unwrap_or(d.top_k),
+            top_p: self.top_p.unwrap_or(d.top_p),
+            min_p: self.min_p.unwrap_or(d.min_p),
+            repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
+            presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
+            frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
+            logit_bias: self.logit_bias.clone().unwrap_or_default(),
+            seed: self.seed,
+            ..d
+        }
+    }
+
+    fn turn(&self) -> Result<(ValidTurn<RawPrompt>, u32), ApiError> {
+        let n = self.check_supported()?;
+        let stop = match self.stop.as_ref() {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(v)) => v.clone(),
+        };
+        let options = GenOptions::new(
+            Some(self.params()),
+            "",
+            self.max_tokens,
+            stop,
+            self.ignore_eos,
+        )?
+        .with_logprobs(self.logprobs.is_some(), self.logprobs)?;
+        Ok((ValidTurn::new(self.prompt()?, options, self.stream), n))
+    }
+}
+
+/// OpenAI-compatible text completion of a prompt sent as it is (no chat template), streaming
+/// (`text_completion` chunks, then `[DONE]`) or not. Stateless.
+#[utoipa::path(post, path = "/v1/completions", operation_id = "createCompletion", tag = "openai", request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion", content(
+            (TextCompletion = "application/json"),
+            (super::openapi::CompletionEvent = "text/event-stream"),
+        )),
+        (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = super::ErrorBody),
+    ))]
+pub async fn completions(
+    State(s): State<AppState>,
+    caller: Caller,
+    ValidJson(req): ValidJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    let (turn, n) = req.turn()?;
+    let echo = match (&req.prompt, req.echo) {
+        (_, false) => None,
+        (PromptField::Text(t), true) => Some(t.clone()),
+        (PromptField::Texts(v), true) => v.first().cloned(),
+        (PromptField::Tokens(ids), true) => Some(s.chat.decode(ids)),
+        (PromptField::TokenLists(v), true) => v.first().map(|ids| s.chat.decode(ids)),
+    };
+    let lives = s.chat.complete_raw(&caller, turn, n).await?;
+    let head = Head {
+        id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: crate::storage::now_ms() / 1000,
+        model: s.chat.model_name(),
+    };
+    let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
+    let shape = Shape::Text { echo: echo.clone() };
+    let logprobs = req.logprobs.is_some();
+    if req.stream {
+        let usage = req.stream_options.is_some_and(|o| o.include_usage);
+        return Ok(streamed(head, guards, usage, logprobs, shape));
+    }
+    let (mut choices, mut outcomes) = (Vec::new(), Vec::new());
+    for (index, live) in (0u32..).zip(&lives) {
+        let outcome = live
+            .outcome()
+            .await
+            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+        let reason = outcome
+            .end
+            .openai_finish_reason()
+            .map_err(|e| ApiError::from(e.clone()))?;
+        let mut offset = echo.as_ref().map_or(0, String::len);
+        let lp = if logprobs {
+            shape.logprobs(collected_logprobs(live).await, &mut offset)
+        } else {
+            Value::Null
+        };
+        choices.push(TextChoice {
+            index,
+            text: format!("{}{}", echo.as_deref().unwrap_or(""), outcome.content),
+            logprobs: lp,
+            finish_reason: reason.into(),
+        });
+        outcomes.push(outcome);
+    }
+    drop(guards);
+    Ok(Json(TextCompletion {
+        id: head.id,
+        object: "text_completion".into(),
+        created: head.created,
+        model: head.model,
+        choices,
+        usage: Usage::of(&outcomes),
+    })
+    .into_response())
+}
+
+/// A finished text completion.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TextCompletion {
+    pub id: String,
+    /// `text_completion`
+    pub object: String,
+    /// Unix seconds.
+    pub created: i64,
+    pub model: String,
+    pub choices: Vec<TextChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct TextChoice {
+    pub index: u32,
+    /// The prompt's text first with `echo`.
+    pub text: String,
+    /// With `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (token to log-probability)
+    /// and `text_offset`, as OpenAI's legacy API; else `null`.
+    #[schema(value_type = Option<Object>, required = true)]
+    pub logprobs: Value,
+    /// `stop` or `length`.
+    pub finish_reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn prompts_come_as_text_ids_or_a_list_of_one() {
+        let req = |prompt: Value| -> CompletionRequest {
+            serde_json::from_value(json!({"prompt": prompt})).expect("parses")
+        };
+        assert_eq!(
+            req(json!("Once")).prompt().expect("text"),
+            RawPrompt::Text("Once".into())
+        );
+        assert_eq!(
+            req(json!([2, 5])).prompt().expect("ids"),
+            RawPrompt::Tokens(vec![2, 5])
+        );
+        assert_eq!(
+            req(json!(["Once"])).prompt().expect("list"),
+            RawPrompt::Text("Once".into())
+        );
+        assert_eq!(
+            req(json!([[7]])).prompt().expect("lists"),
+            RawPrompt::Tokens(vec![7])
+        );
+        for bad in [json!(["a", "b"]), json!([]), json!(""), json!([[1], [2]])] {
+            assert!(req(bad.clone()).prompt().is_err(), "{bad}");
+        }
+    }
+}
