@@ -1122,12 +1122,16 @@ fn decode_cost(c: &crate::model::GemmaConfig) -> f64 {
     1.0 + (c.vocab_size * c.hidden_size) as f64 / layer_macs.max(1) as f64
 }
 
+/// A sequence's pick: its index in the batch, the token, its log-probability and its likeliest
+/// alternatives (when asked for).
+type Picked = (usize, u32, f32, Vec<(u32, f32)>);
+
 /// Samples one token from each row, in parallel on the kernel pool (whose helpers are already
 /// awake: handing this to another pool would leave a spinning helper competing for the cores).
 fn sample_rows(
     running: &mut [Seq],
     rows: Vec<(usize, &mut [f32], Option<LogitSummary>)>,
-) -> Vec<(usize, u32, f32, Vec<(u32, f32)>)> {
+) -> Vec<Picked> {
     let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
     type Work<'a> = (usize, &'a mut Seq, &'a mut [f32], Option<LogitSummary>);
     let work: Vec<Mutex<Work<'_>>> = rows
@@ -1138,7 +1142,6 @@ fn sample_rows(
                 .map(|s| Mutex::new((ix, s, row, summary)))
         })
         .collect();
-    type Picked = (usize, u32, f32, Vec<(u32, f32)>);
     let picks: Vec<Mutex<Picked>> = work
         .iter()
         .map(|_| Mutex::new((0, 0, 0.0, Vec::new())))
