@@ -436,6 +436,13 @@ export interface components {
             content?: null | components["schemas"]["Content"];
             role: string;
         };
+        /**
+         * @description The SSE `logprobs` event's data (only for a turn that asked for `logprobs`): the
+         *     log-probabilities of the tokens whose text the next `token` events bring.
+         */
+        LogprobsEvent: {
+            content: components["schemas"]["TokenLogprob"][];
+        };
         /** @description A stored message. Timestamps are Unix milliseconds. */
         Message: {
             /** Format: int64 */
@@ -530,6 +537,11 @@ export interface components {
             data: string;
             /** @enum {string} */
             event: "token";
+            id: string;
+        } | {
+            data: string;
+            /** @enum {string} */
+            event: "logprobs";
             id: string;
         } | {
             data: string;
@@ -739,9 +751,33 @@ export interface components {
             object: string;
             usage: components["schemas"]["Usage"];
         };
+        /**
+         * @description One generated token's log-probability and its likeliest alternatives (OpenAI's
+         *     `logprobs.content[]` entry; the native API's `logprobs` event).
+         */
+        TokenLogprob: {
+            /** @description The token's text as UTF-8 bytes (a token may hold part of a character). */
+            bytes: number[];
+            /**
+             * Format: float
+             * @description Under the model's distribution, before any penalty or bias.
+             */
+            logprob: number;
+            /** @description The token's text, decoded alone. */
+            token: string;
+            /** @description The likeliest tokens at this position, likeliest first (`top_logprobs` of them). */
+            top_logprobs: components["schemas"]["TopLogprob"][];
+        };
         /** @description The SSE `token` event's data. */
         TokenText: {
             text: string;
+        };
+        /** @description An alternative token at a position. */
+        TopLogprob: {
+            bytes: number[];
+            /** Format: float */
+            logprob: number;
+            token: string;
         };
         /** @description Options shared by every generation request. */
         TurnBody: {

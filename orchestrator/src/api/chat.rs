@@ -266,7 +266,7 @@ fn native_events(
             RunEvent::Text(text) => event.event("token").data(event_data(&TokenText { text })),
             RunEvent::Logprobs(content) => event
                 .event("logprobs")
-                .data(event_data(&serde_json::json!({ "content": content }))),
+                .data(event_data(&LogprobsEvent { content })),
             RunEvent::End(o) => match o.end.error() {
                 Some(e) => event.event("error").data(event_data(&ReplyFailed {
                     error_type: e.kind().to_string(),
@@ -318,6 +318,13 @@ pub struct ReplyFailed {
     #[schema(value_type = String)]
     pub message_id: MessageId,
     pub content: String,
+}
+
+/// The SSE `logprobs` event's data (only for a turn that asked for `logprobs`): the
+/// log-probabilities of the tokens whose text the next `token` events bring.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct LogprobsEvent {
+    pub content: Vec<crate::generate::TokenLogprob>,
 }
 
 /// The SSE `token` event's data.

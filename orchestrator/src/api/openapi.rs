@@ -37,7 +37,13 @@ use super::chat::{ReplyFailed, TokenText};
         super::openai::model,
     ),
     // The SSE events' data, which no path's schema reaches.
-    components(schemas(crate::generate::TurnIds, TokenText, super::chat::ReplyEnd, ReplyFailed)),
+    components(schemas(
+        crate::generate::TurnIds,
+        TokenText,
+        super::chat::LogprobsEvent,
+        super::chat::ReplyEnd,
+        ReplyFailed
+    )),
     modifiers(&CommonAnswers),
     tags(
         (name = "sessions", description = "The caller's chat sessions and their stored messages"),
@@ -69,6 +75,7 @@ impl utoipa::PartialSchema for ReplyEvent {
         literal_schema(serde_json::json!({"oneOf": [
             alternative("message_start", "MessageStart"),
             alternative("token", "TokenText"),
+            alternative("logprobs", "LogprobsEvent"),
             alternative("message_end", "ReplyEnd"),
             alternative("error", "ReplyFailed"),
         ]}))
