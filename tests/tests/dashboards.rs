@@ -301,7 +301,7 @@ async fn load(s: &Stack, round: usize) {
     assert_eq!(Req::new("GET", "/v1/sessions").send(addr).await.status, 401);
     let bad = Req::new("POST", "/v1/chat/completions")
         .key(Some(&key))
-        .json(&json!({"model": "m", "n": 2, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}))
+        .json(&json!({"model": "m", "n": 17, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}))
         .send(addr)
         .await;
     assert_eq!(bad.status, 422, "{}", bad.text());
