@@ -10,8 +10,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::openai::{collected_logprobs, streamed, Head, Shape, StopField, StopOnDrop, Usage};
+use super::openai::{finished_choices, streamed, Head, Shape, StopField, StopOnDrop, Usage};
 use super::{ApiError, AppState, ValidJson};
+use crate::generate::Outcome;
 use crate::service::{Caller, GenOptions, RawPrompt, ValidTurn, MAX_CHOICES};
 
 /// Most alternatives the legacy `logprobs` asks for per token (OpenAI's limit).
@@ -222,30 +223,17 @@ pub async fn completions(
         let usage = req.stream_options.is_some_and(|o| o.include_usage);
         return Ok(streamed(head, guards, usage, logprobs, shape));
     }
-    let (mut choices, mut outcomes) = (Vec::new(), Vec::new());
-    for (index, live) in (0u32..).zip(&lives) {
-        let outcome = live
-            .outcome()
-            .await
-            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
-        let reason = outcome
-            .end
-            .openai_finish_reason()
-            .map_err(|e| ApiError::from(e.clone()))?;
-        let mut offset = echo.as_ref().map_or(0, String::len);
-        let lp = if logprobs {
-            shape.logprobs(collected_logprobs(live).await, &mut offset)
-        } else {
-            Value::Null
-        };
-        choices.push(TextChoice {
+    let finished = finished_choices(&lives, logprobs, &shape).await?;
+    let choices = (0u32..)
+        .zip(&finished)
+        .map(|(index, f)| TextChoice {
             index,
-            text: format!("{}{}", echo.as_deref().unwrap_or(""), outcome.content),
-            logprobs: lp,
-            finish_reason: reason.into(),
-        });
-        outcomes.push(outcome);
-    }
+            text: format!("{}{}", echo.as_deref().unwrap_or(""), f.outcome.content),
+            logprobs: f.logprobs.clone(),
+            finish_reason: f.finish_reason.clone(),
+        })
+        .collect();
+    let outcomes: Vec<Outcome> = finished.into_iter().map(|f| f.outcome).collect();
     drop(guards);
     Ok(Json(TextCompletion {
         id: head.id,

@@ -284,33 +284,20 @@ pub async fn completions(
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
         return Ok(streamed(head, guards, include_usage, logprobs, Shape::Chat));
     }
-    let mut choices = Vec::with_capacity(lives.len());
-    let mut outcomes = Vec::with_capacity(lives.len());
-    for (index, live) in (0u32..).zip(&lives) {
-        let outcome = live
-            .outcome()
-            .await
-            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
-        let reason = outcome
-            .end
-            .openai_finish_reason()
-            .map_err(|e| ApiError::from(e.clone()))?;
-        let logprobs = if logprobs {
-            Some(json!({"content": collected_logprobs(live).await}))
-        } else {
-            None
-        };
-        choices.push(CompletionChoice {
+    let finished = finished_choices(&lives, logprobs, &Shape::Chat).await?;
+    let choices = (0u32..)
+        .zip(&finished)
+        .map(|(index, f)| CompletionChoice {
             index,
             message: AssistantMessage {
                 role: "assistant".into(),
-                content: outcome.content.clone(),
+                content: f.outcome.content.clone(),
             },
-            logprobs,
-            finish_reason: reason.into(),
-        });
-        outcomes.push(outcome);
-    }
+            logprobs: (!f.logprobs.is_null()).then(|| f.logprobs.clone()),
+            finish_reason: f.finish_reason.clone(),
+        })
+        .collect();
+    let outcomes: Vec<Outcome> = finished.into_iter().map(|f| f.outcome).collect();
     drop(guards);
     Ok(Json(ChatCompletion {
         id: head.id,
@@ -321,6 +308,46 @@ pub async fn completions(
         usage: Usage::of(&outcomes),
     })
     .into_response())
+}
+
+/// A choice of a finished (non-streamed) completion.
+pub(super) struct FinishedChoice {
+    pub(super) outcome: Outcome,
+    pub(super) finish_reason: String,
+    /// In `shape`'s form with `logprobs`, else null.
+    pub(super) logprobs: Value,
+}
+
+/// Waits for every choice to end, in order: its outcome, OpenAI's finish reason (a failed
+/// choice fails the request), and its tokens' log-probabilities when asked for.
+pub(super) async fn finished_choices(
+    lives: &[Arc<Live>],
+    logprobs: bool,
+    shape: &Shape,
+) -> Result<Vec<FinishedChoice>, ApiError> {
+    let mut out = Vec::with_capacity(lives.len());
+    for live in lives {
+        let outcome = live
+            .outcome()
+            .await
+            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+        let reason = outcome
+            .end
+            .openai_finish_reason()
+            .map_err(|e| ApiError::from(e.clone()))?;
+        let logprobs = if logprobs {
+            let mut offset = shape.echoed_len();
+            shape.logprobs(collected_logprobs(live).await, &mut offset)
+        } else {
+            Value::Null
+        };
+        out.push(FinishedChoice {
+            outcome,
+            finish_reason: reason.into(),
+            logprobs,
+        });
+    }
+    Ok(out)
 }
 
 /// What every object of one completion repeats.
@@ -355,6 +382,14 @@ pub(super) enum Shape {
 }
 
 impl Shape {
+    /// Bytes of echoed prompt before each choice's text.
+    fn echoed_len(&self) -> usize {
+        match self {
+            Self::Chat | Self::Text { echo: None } => 0,
+            Self::Text { echo: Some(p) } => p.len(),
+        }
+    }
+
     fn object(&self) -> &'static str {
         match self {
             Self::Chat => "chat.completion.chunk",
@@ -431,12 +466,8 @@ pub(super) fn streamed(
         for (i, live) in lives.iter().enumerate() {
             merged.insert(i, Box::pin(live.subscribe(0)));
         }
-        let echo = match &shape {
-            Shape::Text { echo } => echo.clone(),
-            Shape::Chat => None,
-        };
         let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); lives.len()];
-        let mut offsets: Vec<usize> = vec![echo.as_ref().map_or(0, String::len); lives.len()];
+        let mut offsets: Vec<usize> = vec![shape.echoed_len(); lives.len()];
         let mut outcomes: Vec<Outcome> = Vec::new();
         while let Some((i, (_, e))) = merged.next().await {
             let lp = |pending: &mut Vec<TokenLogprob>, offset: &mut usize| {
