@@ -62,6 +62,10 @@ pub struct BenchOptions {
     /// KV budget in MiB.
     #[arg(long, env = "HEARTH_KV_BUDGET_MB", default_value_t = 4096)]
     pub kv_budget_mb: usize,
+    /// Concurrent sequences of the constrained-decoding runs (each against the same number of
+    /// unconstrained ones); empty skips them.
+    #[arg(long, default_value = "1,16", value_delimiter = ',')]
+    pub grammar_streams: Vec<usize>,
     /// Draft tokens of the speculation runs (the engine's `--spec-tokens`); 0 skips them. The
     /// other measurements run without speculation, like llama-bench.
     #[arg(long, default_value_t = 4)]
@@ -105,6 +109,17 @@ fn run(rx: EventStream, start: Instant) -> Run {
     }
     out.total = start.elapsed();
     out
+}
+
+/// Reads every stream at once, so each one's first-token time is when it was produced.
+fn run_all(streams: Vec<EventStream>, start: Instant) -> Vec<Run> {
+    std::thread::scope(|scope| {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|s| scope.spawn(move || run(s, start)))
+            .collect();
+        readers.into_iter().filter_map(|r| r.join().ok()).collect()
+    })
 }
 
 /// A request that generates exactly `n` tokens.
@@ -224,14 +239,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
                 ))
             })
             .collect::<Result<_, _>>()?;
-        // Read every stream at once, so each one's first-token time is when it was produced.
-        let runs: Vec<Run> = std::thread::scope(|scope| {
-            let readers: Vec<_> = streams
-                .into_iter()
-                .map(|s| scope.spawn(move || run(s, t)))
-                .collect();
-            readers.into_iter().filter_map(|r| r.join().ok()).collect()
-        });
+        let runs = run_all(streams, t);
         let wall = t.elapsed().as_secs_f64();
         let generated: usize = runs.iter().map(|r| r.tokens.len()).sum();
         let last_first = runs
@@ -332,6 +340,11 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
     } else {
         None
     };
+    let constrained = if o.grammar_streams.is_empty() {
+        None
+    } else {
+        Some(constrained(&model, model_path, o)?)
+    };
     Ok(json!({
         "model": model_path.display().to_string(),
         "architecture": model.config().architecture,
@@ -364,6 +377,7 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         "speculation": speculation,
         "warm_sessions": warm,
         "disk_tier": disk,
+        "constrained": constrained,
         "engine": {
             "kv_dtype": o.kv_dtype.name(),
             "kv_blocks_total": stats.kv_blocks_total,
@@ -659,4 +673,77 @@ fn disk_tier(model: &Weights, o: &BenchOptions) -> anyhow::Result<Value> {
         "ttft_ms_recomputed": b,
         "speedup": b / a.max(1e-9),
     }))
+}
+
+/// What constrained decoding costs: `--grammar-streams` sequences generate `--batch-tokens`
+/// tokens each, greedy, without a grammar and then each constrained to a JSON Schema that cannot
+/// be complete before then (an array of at least 100 small objects), so every token is masked.
+fn constrained(
+    model: &Weights,
+    model_path: &std::path::Path,
+    o: &BenchOptions,
+) -> anyhow::Result<Value> {
+    use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
+    let vocab = Vocabulary::from_gguf(model_path).map_err(anyhow::Error::msg)?;
+    let (_, eos, end_of_turn) = model.special();
+    let stops: Vec<u32> = [eos, end_of_turn].into_iter().flatten().collect();
+    let t = Instant::now();
+    let grammars = Grammars::new(&vocab, &stops, model.config().vocab_size, MASK_THREADS)
+        .map_err(anyhow::Error::msg)?;
+    let setup_ms = t.elapsed().as_secs_f64() * 1e3;
+    let engine = Engine::start(
+        model.clone(),
+        EngineConfig {
+            kv_budget_bytes: o.kv_budget_mb << 20,
+            kv_dtype: o.kv_dtype,
+            spec_tokens: 0,
+            grammars: Some(std::sync::Arc::new(grammars)),
+            ..Default::default()
+        },
+    )?;
+    let h = engine.handle();
+    let schema = json!({"type": "array", "minItems": 100, "items": {"type": "object",
+        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 12}},
+        "required": ["id", "name"], "additionalProperties": false}});
+    let grammar = hearth_shared::Grammar::JsonSchema { schema };
+    let vocab_n = model.config().vocab_size;
+    let mut id = 0u64;
+    let mut rows = Vec::new();
+    for &n in &o.grammar_streams {
+        let mut row = json!({ "concurrency": n });
+        for with in [false, true] {
+            let t = Instant::now();
+            let streams = (0..n)
+                .map(|i| {
+                    id += 1;
+                    let mut r = req(
+                        id,
+                        tokens(16, 300 + i as u64, vocab_n),
+                        o.batch_tokens,
+                        None,
+                    );
+                    r.grammar = with.then(|| grammar.clone());
+                    h.submit(r)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let runs = run_all(streams, t);
+            let wall = t.elapsed().as_secs_f64();
+            let generated: usize = runs.iter().map(|r| r.tokens.len()).sum();
+            let tok_s = generated as f64 / wall;
+            let key = if with { "json_schema" } else { "free" };
+            progress(&format!("{n} streams, {key}: {tok_s:.1} tok/s"));
+            row[key] = json!({ "generated_tokens": generated, "aggregate_tok_s": tok_s });
+        }
+        let ratio = row["json_schema"]["aggregate_tok_s"]
+            .as_f64()
+            .unwrap_or(0.0)
+            / row["free"]["aggregate_tok_s"]
+                .as_f64()
+                .unwrap_or(1.0)
+                .max(1e-9);
+        row["throughput_ratio"] = json!(ratio);
+        row["cost_pct"] = json!((1.0 - ratio) * 100.0);
+        rows.push(row);
+    }
+    Ok(json!({ "mask_threads": MASK_THREADS, "setup_ms": setup_ms, "runs": rows }))
 }

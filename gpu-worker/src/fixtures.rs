@@ -65,33 +65,11 @@ const TINY_CHARS: &str =
 /// random-weight model generates can be shown.
 pub fn write_tiny_tokenizer(path: &Path, vocab: usize) -> std::io::Result<()> {
     use serde_json::{json, Map, Value};
-    let specials = [
-        (PAD, "<pad>"),
-        (EOS, "<eos>"),
-        (BOS, "<bos>"),
-        (START_OF_TURN, "<start_of_turn>"),
-        (END_OF_TURN, "<end_of_turn>"),
-    ];
-    let mut names: Vec<Option<String>> = vec![None; vocab];
-    for (id, name) in specials {
-        names[id as usize] = Some(name.to_string());
-    }
-    let ordinary = TINY_CHARS
-        .chars()
-        .map(String::from)
-        .chain((0..=255u32).map(|b| format!("<0x{b:02X}>")))
-        .chain((0..).map(|i| format!("<unused{i}>")));
-    let free: Vec<usize> = (0..vocab).filter(|&i| names[i].is_none()).collect();
-    for (slot, name) in free.into_iter().zip(ordinary) {
-        names[slot] = Some(name);
-    }
     let mut model_vocab = Map::new();
-    for (id, name) in names.iter().enumerate() {
-        if let Some(n) = name {
-            model_vocab.insert(n.clone(), Value::from(id));
-        }
+    for (id, (name, _)) in tiny_vocab(vocab).into_iter().enumerate() {
+        model_vocab.insert(name, Value::from(id));
     }
-    let added: Vec<Value> = specials
+    let added: Vec<Value> = TINY_SPECIALS
         .iter()
         .map(|(id, name)| {
             json!({"id": id, "content": name, "single_word": false, "lstrip": false,
@@ -117,6 +95,50 @@ pub fn write_tiny_tokenizer(path: &Path, vocab: usize) -> std::io::Result<()> {
                   "vocab": model_vocab, "merges": []}
     });
     std::fs::write(path, tokenizer.to_string())
+}
+
+/// Gemma's special tokens at Gemma's ids.
+const TINY_SPECIALS: [(u32, &str); 5] = [
+    (PAD, "<pad>"),
+    (EOS, "<eos>"),
+    (BOS, "<bos>"),
+    (START_OF_TURN, "<start_of_turn>"),
+    (END_OF_TURN, "<end_of_turn>"),
+];
+
+/// llama.cpp's token types, as the tiny GGUF stores them.
+const TYPE_NORMAL: i32 = 1;
+const TYPE_CONTROL: i32 = 3;
+const TYPE_BYTE: i32 = 6;
+
+/// The tiny vocabulary (see [`write_tiny_tokenizer`]): each token's piece and type, by id. The
+/// GGUF and the tokenizer hold the same one, so the worker's vocabulary (constrained decoding)
+/// and the orchestrator's tokenizer agree.
+fn tiny_vocab(vocab: usize) -> Vec<(String, i32)> {
+    let mut names: Vec<Option<(String, i32)>> = vec![None; vocab];
+    for (id, name) in TINY_SPECIALS {
+        if let Some(slot) = names.get_mut(id as usize) {
+            *slot = Some((name.to_string(), TYPE_CONTROL));
+        }
+    }
+    let ordinary = TINY_CHARS
+        .chars()
+        .map(|c| (String::from(c), TYPE_NORMAL))
+        .chain((0..=255u32).map(|b| (format!("<0x{b:02X}>"), TYPE_BYTE)))
+        .chain((0..).map(|i| (format!("<unused{i}>"), TYPE_CONTROL)));
+    let free: Vec<usize> = (0..vocab).filter(|&i| names[i].is_none()).collect();
+    for (slot, name) in free.into_iter().zip(ordinary) {
+        names[slot] = Some(name);
+    }
+    names.into_iter().flatten().collect()
+}
+
+/// The tiny vocabulary's text by id (`▁` as a space; byte and special tokens by their names).
+pub fn tiny_vocab_text(vocab: usize) -> Vec<String> {
+    tiny_vocab(vocab)
+        .into_iter()
+        .map(|(name, _)| name.replace('▁', " "))
+        .collect()
 }
 
 /// A deterministic xorshift stream: the one source of pseudo-random fixtures and bench inputs.
@@ -304,17 +326,10 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         };
         qtensors.push((gname, qt));
     }
-    let tokens: Vec<Value> = (0..spec.vocab)
-        .map(|i| {
-            Value::String(match i as u32 {
-                PAD => "<pad>".into(),
-                EOS => "<eos>".into(),
-                BOS => "<bos>".into(),
-                END_OF_TURN => "<end_of_turn>".into(),
-                _ => format!("tok{i}"),
-            })
-        })
-        .collect();
+    let (tokens, types): (Vec<Value>, Vec<Value>) = tiny_vocab(spec.vocab)
+        .into_iter()
+        .map(|(name, ty)| (Value::String(name), Value::I32(ty)))
+        .unzip();
     let u = |v: usize| Value::U32(v as u32);
     let md: Vec<(&str, Value)> = vec![
         ("general.architecture", Value::String("gemma3".into())),
@@ -336,6 +351,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         ),
         ("tokenizer.ggml.model", Value::String("llama".into())),
         ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.token_type", Value::Array(types)),
         ("tokenizer.ggml.bos_token_id", Value::U32(BOS)),
         ("tokenizer.ggml.eos_token_id", Value::U32(EOS)),
         ("tokenizer.ggml.padding_token_id", Value::U32(PAD)),

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use hearth_shared::SamplingParams;
+use llguidance::toktrie::SimpleVob;
 
 use crate::math::exp;
 
@@ -145,12 +146,28 @@ impl Sampler {
         history: &[u32],
         summary: Option<LogitSummary>,
     ) -> (u32, f32) {
+        self.sample_masked(logits, history, summary, None)
+    }
+
+    /// [`Sampler::sample`] among the tokens `mask` allows (a grammar's, which the caller has
+    /// checked allows at least one): the others are never picked. The log-probability is still
+    /// the model's own.
+    pub fn sample_masked(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        summary: Option<LogitSummary>,
+        mask: Option<&SimpleVob>,
+    ) -> (u32, f32) {
         let LogitSummary { argmax, max, lse } = summary.unwrap_or_else(|| LogitSummary::of(logits));
         // Adjusted tokens' unmodified logits.
         let original = self.adjust(logits, history);
+        if let Some(m) = mask {
+            apply_mask(m, logits);
+        }
         let token = if self.params.is_greedy() {
-            // The first maximum is already known unless an adjustment moved logits.
-            if original.is_empty() {
+            // The first maximum is already known unless an adjustment or a mask moved logits.
+            if original.is_empty() && mask.is_none() {
                 argmax
             } else {
                 first_index_of(logits, max_of(logits))
@@ -278,6 +295,27 @@ impl Sampler {
             }
         }
         cand.last().map_or(0, |c| c.1)
+    }
+}
+
+/// Sets every logit the mask does not allow to minus infinity.
+pub fn apply_mask(mask: &SimpleVob, logits: &mut [f32]) {
+    for (w, chunk) in mask.as_slice().iter().zip(logits.chunks_mut(32)) {
+        match *w {
+            u32::MAX => {}
+            0 => chunk.fill(f32::NEG_INFINITY),
+            w => {
+                for (j, l) in chunk.iter_mut().enumerate() {
+                    if w & (1 << j) == 0 {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+    }
+    let covered = mask.as_slice().len() * 32;
+    if let Some(rest) = logits.get_mut(covered..) {
+        rest.fill(f32::NEG_INFINITY);
     }
 }
 

@@ -2,6 +2,7 @@
 //!
 //! # Layout
 //! - [`chat`]: the Gemma chat template, incremental detokenization and stop strings.
+//! - [`grammar`]: constrained decoding's grammars (JSON Schema, Lark, regular expressions).
 //! - [`ids`]: newtypes for request, session and user ids.
 //! - [`sampling`]: per-request sampling parameters and their validation.
 //! - [`finish`]: why a generation ended.
@@ -11,6 +12,7 @@
 
 pub mod chat;
 pub mod finish;
+pub mod grammar;
 pub mod ids;
 pub mod proto;
 pub mod sampling;
@@ -19,5 +21,6 @@ pub mod tokenizer;
 pub mod worker_auth;
 
 pub use finish::FinishReason;
+pub use grammar::{Grammar, GrammarError};
 pub use ids::{RequestId, SessionId, UserId};
 pub use sampling::{SamplingError, SamplingParams};

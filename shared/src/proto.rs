@@ -95,6 +95,37 @@ impl From<generated::SamplingParams> for DomainSampling {
     }
 }
 
+impl From<&crate::Grammar> for generated::Grammar {
+    fn from(g: &crate::Grammar) -> Self {
+        use generated::grammar::Kind;
+        let kind = match g {
+            crate::Grammar::JsonObject => Kind::JsonObject(true),
+            crate::Grammar::JsonSchema { schema } => Kind::JsonSchema(schema.to_string()),
+            crate::Grammar::Lark { grammar } => Kind::Lark(grammar.clone()),
+            crate::Grammar::Regex { pattern } => Kind::Regex(pattern.clone()),
+        };
+        Self { kind: Some(kind) }
+    }
+}
+
+/// A wire grammar that is empty, or whose schema is not JSON.
+impl TryFrom<generated::Grammar> for crate::Grammar {
+    type Error = crate::GrammarError;
+
+    fn try_from(g: generated::Grammar) -> Result<Self, Self::Error> {
+        use generated::grammar::Kind;
+        match g.kind {
+            None => Err(crate::GrammarError("the grammar names no kind".into())),
+            Some(Kind::JsonObject(_)) => Ok(Self::JsonObject),
+            Some(Kind::JsonSchema(text)) => serde_json::from_str(&text)
+                .map(|schema| Self::JsonSchema { schema })
+                .map_err(|e| crate::GrammarError(format!("the JSON Schema is not JSON: {e}"))),
+            Some(Kind::Lark(grammar)) => Ok(Self::Lark { grammar }),
+            Some(Kind::Regex(pattern)) => Ok(Self::Regex { pattern }),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -146,5 +177,29 @@ mod tests {
             SamplingParams::from(generated::SamplingParams::default()),
             SamplingParams::default()
         );
+    }
+
+    #[test]
+    fn grammars_round_trip_and_a_kindless_one_is_refused() {
+        for g in [
+            crate::Grammar::JsonObject,
+            crate::Grammar::JsonSchema {
+                schema: serde_json::json!({"type": "array", "items": {"enum": [1, "a"]}}),
+            },
+            crate::Grammar::Lark {
+                grammar: "start: \"a\"".into(),
+            },
+            crate::Grammar::Regex {
+                pattern: "x+".into(),
+            },
+        ] {
+            let wire = generated::Grammar::from(&g);
+            assert_eq!(crate::Grammar::try_from(wire), Ok(g));
+        }
+        assert!(crate::Grammar::try_from(generated::Grammar::default()).is_err());
+        let not_json = generated::Grammar {
+            kind: Some(generated::grammar::Kind::JsonSchema("{".into())),
+        };
+        assert!(crate::Grammar::try_from(not_json).is_err());
     }
 }

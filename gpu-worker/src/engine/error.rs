@@ -14,6 +14,11 @@ pub enum EngineError {
     StopTokenOutOfRange { id: u32, vocab: usize },
     #[error(transparent)]
     InvalidSampling(#[from] SamplingError),
+    #[error("grammar: {0}")]
+    InvalidGrammar(String),
+    /// The grammar engine failed on a running sequence (a grammar beyond its limits, say).
+    #[error("the grammar engine failed: {0}")]
+    GrammarFailed(String),
     #[error("max_new_tokens: must be at least 1")]
     InvalidMaxNewTokens,
     #[error(

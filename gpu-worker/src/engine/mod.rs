@@ -7,6 +7,7 @@
 //! request at the next engine step.
 
 mod backend;
+pub mod constraint;
 mod error;
 pub mod lookup;
 mod scheduler;
@@ -79,6 +80,7 @@ pub struct EngineHandle {
     stats: Arc<SharedStats>,
     info: Arc<ModelInfo>,
     closed: Arc<AtomicBool>,
+    grammars: Option<Arc<constraint::Grammars>>,
 }
 
 /// What clients need to know about the loaded model.
@@ -133,6 +135,7 @@ impl Engine {
                 stats,
                 info,
                 closed: Arc::new(AtomicBool::new(false)),
+                grammars: config.grammars.clone(),
             },
             thread: Some(thread),
         })
@@ -177,6 +180,7 @@ impl Engine {
                 stats,
                 info,
                 closed: Arc::new(AtomicBool::new(false)),
+                grammars: config.grammars.clone(),
             },
             thread: Some(thread),
         })
@@ -213,7 +217,7 @@ impl EngineHandle {
 
     /// Validates and queues a request; its events arrive on the returned stream.
     pub fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
-        let valid = types::validate(req, &self.info)?;
+        let valid = types::validate(req, &self.info)?.constrain(self.grammars.as_deref())?;
         if self.closed.load(Ordering::SeqCst) {
             return Err(EngineError::ShuttingDown);
         }

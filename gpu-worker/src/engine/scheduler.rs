@@ -13,6 +13,7 @@ use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
 use std::sync::Mutex;
 
 use super::backend::{Backend, Weights};
+use super::constraint::{Constraint, Next};
 use super::lookup;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::{EngineError, EventSender, ModelInfo};
@@ -20,6 +21,7 @@ use crate::kernels::SpinPool;
 use crate::kv::{chain_hash, BlockAllocator, BlockId, Chain, DiskTier, Packing, NO_BLOCK};
 use crate::model::SeqChunk;
 use crate::sampling::{LogitSummary, Sampler};
+use llguidance::toktrie::SimpleVob;
 
 /// Most remembered cancels of requests not yet seen.
 const EARLY_CANCELS_MAX: usize = 4096;
@@ -99,6 +101,8 @@ struct Seq {
     max_new: usize,
     stop_ids: Vec<u32>,
     sampler: Sampler,
+    /// The grammar its tokens follow, with the next step's mask on the way.
+    constraint: Option<Constraint>,
     /// Draft tokens at the end of `tokens` this step verifies (speculative decoding); 0 between
     /// steps.
     draft: usize,
@@ -307,6 +311,7 @@ impl Scheduler {
             inner,
             stop_ids,
             arrived,
+            constraint,
         } = req;
         self.max_id_seen = self.max_id_seen.max(inner.id.0);
         let in_flight = self
@@ -352,6 +357,7 @@ impl Scheduler {
                     inner.dry_breakers,
                 )
                 .with_top_logprobs(inner.top_logprobs as usize),
+            constraint,
             draft: 0,
             draft_cap: self.config.spec_tokens,
             cached_tokens: 0,
@@ -919,7 +925,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            if speculate && pending == 1 {
+            if speculate && pending == 1 && self.running[i].constraint.is_none() {
                 if let Some(tokens) = self.draft(i) {
                     plan.push((self.running[i].id, tokens));
                     i += 1;
@@ -1000,7 +1006,7 @@ impl Scheduler {
                     blocks: &s.blocks,
                     packed: &s.packed,
                     logit_rows: if ends { 1 + s.draft } else { 0 },
-                    summary_only: s.draft == 0 && !s.sampler.needs_row(),
+                    summary_only: s.draft == 0 && !s.sampler.needs_row() && s.constraint.is_none(),
                 }
             })
             .collect();
@@ -1050,9 +1056,10 @@ impl Scheduler {
         logits: &mut [f32],
         summaries: &[LogitSummary],
         summary: &mut StepSummary,
-    ) -> Vec<(RequestId, FinishReason)> {
+    ) -> Vec<(RequestId, Ending)> {
         let (vocab, ctx) = (self.info.vocab_size, self.info.context_length);
-        let mut plain: Vec<(usize, &mut [f32], Option<LogitSummary>)> = Vec::new();
+        let mut plain: Vec<Row<'_>> = Vec::new();
+        let mut finished = Vec::new();
         let mut drafts: Vec<(usize, &mut [f32], &[LogitSummary])> = Vec::new();
         let mut rest: &mut [f32] = logits;
         let mut rest_summaries: &[LogitSummary] = summaries;
@@ -1064,16 +1071,35 @@ impl Scheduler {
             rest = tail;
             let (my_summaries, tail) = rest_summaries.split_at(r.min(rest_summaries.len()));
             rest_summaries = tail;
-            if self.running[ix].draft > 0 {
+            let s = &mut self.running[ix];
+            if s.draft > 0 {
                 drafts.push((ix, mine, my_summaries));
-            } else {
-                plain.push((ix, mine, my_summaries.first().copied()));
+                continue;
             }
+            // A constrained sequence's mask was computed during the forward pass.
+            let mask = match s.constraint.as_mut().map(Constraint::wait) {
+                None => None,
+                Some(Next::Mask(m)) => Some(m),
+                Some(Next::Done) => {
+                    finished.push((s.id, Ok(FinishReason::Stop)));
+                    continue;
+                }
+                Some(Next::Failed(e)) => {
+                    finished.push((s.id, Err(EngineError::GrammarFailed(e))));
+                    continue;
+                }
+            };
+            plain.push((ix, mine, my_summaries.first().copied(), mask));
         }
-        let mut finished = Vec::new();
         for (ix, token, logprob, top) in sample_rows(&mut self.running, plain) {
-            if let Some(r) = emit(&mut self.running[ix], (token, logprob, top), ctx) {
-                finished.push((self.running[ix].id, r));
+            let s = &mut self.running[ix];
+            match emit(s, (token, logprob, top), ctx) {
+                Some(r) => finished.push((s.id, Ok(r))),
+                None => {
+                    if let Some(c) = s.constraint.as_mut() {
+                        c.advance(token);
+                    }
+                }
             }
         }
         let most = self.config.spec_tokens;
@@ -1084,7 +1110,7 @@ impl Scheduler {
             self.spec_accepted += accepted;
             summary.decode_tokens += accepted;
             if let Some(r) = end {
-                finished.push((self.running[ix].id, r));
+                finished.push((self.running[ix].id, Ok(r)));
             }
         }
         finished
@@ -1093,7 +1119,7 @@ impl Scheduler {
     /// After a step: each planned sequence's table gives back the blocks of draft tokens not
     /// kept, registers its full blocks in the prefix cache and packs what its window left; then
     /// the finished sequences retire.
-    fn settle(&mut self, order: &[usize], finished: Vec<(RequestId, FinishReason)>) {
+    fn settle(&mut self, order: &[usize], finished: Vec<(RequestId, Ending)>) {
         let bs = self.config.block_size;
         for &ix in order {
             let s = &mut self.running[ix];
@@ -1101,10 +1127,13 @@ impl Scheduler {
             self.register_full_blocks(ix);
             self.trim(ix);
         }
-        for (id, reason) in finished {
+        for (id, ending) in finished {
             if let Some(ix) = self.running.iter().position(|s| s.id == id) {
                 let s = self.running.swap_remove(ix);
-                s.finish(reason);
+                match ending {
+                    Ok(reason) => s.finish(reason),
+                    Err(e) => s.send(EngineEvent::Error(e)),
+                }
                 self.retire(s);
             }
         }
@@ -1126,20 +1155,35 @@ fn decode_cost(c: &crate::model::GemmaConfig) -> f64 {
 /// alternatives (when asked for).
 type Picked = (usize, u32, f32, Vec<(u32, f32)>);
 
+/// A row to sample: the sequence's index in the batch, its logits, their summary where the
+/// forward pass made one, and its grammar's mask.
+type Row<'a> = (
+    usize,
+    &'a mut [f32],
+    Option<LogitSummary>,
+    Option<SimpleVob>,
+);
+
+/// How a sequence ends this step: finished, or failed.
+type Ending = Result<FinishReason, EngineError>;
+
 /// Samples one token from each row, in parallel on the kernel pool (whose helpers are already
 /// awake: handing this to another pool would leave a spinning helper competing for the cores).
-fn sample_rows(
-    running: &mut [Seq],
-    rows: Vec<(usize, &mut [f32], Option<LogitSummary>)>,
-) -> Vec<Picked> {
+fn sample_rows(running: &mut [Seq], rows: Vec<Row<'_>>) -> Vec<Picked> {
     let mut seqs: Vec<Option<&mut Seq>> = running.iter_mut().map(Some).collect();
-    type Work<'a> = (usize, &'a mut Seq, &'a mut [f32], Option<LogitSummary>);
+    type Work<'a> = (
+        usize,
+        &'a mut Seq,
+        &'a mut [f32],
+        Option<LogitSummary>,
+        Option<SimpleVob>,
+    );
     let work: Vec<Mutex<Work<'_>>> = rows
         .into_iter()
-        .filter_map(|(ix, row, summary)| {
+        .filter_map(|(ix, row, summary, mask)| {
             seqs.get_mut(ix)
                 .and_then(Option::take)
-                .map(|s| Mutex::new((ix, s, row, summary)))
+                .map(|s| Mutex::new((ix, s, row, summary, mask)))
         })
         .collect();
     let picks: Vec<Mutex<Picked>> = work
@@ -1148,9 +1192,11 @@ fn sample_rows(
         .collect();
     SpinPool::global().run(work.len(), &|i| {
         if let (Ok(mut w), Ok(mut p)) = (work[i].lock(), picks[i].lock()) {
-            let (ix, s, row, summary) = &mut *w;
+            let (ix, s, row, summary, mask) = &mut *w;
             let top = s.sampler.top_logprobs(row, *summary);
-            let (t, lp) = s.sampler.sample(row, &s.tokens, *summary);
+            let (t, lp) = s
+                .sampler
+                .sample_masked(row, &s.tokens, *summary, mask.as_ref());
             *p = (*ix, t, lp, top);
         }
     });

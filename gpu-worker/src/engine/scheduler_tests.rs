@@ -495,3 +495,76 @@ fn the_prefix_cache_never_matches_another_users_prompt() {
     assert_eq!(cached, 32);
     audit(&s);
 }
+
+/// Constrained sequences batched with a free one: every constrained reply is text the grammar
+/// matches and ends with `Stop` once the grammar is complete; the free one is untouched.
+#[test]
+fn constrained_sequences_follow_their_grammar_in_a_mixed_batch() {
+    use crate::engine::constraint::{Grammars, Vocabulary};
+    let dir = std::env::temp_dir().join(format!("hearth-sched-grammar-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::default()).unwrap();
+    let model = Arc::new(load_gguf(&path).unwrap());
+    let vocab = Vocabulary::from_gguf(&path).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let info_stops = [crate::fixtures::EOS, crate::fixtures::END_OF_TURN];
+    let grammars = Grammars::new(&vocab, &info_stops, VOCAB as usize, 2).unwrap();
+    let mut s = Scheduler::new(model, EngineConfig::default()).unwrap();
+    let grammar = hearth_shared::Grammar::Regex {
+        pattern: "(yes|no)-[0-9]{2}".into(),
+    };
+    let mut streams = Vec::new();
+    for (id, temperature) in [(1u64, 0.0f32), (2, 1.5), (3, 1.5)] {
+        let mut r = GenerateRequest::new(id, prompt(20, id as u32), 30);
+        r.params.temperature = temperature;
+        r.params.seed = Some(id);
+        r.grammar = Some(grammar.clone());
+        let v = validate(r, &s.model_info())
+            .unwrap()
+            .constrain(Some(&grammars))
+            .unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        s.enqueue(v, tx);
+        streams.push(rx);
+    }
+    let free = submit(&mut s, 4, prompt(20, 9), 30, None);
+    drain(&mut s, |_| {});
+    let names = crate::fixtures::tiny_vocab_text(VOCAB as usize);
+    let text = |ids: &[u32]| {
+        let mut bytes = Vec::new();
+        for &t in ids {
+            let n = &names[t as usize];
+            match n.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')) {
+                Some(h) => bytes.push(u8::from_str_radix(h, 16).unwrap()),
+                None => bytes.extend_from_slice(n.as_bytes()),
+            }
+        }
+        String::from_utf8(bytes).unwrap()
+    };
+    for mut rx in streams {
+        let (mut ids, mut end) = (Vec::new(), None);
+        while let Ok(e) = rx.try_recv() {
+            match e {
+                EngineEvent::Token { id, .. } => ids.push(id),
+                EngineEvent::Finished { reason, .. } => end = Some(reason),
+                other @ EngineEvent::Error(_) => panic!("{other:?}"),
+                EngineEvent::Started { .. } => {}
+            }
+        }
+        let t = text(&ids);
+        let (word, digits) = t.split_once('-').unwrap_or_else(|| panic!("{t:?}"));
+        assert!(word == "yes" || word == "no", "{t:?}");
+        assert!(
+            digits.len() == 2 && digits.bytes().all(|b| b.is_ascii_digit()),
+            "{t:?}"
+        );
+        assert_eq!(end, Some(FinishReason::Stop), "{t:?}");
+    }
+    let mut free = free;
+    let mut n = 0;
+    while let Ok(e) = free.try_recv() {
+        n += usize::from(matches!(e, EngineEvent::Token { .. }));
+    }
+    assert_eq!(n, 30, "the free sequence generates its 30 tokens");
+}

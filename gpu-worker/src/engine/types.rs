@@ -2,7 +2,11 @@
 
 use std::time::Instant;
 
-use hearth_shared::{FinishReason, RequestId, SamplingParams, SessionId, UserId};
+use std::sync::Arc;
+
+use hearth_shared::{FinishReason, Grammar, RequestId, SamplingParams, SessionId, UserId};
+
+use super::constraint::{Constraint, Grammars};
 
 use super::{EngineError, ModelInfo};
 use crate::kv::KvDtype;
@@ -44,6 +48,9 @@ pub struct EngineConfig {
     /// Called on the engine thread after each step that did work (the worker records it in its
     /// metrics); `None`: nothing is told.
     pub on_step: Option<StepObserver>,
+    /// The grammar engine over the model's vocabulary; `None`: requests with a grammar are
+    /// refused.
+    pub grammars: Option<Arc<Grammars>>,
 }
 
 /// What a step reports: the step, how long it took, and the engine's batch limit.
@@ -76,6 +83,7 @@ impl Default for EngineConfig {
             spec_tokens: 4,
             spec_max_batch: 2,
             on_step: None,
+            grammars: None,
         }
     }
 }
@@ -105,6 +113,8 @@ pub struct GenerateRequest {
     pub dry_breakers: Vec<u32>,
     /// With each token, this many of the likeliest (at most [`MAX_TOP_LOGPROBS`]).
     pub top_logprobs: u32,
+    /// The grammar the reply follows (constrained decoding).
+    pub grammar: Option<Grammar>,
 }
 
 /// Most alternatives a token reports (OpenAI's limit).
@@ -126,16 +136,38 @@ impl GenerateRequest {
             shared_prefix: 0,
             dry_breakers: Vec::new(),
             top_logprobs: 0,
+            grammar: None,
         }
     }
 }
 
 /// A request that passed [`validate`]; the only kind the scheduler accepts.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct ValidRequest {
     pub(crate) inner: GenerateRequest,
     pub(crate) stop_ids: Vec<u32>,
     pub(crate) arrived: Instant,
+    /// The compiled grammar, with its first mask on the way ([`ValidRequest::constrain`]).
+    pub(crate) constraint: Option<Constraint>,
+}
+
+impl ValidRequest {
+    /// Compiles the request's grammar, if it has one, with `grammars` (a continuation's reply
+    /// so far, the prompt's last `sampled_before` tokens, is fed to it first).
+    pub fn constrain(mut self, grammars: Option<&Grammars>) -> Result<Self, EngineError> {
+        let Some(grammar) = &self.inner.grammar else {
+            return Ok(self);
+        };
+        let grammars = grammars.ok_or_else(|| {
+            EngineError::InvalidGrammar(
+                "this worker cannot constrain replies: its model file carries no vocabulary".into(),
+            )
+        })?;
+        let p = &self.inner.prompt;
+        let reply = &p[p.len().saturating_sub(self.inner.sampled_before as usize)..];
+        self.constraint = Some(grammars.start(grammar, reply)?);
+        Ok(self)
+    }
 }
 
 /// Checks a request against the model; errors name the offending field.
@@ -210,6 +242,7 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
         inner: req,
         stop_ids,
         arrived: Instant::now(),
+        constraint: None,
     })
 }
 

@@ -41,6 +41,7 @@ use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Identity, ServerTlsConfig};
 
 use crate::device::{self, DeviceError};
+use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
 use crate::engine::{Engine, EngineError, Weights};
 use crate::generic::GenericModel;
 use crate::model::{load_gguf, load_safetensors, ModelError};
@@ -193,8 +194,9 @@ impl Worker {
                     return Ok(());
                 }
             };
-            let (weights, info) = loaded;
-            let engine_config = engine_config(&config, &device, &weights)?;
+            let (weights, info, grammars) = loaded;
+            let mut engine_config = engine_config(&config, &device, &weights)?;
+            engine_config.grammars = grammars;
             (Engine::start(weights, engine_config)?, info)
         };
         let (engine, info) = engine;
@@ -275,11 +277,16 @@ fn engine_config(
     Ok(engine)
 }
 
+/// What loading makes: the weights, what clients are told of them, and the grammar engine over
+/// their vocabulary (where one could be made).
+type LoadedModel = (Weights, Loaded, Option<Arc<Grammars>>);
+
 /// Loads the model onto `device` with the forward pass `--forward` picks (and checks the
 /// tokenizer against it); runs on a blocking thread.
-fn load(config: &ValidConfig, device: &device::Device) -> Result<(Weights, Loaded), ServeError> {
+fn load(config: &ValidConfig, device: &device::Device) -> Result<LoadedModel, ServeError> {
     let path = &config.model;
     let model = load_weights(path, &config.run_on, device)?;
+    let grammars = grammars(config, &model);
     let mut loaded = Loaded {
         model_id: model_id(path),
         ..Loaded::default()
@@ -290,7 +297,32 @@ fn load(config: &ValidConfig, device: &device::Device) -> Result<(Weights, Loade
         loaded.start_of_turn_id = Some(tok.start_of_turn_id);
         loaded.pad_id = tok.pad_id;
     }
-    Ok((model, loaded))
+    Ok((model, loaded, grammars))
+}
+
+/// The grammar engine over the model's vocabulary: a GGUF file's own, or for a checkpoint
+/// directory its `--tokenizer`. Without one, requests with a grammar are refused (and the log
+/// says why once, here).
+fn grammars(config: &ValidConfig, model: &Weights) -> Option<Arc<Grammars>> {
+    let vocab = if config.model.is_dir() {
+        match &config.tokenizer {
+            Some(t) => Vocabulary::from_tokenizer_json(t),
+            None => Err("a checkpoint directory needs --tokenizer for its vocabulary".into()),
+        }
+    } else {
+        Vocabulary::from_gguf(&config.model)
+    };
+    let (_, eos, end_of_turn) = model.special();
+    let stops: Vec<u32> = [eos, end_of_turn].into_iter().flatten().collect();
+    let made =
+        vocab.and_then(|v| Grammars::new(&v, &stops, model.config().vocab_size, MASK_THREADS));
+    match made {
+        Ok(g) => Some(Arc::new(g)),
+        Err(e) => {
+            tracing::warn!(error = %e, "constrained decoding is off: requests with a grammar are refused");
+            None
+        }
+    }
 }
 
 /// The model at `path` (a GGUF file, or for the kernels a safetensors checkpoint directory),

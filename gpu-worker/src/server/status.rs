@@ -13,6 +13,8 @@ pub fn code(e: &EngineError) -> Code {
         | EngineError::TokenOutOfRange { .. }
         | EngineError::StopTokenOutOfRange { .. }
         | EngineError::InvalidSampling(_)
+        | EngineError::InvalidGrammar(_)
+        | EngineError::GrammarFailed(_)
         | EngineError::InvalidMaxNewTokens
         | EngineError::KvBudgetTooSmall { .. }
         | EngineError::DuplicateRequest(_) => Code::InvalidArgument,

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use hearth_shared::proto::{self, worker_event::Kind, worker_request};
-use hearth_shared::{RequestId, SamplingParams, SessionId, UserId};
+use hearth_shared::{Grammar, RequestId, SamplingParams, SessionId, UserId};
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tonic::{Code, Status, Streaming};
@@ -218,6 +218,11 @@ impl Connection {
             shared_prefix: r.shared_prefix_tokens,
             dry_breakers: r.dry_breaker_ids,
             top_logprobs: r.top_logprobs,
+            grammar: r
+                .grammar
+                .map(Grammar::try_from)
+                .transpose()
+                .map_err(|e| format!("grammar: {e}"))?,
         })
     }
 

@@ -1,0 +1,401 @@
+//! Constrained decoding: a sequence with a grammar samples each token from those the grammar
+//! allows next.
+//!
+//! The grammar engine is llguidance. A [`Grammars`] holds its parser factory over the model's
+//! vocabulary (made once at load) and a few mask threads. Each constrained sequence holds a
+//! [`Constraint`]: its matcher and the mask of its next step, computed on a mask thread while
+//! the forward pass runs. The sequence's token is known as soon as it is sampled, so the next
+//! step's mask (the matcher consumes the token, then computes which tokens may follow) is ready
+//! by the time that step's logits are, and the engine thread only waits for it when the
+//! forward pass was faster than the mask.
+
+use std::path::Path;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+
+use hearth_shared::Grammar;
+use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+
+use super::EngineError;
+
+/// llama.cpp's token types, as GGUF files store them.
+const TYPE_UNKNOWN: i32 = 2;
+const TYPE_CONTROL: i32 = 3;
+const TYPE_UNUSED: i32 = 5;
+const TYPE_BYTE: i32 = 6;
+
+/// Each token's bytes as the grammar engine sees them: text tokens as their UTF-8 (`▁` as a
+/// space), byte tokens as their byte, and control tokens marked special (llguidance's `0xFF`
+/// prefix), which no grammar matches as text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Vocabulary(Vec<Vec<u8>>);
+
+impl Vocabulary {
+    /// From SentencePiece pieces and (where the file has them) their token types.
+    pub fn from_pieces(pieces: &[String], types: Option<&[i32]>) -> Self {
+        let bytes = pieces
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let ty = types.and_then(|t| t.get(i).copied());
+                piece_bytes(p, ty)
+            })
+            .collect();
+        Self(bytes)
+    }
+
+    /// The vocabulary a GGUF file's `tokenizer.ggml.*` metadata holds (only its header is read).
+    pub fn from_gguf(path: &Path) -> Result<Self, String> {
+        use candle_core::quantized::gguf_file::{Content, Value};
+        let mut f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let content = Content::read(&mut f).map_err(|e| format!("{}: {e}", path.display()))?;
+        let md = &content.metadata;
+        let pieces: Vec<String> = match md.get("tokenizer.ggml.tokens").map(Value::to_vec) {
+            Some(Ok(v)) => v
+                .iter()
+                .map(|t| t.to_string().cloned().unwrap_or_default())
+                .collect(),
+            _ => return Err("the model file has no tokenizer.ggml.tokens".into()),
+        };
+        let types: Option<Vec<i32>> = md
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.to_vec().ok())
+            .map(|v| v.iter().map(|t| t.to_i32().unwrap_or(1)).collect());
+        Ok(Self::from_pieces(&pieces, types.as_deref()))
+    }
+
+    /// The vocabulary of a `tokenizer.json` (a checkpoint directory's).
+    pub fn from_tokenizer_json(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+        llguidance::token_bytes_from_tokenizer_json(&json)
+            .map(Self)
+            .map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// One piece's bytes. Without token types, `<0xHH>` is a byte and any other `<…>` piece a
+/// control token, as in Gemma's vocabulary.
+fn piece_bytes(piece: &str, ty: Option<i32>) -> Vec<u8> {
+    let byte = piece
+        .strip_prefix("<0x")
+        .and_then(|h| h.strip_suffix('>'))
+        .filter(|h| h.len() == 2)
+        .and_then(|h| u8::from_str_radix(h, 16).ok());
+    let special = |p: &str| {
+        let mut b = vec![TokTrie::SPECIAL_TOKEN_MARKER];
+        b.extend_from_slice(p.as_bytes());
+        b
+    };
+    match (ty, byte) {
+        (Some(TYPE_BYTE) | None, Some(b)) => vec![b],
+        (Some(TYPE_CONTROL | TYPE_UNKNOWN | TYPE_UNUSED), _) => special(piece),
+        (None, None) if piece.len() > 2 && piece.starts_with('<') && piece.ends_with('>') => {
+            special(piece)
+        }
+        _ => piece.replace('▁', " ").into_bytes(),
+    }
+}
+
+/// Mask threads a worker runs: a constrained sequence's next mask is computed on one of them
+/// while the forward pass runs.
+pub const MASK_THREADS: usize = 2;
+
+/// A unit of work for a mask thread.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The grammar engine over one model's vocabulary, and the threads that compute masks.
+pub struct Grammars {
+    factory: Arc<ParserFactory>,
+    jobs: Mutex<Sender<Job>>,
+    /// Rows of the model's logits (the vocabulary may be shorter: the rest are never allowed).
+    model_vocab: usize,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grammars")
+            .field("model_vocab", &self.model_vocab)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Grammars {
+    /// The engine over `vocab`, whose end-of-sequence tokens are `eos` (the model's stop
+    /// tokens: a grammar that is complete lets the model end its turn with any of them), with
+    /// `threads` mask threads.
+    pub fn new(
+        vocab: &Vocabulary,
+        eos: &[u32],
+        model_vocab: usize,
+        threads: usize,
+    ) -> Result<Self, String> {
+        if vocab.is_empty() || vocab.len() > model_vocab {
+            return Err(format!(
+                "the vocabulary has {} tokens, the model {model_vocab} rows of logits",
+                vocab.len()
+            ));
+        }
+        let first_eos = *eos.first().ok_or("the model names no stop token")?;
+        let info = TokRxInfo::new(vocab.len() as u32, first_eos);
+        let trie = TokTrie::from(&info, &vocab.0).with_eos_tokens(eos);
+        let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        let (tx, rx) = channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..threads.max(1) {
+            let rx = rx.clone();
+            std::thread::Builder::new()
+                .name(format!("hearth-mask-{i}"))
+                .spawn(move || mask_thread(&rx))
+                .map_err(|e| format!("cannot start a mask thread: {e}"))?;
+        }
+        Ok(Self {
+            factory: Arc::new(factory),
+            jobs: Mutex::new(tx),
+            model_vocab,
+        })
+    }
+
+    /// Compiles `grammar` for a sequence whose reply so far is `reply` (a continuation's
+    /// tokens, or none), and starts computing its first mask.
+    pub(crate) fn start(
+        &self,
+        grammar: &Grammar,
+        reply: &[u32],
+    ) -> Result<Constraint, EngineError> {
+        let parser = self
+            .factory
+            .create_parser(grammar.to_llguidance())
+            .map_err(|e| EngineError::InvalidGrammar(e.to_string()))?;
+        let mut matcher = Matcher::new(Ok(parser));
+        matcher.consume_tokens(reply).map_err(|e| {
+            EngineError::InvalidGrammar(format!("the reply so far does not follow it: {e}"))
+        })?;
+        let jobs = self
+            .jobs
+            .lock()
+            .map_err(|_| EngineError::Internal("the mask threads are gone".into()))?
+            .clone();
+        let mut c = Constraint {
+            matcher: Arc::new(Mutex::new(matcher)),
+            next: None,
+            jobs,
+        };
+        c.request(None);
+        Ok(c)
+    }
+}
+
+fn mask_thread(jobs: &Mutex<Receiver<Job>>) {
+    loop {
+        let job = match jobs.lock() {
+            Ok(rx) => rx.recv(),
+            Err(_) => return,
+        };
+        match job {
+            Ok(job) => job(),
+            Err(_) => return,
+        }
+    }
+}
+
+/// What a constrained sequence may do next.
+#[derive(Debug)]
+pub(crate) enum Next {
+    /// Sample among the tokens this mask allows.
+    Mask(SimpleVob),
+    /// The grammar is complete and nothing can follow: the reply ends here.
+    Done,
+    /// The grammar engine failed (a grammar that exceeds its limits, say).
+    Failed(String),
+}
+
+/// A sequence's matcher and its next step's mask, computed off the engine thread.
+pub(crate) struct Constraint {
+    matcher: Arc<Mutex<Matcher>>,
+    next: Option<Receiver<Next>>,
+    jobs: Sender<Job>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Constraint")
+            .field("pending", &self.next.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Constraint {
+    /// Feeds the sampled `token` to the matcher and starts computing the next mask.
+    pub(crate) fn advance(&mut self, token: u32) {
+        self.request(Some(token));
+    }
+
+    fn request(&mut self, token: Option<u32>) {
+        let (tx, rx) = channel();
+        let matcher = self.matcher.clone();
+        let job: Job = Box::new(move || {
+            // A panic in the grammar engine fails this sequence, not the mask thread.
+            let next = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                next_mask(&matcher, token)
+            }))
+            .unwrap_or_else(|_| Next::Failed("the grammar engine panicked".into()));
+            let _ = tx.send(next);
+        });
+        // A send fails only once the mask threads are gone; `wait` then reports it.
+        let _ = self.jobs.send(job);
+        self.next = Some(rx);
+    }
+
+    /// The next step's mask, waiting for it if it is still being computed.
+    pub(crate) fn wait(&mut self) -> Next {
+        match self.next.take().map(|rx| rx.recv()) {
+            Some(Ok(next)) => next,
+            Some(Err(_)) => Next::Failed("the mask thread is gone".into()),
+            None => Next::Failed("no mask was requested".into()),
+        }
+    }
+}
+
+fn next_mask(matcher: &Mutex<Matcher>, token: Option<u32>) -> Next {
+    let Ok(mut m) = matcher.lock() else {
+        return Next::Failed("the matcher is poisoned".into());
+    };
+    if let Some(t) = token {
+        if let Err(e) = m.consume_token(t) {
+            return Next::Failed(first_line(&e.to_string()));
+        }
+    }
+    if let Some(e) = m.get_error() {
+        return Next::Failed(first_line(&e));
+    }
+    if m.is_stopped() {
+        return Next::Done;
+    }
+    match m.compute_mask() {
+        // Tokens past the vocabulary (rows the model has and the vocabulary lacks) are never
+        // allowed: `apply_mask` masks whatever the mask's words do not cover.
+        Ok(mask) if !mask.is_zero() => Next::Mask(mask),
+        Ok(_) => Next::Failed("the grammar allows no token here".into()),
+        Err(e) => Next::Failed(first_line(&e.to_string())),
+    }
+}
+
+/// The grammar engine's errors carry its whole state after the first line; clients get the
+/// first.
+fn first_line(e: &str) -> String {
+    e.lines().next().unwrap_or_default().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sampling::apply_mask;
+
+    /// Single ASCII characters, a few words, Gemma-like specials.
+    fn vocab() -> (Vocabulary, Vec<u32>) {
+        let mut pieces: Vec<String> = vec!["<pad>".into(), "<eos>".into(), "<bos>".into()];
+        pieces.extend((0x20u8..0x7f).map(|c| (c as char).to_string().replace(' ', "▁")));
+        pieces.extend(["▁yes", "no", "{\"", "<0x0A>", "<end_of_turn>"].map(String::from));
+        let eot = pieces.len() as u32 - 1;
+        (Vocabulary::from_pieces(&pieces, None), vec![1, eot])
+    }
+
+    fn id(v: &Vocabulary, text: &[u8]) -> u32 {
+        v.0.iter().position(|t| t == text).expect("token") as u32
+    }
+
+    fn mask(c: &mut Constraint) -> SimpleVob {
+        match c.wait() {
+            Next::Mask(m) => m,
+            other => panic!("no mask: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn pieces_become_bytes_and_control_tokens_are_special() {
+        let (v, _) = vocab();
+        assert_eq!(v.0[1], b"\xFF<eos>");
+        assert_eq!(v.0[id(&v, b" yes") as usize], b" yes");
+        assert_eq!(id(&v, b"\n"), v.len() as u32 - 2);
+        let typed = Vocabulary::from_pieces(
+            &["<0x41>".into(), "<tool>".into(), "<b>".into()],
+            Some(&[TYPE_BYTE, TYPE_CONTROL, 4]),
+        );
+        assert_eq!(
+            typed.0,
+            vec![b"A".to_vec(), b"\xFF<tool>".to_vec(), b"<b>".to_vec()]
+        );
+    }
+
+    #[test]
+    fn masks_follow_the_grammar_and_end_it() {
+        let (v, eos) = vocab();
+        let g = Grammars::new(&v, &eos, v.len() + 5, 1).expect("grammars");
+        let regex = Grammar::Regex {
+            pattern: "(yes|no)!".into(),
+        };
+        let mut c = g.start(&regex, &[]).expect("compile");
+        let m = mask(&mut c);
+        let mut logits = vec![1.0f32; v.len() + 5];
+        apply_mask(&m, &mut logits);
+        let allowed: Vec<u32> = (0..logits.len() as u32)
+            .filter(|&t| logits[t as usize] > 0.0)
+            .collect();
+        let expect = [id(&v, b"y"), id(&v, b"n"), id(&v, b"no")];
+        let mut expect = expect.to_vec();
+        expect.sort_unstable();
+        assert_eq!(allowed, expect, "and never the rows past the vocabulary");
+        c.advance(id(&v, b"no"));
+        let m = mask(&mut c);
+        assert!(m.is_allowed(id(&v, b"!")) && m.num_set() == 1);
+        c.advance(id(&v, b"!"));
+        // Complete, and nothing can follow.
+        assert!(matches!(c.wait(), Next::Done));
+
+        let mut logits = vec![1.0f32; v.len() + 5];
+        let mut c = g.start(&regex, &[id(&v, b"y")]).expect("continuation");
+        let m = mask(&mut c);
+        apply_mask(&m, &mut logits);
+        let live: Vec<usize> = (0..logits.len()).filter(|&i| logits[i] > 0.0).collect();
+        assert_eq!(live, vec![id(&v, b"e") as usize]);
+    }
+
+    #[test]
+    fn a_complete_grammar_ends_the_reply_or_lets_the_model_end_it() {
+        let (v, eos) = vocab();
+        let g = Grammars::new(&v, &eos, v.len(), 1).expect("grammars");
+        // A JSON object: once closed, nothing can follow (no trailing whitespace).
+        let mut c = g.start(&Grammar::JsonObject, &[]).expect("compile");
+        for t in [b"{".as_slice(), b"}"] {
+            let m = mask(&mut c);
+            assert!(m.is_allowed(id(&v, t)), "{t:?}");
+            assert!(!m.is_allowed(eos[1]));
+            c.advance(id(&v, t));
+        }
+        assert!(matches!(c.wait(), Next::Done));
+        // Digits: complete after one, and more may follow, so the model may end its turn with
+        // either stop token or go on.
+        let digits = Grammar::Regex {
+            pattern: "[0-9]+".into(),
+        };
+        let mut c = g.start(&digits, &[id(&v, b"7")]).expect("compile");
+        let m = mask(&mut c);
+        assert!(m.is_allowed(eos[0]) && m.is_allowed(eos[1]) && m.is_allowed(id(&v, b"3")));
+        assert!(!m.is_allowed(id(&v, b"x")));
+        let wrong = g.start(&Grammar::JsonObject, &[id(&v, b"x")]);
+        assert!(matches!(wrong, Err(EngineError::InvalidGrammar(_))));
+    }
+}
