@@ -85,7 +85,10 @@ async fn completions_stream_and_not_with_usage() {
     // What Hearth cannot honour is refused by name, not ignored.
     for (extra, field) in [
         (json!({"n": 17}), "n"),
-        (json!({"tools": [{"type": "function"}]}), "tools"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}),
+            "tools",
+        ),
         (json!({"frequency_penalty": 2.5}), "frequency_penalty"),
         (json!({"logit_bias": {"7": 101}}), "logit_bias"),
         (json!({"dry_multiplier": -1}), "dry_multiplier"),
@@ -221,6 +224,41 @@ c = client.completions.create(model=model, prompt="Once upon a time", max_tokens
 assert c.object == "text_completion" and c.usage.completion_tokens == 4, c
 assert len(c.choices[0].logprobs.tokens) == 4, c.choices[0].logprobs
 assert client.models.retrieve(model).id == model
+
+# Structured outputs: a pydantic model as the response format, parsed by the client.
+from pydantic import BaseModel, Field
+class City(BaseModel):
+    name: str = Field(max_length=10)
+    population: int = Field(ge=0, le=1000000)
+parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+p = parse(model=model, messages=[{"role": "user", "content": "A city?"}], response_format=City,
+          max_tokens=200, temperature=1.0, seed=5)
+assert p.choices[0].finish_reason == "stop" and isinstance(p.choices[0].message.parsed, City), p
+
+# Tools: a required call parses and validates; its result goes back and the model answers.
+tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                         "required": ["city"], "additionalProperties": False}}}]
+ask = [{"role": "user", "content": "Weather in Oslo?"}]
+t = client.chat.completions.create(model=model, messages=ask, tools=tools, tool_choice="required",
+                                   max_tokens=100, temperature=1.0, seed=2)
+call = t.choices[0].message.tool_calls[0]
+assert t.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather", t
+assert isinstance(json.loads(call.function.arguments)["city"], str), call
+follow = client.chat.completions.create(
+    model=model, messages=ask + [t.choices[0].message,
+                                 {"role": "tool", "tool_call_id": call.id, "content": "sunny"}],
+    tools=tools, tool_choice="none", max_tokens=5, extra_body={"ignore_eos": True})
+assert follow.choices[0].message.tool_calls is None and follow.choices[0].message.content, follow
+calls, finish = [], None
+for chunk in client.chat.completions.create(
+        stream=True, model=model, messages=ask, tools=tools, max_tokens=100, temperature=1.0,
+        seed=4, tool_choice={"type": "function", "function": {"name": "get_weather"}}):
+    for c in chunk.choices:
+        calls += c.delta.tool_calls or []
+        finish = c.finish_reason or finish
+assert finish == "tool_calls" and calls[0].function.name == "get_weather", calls
+assert "city" in json.loads("".join(c.function.arguments or "" for c in calls)), calls
 print(json.dumps({"model": model, "text": r.choices[0].message.content, "streamed": text}))
 "#;
 

@@ -229,22 +229,25 @@ export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
         AssistantMessage: {
-            content: string;
             /** @description `assistant` */
             role: string;
+            /** @description The reply's text; `null` when it is tool calls. */
+            content: string | null;
+            /** @description The calls the reply makes, when it is nothing but calls of the request's tools. */
+            tool_calls?: components["schemas"]["ToolCall"][] | null;
         };
         /** @description A finished chat completion. */
         ChatCompletion: {
-            choices: components["schemas"]["CompletionChoice"][];
+            id: string;
+            /** @description `chat.completion` */
+            object: string;
             /**
              * Format: int64
              * @description Unix seconds.
              */
             created: number;
-            id: string;
             model: string;
-            /** @description `chat.completion` */
-            object: string;
+            choices: components["schemas"]["CompletionChoice"][];
             usage: components["schemas"]["Usage"];
         };
         /**
@@ -252,84 +255,87 @@ export interface components {
          *     `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
          */
         ChatRequest: {
-            /** Format: u-int32 */
-            dry_allowed_length?: number | null;
-            /** Format: float */
-            dry_base?: number | null;
+            /** @description Accepted for compatibility; the one served model answers whatever it names. */
+            model?: string | null;
+            messages: components["schemas"]["InMessage"][];
+            stream?: boolean;
+            stream_options?: null | components["schemas"]["StreamOptions"];
             /**
-             * Format: float
-             * @description Non-standard (llama.cpp's DRY sampler); see the native API's `params`.
+             * Format: u-int32
+             * @description Longest reply: at least 1 and less than the model's context.
              */
-            dry_multiplier?: number | null;
-            /** Format: int32 */
-            dry_penalty_last_n?: number | null;
-            dry_sequence_breakers?: string[] | null;
-            /** Format: float */
-            frequency_penalty?: number | null;
-            /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
-            ignore_eos?: boolean;
-            /** @description Token id (as a string key) to a bias in [-100, 100] added to its logit; at most 300. */
-            logit_bias?: {
-                [key: string]: number;
-            } | null;
-            /** @description Each token's log-probability in `choices[].logprobs.content`. */
-            logprobs?: boolean | null;
+            max_tokens?: number | null;
             /**
              * Format: u-int32
              * @description Takes precedence over `max_tokens`.
              */
             max_completion_tokens?: number | null;
             /**
-             * Format: u-int32
-             * @description Longest reply: at least 1 and less than the model's context.
+             * Format: float
+             * @description OpenAI's default, 1, when absent; 0 is greedy.
              */
-            max_tokens?: number | null;
-            messages: components["schemas"]["InMessage"][];
+            temperature?: number | null;
+            /** Format: float */
+            top_p?: number | null;
+            /** Format: u-int32 */
+            top_k?: number | null;
             /** Format: float */
             min_p?: number | null;
-            /** @description Accepted for compatibility; the one served model answers whatever it names. */
-            model?: string | null;
+            /** Format: float */
+            repetition_penalty?: number | null;
+            /** Format: u-int64 */
+            seed?: number | null;
+            stop?: null | components["schemas"]["StopField"];
+            /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
+            ignore_eos?: boolean;
             /**
              * Format: u-int32
              * @description Choices to generate (1 to 16); the prompt is prefilled once and counted once in usage.
              */
             n?: number | null;
             /** Format: float */
-            presence_penalty?: number | null;
+            frequency_penalty?: number | null;
             /** Format: float */
-            repetition_penalty?: number | null;
-            /** @description Only `{"type": "text"}`. */
-            response_format?: unknown;
-            /** Format: u-int64 */
-            seed?: number | null;
-            stop?: null | components["schemas"]["StopField"];
-            stream?: boolean;
-            stream_options?: null | components["schemas"]["StreamOptions"];
+            presence_penalty?: number | null;
+            /** @description Token id (as a string key) to a bias in [-100, 100] added to its logit; at most 300. */
+            logit_bias?: {
+                [key: string]: number;
+            } | null;
             /**
              * Format: float
-             * @description OpenAI's default, 1, when absent; 0 is greedy.
+             * @description Non-standard (llama.cpp's DRY sampler); see the native API's `params`.
              */
-            temperature?: number | null;
-            /** @description Refused unless `null`: tool calling is not supported. */
-            tools?: unknown;
+            dry_multiplier?: number | null;
+            /** Format: float */
+            dry_base?: number | null;
             /** Format: u-int32 */
-            top_k?: number | null;
+            dry_allowed_length?: number | null;
+            /** Format: int32 */
+            dry_penalty_last_n?: number | null;
+            dry_sequence_breakers?: string[] | null;
+            /** @description Each token's log-probability in `choices[].logprobs.content`. */
+            logprobs?: boolean | null;
             /**
              * Format: u-int32
              * @description With `logprobs`: this many likeliest alternatives per token.
              */
             top_logprobs?: number | null;
-            /** Format: float */
-            top_p?: number | null;
+            /** @description Functions the model may call (at most 128); see `tool_choice`. */
+            tools?: components["schemas"]["Tool"][] | null;
+            tool_choice?: null | components["schemas"]["ToolChoice"];
+            /** @description Accepted: the model may make several calls in one reply (a JSON array of them). */
+            parallel_tool_calls?: boolean | null;
+            response_format?: null | components["schemas"]["ResponseFormat"];
+            grammar?: null | components["schemas"]["Grammar"];
         };
         CompletionChoice: {
-            /** @description `stop` or `length`. */
-            finish_reason: string;
             /** Format: u-int32 */
             index: number;
+            message: components["schemas"]["AssistantMessage"];
             /** @description `{"content": [TokenLogprob, …]}` when the request set `logprobs`, else `null`. */
             logprobs: Record<string, never> | null;
-            message: components["schemas"]["AssistantMessage"];
+            /** @description `stop`, `length` or `tool_calls`. */
+            finish_reason: string;
         };
         CompletionEvent: {
             data: string;
@@ -339,6 +345,45 @@ export interface components {
          *     accepted; those Hearth cannot honour are refused by name.
          */
         CompletionRequest: {
+            /** @description Accepted for compatibility; the one served model answers whatever it names. */
+            model?: string | null;
+            /** @description Text, token ids, or a list of one of them. */
+            prompt: Record<string, never>;
+            stream?: boolean;
+            stream_options?: null | components["schemas"]["StreamUsage"];
+            /**
+             * Format: u-int32
+             * @description Longest reply (OpenAI's default: 16).
+             */
+            max_tokens?: number | null;
+            /**
+             * Format: float
+             * @description OpenAI's default, 1, when absent; 0 is greedy.
+             */
+            temperature?: number | null;
+            /** Format: float */
+            top_p?: number | null;
+            /** Format: u-int32 */
+            top_k?: number | null;
+            /** Format: float */
+            min_p?: number | null;
+            /** Format: float */
+            repetition_penalty?: number | null;
+            /** Format: float */
+            presence_penalty?: number | null;
+            /** Format: float */
+            frequency_penalty?: number | null;
+            logit_bias?: {
+                [key: string]: number;
+            } | null;
+            /** Format: u-int64 */
+            seed?: number | null;
+            stop?: null | components["schemas"]["StopList"];
+            /**
+             * Format: u-int32
+             * @description Choices to generate (1 to 16).
+             */
+            n?: number | null;
             /**
              * Format: u-int32
              * @description Only equal to `n` (or 1): Hearth does not rank extra candidates.
@@ -346,77 +391,38 @@ export interface components {
             best_of?: number | null;
             /** @description The prompt's text before each choice's. */
             echo?: boolean;
-            /** Format: float */
-            frequency_penalty?: number | null;
-            /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
-            ignore_eos?: boolean;
-            logit_bias?: {
-                [key: string]: number;
-            } | null;
+            /** @description Refused: inserting text before a suffix is not supported. */
+            suffix?: string | null;
             /**
              * Format: u-int32
              * @description This many likeliest alternatives per generated token (0 to 5), with each token's own.
              */
             logprobs?: number | null;
-            /**
-             * Format: u-int32
-             * @description Longest reply (OpenAI's default: 16).
-             */
-            max_tokens?: number | null;
-            /** Format: float */
-            min_p?: number | null;
-            /** @description Accepted for compatibility; the one served model answers whatever it names. */
-            model?: string | null;
-            /**
-             * Format: u-int32
-             * @description Choices to generate (1 to 16).
-             */
-            n?: number | null;
-            /** Format: float */
-            presence_penalty?: number | null;
-            /** @description Text, token ids, or a list of one of them. */
-            prompt: Record<string, never>;
-            /** Format: float */
-            repetition_penalty?: number | null;
-            /** Format: u-int64 */
-            seed?: number | null;
-            stop?: null | components["schemas"]["StopList"];
-            stream?: boolean;
-            stream_options?: null | components["schemas"]["StreamUsage"];
-            /** @description Refused: inserting text before a suffix is not supported. */
-            suffix?: string | null;
-            /**
-             * Format: float
-             * @description OpenAI's default, 1, when absent; 0 is greedy.
-             */
-            temperature?: number | null;
-            /** Format: u-int32 */
-            top_k?: number | null;
-            /** Format: float */
-            top_p?: number | null;
+            /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
+            ignore_eos?: boolean;
+            grammar?: null | components["schemas"]["Grammar"];
+            response_format?: null | components["schemas"]["ResponseFormat"];
         };
         Content: string | components["schemas"]["Part"][];
         /** @description A new session; every field is optional. */
         CreateSession: {
+            /** @description Up to 200 characters, trimmed; "New chat" when empty. */
+            title?: string | null;
+            /** @description Up to 64 KiB. */
+            system_prompt?: string | null;
+            params?: null | components["schemas"]["SamplingParams"];
             /**
              * Format: u-int32
              * @description Default reply length for the session's turns: at least 1, and less than the model's
              *     context.
              */
             max_tokens?: number | null;
-            params?: null | components["schemas"]["SamplingParams"];
-            /** @description Up to 64 KiB. */
-            system_prompt?: string | null;
-            /** @description Up to 200 characters, trimmed; "New chat" when empty. */
-            title?: string | null;
         };
         /** @description Every error's body (OpenAI's shape). */
         ErrorBody: {
             error: components["schemas"]["ErrorDetail"];
         };
         ErrorDetail: {
-            /** @description Stable, for programs: `invalid_value`, `invalid_json`, `not_found`, `body_timeout`, … */
-            code: string;
             /** @description For people: names the problem (and the field, for a bad value). */
             message: string;
             /**
@@ -424,6 +430,8 @@ export interface components {
              *     `rate_limit_error`, …
              */
             type: string;
+            /** @description Stable, for programs: `invalid_value`, `invalid_json`, `not_found`, `body_timeout`, … */
+            code: string;
         };
         /**
          * @description Why a reply ended: how its generation finished (`stop`: end of turn or a stop string,
@@ -432,9 +440,70 @@ export interface components {
          * @enum {string}
          */
         Finish: "stop" | "length" | "context_full" | "cancelled" | "error" | "interrupted";
+        FunctionCall: {
+            name: string;
+            /** @description The arguments as a JSON text. */
+            arguments: string;
+        };
+        FunctionDef: {
+            /** @description Letters, digits, `_` and `-`; at most 64. */
+            name: string;
+            description?: string | null;
+            /** @description The arguments' JSON Schema (an object); any object when absent. */
+            parameters?: Record<string, never> | null;
+        };
+        /**
+         * @description What a reply must be. The reply ends when the grammar is complete and the model ends its
+         *     turn, or when nothing can follow; a reply cut by `max_tokens` first is incomplete (and says
+         *     so with the finish reason `length`).
+         */
+        Grammar: {
+            /** @enum {string} */
+            type: "json_object";
+        } | {
+            schema: Record<string, never>;
+            /** @enum {string} */
+            type: "json_schema";
+        } | {
+            grammar: string;
+            /** @enum {string} */
+            type: "lark";
+        } | {
+            pattern: string;
+            /** @enum {string} */
+            type: "regex";
+        };
+        InFunctionCall: {
+            name: string;
+            /** @description The arguments as a JSON text (OpenAI's form). */
+            arguments: string;
+        };
         InMessage: {
-            content?: null | components["schemas"]["Content"];
             role: string;
+            content?: null | components["schemas"]["Content"];
+            /** @description An assistant message's calls. */
+            tool_calls?: components["schemas"]["InToolCall"][] | null;
+            /** @description A `tool` message: the call whose result it holds. */
+            tool_call_id?: string | null;
+            /** @description Accepted (a participant's or a function's name); not rendered. */
+            name?: string | null;
+        };
+        /** @description A call in an assistant message of the history. */
+        InToolCall: {
+            /** @description The call's id, which the `tool` message answering it names. */
+            id: string;
+            /** @description `function` */
+            type?: string | null;
+            function: components["schemas"]["InFunctionCall"];
+        };
+        JsonSchemaFormat: {
+            /** @description The format's name (letters, digits, `_` and `-`, at most 64). */
+            name: string;
+            description?: string | null;
+            /** @description The JSON Schema; any JSON value when absent. */
+            schema?: Record<string, never>;
+            /** @description Accepted: the reply always follows the schema. */
+            strict?: boolean | null;
         };
         /**
          * @description The SSE `logprobs` event's data (only for a turn that asked for `logprobs`): the
@@ -445,28 +514,28 @@ export interface components {
         };
         /** @description A stored message. Timestamps are Unix milliseconds. */
         Message: {
+            id: string;
+            /** Format: int64 */
+            seq: number;
+            role: components["schemas"]["Role"];
+            content: string;
+            status: components["schemas"]["MessageStatus"];
+            finish_reason: null | components["schemas"]["Finish"];
+            /** Format: int64 */
+            prompt_tokens: number | null;
             /** Format: int64 */
             cached_tokens: number | null;
             /** Format: int64 */
             completion_tokens: number | null;
-            content: string;
-            /** Format: int64 */
-            created_at: number;
-            /** Format: int64 */
-            duration_ms: number | null;
-            finish_reason: null | components["schemas"]["Finish"];
-            id: string;
-            /** Format: int64 */
-            prompt_tokens: number | null;
-            role: components["schemas"]["Role"];
-            /** Format: int64 */
-            seq: number;
-            status: components["schemas"]["MessageStatus"];
             /** Format: int64 */
             ttft_ms: number | null;
             /** Format: int64 */
-            updated_at: number;
+            duration_ms: number | null;
             worker: string | null;
+            /** Format: int64 */
+            created_at: number;
+            /** Format: int64 */
+            updated_at: number;
         };
         /** @description One page of a session's messages, oldest first. */
         MessageList: {
@@ -476,35 +545,38 @@ export interface components {
         };
         /** @description Ids that name a stored turn. On the native API it is the SSE `message_start` event's data. */
         MessageStart: {
-            message_id: string;
             session_id: string;
             user_message_id: string | null;
+            message_id: string;
         };
         /** @enum {string} */
         MessageStatus: "complete" | "streaming" | "stopped" | "error";
         ModelCard: {
+            id: string;
+            /** @description `model` */
+            object: string;
             /** Format: int64 */
             created: number;
-            id: string;
+            owned_by: string;
             /**
              * Format: u-int64
              * @description The model's context in tokens, once a worker has reported it.
              */
             max_model_len: number | null;
-            /** @description `model` */
-            object: string;
-            owned_by: string;
         };
         /** @description The served models. */
         ModelList: {
-            data: components["schemas"]["ModelCard"][];
             /** @description `list` */
             object: string;
+            data: components["schemas"]["ModelCard"][];
+        };
+        NamedFunction: {
+            name: string;
         };
         /** @description A content part; only `text` parts are supported. */
         Part: {
-            text?: string | null;
             type: string;
+            text?: string | null;
         };
         PromptTokensDetails: {
             /**
@@ -515,11 +587,11 @@ export interface components {
         };
         /** @description How a reply ended: the SSE `message_end` event's data. */
         ReplyEnd: {
-            finish_reason: components["schemas"]["Finish"];
             message_id: string;
             status: components["schemas"]["MessageStatus"];
-            timings: components["schemas"]["ReplyTimings"];
+            finish_reason: components["schemas"]["Finish"];
             usage: components["schemas"]["ReplyUsage"];
+            timings: components["schemas"]["ReplyTimings"];
             /** @description The worker that finished the reply. */
             worker: string | null;
         };
@@ -529,53 +601,55 @@ export interface components {
             message: string;
         };
         ReplyEvent: {
-            data: string;
             /** @enum {string} */
             event: "message_start";
             id: string;
-        } | {
             data: string;
+        } | {
             /** @enum {string} */
             event: "token";
             id: string;
-        } | {
             data: string;
+        } | {
             /** @enum {string} */
             event: "logprobs";
             id: string;
-        } | {
             data: string;
+        } | {
             /** @enum {string} */
             event: "message_end";
             id: string;
-        } | {
             data: string;
+        } | {
             /** @enum {string} */
             event: "error";
             id: string;
+            data: string;
         };
         /**
          * @description A reply that ended in an error: the SSE `error` event's data. What it said before the error
          *     is kept.
          */
         ReplyFailed: {
-            content: string;
             error_type: string;
             message: string;
             message_id: string;
+            content: string;
         };
         /** @description A reply's timings, in milliseconds from the request's arrival. */
         ReplyTimings: {
-            /** Format: u-int64 */
-            duration_ms: number;
             /**
              * Format: u-int64
              * @description Until the first token (`null` when none came).
              */
             ttft_ms: number | null;
+            /** Format: u-int64 */
+            duration_ms: number;
         };
         /** @description What a reply used, in tokens. */
         ReplyUsage: {
+            /** Format: u-int64 */
+            prompt_tokens: number;
             /**
              * Format: u-int64
              * @description Prompt tokens the worker already held in its cache.
@@ -583,8 +657,18 @@ export interface components {
             cached_tokens: number;
             /** Format: u-int64 */
             completion_tokens: number;
-            /** Format: u-int64 */
-            prompt_tokens: number;
+        };
+        /** @description OpenAI's `response_format`. */
+        ResponseFormat: {
+            /** @enum {string} */
+            type: "text";
+        } | {
+            /** @enum {string} */
+            type: "json_object";
+        } | {
+            json_schema: components["schemas"]["JsonSchemaFormat"];
+            /** @enum {string} */
+            type: "json_schema";
         };
         /** @enum {string} */
         Role: "user" | "assistant";
@@ -594,16 +678,55 @@ export interface components {
          */
         SamplingParams: {
             /**
-             * Format: u-int32
-             * @description Repeated runs up to this long go unpenalized.
-             * @default 2
+             * Format: float
+             * @description 0 is greedy (argmax).
+             * @default 0
              */
-            dry_allowed_length?: number;
+            temperature?: number;
+            /**
+             * Format: u-int32
+             * @description Keep only the `top_k` most likely tokens; 0 disables.
+             * @default 0
+             */
+            top_k?: number;
             /**
              * Format: float
-             * @default 1.75
+             * @description Keep the smallest set of tokens whose probability mass reaches `top_p`; 1 disables.
+             * @default 1
              */
-            dry_base?: number;
+            top_p?: number;
+            /**
+             * Format: float
+             * @description Drop tokens whose probability is below `min_p` times the most likely one; 0 disables.
+             * @default 0
+             */
+            min_p?: number;
+            /**
+             * Format: float
+             * @description Divides positive logits (multiplies negative ones) of tokens already seen; 1 disables.
+             * @default 1
+             */
+            repetition_penalty?: number;
+            /**
+             * Format: float
+             * @description Subtracted from the logit of every token the reply already holds (OpenAI's); 0 disables.
+             * @default 0
+             */
+            presence_penalty?: number;
+            /**
+             * Format: float
+             * @description Subtracted from a token's logit once per time the reply already holds it; 0 disables.
+             * @default 0
+             */
+            frequency_penalty?: number;
+            /**
+             * @description Added to the logits of these token ids (keys), each in [-100, 100]; at most 300.
+             *     -100 bans a token, 100 all but forces it.
+             * @default {}
+             */
+            logit_bias?: {
+                [key: string]: number;
+            };
             /**
              * Format: float
              * @description DRY ("don't repeat yourself", llama.cpp's parameters): a token that would continue a run
@@ -613,6 +736,17 @@ export interface components {
              * @default 0
              */
             dry_multiplier?: number;
+            /**
+             * Format: float
+             * @default 1.75
+             */
+            dry_base?: number;
+            /**
+             * Format: u-int32
+             * @description Repeated runs up to this long go unpenalized.
+             * @default 2
+             */
+            dry_allowed_length?: number;
             /**
              * Format: int32
              * @description How many of the latest tokens DRY looks back over; -1: the whole context, 0: none.
@@ -632,75 +766,25 @@ export interface components {
              */
             dry_sequence_breakers?: string[];
             /**
-             * Format: float
-             * @description Subtracted from a token's logit once per time the reply already holds it; 0 disables.
-             * @default 0
-             */
-            frequency_penalty?: number;
-            /**
-             * @description Added to the logits of these token ids (keys), each in [-100, 100]; at most 300.
-             *     -100 bans a token, 100 all but forces it.
-             * @default {}
-             */
-            logit_bias?: {
-                [key: string]: number;
-            };
-            /**
-             * Format: float
-             * @description Drop tokens whose probability is below `min_p` times the most likely one; 0 disables.
-             * @default 0
-             */
-            min_p?: number;
-            /**
-             * Format: float
-             * @description Subtracted from the logit of every token the reply already holds (OpenAI's); 0 disables.
-             * @default 0
-             */
-            presence_penalty?: number;
-            /**
-             * Format: float
-             * @description Divides positive logits (multiplies negative ones) of tokens already seen; 1 disables.
-             * @default 1
-             */
-            repetition_penalty?: number;
-            /**
              * Format: u-int64
              * @description Seed for the request's own RNG: the same seed, prompt and parameters give the same output.
              * @default null
              */
             seed?: number | null;
-            /**
-             * Format: float
-             * @description 0 is greedy (argmax).
-             * @default 0
-             */
-            temperature?: number;
-            /**
-             * Format: u-int32
-             * @description Keep only the `top_k` most likely tokens; 0 disables.
-             * @default 0
-             */
-            top_k?: number;
-            /**
-             * Format: float
-             * @description Keep the smallest set of tokens whose probability mass reaches `top_p`; 1 disables.
-             * @default 1
-             */
-            top_p?: number;
         };
         /** @description A chat session. Timestamps are Unix milliseconds. */
         Session: {
-            /** Format: int64 */
-            created_at: number;
             id: string;
+            title: string;
+            system_prompt: string | null;
+            params: null | components["schemas"]["SamplingParams"];
             /**
              * Format: int64
              * @description Default reply length for the session's turns, if set.
              */
             max_tokens: number | null;
-            params: null | components["schemas"]["SamplingParams"];
-            system_prompt: string | null;
-            title: string;
+            /** Format: int64 */
+            created_at: number;
             /** Format: int64 */
             updated_at: number;
         };
@@ -714,9 +798,9 @@ export interface components {
         StopList: string[];
         /** @description What a stop did. */
         StopResult: {
-            message?: null | components["schemas"]["Message"];
             /** @description Whether a running reply was stopped (and stored as `stopped`). */
             stopped: boolean;
+            message?: null | components["schemas"]["Message"];
         };
         StreamOptions: {
             include_usage?: boolean;
@@ -725,30 +809,30 @@ export interface components {
             include_usage?: boolean;
         };
         TextChoice: {
-            /** @description `stop` or `length`. */
-            finish_reason: string;
             /** Format: u-int32 */
             index: number;
+            /** @description The prompt's text first with `echo`. */
+            text: string;
             /**
              * @description With `logprobs`: `tokens`, `token_logprobs`, `top_logprobs` (token to log-probability)
              *     and `text_offset`, as OpenAI's legacy API; else `null`.
              */
             logprobs: Record<string, never> | null;
-            /** @description The prompt's text first with `echo`. */
-            text: string;
+            /** @description `stop` or `length`. */
+            finish_reason: string;
         };
         /** @description A finished text completion. */
         TextCompletion: {
-            choices: components["schemas"]["TextChoice"][];
+            id: string;
+            /** @description `text_completion` */
+            object: string;
             /**
              * Format: int64
              * @description Unix seconds.
              */
             created: number;
-            id: string;
             model: string;
-            /** @description `text_completion` */
-            object: string;
+            choices: components["schemas"]["TextChoice"][];
             usage: components["schemas"]["Usage"];
         };
         /**
@@ -756,15 +840,15 @@ export interface components {
          *     `logprobs.content[]` entry; the native API's `logprobs` event).
          */
         TokenLogprob: {
-            /** @description The token's text as UTF-8 bytes (a token may hold part of a character). */
-            bytes: number[];
+            /** @description The token's text, decoded alone. */
+            token: string;
             /**
              * Format: float
              * @description Under the model's distribution, before any penalty or bias.
              */
             logprob: number;
-            /** @description The token's text, decoded alone. */
-            token: string;
+            /** @description The token's text as UTF-8 bytes (a token may hold part of a character). */
+            bytes: number[];
             /** @description The likeliest tokens at this position, likeliest first (`top_logprobs` of them). */
             top_logprobs: components["schemas"]["TopLogprob"][];
         };
@@ -772,12 +856,31 @@ export interface components {
         TokenText: {
             text: string;
         };
+        /** @description A tool the model may call: only functions. */
+        Tool: {
+            /** @description `function` */
+            type: string;
+            function: components["schemas"]["FunctionDef"];
+        };
+        /** @description A call the model made. */
+        ToolCall: {
+            /** @description `call_` and 24 hex digits. */
+            id: string;
+            /** @description `function` */
+            type: string;
+            function: components["schemas"]["FunctionCall"];
+        };
+        /** @description `none`, `auto`, `required`, or `{"type": "function", "function": {"name": …}}`. */
+        ToolChoice: string | {
+            type: string;
+            function: components["schemas"]["NamedFunction"];
+        };
         /** @description An alternative token at a position. */
         TopLogprob: {
-            bytes: number[];
+            token: string;
             /** Format: float */
             logprob: number;
-            token: string;
+            bytes: number[];
         };
         /** @description Options shared by every generation request. */
         TurnBody: {
@@ -786,18 +889,7 @@ export interface components {
              *     blank. Refused on regenerate.
              */
             content?: string | null;
-            /** @description Generate `max_tokens` even past the model's end of turn. */
-            ignore_eos?: boolean;
-            /** @description Stream each token's log-probability as `logprobs` events (Server-Sent Events only). */
-            logprobs?: boolean;
-            /**
-             * Format: u-int32
-             * @description Longest reply: at least 1 and less than the model's context; the session's default, else
-             *     the server's, when absent.
-             */
-            max_tokens?: number | null;
             params?: null | components["schemas"]["SamplingParams"];
-            stop?: null | components["schemas"]["StopList"];
             /**
              * @description `false`: answer with the finished message as JSON instead of Server-Sent Events.
              * @default true
@@ -805,34 +897,46 @@ export interface components {
             stream?: boolean | null;
             /**
              * Format: u-int32
+             * @description Longest reply: at least 1 and less than the model's context; the session's default, else
+             *     the server's, when absent.
+             */
+            max_tokens?: number | null;
+            stop?: null | components["schemas"]["StopList"];
+            /** @description Generate `max_tokens` even past the model's end of turn. */
+            ignore_eos?: boolean;
+            /** @description Stream each token's log-probability as `logprobs` events (Server-Sent Events only). */
+            logprobs?: boolean;
+            /**
+             * Format: u-int32
              * @description With `logprobs`: this many likeliest alternatives per token (0 to 20).
              */
             top_logprobs?: number | null;
+            grammar?: null | components["schemas"]["Grammar"];
         };
         /** @description A finished reply, as a turn with `"stream": false` answers. */
         TurnReply: components["schemas"]["ReplyEnd"] & {
-            content: string;
-            error?: null | components["schemas"]["ReplyError"];
             session_id: string;
             /** @description The user message the reply answers. */
             user_message_id: string | null;
+            content: string;
+            error?: null | components["schemas"]["ReplyError"];
         };
         /** @description Fields to change: an absent field is left as it is, `null` clears it. */
         UpdateSession: {
+            title?: string | null;
+            system_prompt?: string | null;
+            params?: null | components["schemas"]["SamplingParams"];
             /** Format: u-int32 */
             max_tokens?: number | null;
-            params?: null | components["schemas"]["SamplingParams"];
-            system_prompt?: string | null;
-            title?: string | null;
         };
         Usage: {
             /** Format: u-int64 */
+            prompt_tokens: number;
+            /** Format: u-int64 */
             completion_tokens: number;
             /** Format: u-int64 */
-            prompt_tokens: number;
-            prompt_tokens_details: components["schemas"]["PromptTokensDetails"];
-            /** Format: u-int64 */
             total_tokens: number;
+            prompt_tokens_details: components["schemas"]["PromptTokensDetails"];
         };
     };
     responses: never;
@@ -1765,8 +1869,8 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["TurnReply"];
                     "text/event-stream": components["schemas"]["ReplyEvent"];
+                    "application/json": components["schemas"]["TurnReply"];
                 };
             };
             /** @description The body is not JSON, or not a JSON object */
@@ -1894,8 +1998,8 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["TurnReply"];
                     "text/event-stream": components["schemas"]["ReplyEvent"];
+                    "application/json": components["schemas"]["TurnReply"];
                 };
             };
             /** @description The body is not JSON, or not a JSON object */
@@ -2021,8 +2125,8 @@ export interface operations {
                     [name: string]: unknown;
                 };
                 content: {
-                    "application/json": components["schemas"]["TurnReply"];
                     "text/event-stream": components["schemas"]["ReplyEvent"];
+                    "application/json": components["schemas"]["TurnReply"];
                 };
             };
             /** @description The body is not JSON, or not a JSON object */

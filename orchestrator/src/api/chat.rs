@@ -16,7 +16,7 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hearth_shared::SamplingParams;
+use hearth_shared::{Grammar, SamplingParams};
 use serde::{Deserialize, Serialize};
 use tokio_stream::StreamExt;
 use utoipa::ToSchema;
@@ -63,6 +63,10 @@ pub struct TurnBody {
     #[serde(default)]
     #[schema(minimum = 0, maximum = 20)]
     pub top_logprobs: Option<u32>,
+    /// The grammar the reply follows as it is sampled: any JSON object, JSON that validates
+    /// against a JSON Schema, a Lark grammar or a regular expression. An invalid one is a 400.
+    #[serde(default)]
+    pub grammar: Option<Grammar>,
 }
 
 impl TurnBody {
@@ -75,7 +79,8 @@ impl TurnBody {
             self.stop.clone().unwrap_or_default(),
             self.ignore_eos,
         )?
-        .with_logprobs(self.logprobs, self.top_logprobs)?)
+        .with_logprobs(self.logprobs, self.top_logprobs)?
+        .with_grammar("grammar", self.grammar.clone())?)
     }
 
     /// The body as a validated turn answering `input`.

@@ -5,12 +5,15 @@
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use hearth_shared::SamplingParams;
+use hearth_shared::{Grammar, SamplingParams};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::openai::{finished_choices, streamed, Head, Shape, StopField, StopOnDrop, Usage};
+use super::openai::{
+    finished_choices, requested_grammar, streamed, Head, ResponseFormat, Shape, StopField,
+    StopOnDrop, Usage,
+};
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::Outcome;
 use crate::service::{Caller, GenOptions, RawPrompt, ValidTurn, MAX_CHOICES};
@@ -79,6 +82,13 @@ pub struct CompletionRequest {
     /// Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`.
     #[serde(default)]
     ignore_eos: bool,
+    /// Non-standard: the grammar the completion follows (JSON Schema, Lark or a regular
+    /// expression), as on the chat API.
+    #[serde(default)]
+    grammar: Option<Grammar>,
+    /// Non-standard here (vLLM's): `json_object` or `json_schema`, as on the chat API.
+    #[serde(default)]
+    response_format: Option<ResponseFormat>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -183,6 +193,9 @@ impl CompletionRequest {
             self.ignore_eos,
         )?
         .with_logprobs(self.logprobs.is_some(), self.logprobs)?;
+        let (field, grammar) =
+            requested_grammar(self.response_format.as_ref(), self.grammar.as_ref())?;
+        let options = options.with_grammar(field, grammar)?;
         Ok((ValidTurn::new(self.prompt()?, options, self.stream), n))
     }
 }

@@ -42,6 +42,10 @@ pub enum ApiError {
     /// Not JSON, or not the JSON the route takes.
     #[error("{0}")]
     BadRequest(String),
+    /// A grammar (a JSON Schema, a Lark grammar, a regular expression) that does not compile;
+    /// a 400, as OpenAI answers an invalid schema.
+    #[error("{0}")]
+    InvalidGrammar(String),
     #[error("{0}")]
     UnsupportedMediaType(String),
     #[error("missing or invalid API key")]
@@ -74,7 +78,7 @@ impl ApiError {
         match self {
             Self::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unprocessable { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            Self::BadRequest(_) => StatusCode::BAD_REQUEST,
+            Self::BadRequest(_) | Self::InvalidGrammar(_) => StatusCode::BAD_REQUEST,
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -94,7 +98,7 @@ impl ApiError {
         match self {
             Self::Validation(_) => "invalid_request_error",
             Self::Unprocessable { kind, .. } => kind,
-            Self::BadRequest(_) => "invalid_request_error",
+            Self::BadRequest(_) | Self::InvalidGrammar(_) => "invalid_request_error",
             Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized => "authentication_error",
             Self::Forbidden(_) => "permission_error",
@@ -114,6 +118,7 @@ impl ApiError {
             Self::Validation(_) => "invalid_value",
             Self::Unprocessable { kind, .. } => kind,
             Self::BadRequest(_) => "invalid_json",
+            Self::InvalidGrammar(_) => "invalid_grammar",
             Self::UnsupportedMediaType(_) => "unsupported_media_type",
             Self::Unauthorized => "invalid_api_key",
             Self::Forbidden(_) => "forbidden",
@@ -227,6 +232,7 @@ impl From<ChatError> for ApiError {
             ChatError::InvalidKey => Self::Unauthorized,
             ChatError::NotFound(what) => Self::NotFound(what),
             ChatError::Invalid(m) => Self::Validation(m),
+            ChatError::InvalidGrammar(m) => Self::InvalidGrammar(m),
             ChatError::TooManySessions { .. } => Self::Unprocessable {
                 kind: "too_many_sessions",
                 message: e.to_string(),

@@ -12,13 +12,16 @@ use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use hearth_shared::chat::Role as ChatRole;
-use hearth_shared::SamplingParams;
+use hearth_shared::{Grammar, SamplingParams};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
 use super::chat::sse;
+use super::tools::{
+    assistant_text, call_names, tool_text, InToolCall, Tool, ToolCall, ToolChoice, Tools,
+};
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
 use crate::service::{Caller, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
@@ -102,12 +105,94 @@ pub struct ChatRequest {
     #[serde(default)]
     #[schema(minimum = 0, maximum = 20)]
     top_logprobs: Option<u32>,
-    /// Refused unless `null`: tool calling is not supported.
+    /// Functions the model may call (at most 128); see `tool_choice`.
     #[serde(default)]
-    tools: Option<Value>,
-    /// Only `{"type": "text"}`.
+    tools: Option<Vec<Tool>>,
+    /// `auto` (the default with tools: the model answers or calls), `none`, `required` (a
+    /// call to any tool), or a named function; the last two constrain the reply to a call.
     #[serde(default)]
-    response_format: Option<Value>,
+    tool_choice: Option<ToolChoice>,
+    /// Accepted: the model may make several calls in one reply (a JSON array of them).
+    #[serde(default)]
+    #[allow(dead_code)]
+    parallel_tool_calls: Option<bool>,
+    /// `text` (the default), `json_object` (any JSON object) or `json_schema` (JSON that
+    /// validates against `json_schema.schema`): the reply is constrained to it as it is sampled.
+    #[serde(default)]
+    response_format: Option<ResponseFormat>,
+    /// Non-standard: a Lark grammar or a regular expression the reply follows (or a JSON
+    /// Schema, as on the native API). Not with a `response_format` other than `text`.
+    #[serde(default)]
+    grammar: Option<Grammar>,
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub(super) enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub(super) struct JsonSchemaFormat {
+    /// The format's name (letters, digits, `_` and `-`, at most 64).
+    #[allow(dead_code)] // checked, then only documented: it does not change the output
+    name: String,
+    #[serde(default)]
+    #[allow(dead_code)]
+    description: Option<String>,
+    /// The JSON Schema; any JSON value when absent.
+    #[serde(default)]
+    #[schema(value_type = Object)]
+    schema: Option<Value>,
+    /// Accepted: the reply always follows the schema.
+    #[serde(default)]
+    #[allow(dead_code)]
+    strict: Option<bool>,
+}
+
+impl ResponseFormat {
+    /// The grammar it asks for: none for `text`.
+    fn grammar(&self) -> Result<Option<Grammar>, ApiError> {
+        Ok(match self {
+            Self::Text => None,
+            Self::JsonObject => Some(Grammar::JsonObject),
+            Self::JsonSchema { json_schema: f } => {
+                let name_ok = !f.name.is_empty()
+                    && f.name.len() <= 64
+                    && f.name
+                        .chars()
+                        .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+                if !name_ok {
+                    return Err(refuse(
+                        "response_format.json_schema.name",
+                        "1 to 64 letters, digits, `_` or `-`",
+                    ));
+                }
+                Some(Grammar::JsonSchema {
+                    schema: f.schema.clone().unwrap_or_else(|| json!({})),
+                })
+            }
+        })
+    }
+}
+
+/// The grammar of `response_format` or of the `grammar` extension (not both).
+pub(super) fn requested_grammar(
+    format: Option<&ResponseFormat>,
+    grammar: Option<&Grammar>,
+) -> Result<(&'static str, Option<Grammar>), ApiError> {
+    let from_format = format.map(ResponseFormat::grammar).transpose()?.flatten();
+    match (from_format, grammar) {
+        (Some(_), Some(_)) => Err(refuse(
+            "grammar",
+            "not with a response_format other than text; send one of the two",
+        )),
+        (Some(g), None) => Ok(("response_format", Some(g))),
+        (None, g) => Ok(("grammar", g.cloned())),
+    }
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -126,10 +211,20 @@ pub(super) enum StopField {
 
 #[derive(Debug, Deserialize, ToSchema)]
 struct InMessage {
-    #[schema(value_type = String, pattern = "^(system|developer|user|assistant)$")]
+    #[schema(value_type = String, pattern = "^(system|developer|user|assistant|tool)$")]
     role: String,
     #[serde(default)]
     content: Option<Content>,
+    /// An assistant message's calls.
+    #[serde(default)]
+    tool_calls: Option<Vec<InToolCall>>,
+    /// A `tool` message: the call whose result it holds.
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    /// Accepted (a participant's or a function's name); not rendered.
+    #[serde(default)]
+    #[allow(dead_code)]
+    name: Option<String>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -152,21 +247,43 @@ fn refuse(field: &str, why: &str) -> ApiError {
     ApiError::Validation(format!("{field}: {why}"))
 }
 
+impl InMessage {
+    /// The message's text: its content, or its text parts joined.
+    fn text(&self, field: &str) -> Result<String, ApiError> {
+        Ok(match &self.content {
+            None => String::new(),
+            Some(Content::Text(t)) => t.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut t = String::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(s)) => t.push_str(s),
+                        _ => {
+                            return Err(refuse(
+                                &format!("{field}.content[{j}]"),
+                                "only text parts are supported",
+                            ))
+                        }
+                    }
+                }
+                t
+            }
+        })
+    }
+}
+
 impl ChatRequest {
+    /// The request's tools, checked; `None` without any.
+    fn tools(&self) -> Result<Option<Tools>, ApiError> {
+        Tools::new(self.tools.as_deref(), self.tool_choice.as_ref())
+    }
+
     fn check_supported(&self) -> Result<(), ApiError> {
         if let Some(n) = self.n.filter(|n| !(1..=MAX_CHOICES).contains(n)) {
             return Err(refuse(
                 "n",
                 &format!("must be 1 to {MAX_CHOICES} choices, got {n}"),
             ));
-        }
-        if self.tools.as_ref().is_some_and(|t| !t.is_null()) {
-            return Err(refuse("tools", "tool calling is not supported"));
-        }
-        if let Some(f) = &self.response_format {
-            if f.get("type").and_then(Value::as_str).unwrap_or("text") != "text" {
-                return Err(refuse("response_format", "only {\"type\": \"text\"}"));
-            }
         }
         Ok(())
     }
@@ -195,47 +312,44 @@ impl ChatRequest {
         }
     }
 
-    fn conversation(&self) -> Result<Conversation, ApiError> {
-        let mut out = Vec::with_capacity(self.messages.len());
+    fn conversation(&self, tools: Option<&Tools>) -> Result<Conversation, ApiError> {
+        let mut out = Vec::with_capacity(self.messages.len() + 1);
+        if let Some(t) = tools.and_then(Tools::system_text) {
+            out.push((ChatRole::System, t));
+        }
+        let mut calls: Vec<(String, String)> = Vec::new();
         for (i, m) in self.messages.iter().enumerate() {
             let field = format!("messages[{i}]");
-            let text = match &m.content {
-                None => String::new(),
-                Some(Content::Text(t)) => t.clone(),
-                Some(Content::Parts(parts)) => {
-                    let mut t = String::new();
-                    for (j, p) in parts.iter().enumerate() {
-                        match (p.kind.as_str(), &p.text) {
-                            ("text", Some(s)) => t.push_str(s),
-                            _ => {
-                                return Err(refuse(
-                                    &format!("{field}.content[{j}]"),
-                                    "only text parts are supported",
-                                ))
-                            }
-                        }
-                    }
-                    t
+            let text = m.text(&field)?;
+            let entry = match m.role.as_str() {
+                // The tools' description comes first, then the client's own system prompt.
+                "system" | "developer" => (ChatRole::System, text),
+                "user" => (ChatRole::User, text),
+                "assistant" => {
+                    calls.extend(call_names(m.tool_calls.as_deref()));
+                    let text = assistant_text(&field, text, m.tool_calls.as_deref())?;
+                    (ChatRole::Assistant, text)
                 }
-            };
-            let role = match m.role.as_str() {
-                "system" | "developer" => ChatRole::System,
-                "user" => ChatRole::User,
-                "assistant" => ChatRole::Assistant,
+                "tool" => {
+                    let text = tool_text(&field, &text, m.tool_call_id.as_deref(), &calls)?;
+                    (ChatRole::User, text)
+                }
                 other => {
                     return Err(refuse(
                         &format!("{field}.role"),
-                        &format!("`{other}` is not supported (system, developer, user, assistant)"),
+                        &format!(
+                            "`{other}` is not supported (system, developer, user, assistant, tool)"
+                        ),
                     ))
                 }
             };
-            out.push((role, text));
+            out.push(entry);
         }
         Ok(Conversation::new(out)?)
     }
 
     /// The request as a validated turn: every field checked once, here.
-    fn turn(&self) -> Result<ValidTurn<Conversation>, ApiError> {
+    fn turn(&self, tools: Option<&Tools>) -> Result<ValidTurn<Conversation>, ApiError> {
         self.check_supported()?;
         let stop = match self.stop.as_ref() {
             None => Vec::new(),
@@ -250,7 +364,24 @@ impl ChatRequest {
             self.ignore_eos,
         )?
         .with_logprobs(self.logprobs == Some(true), self.top_logprobs)?;
-        Ok(ValidTurn::new(self.conversation()?, options, self.stream))
+        let (field, grammar) =
+            requested_grammar(self.response_format.as_ref(), self.grammar.as_ref())?;
+        let (field, grammar) = match (tools.and_then(Tools::grammar), grammar) {
+            (Some(_), Some(_)) => {
+                return Err(refuse(
+                    "tool_choice",
+                    "a required call is not compatible with a response_format or grammar",
+                ))
+            }
+            (Some(call), None) => ("tool_choice", Some(call)),
+            (None, g) => (field, g),
+        };
+        let options = options.with_grammar(field, grammar)?;
+        Ok(ValidTurn::new(
+            self.conversation(tools)?,
+            options,
+            self.stream,
+        ))
     }
 }
 
@@ -270,7 +401,8 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    let turn = req.turn()?;
+    let tools = req.tools()?.map(Arc::new);
+    let turn = req.turn(tools.as_deref())?;
     let logprobs = req.logprobs == Some(true);
     let lives = s.chat.complete(&caller, turn, req.n.unwrap_or(1)).await?;
     let head = Head {
@@ -282,19 +414,30 @@ pub async fn completions(
     let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
     if req.stream {
         let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        return Ok(streamed(head, guards, include_usage, logprobs, Shape::Chat));
+        let shape = Shape::Chat { tools };
+        return Ok(streamed(head, guards, include_usage, logprobs, shape));
     }
-    let finished = finished_choices(&lives, logprobs, &Shape::Chat).await?;
+    let shape = Shape::Chat {
+        tools: tools.clone(),
+    };
+    let finished = finished_choices(&lives, logprobs, &shape).await?;
     let choices = (0u32..)
         .zip(&finished)
-        .map(|(index, f)| CompletionChoice {
-            index,
-            message: AssistantMessage {
-                role: "assistant".into(),
-                content: f.outcome.content.clone(),
-            },
-            logprobs: (!f.logprobs.is_null()).then(|| f.logprobs.clone()),
-            finish_reason: f.finish_reason.clone(),
+        .map(|(index, f)| {
+            let calls = tools.as_ref().and_then(|t| t.calls(&f.outcome.content));
+            CompletionChoice {
+                index,
+                finish_reason: match &calls {
+                    Some(_) => "tool_calls".into(),
+                    None => f.finish_reason.clone(),
+                },
+                message: AssistantMessage {
+                    role: "assistant".into(),
+                    content: calls.is_none().then(|| f.outcome.content.clone()),
+                    tool_calls: calls,
+                },
+                logprobs: (!f.logprobs.is_null()).then(|| f.logprobs.clone()),
+            }
         })
         .collect();
     let outcomes: Vec<Outcome> = finished.into_iter().map(|f| f.outcome).collect();
@@ -374,25 +517,24 @@ pub(super) async fn collected_logprobs(live: &Arc<Live>) -> Vec<TokenLogprob> {
 /// What a streamed choice looks like: a chat completion's delta, or a legacy completion's text.
 #[derive(Debug, Clone)]
 pub(super) enum Shape {
-    Chat,
+    /// With the request's tools, a reply that is calls streams as `tool_calls`.
+    Chat { tools: Option<Arc<Tools>> },
     /// `echo`: the prompt's text, sent first.
-    Text {
-        echo: Option<String>,
-    },
+    Text { echo: Option<String> },
 }
 
 impl Shape {
     /// Bytes of echoed prompt before each choice's text.
     fn echoed_len(&self) -> usize {
         match self {
-            Self::Chat | Self::Text { echo: None } => 0,
+            Self::Chat { .. } | Self::Text { echo: None } => 0,
             Self::Text { echo: Some(p) } => p.len(),
         }
     }
 
     fn object(&self) -> &'static str {
         match self {
-            Self::Chat => "chat.completion.chunk",
+            Self::Chat { .. } => "chat.completion.chunk",
             Self::Text { .. } => "text_completion",
         }
     }
@@ -400,7 +542,7 @@ impl Shape {
     /// One choice of a chunk: `text` (None: the chat's opening role delta, or an empty one).
     fn choice(&self, index: usize, text: Option<&str>, finish: Value, lp: Value) -> Value {
         match self {
-            Self::Chat => {
+            Self::Chat { .. } => {
                 let delta = match text {
                     Some(t) => json!({"content": t}),
                     None if finish.is_null() => json!({"role": "assistant", "content": ""}),
@@ -414,11 +556,30 @@ impl Shape {
         }
     }
 
+    /// The tools whose calls a streamed reply may be: its text is held back while it may
+    /// still become one.
+    fn callable_tools(&self) -> Option<&Tools> {
+        match self {
+            Self::Chat { tools: Some(t) } if t.callable() => Some(t),
+            _ => None,
+        }
+    }
+
+    /// A chunk's choice that carries a reply's calls.
+    fn calls_choice(index: usize, calls: &[ToolCall], lp: Value) -> Value {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| json!({"index": k, "id": c.id, "type": c.kind, "function": c.function}))
+            .collect();
+        json!({"index": index, "delta": {"tool_calls": calls}, "logprobs": lp, "finish_reason": Value::Null})
+    }
+
     /// The log-probabilities of `tokens` as this shape reports them; `offset` is where the
     /// first token's text starts in the choice's text (legacy `text_offset`), moved past them.
     pub(super) fn logprobs(&self, tokens: Vec<TokenLogprob>, offset: &mut usize) -> Value {
         match self {
-            Self::Chat => json!({ "content": tokens }),
+            Self::Chat { .. } => json!({ "content": tokens }),
             Self::Text { .. } => {
                 let mut offsets = Vec::with_capacity(tokens.len());
                 for t in &tokens {
@@ -469,6 +630,9 @@ pub(super) fn streamed(
         let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); lives.len()];
         let mut offsets: Vec<usize> = vec![shape.echoed_len(); lives.len()];
         let mut outcomes: Vec<Outcome> = Vec::new();
+        // Text held back while it may still become tool calls; `None` once it cannot.
+        let tools = shape.callable_tools();
+        let mut held: Vec<Option<String>> = vec![tools.map(|_| String::new()); lives.len()];
         while let Some((i, (_, e))) = merged.next().await {
             let lp = |pending: &mut Vec<TokenLogprob>, offset: &mut usize| {
                 if logprobs {
@@ -479,7 +643,7 @@ pub(super) fn streamed(
             };
             match e {
                 RunEvent::Begin => match &shape {
-                    Shape::Chat => yield data(chunk(shape.choice(i, None, Value::Null, Value::Null))),
+                    Shape::Chat { .. } => yield data(chunk(shape.choice(i, None, Value::Null, Value::Null))),
                     Shape::Text { echo: Some(p) } => {
                         yield data(chunk(shape.choice(i, Some(p), Value::Null, Value::Null)));
                     }
@@ -487,6 +651,16 @@ pub(super) fn streamed(
                 },
                 RunEvent::Logprobs(l) => pending[i].extend(l),
                 RunEvent::Text(t) => {
+                    let t = match (&mut held[i], tools) {
+                        (Some(h), Some(tools)) => {
+                            h.push_str(&t);
+                            if tools.may_be_call(h) {
+                                continue;
+                            }
+                            held[i].take().unwrap_or_default()
+                        }
+                        _ => t,
+                    };
                     let lp = lp(&mut pending[i], &mut offsets[i]);
                     yield data(chunk(shape.choice(i, Some(&t), Value::Null, lp)));
                 }
@@ -496,6 +670,19 @@ pub(super) fn streamed(
                         break;
                     }
                     Ok(reason) => {
+                        let text = held[i].take();
+                        let calls = text.as_deref().zip(tools).and_then(|(t, tools)| tools.calls(t));
+                        if let Some(calls) = calls {
+                            let lp = lp(&mut pending[i], &mut offsets[i]);
+                            yield data(chunk(Shape::calls_choice(i, &calls, lp)));
+                            yield data(chunk(shape.choice(i, None, json!("tool_calls"), Value::Null)));
+                            outcomes.push(*o);
+                            continue;
+                        }
+                        if let Some(t) = text.filter(|t| !t.is_empty()) {
+                            let lp = lp(&mut pending[i], &mut offsets[i]);
+                            yield data(chunk(shape.choice(i, Some(&t), Value::Null, lp)));
+                        }
                         if logprobs && !pending[i].is_empty() {
                             // Tokens whose text the stop matcher held back or cut.
                             let lp = lp(&mut pending[i], &mut offsets[i]);
@@ -552,7 +739,7 @@ pub struct CompletionChoice {
     /// `{"content": [TokenLogprob, …]}` when the request set `logprobs`, else `null`.
     #[schema(value_type = Option<Object>, required = true)]
     pub logprobs: Option<Value>,
-    /// `stop` or `length`.
+    /// `stop`, `length` or `tool_calls`.
     pub finish_reason: String,
 }
 
@@ -560,7 +747,12 @@ pub struct CompletionChoice {
 pub struct AssistantMessage {
     /// `assistant`
     pub role: String,
-    pub content: String,
+    /// The reply's text; `null` when it is tool calls.
+    #[schema(required = true)]
+    pub content: Option<String>,
+    /// The calls the reply makes, when it is nothing but calls of the request's tools.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -123,6 +123,7 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
         shared_prefix_tokens: job.shared_prefix,
         dry_breaker_ids: job.dry_breakers.to_vec(),
         top_logprobs: job.logprobs.unwrap_or(0),
+        grammar: job.grammar.as_ref().map(Into::into),
     }
 }
 

@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use hearth_shared::proto::{self, worker_event::Kind};
 use hearth_shared::tokenizer::Tokenizer;
-use hearth_shared::{FinishReason, SamplingParams};
+use hearth_shared::{FinishReason, Grammar, SamplingParams};
 use tokio::time::Instant;
 
 use crate::ids::{MessageId, SessionId, UserId};
@@ -63,6 +63,8 @@ pub struct Job {
     pub max_new_tokens: u32,
     /// Each token's log-probability as [`RunEvent::Logprobs`], with this many alternatives.
     pub logprobs: Option<u32>,
+    /// The grammar the reply follows (constrained decoding), checked already.
+    pub grammar: Option<Grammar>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// When the HTTP request arrived (TTFT is measured from here).

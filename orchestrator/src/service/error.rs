@@ -19,6 +19,9 @@ pub enum ChatError {
     /// A value out of range or of the wrong kind; the message names the field.
     #[error("{0}")]
     Invalid(String),
+    /// A grammar that does not compile; the message names the field and the problem.
+    #[error("{0}")]
+    InvalidGrammar(String),
     /// The user keeps the most sessions the server allows.
     #[error(
         "you have {max} sessions, the most this server keeps for one user; delete some to \

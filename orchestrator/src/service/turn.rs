@@ -7,7 +7,7 @@
 //! is charged or stored.
 
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
-use hearth_shared::SamplingParams;
+use hearth_shared::{Grammar, SamplingParams};
 use tokio::time::Instant;
 
 use super::ChatError;
@@ -58,6 +58,8 @@ pub struct GenOptions {
     ignore_eos: bool,
     /// Log-probabilities with each token, with this many alternatives.
     logprobs: Option<u32>,
+    /// The grammar the reply follows.
+    grammar: Option<Grammar>,
 }
 
 /// Most alternatives per token (`top_logprobs`), as OpenAI's.
@@ -80,7 +82,27 @@ impl GenOptions {
             stop: check_stops(stop, "stop")?,
             ignore_eos,
             logprobs: None,
+            grammar: None,
         })
+    }
+
+    /// Constrains the reply to `grammar`, which must compile; `field` names it in the error
+    /// (`response_format`, `grammar`).
+    pub fn with_grammar(
+        mut self,
+        field: &str,
+        grammar: Option<Grammar>,
+    ) -> Result<Self, ChatError> {
+        if let Some(g) = &grammar {
+            g.check()
+                .map_err(|e| ChatError::InvalidGrammar(format!("{field}: {e}")))?;
+        }
+        self.grammar = grammar;
+        Ok(self)
+    }
+
+    pub(super) fn grammar(&self) -> Option<&Grammar> {
+        self.grammar.as_ref()
     }
 
     /// Asks for each token's log-probability (`logprobs`), with `top` alternatives (0 to 20;

@@ -1,5 +1,5 @@
 //! Well-formed bodies with a value each route refuses (422): too long, empty, NUL bytes,
-//! numbers out of range, and the OpenAI features Hearth does not offer.
+//! numbers out of range, and OpenAI features asked for in ways Hearth cannot honour.
 
 use hearth_e2e::rng::Rng;
 use serde_json::{json, Value};
@@ -153,16 +153,32 @@ pub(crate) fn out_of_range(rng: &mut Rng, route: BodyRoute) -> (String, Value) {
                     with(v.clone(), "top_logprobs", json!(rng.range(1, 20))),
                 ),
                 (
-                    "tools",
+                    "tool with a bad name",
                     with(
                         v.clone(),
                         "tools",
-                        json!([{"type": "function", "function": {"name": "f"}}]),
+                        json!([{"type": "function", "function": {"name": "f g"}}]),
                     ),
                 ),
                 (
-                    "json response format",
-                    with(v.clone(), "response_format", json!({"type": "json_object"})),
+                    "tool choice naming no tool",
+                    with(
+                        with(
+                            v.clone(),
+                            "tools",
+                            json!([{"type": "function", "function": {"name": "f"}}]),
+                        ),
+                        "tool_choice",
+                        json!({"type": "function", "function": {"name": "g"}}),
+                    ),
+                ),
+                (
+                    "json schema format with a bad name",
+                    with(
+                        v.clone(),
+                        "response_format",
+                        json!({"type": "json_schema", "json_schema": {"name": "a b", "schema": {}}}),
+                    ),
                 ),
                 ("max_tokens 0", with(v.clone(), "max_tokens", json!(0))),
                 (

@@ -1,0 +1,496 @@
+//! OpenAI's tool calling on chat completions.
+//!
+//! Gemma has no tool role and no call syntax of its own; its documented convention is to
+//! describe the functions in the prompt and have the model answer with a JSON call. So:
+//! - the tools are described in the system prompt, with the form a call takes:
+//!   `{"name": …, "parameters": {…}}`, or an array of them for several calls;
+//! - an assistant message's `tool_calls` are rendered in that form, and a `tool` message as a
+//!   user turn holding the function's result;
+//! - a reply that is such a call (optionally in a code fence) naming a known tool becomes
+//!   `tool_calls`, with the finish reason `tool_calls`;
+//! - with `tool_choice` `required` or a named function, the reply is constrained to a call's
+//!   JSON Schema (the tool's parameters inside it), so even a base model returns a call that
+//!   parses and validates.
+
+use hearth_shared::Grammar;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use utoipa::ToSchema;
+
+use super::ApiError;
+
+/// Most tools a request may offer (OpenAI's limit).
+pub const MAX_TOOLS: usize = 128;
+
+/// A tool the model may call: only functions.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct Tool {
+    /// `function`
+    #[serde(rename = "type")]
+    #[schema(pattern = "^function$")]
+    kind: String,
+    function: FunctionDef,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+pub struct FunctionDef {
+    /// Letters, digits, `_` and `-`; at most 64.
+    name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    description: Option<String>,
+    /// The arguments' JSON Schema (an object); any object when absent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    parameters: Option<Value>,
+    /// Accepted: with `tool_choice` `required` or a named function the call always follows the
+    /// schema.
+    #[serde(default, skip_serializing)]
+    #[allow(dead_code)]
+    strict: Option<bool>,
+}
+
+/// `none`, `auto`, `required`, or `{"type": "function", "function": {"name": …}}`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named {
+        #[serde(rename = "type")]
+        kind: String,
+        function: NamedFunction,
+    },
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct NamedFunction {
+    name: String,
+}
+
+/// A call in an assistant message of the history.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct InToolCall {
+    /// The call's id, which the `tool` message answering it names.
+    id: String,
+    /// `function`
+    #[serde(rename = "type", default)]
+    #[allow(dead_code)]
+    kind: Option<String>,
+    function: InFunctionCall,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct InFunctionCall {
+    name: String,
+    /// The arguments as a JSON text (OpenAI's form).
+    arguments: String,
+}
+
+/// A call the model made.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ToolCall {
+    /// `call_` and 24 hex digits.
+    pub id: String,
+    /// `function`
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as a JSON text.
+    pub arguments: String,
+}
+
+/// What the request lets the model do with its tools.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Choice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+/// A request's tools, checked.
+#[derive(Debug, Clone)]
+pub struct Tools {
+    defs: Vec<FunctionDef>,
+    choice: Choice,
+}
+
+fn refuse(field: &str, why: &str) -> ApiError {
+    ApiError::Validation(format!("{field}: {why}"))
+}
+
+fn valid_name(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 64
+        && n.chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+}
+
+impl Tools {
+    /// The request's `tools` and `tool_choice`, checked: `None` when it offers no tools.
+    pub fn new(
+        tools: Option<&[Tool]>,
+        choice: Option<&ToolChoice>,
+    ) -> Result<Option<Self>, ApiError> {
+        let tools = tools.unwrap_or_default();
+        if tools.is_empty() {
+            return match choice {
+                None => Ok(None),
+                Some(ToolChoice::Mode(m)) if m == "none" || m == "auto" => Ok(None),
+                Some(_) => Err(refuse("tool_choice", "needs `tools`")),
+            };
+        }
+        if tools.len() > MAX_TOOLS {
+            return Err(refuse("tools", &format!("at most {MAX_TOOLS}")));
+        }
+        let mut defs: Vec<FunctionDef> = Vec::with_capacity(tools.len());
+        for (i, t) in tools.iter().enumerate() {
+            let field = format!("tools[{i}]");
+            if t.kind != "function" {
+                return Err(refuse(&format!("{field}.type"), "only `function`"));
+            }
+            let f = &t.function;
+            if !valid_name(&f.name) {
+                return Err(refuse(
+                    &format!("{field}.function.name"),
+                    "1 to 64 letters, digits, `_` or `-`",
+                ));
+            }
+            if defs.iter().any(|d| d.name == f.name) {
+                return Err(refuse(
+                    &format!("{field}.function.name"),
+                    &format!("`{}` is offered twice", f.name),
+                ));
+            }
+            if let Some(p) = &f.parameters {
+                if !p.is_object() {
+                    return Err(refuse(
+                        &format!("{field}.function.parameters"),
+                        "must be a JSON Schema object",
+                    ));
+                }
+                let g = Grammar::JsonSchema { schema: p.clone() };
+                g.check().map_err(|e| {
+                    ApiError::InvalidGrammar(format!("{field}.function.parameters: {e}"))
+                })?;
+            }
+            defs.push(f.clone());
+        }
+        let choice = match choice {
+            None => Choice::Auto,
+            Some(ToolChoice::Mode(m)) => match m.as_str() {
+                "none" => Choice::None,
+                "auto" => Choice::Auto,
+                "required" => Choice::Required,
+                other => {
+                    return Err(refuse(
+                        "tool_choice",
+                        &format!("`{other}` is not one of none, auto, required"),
+                    ))
+                }
+            },
+            Some(ToolChoice::Named { kind, function }) => {
+                if kind != "function" {
+                    return Err(refuse("tool_choice.type", "only `function`"));
+                }
+                if !defs.iter().any(|d| d.name == function.name) {
+                    return Err(refuse(
+                        "tool_choice.function.name",
+                        &format!("`{}` is not among the tools", function.name),
+                    ));
+                }
+                Choice::Named(function.name.clone())
+            }
+        };
+        Ok(Some(Self { defs, choice }))
+    }
+
+    /// Whether the model may call a tool at all (`tool_choice` other than `none`).
+    pub fn callable(&self) -> bool {
+        self.choice != Choice::None
+    }
+
+    /// Whether the reply must be a call (and is constrained to one).
+    pub fn forced(&self) -> bool {
+        matches!(self.choice, Choice::Required | Choice::Named(_))
+    }
+
+    /// What the system prompt gains: the functions and the form of a call. Nothing with
+    /// `tool_choice: none` (the model then answers in words, as if it had no tools).
+    pub fn system_text(&self) -> Option<String> {
+        if !self.callable() {
+            return None;
+        }
+        let mut s = String::from(
+            "You can call functions. To call one, reply with nothing but a JSON object of this \
+             form: {\"name\": \"<function name>\", \"parameters\": {<its arguments>}}. To call \
+             several at once, reply with a JSON array of such objects. Each result comes back \
+             in the next message.",
+        );
+        match &self.choice {
+            Choice::Required => s.push_str(" You must call a function now."),
+            Choice::Named(n) => s.push_str(&format!(" You must call `{n}` now.")),
+            Choice::None | Choice::Auto => {}
+        }
+        s.push_str("\nThe functions:");
+        for d in &self.defs {
+            s.push('\n');
+            s.push_str(&serde_json::to_string(d).unwrap_or_default());
+        }
+        Some(s)
+    }
+
+    /// One call's schema: `{"name": <one of names>, "parameters": <its schema>}`.
+    fn call_schema(d: &FunctionDef) -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "name": {"const": d.name},
+                "parameters": d.parameters.clone().unwrap_or_else(|| json!({"type": "object"})),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": false,
+        })
+    }
+
+    /// The grammar a forced call follows: the named function's call, or any tool's.
+    pub fn grammar(&self) -> Option<Grammar> {
+        let schema = match &self.choice {
+            Choice::Named(n) => self
+                .defs
+                .iter()
+                .find(|d| &d.name == n)
+                .map(Self::call_schema)?,
+            Choice::Required => {
+                json!({"anyOf": self.defs.iter().map(Self::call_schema).collect::<Vec<_>>()})
+            }
+            Choice::None | Choice::Auto => return None,
+        };
+        Some(Grammar::JsonSchema { schema })
+    }
+
+    /// The calls `text` makes, if it is nothing but calls of known tools (a JSON object or an
+    /// array of them, optionally in a code fence); `None` if it is an answer in words.
+    pub fn calls(&self, text: &str) -> Option<Vec<ToolCall>> {
+        if !self.callable() {
+            return None;
+        }
+        let body = strip_fence(text.trim());
+        let v: Value = serde_json::from_str(body).ok()?;
+        let items = match v {
+            Value::Array(a) if !a.is_empty() => a,
+            o @ Value::Object(_) => vec![o],
+            _ => return None,
+        };
+        items
+            .into_iter()
+            .map(|item| {
+                let name = item.get("name")?.as_str()?;
+                self.defs.iter().find(|d| d.name == name)?;
+                let args = item
+                    .get("parameters")
+                    .or_else(|| item.get("arguments"))
+                    .cloned()
+                    .unwrap_or_else(|| json!({}));
+                args.is_object().then(|| ToolCall {
+                    id: format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
+                    kind: "function".into(),
+                    function: FunctionCall {
+                        name: name.to_string(),
+                        arguments: args.to_string(),
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// Whether `text`, the start of a reply, may still become a call (so a stream holds it back
+    /// rather than sending it as words).
+    pub fn may_be_call(&self, text: &str) -> bool {
+        if self.forced() {
+            return true;
+        }
+        if !self.callable() {
+            return false;
+        }
+        let t = text.trim_start();
+        t.is_empty()
+            || t.starts_with('{')
+            || t.starts_with('[')
+            || "```".starts_with(t)
+            || t.starts_with("```")
+    }
+}
+
+/// `text` without a surrounding Markdown code fence (```` ``` ```` or ```` ```json ````).
+fn strip_fence(text: &str) -> &str {
+    let Some(inner) = text.strip_prefix("```").and_then(|t| t.strip_suffix("```")) else {
+        return text;
+    };
+    let inner = inner.trim_start_matches(|c: char| c.is_ascii_alphanumeric() || c == '_');
+    inner.trim()
+}
+
+/// An assistant message of the history: its text, then its calls written as the model writes
+/// them.
+pub fn assistant_text(
+    field: &str,
+    content: String,
+    calls: Option<&[InToolCall]>,
+) -> Result<String, ApiError> {
+    let Some(calls) = calls.filter(|c| !c.is_empty()) else {
+        return Ok(content);
+    };
+    let mut rendered = Vec::with_capacity(calls.len());
+    for (j, c) in calls.iter().enumerate() {
+        let args: Value = serde_json::from_str(&c.function.arguments).map_err(|e| {
+            refuse(
+                &format!("{field}.tool_calls[{j}].function.arguments"),
+                &format!("not JSON: {e}"),
+            )
+        })?;
+        rendered.push(json!({"name": c.function.name, "parameters": args}));
+    }
+    let call = match rendered.as_slice() {
+        [one] => one.to_string(),
+        _ => Value::Array(rendered).to_string(),
+    };
+    Ok(if content.trim().is_empty() {
+        call
+    } else {
+        format!("{content}\n\n{call}")
+    })
+}
+
+/// A `tool` message of the history: a user turn that names the function whose result it holds
+/// (`earlier`: the calls made before it, as (id, name)).
+pub fn tool_text(
+    field: &str,
+    content: &str,
+    call_id: Option<&str>,
+    earlier: &[(String, String)],
+) -> Result<String, ApiError> {
+    let id = call_id.ok_or_else(|| refuse(&format!("{field}.tool_call_id"), "required"))?;
+    let name = earlier
+        .iter()
+        .find(|(cid, _)| cid == id)
+        .map(|(_, n)| n.as_str())
+        .ok_or_else(|| {
+            refuse(
+                &format!("{field}.tool_call_id"),
+                &format!("`{id}` names no earlier tool call"),
+            )
+        })?;
+    Ok(format!("Result of `{name}`:\n{content}"))
+}
+
+/// The calls an assistant message makes, as (id, function name), for the tool messages after it.
+pub fn call_names(calls: Option<&[InToolCall]>) -> Vec<(String, String)> {
+    calls
+        .unwrap_or_default()
+        .iter()
+        .map(|c| (c.id.clone(), c.function.name.clone()))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools(choice: Option<Value>) -> Result<Option<Tools>, ApiError> {
+        let t: Vec<Tool> = serde_json::from_value(json!([
+            {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                            "required": ["city"]}}},
+            {"type": "function", "function": {"name": "now"}}
+        ]))
+        .expect("tools");
+        let c: Option<ToolChoice> = choice.map(|c| serde_json::from_value(c).expect("choice"));
+        Tools::new(Some(&t), c.as_ref())
+    }
+
+    #[test]
+    fn replies_that_are_calls_of_known_tools_become_calls() {
+        let t = tools(None).expect("ok").expect("some");
+        let one = t
+            .calls(r#"{"name": "get_weather", "parameters": {"city": "Oslo"}}"#)
+            .expect("a call");
+        assert_eq!(one.len(), 1);
+        assert_eq!(one[0].function.name, "get_weather");
+        assert_eq!(one[0].function.arguments, r#"{"city":"Oslo"}"#);
+        assert!(one[0].id.starts_with("call_") && one[0].id.len() == 29);
+        let fenced = "```json\n[{\"name\": \"now\"}, {\"name\": \"get_weather\", \"arguments\": {\"city\": \"A\"}}]\n```";
+        assert_eq!(t.calls(fenced).expect("two").len(), 2);
+        for words in [
+            "It is sunny.",
+            r#"{"name": "unknown", "parameters": {}}"#,
+            r#"{"name": "now", "parameters": 3}"#,
+            "[]",
+        ] {
+            assert!(t.calls(words).is_none(), "{words}");
+        }
+        assert!(t.may_be_call("  {\"na") && t.may_be_call("``") && !t.may_be_call("It"));
+    }
+
+    #[test]
+    fn choices_are_checked_and_forced_ones_constrain_the_reply() {
+        assert!(tools(None).expect("ok").expect("some").grammar().is_none());
+        let named = tools(Some(
+            json!({"type": "function", "function": {"name": "now"}}),
+        ))
+        .expect("ok")
+        .expect("some");
+        let Some(Grammar::JsonSchema { schema }) = named.grammar() else {
+            panic!("a schema");
+        };
+        assert_eq!(schema["properties"]["name"]["const"], "now");
+        named.grammar().expect("g").check().expect("compiles");
+        let required = tools(Some(json!("required"))).expect("ok").expect("some");
+        required.grammar().expect("g").check().expect("compiles");
+        assert!(required
+            .system_text()
+            .expect("text")
+            .contains("get_weather"));
+        let none = tools(Some(json!("none"))).expect("ok").expect("some");
+        assert!(none.system_text().is_none() && none.calls(r#"{"name": "now"}"#).is_none());
+        for bad in [
+            json!("sometimes"),
+            json!({"type": "function", "function": {"name": "x"}}),
+        ] {
+            assert!(matches!(tools(Some(bad)), Err(ApiError::Validation(_))));
+        }
+        let c: ToolChoice = serde_json::from_value(json!("required")).expect("choice");
+        assert!(
+            Tools::new(None, Some(&c)).is_err(),
+            "a choice without tools"
+        );
+        let bad_schema: Vec<Tool> = serde_json::from_value(json!([{"type": "function",
+            "function": {"name": "f", "parameters": {"type": "objekt"}}}]))
+        .expect("tools");
+        assert!(matches!(
+            Tools::new(Some(&bad_schema), None),
+            Err(ApiError::InvalidGrammar(m)) if m.starts_with("tools[0].function.parameters")
+        ));
+    }
+
+    #[test]
+    fn history_calls_and_results_render_as_turns() {
+        let calls: Vec<InToolCall> =
+            serde_json::from_value(json!([{"id": "call_1", "type": "function",
+            "function": {"name": "now", "arguments": "{}"}}]))
+            .expect("calls");
+        let text = assistant_text("messages[1]", String::new(), Some(&calls)).expect("ok");
+        assert_eq!(text, r#"{"name":"now","parameters":{}}"#);
+        let earlier = call_names(Some(&calls));
+        let text = tool_text("messages[2]", "12:00", Some("call_1"), &earlier).expect("ok");
+        assert_eq!(text, "Result of `now`:\n12:00");
+        let e = tool_text("messages[2]", "x", Some("call_9"), &earlier);
+        assert!(
+            matches!(e, Err(ApiError::Validation(m)) if m.starts_with("messages[2].tool_call_id"))
+        );
+    }
+}
