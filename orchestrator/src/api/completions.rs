@@ -21,7 +21,7 @@ use crate::service::{Caller, GenOptions, RawPrompt, ValidTurn, MAX_CHOICES};
 /// Most alternatives the legacy `logprobs` asks for per token (OpenAI's limit).
 const MAX_LEGACY_LOGPROBS: u32 = 5;
 
-/// OpenAI's text completion request. Fields that do not change the output (`user`, …) are
+/// OpenAI's text completion request. Fields that do not change the output (`metadata`, …) are
 /// accepted; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
@@ -82,6 +82,9 @@ pub struct CompletionRequest {
     /// Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`.
     #[serde(default)]
     ignore_eos: bool,
+    /// The end user the request is for, as on the chat API.
+    #[serde(default)]
+    user: Option<String>,
     /// Non-standard: the grammar the completion follows (JSON Schema, Lark or a regular
     /// expression), as on the chat API.
     #[serde(default)]
@@ -195,7 +198,9 @@ impl CompletionRequest {
         .with_logprobs(self.logprobs.is_some(), self.logprobs)?;
         let (field, grammar) =
             requested_grammar(self.response_format.as_ref(), self.grammar.as_ref())?;
-        let options = options.with_grammar(field, grammar)?;
+        let options = options
+            .with_grammar(field, grammar)?
+            .with_end_user(self.user.as_deref())?;
         Ok((ValidTurn::new(self.prompt()?, options, self.stream), n))
     }
 }

@@ -1,8 +1,8 @@
-//! The OpenAI-compatible API: `POST /v1/chat/completions` (streaming and not) and
-//! `GET /v1/models`. Stateless: nothing is stored, and a client that goes away cancels its
-//! generation. Fields Hearth cannot honour (tools, structured output) are refused with a 422
-//! that names them rather than silently ignored; fields that do not change the output
-//! (`metadata`, …) are accepted.
+//! The OpenAI-compatible API: `POST /v1/chat/completions` (streaming and not, with structured
+//! outputs, tools, log-probabilities and several choices) and `GET /v1/models`. Stateless:
+//! nothing is stored, and a client that goes away cancels its generation. Fields Hearth cannot
+//! honour are refused with a 422 that names them rather than silently ignored; fields that do
+//! not change the output (`metadata`, …) are accepted.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -26,8 +26,8 @@ use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
 use crate::service::{Caller, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
 
-/// OpenAI's chat completion request. Fields that do not change the output (`user`,
-/// `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
+/// OpenAI's chat completion request. Fields that do not change the output (`metadata`, …) are
+/// accepted and ignored; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
     /// Accepted for compatibility; the one served model answers whatever it names.
@@ -112,6 +112,10 @@ pub struct ChatRequest {
     /// call to any tool), or a named function; the last two constrain the reply to a call.
     #[serde(default)]
     tool_choice: Option<ToolChoice>,
+    /// The end user the request is for (at most 256 bytes): within the API key's share of the
+    /// workers, each end user gets a fair share of its own.
+    #[serde(default)]
+    user: Option<String>,
     /// Accepted: the model may make several calls in one reply (a JSON array of them).
     #[serde(default)]
     #[allow(dead_code)]
@@ -376,7 +380,9 @@ impl ChatRequest {
             (Some(call), None) => ("tool_choice", Some(call)),
             (None, g) => (field, g),
         };
-        let options = options.with_grammar(field, grammar)?;
+        let options = options
+            .with_grammar(field, grammar)?
+            .with_end_user(self.user.as_deref())?;
         Ok(ValidTurn::new(
             self.conversation(tools)?,
             options,

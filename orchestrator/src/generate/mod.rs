@@ -35,7 +35,7 @@ use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::Budget;
 use crate::storage::{ReplyTimings, ReplyUsage, Store, StoreError};
 use crate::telemetry;
-use crate::workers::{Generation, Lease, PoolError, WorkerPool};
+use crate::workers::{Generation, Lease, PoolError, Tenant, WorkerPool};
 
 use attempt::{request, Attempts, Next};
 
@@ -65,6 +65,8 @@ pub struct Job {
     pub logprobs: Option<u32>,
     /// The grammar the reply follows (constrained decoding), checked already.
     pub grammar: Option<Grammar>,
+    /// The end user the client named (OpenAI's `user`): the fair queue's second level.
+    pub end_user: Option<String>,
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     /// When the HTTP request arrived (TTFT is measured from here).
@@ -209,10 +211,11 @@ impl Generator {
 
     /// Waits for a worker's place: ahead of the user's new requests after a preemption.
     async fn admit(&self, job: &Job, live: &Live, a: &mut Attempts) -> Result<Lease, End> {
-        let (user, session) = (&job.user_id, job.persistence.session_id());
+        let user = Tenant::within(&job.user_id, job.end_user.as_deref());
+        let session = job.persistence.session_id();
         let admitted = tokio::select! {
-            l = self.pool.readmit(user, session, &a.failed), if a.preempted => l,
-            l = self.pool.admit(user, session, &a.failed), if !a.preempted => l,
+            l = self.pool.readmit(&user, session, &a.failed), if a.preempted => l,
+            l = self.pool.admit(&user, session, &a.failed), if !a.preempted => l,
             () = live.stopped() => return Err(End::Finished(FinishReason::Cancelled)),
         };
         a.preempted = false;

@@ -38,7 +38,7 @@ use crate::limits::{Budget, Limiter, Quota};
 use crate::storage::{
     Message, MessageStatus, Role, Session, SessionPatch, SessionQuery, Store, User,
 };
-use crate::workers::WorkerPool;
+use crate::workers::{Tenant, WorkerPool};
 
 /// Server-wide limits and defaults of the chat service.
 #[derive(Debug, Clone)]
@@ -355,7 +355,7 @@ impl ChatService {
         let lease = self
             .generator
             .pool
-            .admit(user_id, Some(session_id), &[])
+            .admit(&Tenant::user(user_id), Some(session_id), &[])
             .await?;
         let (user_message_id, message_id) = self.store_turn(user_id, session_id, store).await?;
         let live = Live::new(Some(TurnIds {
@@ -377,6 +377,7 @@ impl ChatService {
             max_new_tokens,
             logprobs: opts.logprobs(),
             grammar: opts.grammar().cloned(),
+            end_user: opts.end_user().map(str::to_string),
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
             arrived,
@@ -537,11 +538,8 @@ impl ChatService {
             shared_prefix,
         } = plan;
         let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
-        let lease = self
-            .generator
-            .pool
-            .admit_prefix(&caller.user.id, &keys)
-            .await?;
+        let tenant = Tenant::within(&caller.user.id, opts.end_user());
+        let lease = self.generator.pool.admit_prefix(&tenant, &keys).await?;
         let params = opts.params().cloned().unwrap_or_default();
         let dry_breakers = self.dry_breakers(&params).await?;
         let mut budgets: Vec<Option<Budget>> = match budget {
@@ -561,6 +559,7 @@ impl ChatService {
             max_new_tokens,
             logprobs: opts.logprobs(),
             grammar: opts.grammar().cloned(),
+            end_user: opts.end_user().map(str::to_string),
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
             arrived,
@@ -575,11 +574,7 @@ impl ChatService {
         for (i, budget) in (1..n).zip(budgets) {
             let live = Live::new(None);
             lives.push(live.clone());
-            let (g, mut follower, user) = (
-                self.generator.clone(),
-                job(i, budget),
-                caller.user.id.clone(),
-            );
+            let (g, mut follower, user) = (self.generator.clone(), job(i, budget), tenant.clone());
             let (keys, first) = (keys.clone(), first.clone());
             tokio::spawn(async move {
                 first.first_progress().await;

@@ -60,7 +60,13 @@ pub struct GenOptions {
     logprobs: Option<u32>,
     /// The grammar the reply follows.
     grammar: Option<Grammar>,
+    /// The end user the client named (OpenAI's `user`), whom the fair queue tells apart from
+    /// the key's other end users.
+    end_user: Option<String>,
 }
+
+/// Most bytes of an end user's name (OpenAI's `user`).
+pub const MAX_END_USER_BYTES: usize = 256;
 
 /// Most alternatives per token (`top_logprobs`), as OpenAI's.
 pub const MAX_TOP_LOGPROBS: u32 = 20;
@@ -83,7 +89,27 @@ impl GenOptions {
             ignore_eos,
             logprobs: None,
             grammar: None,
+            end_user: None,
         })
+    }
+
+    /// Names the end user the request is for (OpenAI's `user`): at most
+    /// [`MAX_END_USER_BYTES`], no NUL characters; an empty name is no name.
+    pub fn with_end_user(mut self, user: Option<&str>) -> Result<Self, ChatError> {
+        if let Some(u) = user.filter(|u| !u.is_empty()) {
+            if u.len() > MAX_END_USER_BYTES {
+                return Err(ChatError::Invalid(format!(
+                    "user: longer than {MAX_END_USER_BYTES} bytes"
+                )));
+            }
+            check_text("user", u)?;
+            self.end_user = Some(u.to_string());
+        }
+        Ok(self)
+    }
+
+    pub(super) fn end_user(&self) -> Option<&str> {
+        self.end_user.as_deref()
     }
 
     /// Constrains the reply to `grammar`, which must compile; `field` names it in the error

@@ -17,6 +17,11 @@
 //! their newest: that reply's [`Lease::yielded`] resolves, and its generation lets the place go
 //! and queues again ahead of its user's other requests, continuing where it stopped like a
 //! failover (`hearth_fair_share_preemptions_total` counts them). A user is never preempted down to nothing.
+//!
+//! Within one user (an API key's owner), the end users a client names (OpenAI's `user`) share
+//! that user's turn the same way: among one user's waiting requests, the end user holding the
+//! fewest places goes first. Who is preempted, and whose queue place is taken when the queue is
+//! full, is decided between users only.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,6 +34,32 @@ use super::Lease;
 use crate::ids::UserId;
 use crate::telemetry;
 
+/// Whom a request is for, as the fair queue sees it: a user, and within that user the end user
+/// the client named, if any.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Tenant {
+    pub user: UserId,
+    pub end_user: Option<Arc<str>>,
+}
+
+impl Tenant {
+    /// `user`'s requests, with no end user named.
+    pub fn user(user: &UserId) -> Self {
+        Self {
+            user: user.clone(),
+            end_user: None,
+        }
+    }
+
+    /// `user`'s requests for the end user `end_user`, if one is named.
+    pub fn within(user: &UserId, end_user: Option<&str>) -> Self {
+        Self {
+            user: user.clone(),
+            end_user: end_user.map(Arc::from),
+        }
+    }
+}
+
 /// The queue and the places each user holds, which order it.
 #[derive(Debug, Default)]
 pub(super) struct Fair {
@@ -36,6 +67,8 @@ pub(super) struct Fair {
     waiting: Vec<Waiter>,
     /// Workers' places (leases) held per user.
     pub(super) held: HashMap<UserId, usize>,
+    /// And per user and end user.
+    held_within: HashMap<Tenant, usize>,
     pub(super) next_lease: u64,
     /// Every place held, oldest first.
     pub(super) leases: Vec<Held>,
@@ -44,7 +77,7 @@ pub(super) struct Fair {
 #[derive(Debug)]
 struct Waiter {
     ticket: u64,
-    user: UserId,
+    tenant: Tenant,
     preferred: Option<String>,
     exclude: Vec<String>,
     /// A preempted reply waiting to continue: it goes before its user's new requests, and
@@ -56,20 +89,45 @@ struct Waiter {
 #[derive(Debug)]
 pub(super) struct Held {
     pub(super) id: u64,
-    pub(super) user: UserId,
+    pub(super) tenant: Tenant,
     pub(super) addr: String,
     /// Asked to give the place up.
     pub(super) yielding: bool,
     pub(super) signal: Arc<Notify>,
 }
 
-/// Queue order: fewest places held by the user, then a preempted reply before new requests,
-/// then arrival.
-pub(super) type Rank = (usize, bool, u64);
+/// Queue order: fewest places held by the user, then by the end user within it, then a
+/// preempted reply before new requests, then arrival.
+pub(super) type Rank = (usize, usize, bool, u64);
 
 impl Fair {
-    pub(super) fn rank(&self, user: &UserId, resumed: bool, ticket: u64) -> Rank {
-        (self.held.get(user).copied().unwrap_or(0), !resumed, ticket)
+    pub(super) fn rank(&self, t: &Tenant, resumed: bool, ticket: u64) -> Rank {
+        (
+            self.held.get(&t.user).copied().unwrap_or(0),
+            self.held_within.get(t).copied().unwrap_or(0),
+            !resumed,
+            ticket,
+        )
+    }
+
+    /// Counts a place `t` took.
+    pub(super) fn hold(&mut self, t: &Tenant) {
+        *self.held.entry(t.user.clone()).or_default() += 1;
+        *self.held_within.entry(t.clone()).or_default() += 1;
+    }
+
+    /// Counts a place `t` gave back.
+    pub(super) fn release(&mut self, t: &Tenant) {
+        fn down<K: std::hash::Hash + Eq>(m: &mut HashMap<K, usize>, k: &K) {
+            if let Some(n) = m.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(k);
+                }
+            }
+        }
+        down(&mut self.held, &t.user);
+        down(&mut self.held_within, t);
     }
 }
 
@@ -84,7 +142,7 @@ impl<'a> QueuePlace<'a> {
     /// user with the most waiting requests.
     fn take(
         pool: &'a WorkerPool,
-        user: &UserId,
+        tenant: &Tenant,
         preferred: Option<&str>,
         exclude: &[String],
         resumed: bool,
@@ -93,9 +151,9 @@ impl<'a> QueuePlace<'a> {
         if !resumed && fair.waiting.len() >= pool.config.max_queue {
             let mut counts: HashMap<&UserId, usize> = HashMap::new();
             for w in fair.waiting.iter().filter(|w| !w.resumed) {
-                *counts.entry(&w.user).or_default() += 1;
+                *counts.entry(&w.tenant.user).or_default() += 1;
             }
-            let mine = counts.get(user).copied().unwrap_or(0);
+            let mine = counts.get(&tenant.user).copied().unwrap_or(0);
             let (most, theirs) = counts
                 .into_iter()
                 .max_by_key(|&(u, n)| (n, std::cmp::Reverse(u)))?;
@@ -106,7 +164,7 @@ impl<'a> QueuePlace<'a> {
             let newest = fair
                 .waiting
                 .iter()
-                .rposition(|w| w.user == most && !w.resumed)
+                .rposition(|w| w.tenant.user == most && !w.resumed)
                 .expect("the user with the most waiting requests has one");
             fair.waiting.remove(newest);
             metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
@@ -117,7 +175,7 @@ impl<'a> QueuePlace<'a> {
         fair.next_ticket += 1;
         fair.waiting.push(Waiter {
             ticket,
-            user: user.clone(),
+            tenant: tenant.clone(),
             preferred: preferred.map(str::to_string),
             exclude: exclude.to_vec(),
             resumed,
@@ -154,7 +212,7 @@ enum Turn {
 impl WorkerPool {
     pub(super) async fn wait_for_room(
         self: &Arc<Self>,
-        user: &UserId,
+        user: &Tenant,
         preferred: Option<&str>,
         exclude: &[String],
         resumed: bool,
@@ -175,7 +233,7 @@ impl WorkerPool {
                 Turn::Next => match self.pick(user, preferred, exclude) {
                     Pick::Got(l) => return Ok(l),
                     Pick::NoneReady => return Err(PoolError::NoWorker),
-                    Pick::Full => self.preempt_for(user, exclude),
+                    Pick::Full => self.preempt_for(&user.user, exclude),
                 },
             }
             if resumed {
@@ -198,8 +256,8 @@ impl WorkerPool {
         let starving: std::collections::HashSet<&UserId> = fair
             .waiting
             .iter()
-            .filter(|w| !w.resumed && !fair.held.contains_key(&w.user))
-            .map(|w| &w.user)
+            .filter(|w| !w.resumed && !fair.held.contains_key(&w.tenant.user))
+            .map(|w| &w.tenant.user)
             .collect();
         let asked = fair.leases.iter().filter(|l| l.yielding).count();
         if starving.len() <= asked {
@@ -207,7 +265,7 @@ impl WorkerPool {
         }
         let mut keeps: HashMap<&UserId, usize> = HashMap::new();
         for l in fair.leases.iter().filter(|l| !l.yielding) {
-            *keeps.entry(&l.user).or_default() += 1;
+            *keeps.entry(&l.tenant.user).or_default() += 1;
         }
         let Some((victim, n)) = keeps
             .into_iter()
@@ -224,7 +282,7 @@ impl WorkerPool {
             .leases
             .iter_mut()
             .rev()
-            .find(|l| l.user == victim && !l.yielding && !exclude.contains(&l.addr));
+            .find(|l| l.tenant.user == victim && !l.yielding && !exclude.contains(&l.addr));
         if let Some(l) = newest {
             l.yielding = true;
             l.signal.notify_one();
@@ -242,7 +300,7 @@ impl WorkerPool {
         let mut asked: Vec<(Option<&str>, &[String], bool)> = Vec::new();
         fair.waiting
             .iter()
-            .filter(|w| fair.rank(&w.user, w.resumed, w.ticket) < rank)
+            .filter(|w| fair.rank(&w.tenant, w.resumed, w.ticket) < rank)
             .any(|w| {
                 let ask = (w.preferred.as_deref(), w.exclude.as_slice());
                 if let Some(&(_, _, able)) = asked.iter().find(|a| (a.0, a.1) == ask) {
@@ -259,7 +317,7 @@ impl WorkerPool {
         let Some(me) = fair.waiting.iter().find(|w| w.ticket == ticket) else {
             return Turn::Bumped;
         };
-        let mine = fair.rank(&me.user, me.resumed, me.ticket);
+        let mine = fair.rank(&me.tenant, me.resumed, me.ticket);
         if self.someone_ahead(&fair, mine) {
             Turn::Behind
         } else {
@@ -300,21 +358,30 @@ mod tests {
         UserId::parse(&format!("{:032x}", n + 1)).expect("an id")
     }
 
+    fn tenant(name: &str) -> Tenant {
+        Tenant::user(&user(name))
+    }
+
     fn users(pool: &WorkerPool) -> Vec<UserId> {
-        pool.fair().waiting.iter().map(|w| w.user.clone()).collect()
+        pool.fair()
+            .waiting
+            .iter()
+            .map(|w| w.tenant.user.clone())
+            .collect()
     }
 
     #[tokio::test]
     async fn a_full_queue_is_shared_a_user_with_fewer_waiting_takes_the_newest_place_of_the_most() {
         let p = pool(4);
         let alice: Vec<_> = (0..4)
-            .map(|_| QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room"))
+            .map(|_| QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room"))
             .collect();
         assert!(
-            QueuePlace::take(&p, &user("alice"), None, &[], false).is_none(),
+            QueuePlace::take(&p, &tenant("alice"), None, &[], false).is_none(),
             "full"
         );
-        let bob1 = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("bob takes a place");
+        let bob1 =
+            QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("bob takes a place");
         assert_eq!(
             users(&p),
             [user("alice"), user("alice"), user("alice"), user("bob")]
@@ -325,11 +392,11 @@ mod tests {
             "alice's newest lost it"
         );
         assert_eq!(p.turn(alice[0].ticket), Turn::Next);
-        let bob2 = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("bob again");
+        let bob2 = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("bob again");
         assert_eq!(p.turn(alice[2].ticket), Turn::Bumped);
         // Two each: nobody takes from anybody any more.
-        assert!(QueuePlace::take(&p, &user("bob"), None, &[], false).is_none());
-        assert!(QueuePlace::take(&p, &user("alice"), None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, &tenant("bob"), None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, &tenant("alice"), None, &[], false).is_none());
         assert_eq!(p.queued(), 4);
         // A bumped place that is dropped gives nothing back twice; a real one frees a place.
         drop(alice);
@@ -341,16 +408,18 @@ mod tests {
     #[tokio::test]
     async fn the_queue_ranks_users_by_the_places_they_hold_then_by_arrival() {
         let p = pool(8);
-        let a1 = QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room");
-        let b1 = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("room");
+        let a1 = QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room");
+        let b1 = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("room");
         let mut fair = p.fair();
         assert!(
-            fair.rank(&user("alice"), false, a1.ticket) < fair.rank(&user("bob"), false, b1.ticket)
+            fair.rank(&tenant("alice"), false, a1.ticket)
+                < fair.rank(&tenant("bob"), false, b1.ticket)
         );
         // Alice holds two workers' places, Bob none: Bob goes first although he came later.
         fair.held.insert(user("alice"), 2);
         assert!(
-            fair.rank(&user("bob"), false, b1.ticket) < fair.rank(&user("alice"), false, a1.ticket)
+            fair.rank(&tenant("bob"), false, b1.ticket)
+                < fair.rank(&tenant("alice"), false, a1.ticket)
         );
         drop(fair);
         // With no worker ready, nobody can take a place, so nobody stands in anyone's way.
@@ -358,16 +427,45 @@ mod tests {
         assert_eq!(p.turn(b1.ticket), Turn::Next);
     }
 
+    #[tokio::test]
+    async fn within_a_user_the_end_user_with_fewer_places_goes_first() {
+        let p = pool(8);
+        let alice = user("alice");
+        let (ann, bo) = (
+            Tenant::within(&alice, Some("ann")),
+            Tenant::within(&alice, Some("bo")),
+        );
+        let a = QueuePlace::take(&p, &ann, None, &[], false).expect("room");
+        let b = QueuePlace::take(&p, &bo, None, &[], false).expect("room");
+        let mut fair = p.fair();
+        assert!(fair.rank(&ann, false, a.ticket) < fair.rank(&bo, false, b.ticket));
+        // Ann holds two of alice's places, Bo none: Bo goes first among alice's requests.
+        fair.hold(&ann);
+        fair.hold(&ann);
+        assert!(fair.rank(&bo, false, b.ticket) < fair.rank(&ann, false, a.ticket));
+        // Between users the end users do not count: bob, holding nothing, goes before both.
+        let bob = tenant("bob");
+        fair.release(&ann);
+        fair.hold(&Tenant::within(&alice, Some("bo")));
+        assert!(fair.rank(&bob, false, u64::MAX) < fair.rank(&bo, false, b.ticket));
+        fair.release(&ann);
+        fair.release(&bo);
+        assert!(
+            fair.held.is_empty() && fair.held_within.is_empty(),
+            "all given back"
+        );
+    }
+
     /// Gives `user` a place on `addr` as the queue sees it, with the signal that asks it back.
     fn hold(p: &WorkerPool, user: &UserId, addr: &str) -> Arc<Notify> {
         let mut fair = p.fair();
-        *fair.held.entry(user.clone()).or_default() += 1;
+        fair.hold(&Tenant::user(user));
         let id = fair.next_lease;
         fair.next_lease += 1;
         let signal = Arc::new(Notify::new());
         fair.leases.push(Held {
             id,
-            user: user.clone(),
+            tenant: Tenant::user(user),
             addr: addr.to_string(),
             yielding: false,
             signal: signal.clone(),
@@ -387,21 +485,21 @@ mod tests {
         let alice: Vec<_> = (0..3).map(|_| hold(&p, &user("alice"), "w1")).collect();
         let dave = hold(&p, &user("dave"), "w1");
         // Alice waits too, but she holds places: she asks nobody for one.
-        let _a = QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room");
+        let _a = QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room");
         p.preempt_for(&user("alice"), &[]);
         assert!(!asked(&alice[2]).await);
         // Bob holds none: alice's newest place is asked back, once.
-        let _b = QueuePlace::take(&p, &user("bob"), None, &[], false).expect("room");
+        let _b = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("room");
         p.preempt_for(&user("bob"), &[]);
         p.preempt_for(&user("bob"), &[]);
         assert!(asked(&alice[2]).await, "alice's newest place");
         assert!(!asked(&alice[1]).await && !asked(&alice[0]).await);
         // Carol holds none either: one more of alice's. Not dave's: he holds only one.
-        let _c = QueuePlace::take(&p, &user("carol"), None, &[], false).expect("room");
+        let _c = QueuePlace::take(&p, &tenant("carol"), None, &[], false).expect("room");
         p.preempt_for(&user("carol"), &[]);
         assert!(asked(&alice[1]).await);
         // Erin, a third: alice keeps her last place and dave his only one.
-        let _e = QueuePlace::take(&p, &user("erin"), None, &[], false).expect("room");
+        let _e = QueuePlace::take(&p, &tenant("erin"), None, &[], false).expect("room");
         p.preempt_for(&user("erin"), &[]);
         assert!(!asked(&alice[0]).await && !asked(&dave).await);
         assert_eq!(p.fair().leases.iter().filter(|l| l.yielding).count(), 2);
@@ -413,7 +511,7 @@ mod tests {
         let on_w2 = hold(&p, &user("alice"), "w2");
         let on_w1 = hold(&p, &user("alice"), "w1");
         let _b =
-            QueuePlace::take(&p, &user("bob"), None, &["w1".to_string()], false).expect("room");
+            QueuePlace::take(&p, &tenant("bob"), None, &["w1".to_string()], false).expect("room");
         p.preempt_for(&user("bob"), &["w1".to_string()]);
         assert!(!asked(&on_w1).await, "bob's reply just failed on w1");
         assert!(asked(&on_w2).await);
@@ -423,16 +521,16 @@ mod tests {
     async fn a_preempted_reply_waits_before_its_users_new_requests_and_past_a_full_queue() {
         let p = pool(1);
         hold(&p, &user("alice"), "w1");
-        let new = QueuePlace::take(&p, &user("alice"), None, &[], false).expect("room");
+        let new = QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room");
         assert!(
-            QueuePlace::take(&p, &user("alice"), None, &[], false).is_none(),
+            QueuePlace::take(&p, &tenant("alice"), None, &[], false).is_none(),
             "full"
         );
-        let resumed = QueuePlace::take(&p, &user("alice"), None, &[], true).expect("not bounded");
+        let resumed = QueuePlace::take(&p, &tenant("alice"), None, &[], true).expect("not bounded");
         let fair = p.fair();
         assert!(
-            fair.rank(&user("alice"), true, resumed.ticket)
-                < fair.rank(&user("alice"), false, new.ticket),
+            fair.rank(&tenant("alice"), true, resumed.ticket)
+                < fair.rank(&tenant("alice"), false, new.ticket),
             "the preempted reply goes first"
         );
     }

@@ -9,7 +9,7 @@ use tokio::sync::Notify;
 use super::connection::{Generation, WorkerConnection, WorkerError};
 use super::health::WorkerSlot;
 use super::pool::WorkerPool;
-use crate::ids::UserId;
+use super::Tenant;
 
 /// A worker chosen for one request; it counts as in flight there until dropped.
 #[derive(Debug)]
@@ -17,7 +17,7 @@ pub struct Lease {
     pub(super) slot: Arc<WorkerSlot>,
     pub(super) conn: Arc<WorkerConnection>,
     pub(super) pool: Arc<WorkerPool>,
-    pub(super) user: UserId,
+    pub(super) tenant: Tenant,
     pub(super) id: u64,
     pub(super) yield_signal: Arc<Notify>,
 }
@@ -48,12 +48,7 @@ impl Drop for Lease {
         self.slot.in_flight.fetch_sub(1, Ordering::SeqCst);
         {
             let mut fair = self.pool.fair();
-            if let Some(n) = fair.held.get_mut(&self.user) {
-                *n -= 1;
-                if *n == 0 {
-                    fair.held.remove(&self.user);
-                }
-            }
+            fair.release(&self.tenant);
             if let Some(i) = fair.leases.iter().position(|l| l.id == self.id) {
                 fair.leases.remove(i);
             }

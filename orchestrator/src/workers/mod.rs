@@ -12,6 +12,7 @@ pub mod pool;
 
 pub use affinity::{prefix_keys, Affinity, PrefixKey};
 pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError, WorkerLink};
+pub use fair::Tenant;
 pub use health::WorkerStatus;
 pub use lease::Lease;
 pub use pool::{PoolConfig, PoolError, WorkerPool};

@@ -23,7 +23,8 @@ use super::connection::{BatchConfig, WorkerConnection, WorkerLink};
 use super::fair::{Fair, Held};
 use super::health::{poll, SlotState, WorkerSlot, WorkerStatus};
 use super::Lease;
-use crate::ids::{SessionId, UserId};
+use super::Tenant;
+use crate::ids::SessionId;
 use crate::telemetry;
 
 #[derive(Debug, Clone)]
@@ -190,7 +191,7 @@ impl WorkerPool {
     /// [`prefix_keys`]): the worker that served the longest of them, unless it is overloaded.
     pub async fn admit_prefix(
         self: &Arc<Self>,
-        user: &UserId,
+        user: &Tenant,
         keys: &[PrefixKey],
     ) -> Result<Lease, PoolError> {
         let preferred = self.affinity.get_last(keys).await;
@@ -208,7 +209,7 @@ impl WorkerPool {
     /// in the bounded queue when every worker is full.
     pub async fn admit(
         self: &Arc<Self>,
-        user: &UserId,
+        user: &Tenant,
         session: Option<&SessionId>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
@@ -229,7 +230,7 @@ impl WorkerPool {
     /// waits ahead of its user's new requests, without the queue's bound or timeout.
     pub async fn readmit(
         self: &Arc<Self>,
-        user: &UserId,
+        user: &Tenant,
         session: Option<&SessionId>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
@@ -248,7 +249,7 @@ impl WorkerPool {
 
     async fn admit_preferring(
         self: &Arc<Self>,
-        user: &UserId,
+        user: &Tenant,
         preferred: Option<&str>,
         exclude: &[String],
         resumed: bool,
@@ -315,7 +316,7 @@ impl WorkerPool {
 
     pub(super) fn pick(
         self: &Arc<Self>,
-        user: &UserId,
+        user: &Tenant,
         preferred: Option<&str>,
         exclude: &[String],
     ) -> Pick {
@@ -329,12 +330,12 @@ impl WorkerPool {
         let signal = Arc::new(Notify::new());
         let id = {
             let mut fair = self.fair();
-            *fair.held.entry(user.clone()).or_default() += 1;
+            fair.hold(user);
             let id = fair.next_lease;
             fair.next_lease += 1;
             fair.leases.push(Held {
                 id,
-                user: user.clone(),
+                tenant: user.clone(),
                 addr: slot.addr.clone(),
                 yielding: false,
                 signal: signal.clone(),
@@ -345,7 +346,7 @@ impl WorkerPool {
             slot,
             conn,
             pool: self.clone(),
-            user: user.clone(),
+            tenant: user.clone(),
             id,
             yield_signal: signal,
         })

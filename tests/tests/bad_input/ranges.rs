@@ -153,6 +153,10 @@ pub(crate) fn out_of_range(rng: &mut Rng, route: BodyRoute) -> (String, Value) {
                     with(v.clone(), "top_logprobs", json!(rng.range(1, 20))),
                 ),
                 (
+                    "end user name too long",
+                    with(v.clone(), "user", json!("u".repeat(rng.range(257, 2000)))),
+                ),
+                (
                     "tool with a bad name",
                     with(
                         v.clone(),
