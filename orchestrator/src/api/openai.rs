@@ -612,6 +612,83 @@ impl Shape {
     }
 }
 
+/// One streamed choice's state: the log-probabilities not sent yet, where its text stands
+/// (legacy `text_offset`), and its text held back while it may still become tool calls (`None`
+/// once it cannot, or without tools).
+struct ChoiceStream {
+    index: usize,
+    pending: Vec<TokenLogprob>,
+    offset: usize,
+    held: Option<String>,
+}
+
+impl ChoiceStream {
+    fn new(index: usize, shape: &Shape) -> Self {
+        Self {
+            index,
+            pending: Vec::new(),
+            offset: shape.echoed_len(),
+            held: shape.callable_tools().map(|_| String::new()),
+        }
+    }
+
+    /// The log-probabilities gathered since the last chunk, in `shape`'s form (null without
+    /// `logprobs`).
+    fn logprobs(&mut self, shape: &Shape, logprobs: bool) -> Value {
+        if logprobs {
+            shape.logprobs(std::mem::take(&mut self.pending), &mut self.offset)
+        } else {
+            Value::Null
+        }
+    }
+
+    /// The choice to send for new text, if any (none while it is held back).
+    fn text(&mut self, shape: &Shape, logprobs: bool, t: String) -> Option<Value> {
+        let t = match (&mut self.held, shape.callable_tools()) {
+            (Some(h), Some(tools)) => {
+                h.push_str(&t);
+                if tools.may_be_call(h) {
+                    return None;
+                }
+                self.held.take().unwrap_or_default()
+            }
+            _ => t,
+        };
+        let lp = self.logprobs(shape, logprobs);
+        Some(shape.choice(self.index, Some(&t), Value::Null, lp))
+    }
+
+    /// The choices that end it: the held text as calls or as content, what log-probabilities
+    /// are left, and the finish.
+    fn end(&mut self, shape: &Shape, logprobs: bool, reason: &str) -> Vec<Value> {
+        let i = self.index;
+        let text = self.held.take();
+        let calls = text
+            .as_deref()
+            .zip(shape.callable_tools())
+            .and_then(|(t, tools)| tools.calls(t));
+        if let Some(calls) = calls {
+            let lp = self.logprobs(shape, logprobs);
+            return vec![
+                Shape::calls_choice(i, &calls, lp),
+                shape.choice(i, None, json!("tool_calls"), Value::Null),
+            ];
+        }
+        let mut out = Vec::new();
+        if let Some(t) = text.filter(|t| !t.is_empty()) {
+            let lp = self.logprobs(shape, logprobs);
+            out.push(shape.choice(i, Some(&t), Value::Null, lp));
+        }
+        if logprobs && !self.pending.is_empty() {
+            // Tokens whose text the stop matcher held back or cut.
+            let lp = self.logprobs(shape, logprobs);
+            out.push(shape.choice(i, Some(""), Value::Null, lp));
+        }
+        out.push(shape.choice(i, None, json!(reason), Value::Null));
+        out
+    }
+}
+
 /// The completion as chunk events, then `[DONE]`: each choice's chunks as they come, tagged
 /// with its index. With `logprobs`, each text chunk carries the log-probabilities of the tokens
 /// that arrived with or before it.
@@ -633,20 +710,10 @@ pub(super) fn streamed(
         for (i, live) in lives.iter().enumerate() {
             merged.insert(i, Box::pin(live.subscribe(0)));
         }
-        let mut pending: Vec<Vec<TokenLogprob>> = vec![Vec::new(); lives.len()];
-        let mut offsets: Vec<usize> = vec![shape.echoed_len(); lives.len()];
+        let mut choices: Vec<ChoiceStream> =
+            (0..lives.len()).map(|i| ChoiceStream::new(i, &shape)).collect();
         let mut outcomes: Vec<Outcome> = Vec::new();
-        // Text held back while it may still become tool calls; `None` once it cannot.
-        let tools = shape.callable_tools();
-        let mut held: Vec<Option<String>> = vec![tools.map(|_| String::new()); lives.len()];
         while let Some((i, (_, e))) = merged.next().await {
-            let lp = |pending: &mut Vec<TokenLogprob>, offset: &mut usize| {
-                if logprobs {
-                    shape.logprobs(std::mem::take(pending), offset)
-                } else {
-                    Value::Null
-                }
-            };
             match e {
                 RunEvent::Begin => match &shape {
                     Shape::Chat { .. } => yield data(chunk(shape.choice(i, None, Value::Null, Value::Null))),
@@ -655,20 +722,11 @@ pub(super) fn streamed(
                     }
                     Shape::Text { echo: None } => {}
                 },
-                RunEvent::Logprobs(l) => pending[i].extend(l),
+                RunEvent::Logprobs(l) => choices[i].pending.extend(l),
                 RunEvent::Text(t) => {
-                    let t = match (&mut held[i], tools) {
-                        (Some(h), Some(tools)) => {
-                            h.push_str(&t);
-                            if tools.may_be_call(h) {
-                                continue;
-                            }
-                            held[i].take().unwrap_or_default()
-                        }
-                        _ => t,
-                    };
-                    let lp = lp(&mut pending[i], &mut offsets[i]);
-                    yield data(chunk(shape.choice(i, Some(&t), Value::Null, lp)));
+                    if let Some(c) = choices[i].text(&shape, logprobs, t) {
+                        yield data(chunk(c));
+                    }
                 }
                 RunEvent::End(o) => match o.end.openai_finish_reason() {
                     Err(e) => {
@@ -676,25 +734,9 @@ pub(super) fn streamed(
                         break;
                     }
                     Ok(reason) => {
-                        let text = held[i].take();
-                        let calls = text.as_deref().zip(tools).and_then(|(t, tools)| tools.calls(t));
-                        if let Some(calls) = calls {
-                            let lp = lp(&mut pending[i], &mut offsets[i]);
-                            yield data(chunk(Shape::calls_choice(i, &calls, lp)));
-                            yield data(chunk(shape.choice(i, None, json!("tool_calls"), Value::Null)));
-                            outcomes.push(*o);
-                            continue;
+                        for c in choices[i].end(&shape, logprobs, reason) {
+                            yield data(chunk(c));
                         }
-                        if let Some(t) = text.filter(|t| !t.is_empty()) {
-                            let lp = lp(&mut pending[i], &mut offsets[i]);
-                            yield data(chunk(shape.choice(i, Some(&t), Value::Null, lp)));
-                        }
-                        if logprobs && !pending[i].is_empty() {
-                            // Tokens whose text the stop matcher held back or cut.
-                            let lp = lp(&mut pending[i], &mut offsets[i]);
-                            yield data(chunk(shape.choice(i, Some(""), Value::Null, lp)));
-                        }
-                        yield data(chunk(shape.choice(i, None, json!(reason), Value::Null)));
                         outcomes.push(*o);
                     }
                 },

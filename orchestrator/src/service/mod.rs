@@ -328,18 +328,7 @@ impl ChatService {
         }
         let reservation = self.generator.streams.reserve(session_id)?;
         let history = self.store.list_messages(user_id, session_id).await?;
-        let cap = self.limits.max_messages_per_session;
-        if history.len() + 2 > cap {
-            return Err(ChatError::SessionFull {
-                held: history.len(),
-                max: cap,
-            });
-        }
-        let held: usize = history.iter().map(|m| m.content.len()).sum();
-        let max = self.limits.max_session_bytes;
-        if held + input.text_len() > max {
-            return Err(ChatError::SessionTooLarge { held, max });
-        }
+        self.check_room(&history, &input)?;
         let (convo, store) = prepare(&session, history, &input)?;
         let budget = self.charge(caller, max_tokens).await?;
         let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens).await?;
@@ -391,6 +380,23 @@ impl ChatService {
             g.streams.expire_later(running);
         });
         Ok(live)
+    }
+
+    /// Whether the session holds room for the turn: two more messages, and its new text.
+    fn check_room(&self, history: &[Message], input: &NativeTurn) -> Result<(), ChatError> {
+        let cap = self.limits.max_messages_per_session;
+        if history.len() + 2 > cap {
+            return Err(ChatError::SessionFull {
+                held: history.len(),
+                max: cap,
+            });
+        }
+        let held: usize = history.iter().map(|m| m.content.len()).sum();
+        let max = self.limits.max_session_bytes;
+        if held + input.text_len() > max {
+            return Err(ChatError::SessionTooLarge { held, max });
+        }
+        Ok(())
     }
 
     /// Stores a turn the way its kind asks: the user's message and an empty reply, or a new
