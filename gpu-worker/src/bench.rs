@@ -62,8 +62,8 @@ pub struct BenchOptions {
     /// KV budget in MiB.
     #[arg(long, env = "HEARTH_KV_BUDGET_MB", default_value_t = 4096)]
     pub kv_budget_mb: usize,
-    /// Concurrent sequences of the constrained-decoding runs (each against the same number of
-    /// unconstrained ones); empty skips them.
+    /// Concurrent sequences of the constrained-decoding and DRY runs (each against the same
+    /// number of free ones); empty skips them.
     #[arg(long, default_value = "1,16", value_delimiter = ',')]
     pub grammar_streams: Vec<usize>,
     /// Draft tokens of the speculation runs (the engine's `--spec-tokens`); 0 skips them. The
@@ -675,9 +675,10 @@ fn disk_tier(model: &Weights, o: &BenchOptions) -> anyhow::Result<Value> {
     }))
 }
 
-/// What constrained decoding costs: `--grammar-streams` sequences generate `--batch-tokens`
-/// tokens each, greedy, without a grammar and then each constrained to a JSON Schema that cannot
-/// be complete before then (an array of at least 100 small objects), so every token is masked.
+/// What constrained decoding and DRY cost: `--grammar-streams` sequences generate
+/// `--batch-tokens` tokens each, greedy: free; each constrained to a JSON Schema that cannot be
+/// complete before then (an array of at least 100 small objects), so every token is masked; and
+/// with DRY on (`dry_multiplier` 0.8, its whole context searched every step).
 fn constrained(
     model: &Weights,
     model_path: &std::path::Path,
@@ -709,20 +710,26 @@ fn constrained(
     let vocab_n = model.config().vocab_size;
     let mut id = 0u64;
     let mut rows = Vec::new();
+    const KEYS: [&str; 3] = ["free", "json_schema", "dry"];
+    // The machine's noise is larger than the costs measured: three rounds, the variants
+    // interleaved, and each variant's median.
+    const ROUNDS: usize = 3;
     for &n in &o.grammar_streams {
-        let mut row = json!({ "concurrency": n });
-        for with in [false, true] {
+        let mut row = json!({ "concurrency": n, "rounds": ROUNDS });
+        let mut rates: Vec<Vec<f64>> = vec![Vec::new(); KEYS.len()];
+        for (round, k) in (0..ROUNDS).flat_map(|r| (0..KEYS.len()).map(move |k| (r, k))) {
+            let key = KEYS[k];
             let t = Instant::now();
             let streams = (0..n)
                 .map(|i| {
                     id += 1;
-                    let mut r = req(
-                        id,
-                        tokens(16, 300 + i as u64, vocab_n),
-                        o.batch_tokens,
-                        None,
-                    );
-                    r.grammar = with.then(|| grammar.clone());
+                    let prompt = tokens(16, 300 + i as u64, vocab_n);
+                    let mut r = req(id, prompt, o.batch_tokens, None);
+                    match key {
+                        "json_schema" => r.grammar = Some(grammar.clone()),
+                        "dry" => r.params.dry_multiplier = 0.8,
+                        _ => {}
+                    }
                     h.submit(r)
                 })
                 .collect::<Result<Vec<_>, _>>()?;
@@ -730,19 +737,27 @@ fn constrained(
             let wall = t.elapsed().as_secs_f64();
             let generated: usize = runs.iter().map(|r| r.tokens.len()).sum();
             let tok_s = generated as f64 / wall;
-            let key = if with { "json_schema" } else { "free" };
-            progress(&format!("{n} streams, {key}: {tok_s:.1} tok/s"));
-            row[key] = json!({ "generated_tokens": generated, "aggregate_tok_s": tok_s });
+            progress(&format!(
+                "{n} streams, {key}, round {}: {tok_s:.1} tok/s",
+                round + 1
+            ));
+            rates[k].push(tok_s);
+            row[key] = json!({ "generated_tokens": generated });
         }
-        let ratio = row["json_schema"]["aggregate_tok_s"]
+        for (k, key) in KEYS.iter().enumerate() {
+            let median = percentile(&mut rates[k], 0.5);
+            row[*key]["aggregate_tok_s"] = json!(median);
+            row[*key]["rounds_tok_s"] = json!(rates[k]);
+        }
+        let free = row["free"]["aggregate_tok_s"]
             .as_f64()
-            .unwrap_or(0.0)
-            / row["free"]["aggregate_tok_s"]
-                .as_f64()
-                .unwrap_or(1.0)
-                .max(1e-9);
-        row["throughput_ratio"] = json!(ratio);
-        row["cost_pct"] = json!((1.0 - ratio) * 100.0);
+            .unwrap_or(1.0)
+            .max(1e-9);
+        for key in ["json_schema", "dry"] {
+            let ratio = row[key]["aggregate_tok_s"].as_f64().unwrap_or(0.0) / free;
+            row[key]["throughput_ratio"] = json!(ratio);
+            row[key]["cost_pct"] = json!((1.0 - ratio) * 100.0);
+        }
         rows.push(row);
     }
     Ok(json!({ "mask_threads": MASK_THREADS, "setup_ms": setup_ms, "runs": rows }))

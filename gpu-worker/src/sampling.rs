@@ -162,17 +162,20 @@ impl Sampler {
         let LogitSummary { argmax, max, lse } = summary.unwrap_or_else(|| LogitSummary::of(logits));
         // Adjusted tokens' unmodified logits.
         let original = self.adjust(logits, history);
-        if let Some(m) = mask {
-            apply_mask(m, logits);
-        }
         let token = if self.params.is_greedy() {
-            // The first maximum is already known unless an adjustment or a mask moved logits.
-            if original.is_empty() && mask.is_none() {
-                argmax
-            } else {
-                first_index_of(logits, max_of(logits))
+            // The first maximum is already known unless an adjustment moved logits; a mask
+            // changes it only when it disallows that token. Greedy never writes the mask into
+            // the row: one pass over the allowed tokens finds their maximum.
+            match mask {
+                None if original.is_empty() => argmax,
+                None => first_index_of(logits, max_of(logits)),
+                Some(m) if original.is_empty() && allows(m, argmax) => argmax,
+                Some(m) => masked_argmax(m, logits).unwrap_or(argmax),
             }
         } else {
+            if let Some(m) = mask {
+                apply_mask(m, logits);
+            }
             self.sample_stochastic(logits)
         };
         let raw = match original.get(&token) {
@@ -493,6 +496,33 @@ fn sum_exp(xs: &[f32], max: f32) -> f32 {
 }
 
 /// Index of the first value equal to `max`, the largest (0 if none is).
+/// Whether `mask` allows `token` (tokens past its words are not allowed).
+fn allows(mask: &SimpleVob, token: u32) -> bool {
+    let t = token as usize;
+    mask.as_slice()
+        .get(t / 32)
+        .is_some_and(|w| (w >> (t % 32)) & 1 == 1)
+}
+
+/// The first position of the largest logit among the tokens `mask` allows; `None` if it
+/// allows none of `logits`.
+fn masked_argmax(mask: &SimpleVob, logits: &[f32]) -> Option<u32> {
+    let mut best: Option<(u32, f32)> = None;
+    for (wi, (&w, chunk)) in mask.as_slice().iter().zip(logits.chunks(32)).enumerate() {
+        let mut bits = w;
+        while bits != 0 {
+            let j = bits.trailing_zeros() as usize;
+            bits &= bits - 1;
+            if let Some(&l) = chunk.get(j) {
+                if best.is_none_or(|(_, b)| l > b) {
+                    best = Some(((wi * 32 + j) as u32, l));
+                }
+            }
+        }
+    }
+    best.map(|(t, _)| t)
+}
+
 fn first_index_of(xs: &[f32], max: f32) -> u32 {
     xs.iter().position(|&v| v == max).map_or(0, |i| i as u32)
 }
@@ -500,6 +530,28 @@ fn first_index_of(xs: &[f32], max: f32) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_masked_greedy_pick_is_the_first_maximum_among_allowed_tokens() {
+        let n = 1000;
+        let row: Vec<f32> = crate::fixtures::noise(n, 5, 3.0);
+        let mut rng = Rng::seeded(9);
+        for case in 0..50 {
+            let mut mask = SimpleVob::alloc(n);
+            for t in 0..n {
+                if rng.next_u64() % 7 == 0 || case == 0 {
+                    mask.allow_token(t as u32);
+                }
+            }
+            let mut masked = row.clone();
+            apply_mask(&mask, &mut masked);
+            let want = first_index_of(&masked, max_of(&masked));
+            let mut s = Sampler::new(SamplingParams::default());
+            let got = s.sample_masked(&mut row.clone(), &[], None, Some(&mask)).0;
+            assert_eq!(got, want, "case {case}");
+            assert!(mask.is_allowed(got));
+        }
+    }
 
     fn logits() -> Vec<f32> {
         (0..1000)
