@@ -539,7 +539,7 @@ mod tests {
         for case in 0..50 {
             let mut mask = SimpleVob::alloc(n);
             for t in 0..n {
-                if rng.next_u64() % 7 == 0 || case == 0 {
+                if rng.next_u64().is_multiple_of(7) || case == 0 {
                     mask.allow_token(t as u32);
                 }
             }
