@@ -251,8 +251,8 @@ export interface components {
             usage: components["schemas"]["Usage"];
         };
         /**
-         * @description OpenAI's chat completion request. Fields that do not change the output (`user`,
-         *     `metadata`, …) are accepted and ignored; those Hearth cannot honour are refused by name.
+         * @description OpenAI's chat completion request. Fields that do not change the output (`metadata`, …) are
+         *     accepted and ignored; those Hearth cannot honour are refused by name.
          */
         ChatRequest: {
             /** @description Accepted for compatibility; the one served model answers whatever it names. */
@@ -323,6 +323,11 @@ export interface components {
             /** @description Functions the model may call (at most 128); see `tool_choice`. */
             tools?: components["schemas"]["Tool"][] | null;
             tool_choice?: null | components["schemas"]["ToolChoice"];
+            /**
+             * @description The end user the request is for (at most 256 bytes): within the API key's share of the
+             *     workers, each end user gets a fair share of its own.
+             */
+            user?: string | null;
             /** @description Accepted: the model may make several calls in one reply (a JSON array of them). */
             parallel_tool_calls?: boolean | null;
             response_format?: null | components["schemas"]["ResponseFormat"];
@@ -341,7 +346,7 @@ export interface components {
             data: string;
         };
         /**
-         * @description OpenAI's text completion request. Fields that do not change the output (`user`, …) are
+         * @description OpenAI's text completion request. Fields that do not change the output (`metadata`, …) are
          *     accepted; those Hearth cannot honour are refused by name.
          */
         CompletionRequest: {
@@ -400,6 +405,8 @@ export interface components {
             logprobs?: number | null;
             /** @description Non-standard (vLLM, llama.cpp): generate exactly `max_tokens`. */
             ignore_eos?: boolean;
+            /** @description The end user the request is for, as on the chat API. */
+            user?: string | null;
             grammar?: null | components["schemas"]["Grammar"];
             response_format?: null | components["schemas"]["ResponseFormat"];
         };
