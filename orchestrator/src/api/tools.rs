@@ -244,13 +244,23 @@ impl Tools {
         Some(s)
     }
 
-    /// One call's schema: `{"name": <one of names>, "parameters": <its schema>}`.
+    /// One call's schema: `{"name": <one of names>, "parameters": <its schema>}`. The tool's
+    /// schema gets an `$id` of its own (unless it has one), so its references (Pydantic's
+    /// `#/$defs/…`) resolve against it and not against the call around it.
     fn call_schema(d: &FunctionDef) -> Value {
+        let mut params = d
+            .parameters
+            .clone()
+            .unwrap_or_else(|| json!({"type": "object"}));
+        if let Some(o) = params.as_object_mut() {
+            o.entry("$id")
+                .or_insert_with(|| json!(format!("urn:hearth:tool:{}", d.name)));
+        }
         json!({
             "type": "object",
             "properties": {
                 "name": {"const": d.name},
-                "parameters": d.parameters.clone().unwrap_or_else(|| json!({"type": "object"})),
+                "parameters": params,
             },
             "required": ["name", "parameters"],
             "additionalProperties": false,
@@ -475,6 +485,27 @@ mod tests {
             Tools::new(Some(&bad_schema), None),
             Err(ApiError::InvalidGrammar(m)) if m.starts_with("tools[0].function.parameters")
         ));
+    }
+
+    #[test]
+    fn a_forced_call_keeps_the_tools_own_references() {
+        // Pydantic's form: definitions in `$defs`, referred to from the root of the schema.
+        let t: Vec<Tool> = serde_json::from_value(json!([{"type": "function", "function": {
+            "name": "ship", "parameters": {
+                "$defs": {"Addr": {"type": "object", "properties": {"city": {"type": "string"}},
+                                   "required": ["city"]}},
+                "type": "object", "properties": {"to": {"$ref": "#/$defs/Addr"}},
+                "required": ["to"]}}}]))
+        .expect("tools");
+        for choice in [
+            json!("required"),
+            json!({"type": "function", "function": {"name": "ship"}}),
+        ] {
+            let c: ToolChoice = serde_json::from_value(choice).expect("choice");
+            let tools = Tools::new(Some(&t), Some(&c)).expect("ok").expect("some");
+            let g = tools.grammar().expect("a grammar");
+            g.check().unwrap_or_else(|e| panic!("{e}"));
+        }
     }
 
     #[test]
