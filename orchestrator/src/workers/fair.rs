@@ -19,9 +19,10 @@
 //! failover (`hearth_fair_share_preemptions_total` counts them). A user is never preempted down to nothing.
 //!
 //! Within one user (an API key's owner), the end users a client names (OpenAI's `user`) share
-//! that user's turn the same way: among one user's waiting requests, the end user holding the
-//! fewest places goes first. Who is preempted, and whose queue place is taken when the queue is
-//! full, is decided between users only.
+//! that user's turn: among one user's new waiting requests, the end user holding the fewest of
+//! the user's places goes first. End users never order one user's requests against another's:
+//! a user's new requests all stand where its first one arrived. Who is preempted, and whose queue place is taken when
+//! the queue is full, is decided between users only.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -96,18 +97,50 @@ pub(super) struct Held {
     pub(super) signal: Arc<Notify>,
 }
 
-/// Queue order: fewest places held by the user, then by the end user within it, then a
-/// preempted reply before new requests, then arrival.
-pub(super) type Rank = (usize, usize, bool, u64);
+/// Queue order, one total order: fewest places held by the user, then a preempted reply before
+/// new requests; preempted replies then go by arrival, and a user's new requests all stand where
+/// its first new request arrived, among them the end user holding the fewest of the user's
+/// places first, then arrival. End users thus order a user's own new requests only.
+pub(super) type Rank = (usize, bool, u64, usize, u64);
 
 impl Fair {
-    pub(super) fn rank(&self, t: &Tenant, resumed: bool, ticket: u64) -> Rank {
+    /// Each waiting user's first new (not preempted) request's ticket.
+    pub(super) fn firsts(&self) -> HashMap<&UserId, u64> {
+        let mut m: HashMap<&UserId, u64> = HashMap::new();
+        for w in self.waiting.iter().filter(|w| !w.resumed) {
+            m.entry(&w.tenant.user)
+                .and_modify(|f| *f = (*f).min(w.ticket))
+                .or_insert(w.ticket);
+        }
+        m
+    }
+
+    /// The rank of `t`'s request (`resumed`, `ticket`), with the users' first new requests
+    /// ([`Fair::firsts`]) made once for many ranks.
+    pub(super) fn rank_among(
+        &self,
+        firsts: &HashMap<&UserId, u64>,
+        t: &Tenant,
+        resumed: bool,
+        ticket: u64,
+    ) -> Rank {
+        let (place, within) = if resumed {
+            (ticket, 0)
+        } else {
+            let first = firsts.get(&t.user).map_or(ticket, |&f| f.min(ticket));
+            (first, self.held_within.get(t).copied().unwrap_or(0))
+        };
         (
             self.held.get(&t.user).copied().unwrap_or(0),
-            self.held_within.get(t).copied().unwrap_or(0),
             !resumed,
+            place,
+            within,
             ticket,
         )
+    }
+
+    pub(super) fn rank(&self, t: &Tenant, resumed: bool, ticket: u64) -> Rank {
+        self.rank_among(&self.firsts(), t, resumed, ticket)
     }
 
     /// Counts a place `t` took.
@@ -298,9 +331,10 @@ impl WorkerPool {
     pub(super) fn someone_ahead(&self, fair: &Fair, rank: Rank) -> bool {
         // Most waiting requests ask for the same workers: try each distinct ask once.
         let mut asked: Vec<(Option<&str>, &[String], bool)> = Vec::new();
+        let firsts = fair.firsts();
         fair.waiting
             .iter()
-            .filter(|w| fair.rank(&w.tenant, w.resumed, w.ticket) < rank)
+            .filter(|w| fair.rank_among(&firsts, &w.tenant, w.resumed, w.ticket) < rank)
             .any(|w| {
                 let ask = (w.preferred.as_deref(), w.exclude.as_slice());
                 if let Some(&(_, _, able)) = asked.iter().find(|a| (a.0, a.1) == ask) {
@@ -454,6 +488,30 @@ mod tests {
             fair.held.is_empty() && fair.held_within.is_empty(),
             "all given back"
         );
+    }
+
+    #[tokio::test]
+    async fn end_users_never_move_their_user_ahead_of_another() {
+        let p = pool(8);
+        let alice = user("alice");
+        let b = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("room");
+        let zed = Tenant::within(&alice, Some("zed"));
+        let z = QueuePlace::take(&p, &zed, None, &[], false).expect("room");
+        let ann = Tenant::within(&alice, Some("ann"));
+        let a = QueuePlace::take(&p, &ann, None, &[], true).expect("room");
+        let mut fair = p.fair();
+        // Alice and bob hold two places each; bob's request came first, so it goes first,
+        // whatever end user alice's request names.
+        fair.hold(&ann);
+        fair.hold(&ann);
+        fair.hold(&tenant("bob"));
+        fair.hold(&tenant("bob"));
+        assert!(fair.rank(&tenant("bob"), false, b.ticket) < fair.rank(&zed, false, z.ticket));
+        // Within alice, ann's preempted reply goes before zed's new request, although ann holds
+        // more of alice's places.
+        assert!(fair.rank(&ann, true, a.ticket) < fair.rank(&zed, false, z.ticket));
+        drop(fair);
+        assert_eq!(p.turn(b.ticket), Turn::Next);
     }
 
     /// Gives `user` a place on `addr` as the queue sees it, with the signal that asks it back.
