@@ -317,16 +317,12 @@ impl ChatRequest {
     }
 
     fn conversation(&self, tools: Option<&Tools>) -> Result<Conversation, ApiError> {
-        let mut out = Vec::with_capacity(self.messages.len() + 1);
-        if let Some(t) = tools.and_then(Tools::system_text) {
-            out.push((ChatRole::System, t));
-        }
+        let mut out = Vec::with_capacity(self.messages.len());
         let mut calls: Vec<(String, String)> = Vec::new();
         for (i, m) in self.messages.iter().enumerate() {
             let field = format!("messages[{i}]");
             let text = m.text(&field)?;
             let entry = match m.role.as_str() {
-                // The tools' description comes first, then the client's own system prompt.
                 "system" | "developer" => (ChatRole::System, text),
                 "user" => (ChatRole::User, text),
                 "assistant" => {
@@ -349,7 +345,12 @@ impl ChatRequest {
             };
             out.push(entry);
         }
-        Ok(Conversation::new(out)?)
+        let convo = Conversation::new(out)?;
+        // The tools' description comes first, then the client's own system prompt.
+        Ok(match tools.and_then(Tools::system_text) {
+            Some(t) => convo.with_system_prefix(t),
+            None => convo,
+        })
     }
 
     /// The request as a validated turn: every field checked once, here.

@@ -239,6 +239,18 @@ impl Conversation {
         Ok(Self(out))
     }
 
+    /// Puts `text` (the tools' description) first in the system prompt, which it starts if
+    /// there is none.
+    pub fn with_system_prefix(mut self, text: String) -> Self {
+        match self.0.first_mut() {
+            Some(m) if m.role == ChatRole::System => {
+                m.content = format!("{text}\n\n{}", m.content);
+            }
+            _ => self.0.insert(0, ChatMessage::new(ChatRole::System, text)),
+        }
+        self
+    }
+
     pub(super) fn into_messages(self) -> Vec<ChatMessage> {
         self.0
     }
@@ -352,6 +364,27 @@ mod tests {
         let many = vec!["s".to_string(); MAX_STOPS + 1];
         let e = GenOptions::new(None, "", None, many, false).expect_err("stops");
         assert_eq!(message(e), "stop: at most 16 stop strings");
+    }
+
+    #[test]
+    fn a_system_prefix_goes_first_in_the_system_prompt_or_starts_one() {
+        let with = Conversation::new(vec![
+            (ChatRole::System, "be brief".into()),
+            (ChatRole::User, "hi".into()),
+        ])
+        .expect("ok")
+        .with_system_prefix("tools".into())
+        .into_messages();
+        assert_eq!(with[0].content, "tools\n\nbe brief");
+        let without = Conversation::new(vec![(ChatRole::User, "hi".into())])
+            .expect("ok")
+            .with_system_prefix("tools".into())
+            .into_messages();
+        assert_eq!(
+            (without[0].role, without[0].content.as_str()),
+            (ChatRole::System, "tools")
+        );
+        assert_eq!(without.len(), 2);
     }
 
     #[test]
