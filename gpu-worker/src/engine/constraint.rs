@@ -147,6 +147,12 @@ impl Grammars {
             ));
         }
         let first_eos = *eos.first().ok_or("the model names no stop token")?;
+        if let Some(e) = eos.iter().find(|&&e| e as usize >= vocab.len()) {
+            return Err(format!(
+                "stop token {e} is outside the vocabulary of {}",
+                vocab.len()
+            ));
+        }
         let info = TokRxInfo::new(vocab.len() as u32, first_eos);
         let trie = TokTrie::from(&info, &vocab.0).with_eos_tokens(eos);
         let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
@@ -191,6 +197,7 @@ impl Grammars {
         let mut c = Constraint {
             matcher: Arc::new(Mutex::new(matcher)),
             next: None,
+            ready: None,
             jobs,
         };
         c.request(None);
@@ -226,6 +233,8 @@ pub(crate) enum Next {
 pub(crate) struct Constraint {
     matcher: Arc<Mutex<Matcher>>,
     next: Option<Receiver<Next>>,
+    /// The next step's mask once it arrived and was looked at, not yet used.
+    ready: Option<Next>,
     jobs: Sender<Job>,
 }
 
@@ -233,6 +242,7 @@ impl std::fmt::Debug for Constraint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Constraint")
             .field("pending", &self.next.is_some())
+            .field("ready", &self.ready.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -259,8 +269,31 @@ impl Constraint {
         self.next = Some(rx);
     }
 
+    /// Whether the grammar is known to be complete with nothing to follow, without waiting:
+    /// the sequence can end before its next step runs.
+    pub(crate) fn done_now(&mut self) -> bool {
+        if self.ready.is_none() {
+            if let Some(Ok(n)) = self.next.as_ref().map(Receiver::try_recv) {
+                self.next = None;
+                self.ready = Some(n);
+            }
+        }
+        matches!(self.ready, Some(Next::Done))
+    }
+
+    /// Whether the grammar is complete with nothing to follow, waiting for the mask.
+    pub(crate) fn done(&mut self) -> bool {
+        let n = self.wait();
+        let done = matches!(n, Next::Done);
+        self.ready = Some(n);
+        done
+    }
+
     /// The next step's mask, waiting for it if it is still being computed.
     pub(crate) fn wait(&mut self) -> Next {
+        if let Some(n) = self.ready.take() {
+            return n;
+        }
         match self.next.take().map(|rx| rx.recv()) {
             Some(Ok(next)) => next,
             Some(Err(_)) => Next::Failed("the mask thread is gone".into()),

@@ -549,6 +549,23 @@ impl Scheduler {
         });
     }
 
+    /// Ends the decoding sequences whose grammar is already known to be complete with nothing
+    /// to follow, before a step would run them only to learn it.
+    fn end_complete_grammars(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            let s = &mut self.running[i];
+            let decoding = s.tokens.len() - s.kv_len == 1;
+            if decoding && s.constraint.as_mut().is_some_and(Constraint::done_now) {
+                let s = self.running.swap_remove(i);
+                s.finish(FinishReason::Stop);
+                self.retire(s);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
     /// A finished sequence's KV becomes its session's cache (or is freed).
     fn retire(&mut self, mut s: Seq) {
         match s.session.take() {
@@ -865,6 +882,7 @@ impl Scheduler {
     /// sequence's rows, then settle block tables and retire finished sequences.
     pub fn step(&mut self) -> Option<StepSummary> {
         self.reap_cancelled();
+        self.end_complete_grammars();
         self.admit();
         if self.running.is_empty() {
             return None;
@@ -1093,13 +1111,22 @@ impl Scheduler {
         }
         for (ix, token, logprob, top) in sample_rows(&mut self.running, plain) {
             let s = &mut self.running[ix];
-            match emit(s, (token, logprob, top), ctx) {
-                Some(r) => finished.push((s.id, Ok(r))),
-                None => {
-                    if let Some(c) = s.constraint.as_mut() {
-                        c.advance(token);
-                    }
+            let end = emit(s, (token, logprob, top), ctx);
+            match (end, s.constraint.as_mut()) {
+                (None, Some(c)) => c.advance(token),
+                // The token that used up the reply's length may be the one that completed
+                // its grammar: then the reply is whole, and says so.
+                (Some(FinishReason::Length), Some(c)) => {
+                    c.advance(token);
+                    let r = if c.done() {
+                        FinishReason::Stop
+                    } else {
+                        FinishReason::Length
+                    };
+                    finished.push((s.id, Ok(r)));
                 }
+                (Some(r), _) => finished.push((s.id, Ok(r))),
+                (None, None) => {}
             }
         }
         let most = self.config.spec_tokens;

@@ -568,3 +568,60 @@ fn constrained_sequences_follow_their_grammar_in_a_mixed_batch() {
     }
     assert_eq!(n, 30, "the free sequence generates its 30 tokens");
 }
+
+/// A reply whose last allowed token completes its grammar is whole: `Stop`, not `Length`.
+#[test]
+fn a_grammar_completed_by_the_last_allowed_token_ends_with_stop() {
+    use crate::engine::constraint::{Grammars, Vocabulary};
+    let dir = std::env::temp_dir().join(format!("hearth-sched-exact-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tiny.gguf");
+    write_tiny_gguf(&path, &TinySpec::default()).unwrap();
+    let model = Arc::new(load_gguf(&path).unwrap());
+    let vocab = Vocabulary::from_gguf(&path).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stops = [crate::fixtures::EOS, crate::fixtures::END_OF_TURN];
+    let grammars = Grammars::new(&vocab, &stops, VOCAB as usize, 2).unwrap();
+    let mut s = Scheduler::new(model, EngineConfig::default()).unwrap();
+    let mut ends = Vec::new();
+    for (id, max_new) in [(1u64, 3u32), (2, 2)] {
+        let mut r = GenerateRequest::new(id, prompt(12, id as u32), max_new);
+        r.grammar = Some(hearth_shared::Grammar::Regex {
+            pattern: "abc".into(),
+        });
+        let v = validate(r, &s.model_info())
+            .unwrap()
+            .constrain(Some(&grammars))
+            .unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        s.enqueue(v, tx);
+        ends.push(rx);
+    }
+    drain(&mut s, |_| {});
+    let mut got = Vec::new();
+    for mut rx in ends {
+        let mut end = None;
+        while let Ok(e) = rx.try_recv() {
+            if let EngineEvent::Finished {
+                reason,
+                completion_tokens,
+                ..
+            } = e
+            {
+                end = Some((reason, completion_tokens));
+            }
+        }
+        got.push(end);
+    }
+    // "abc" takes three tokens of the tiny vocabulary (one per character).
+    assert_eq!(
+        got[0],
+        Some((FinishReason::Stop, 3)),
+        "completed at its limit"
+    );
+    assert_eq!(
+        got[1],
+        Some((FinishReason::Length, 2)),
+        "cut before the end"
+    );
+}
