@@ -124,6 +124,13 @@ else
     cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$arch" -DGGML_NATIVE=OFF)
   else
     cmake_flags+=(-DGGML_NATIVE=ON)
+    # On a host with AMX, -march=native builds ggml's AMX kernels, and they die with an illegal
+    # instruction (the process never asks the kernel for the tile permission). Undefining the
+    # AMX macros leaves them out; compilers never emit AMX instructions on their own.
+    if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+      noamx="-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
+      cmake_flags+=("-DCMAKE_C_FLAGS=$noamx" "-DCMAKE_CXX_FLAGS=$noamx")
+    fi
   fi
   command -v ninja >/dev/null && cmake_flags+=(-G Ninja)
   (
