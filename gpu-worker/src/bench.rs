@@ -686,11 +686,9 @@ fn constrained(
 ) -> anyhow::Result<Value> {
     use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
     let vocab = Vocabulary::from_gguf(model_path).map_err(anyhow::Error::msg)?;
-    let (_, eos, end_of_turn) = model.special();
-    let stops: Vec<u32> = [eos, end_of_turn].into_iter().flatten().collect();
     let t = Instant::now();
-    let grammars = Grammars::new(&vocab, &stops, model.config().vocab_size, MASK_THREADS)
-        .map_err(anyhow::Error::msg)?;
+    let grammars = Grammars::for_model(vocab, model, MASK_THREADS).map_err(anyhow::Error::msg)?;
+    grammars.ready().map_err(anyhow::Error::msg)?;
     let setup_ms = t.elapsed().as_secs_f64() * 1e3;
     let engine = Engine::start(
         model.clone(),

@@ -2,16 +2,19 @@
 //! allows next.
 //!
 //! The grammar engine is llguidance. A [`Grammars`] holds its parser factory over the model's
-//! vocabulary (made once at load) and a few mask threads. Each constrained sequence holds a
-//! [`Constraint`]: its matcher and the mask of its next step, computed on a mask thread while
-//! the forward pass runs. The sequence's token is known as soon as it is sampled, so the next
-//! step's mask (the matcher consumes the token, then computes which tokens may follow) is ready
+//! vocabulary and a few mask threads. The factory takes a second or more to build over a 262k
+//! vocabulary, so it is built on a thread of its own while the worker starts serving; only a
+//! constrained request that arrives before it is ready waits for it.
+//!
+//! Each constrained sequence holds a [`Constraint`]: its matcher and the mask of its next step,
+//! computed on a mask thread while the forward pass runs. The sequence's token is known as soon
+//! as it is sampled, so the next step's mask (the matcher consumes the token, then computes which tokens may follow) is ready
 //! by the time that step's logits are, and the engine thread only waits for it when the
 //! forward pass was faster than the mask.
 
 use std::path::Path;
 use std::sync::mpsc::{channel, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use hearth_shared::Grammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
@@ -116,26 +119,35 @@ type Job = Box<dyn FnOnce() + Send>;
 
 /// The grammar engine over one model's vocabulary, and the threads that compute masks.
 pub struct Grammars {
-    factory: Arc<ParserFactory>,
+    /// Set by the thread that builds it ([`Grammars::new`]).
+    factory: Arc<OnceLock<Result<ParserFactory, String>>>,
     jobs: Mutex<Sender<Job>>,
-    /// Rows of the model's logits (the vocabulary may be shorter: the rest are never allowed).
-    model_vocab: usize,
 }
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grammars")
-            .field("model_vocab", &self.model_vocab)
-            .finish_non_exhaustive()
+        f.debug_struct("Grammars").finish_non_exhaustive()
     }
 }
 
 impl Grammars {
+    /// The engine over `model`'s `vocab`, whose end-of-sequence tokens are the model's stop
+    /// tokens (EOS and `<end_of_turn>`), with `threads` mask threads.
+    pub fn for_model(
+        vocab: Vocabulary,
+        model: &super::Weights,
+        threads: usize,
+    ) -> Result<Self, String> {
+        let (_, eos, end_of_turn) = model.special();
+        let stops: Vec<u32> = [eos, end_of_turn].into_iter().flatten().collect();
+        Self::new(vocab, &stops, model.config().vocab_size, threads)
+    }
+
     /// The engine over `vocab`, whose end-of-sequence tokens are `eos` (the model's stop
     /// tokens: a grammar that is complete lets the model end its turn with any of them), with
-    /// `threads` mask threads.
+    /// `threads` mask threads. The parser factory is built in the background.
     pub fn new(
-        vocab: &Vocabulary,
+        vocab: Vocabulary,
         eos: &[u32],
         model_vocab: usize,
         threads: usize,
@@ -153,11 +165,14 @@ impl Grammars {
                 vocab.len()
             ));
         }
-        let info = TokRxInfo::new(vocab.len() as u32, first_eos);
-        let trie = TokTrie::from(&info, &vocab.0).with_eos_tokens(eos);
-        let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
-        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
-        factory.quiet();
+        let factory = Arc::new(OnceLock::new());
+        let (slot, eos) = (factory.clone(), eos.to_vec());
+        std::thread::Builder::new()
+            .name("hearth-grammar-init".into())
+            .spawn(move || {
+                let _ = slot.set(build_factory(&vocab, first_eos, &eos));
+            })
+            .map_err(|e| format!("cannot start the grammar engine's thread: {e}"))?;
         let (tx, rx) = channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..threads.max(1) {
@@ -168,10 +183,14 @@ impl Grammars {
                 .map_err(|e| format!("cannot start a mask thread: {e}"))?;
         }
         Ok(Self {
-            factory: Arc::new(factory),
+            factory,
             jobs: Mutex::new(tx),
-            model_vocab,
         })
+    }
+
+    /// Waits until the parser factory is built; its error if it could not be.
+    pub fn ready(&self) -> Result<&ParserFactory, String> {
+        self.factory.wait().as_ref().map_err(Clone::clone)
     }
 
     /// Compiles `grammar` for a sequence whose reply so far is `reply` (a continuation's
@@ -182,7 +201,8 @@ impl Grammars {
         reply: &[u32],
     ) -> Result<Constraint, EngineError> {
         let parser = self
-            .factory
+            .ready()
+            .map_err(|e| EngineError::InvalidGrammar(format!("the grammar engine failed: {e}")))?
             .create_parser(grammar.to_llguidance())
             .map_err(|e| EngineError::InvalidGrammar(e.to_string()))?;
         let mut matcher = Matcher::new(Ok(parser));
@@ -203,6 +223,16 @@ impl Grammars {
         c.request(None);
         Ok(c)
     }
+}
+
+/// llguidance's parser factory over `vocab`.
+fn build_factory(vocab: &Vocabulary, first_eos: u32, eos: &[u32]) -> Result<ParserFactory, String> {
+    let info = TokRxInfo::new(vocab.len() as u32, first_eos);
+    let trie = TokTrie::from(&info, &vocab.0).with_eos_tokens(eos);
+    let env: llguidance::toktrie::TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+    let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+    factory.quiet();
+    Ok(factory)
 }
 
 fn mask_thread(jobs: &Mutex<Receiver<Job>>) {
@@ -376,7 +406,7 @@ mod tests {
     #[test]
     fn masks_follow_the_grammar_and_end_it() {
         let (v, eos) = vocab();
-        let g = Grammars::new(&v, &eos, v.len() + 5, 1).expect("grammars");
+        let g = Grammars::new(v.clone(), &eos, v.len() + 5, 1).expect("grammars");
         let regex = Grammar::Regex {
             pattern: "(yes|no)!".into(),
         };
@@ -409,7 +439,7 @@ mod tests {
     #[test]
     fn a_complete_grammar_ends_the_reply_or_lets_the_model_end_it() {
         let (v, eos) = vocab();
-        let g = Grammars::new(&v, &eos, v.len(), 1).expect("grammars");
+        let g = Grammars::new(v.clone(), &eos, v.len(), 1).expect("grammars");
         // A JSON object: once closed, nothing can follow (no trailing whitespace).
         let mut c = g.start(&Grammar::JsonObject, &[]).expect("compile");
         for t in [b"{".as_slice(), b"}"] {

@@ -9,6 +9,7 @@ use hearth_shared::SessionId;
 use tokio::sync::mpsc;
 
 use super::*;
+use crate::engine::constraint::{Grammars, Vocabulary};
 use crate::engine::types::validate;
 use crate::engine::GenerateRequest;
 use crate::fixtures::{write_tiny_gguf, TinySpec};
@@ -19,6 +20,11 @@ const VOCAB: u32 = 512;
 const BS: usize = 16;
 
 fn tiny() -> Arc<Model> {
+    tiny_with_vocabulary().0
+}
+
+/// The tiny model and the vocabulary its file holds.
+fn tiny_with_vocabulary() -> (Arc<Model>, Vocabulary) {
     static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let dir = std::env::temp_dir().join(format!("hearth-sched-{}-{n}", std::process::id()));
@@ -26,8 +32,36 @@ fn tiny() -> Arc<Model> {
     let path = dir.join("tiny.gguf");
     write_tiny_gguf(&path, &TinySpec::default()).unwrap();
     let m = Arc::new(load_gguf(&path).unwrap());
+    let vocab = Vocabulary::from_gguf(&path).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
-    m
+    (m, vocab)
+}
+
+/// A scheduler over the tiny model, and the grammar engine over its vocabulary.
+fn tiny_constrained() -> (Scheduler, Grammars) {
+    let (model, vocab) = tiny_with_vocabulary();
+    let grammars = Grammars::for_model(vocab, &Weights::from(model.clone()), 2).unwrap();
+    (
+        Scheduler::new(model, EngineConfig::default()).unwrap(),
+        grammars,
+    )
+}
+
+/// Queues `r` constrained to `grammar`; its events.
+fn submit_constrained(
+    s: &mut Scheduler,
+    g: &Grammars,
+    mut r: GenerateRequest,
+    grammar: &hearth_shared::Grammar,
+) -> Events {
+    r.grammar = Some(grammar.clone());
+    let v = validate(r, &s.model_info())
+        .unwrap()
+        .constrain(Some(g))
+        .unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    s.enqueue(v, tx);
+    rx
 }
 
 fn prompt(len: usize, seed: u32) -> Vec<u32> {
@@ -500,17 +534,7 @@ fn the_prefix_cache_never_matches_another_users_prompt() {
 /// matches and ends with `Stop` once the grammar is complete; the free one is untouched.
 #[test]
 fn constrained_sequences_follow_their_grammar_in_a_mixed_batch() {
-    use crate::engine::constraint::{Grammars, Vocabulary};
-    let dir = std::env::temp_dir().join(format!("hearth-sched-grammar-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny.gguf");
-    write_tiny_gguf(&path, &TinySpec::default()).unwrap();
-    let model = Arc::new(load_gguf(&path).unwrap());
-    let vocab = Vocabulary::from_gguf(&path).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let info_stops = [crate::fixtures::EOS, crate::fixtures::END_OF_TURN];
-    let grammars = Grammars::new(&vocab, &info_stops, VOCAB as usize, 2).unwrap();
-    let mut s = Scheduler::new(model, EngineConfig::default()).unwrap();
+    let (mut s, grammars) = tiny_constrained();
     let grammar = hearth_shared::Grammar::Regex {
         pattern: "(yes|no)-[0-9]{2}".into(),
     };
@@ -519,14 +543,7 @@ fn constrained_sequences_follow_their_grammar_in_a_mixed_batch() {
         let mut r = GenerateRequest::new(id, prompt(20, id as u32), 30);
         r.params.temperature = temperature;
         r.params.seed = Some(id);
-        r.grammar = Some(grammar.clone());
-        let v = validate(r, &s.model_info())
-            .unwrap()
-            .constrain(Some(&grammars))
-            .unwrap();
-        let (tx, rx) = mpsc::unbounded_channel();
-        s.enqueue(v, tx);
-        streams.push(rx);
+        streams.push(submit_constrained(&mut s, &grammars, r, &grammar));
     }
     let free = submit(&mut s, 4, prompt(20, 9), 30, None);
     drain(&mut s, |_| {});
@@ -572,30 +589,14 @@ fn constrained_sequences_follow_their_grammar_in_a_mixed_batch() {
 /// A reply whose last allowed token completes its grammar is whole: `Stop`, not `Length`.
 #[test]
 fn a_grammar_completed_by_the_last_allowed_token_ends_with_stop() {
-    use crate::engine::constraint::{Grammars, Vocabulary};
-    let dir = std::env::temp_dir().join(format!("hearth-sched-exact-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join("tiny.gguf");
-    write_tiny_gguf(&path, &TinySpec::default()).unwrap();
-    let model = Arc::new(load_gguf(&path).unwrap());
-    let vocab = Vocabulary::from_gguf(&path).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
-    let stops = [crate::fixtures::EOS, crate::fixtures::END_OF_TURN];
-    let grammars = Grammars::new(&vocab, &stops, VOCAB as usize, 2).unwrap();
-    let mut s = Scheduler::new(model, EngineConfig::default()).unwrap();
+    let (mut s, grammars) = tiny_constrained();
+    let abc = hearth_shared::Grammar::Regex {
+        pattern: "abc".into(),
+    };
     let mut ends = Vec::new();
     for (id, max_new) in [(1u64, 3u32), (2, 2)] {
-        let mut r = GenerateRequest::new(id, prompt(12, id as u32), max_new);
-        r.grammar = Some(hearth_shared::Grammar::Regex {
-            pattern: "abc".into(),
-        });
-        let v = validate(r, &s.model_info())
-            .unwrap()
-            .constrain(Some(&grammars))
-            .unwrap();
-        let (tx, rx) = mpsc::unbounded_channel();
-        s.enqueue(v, tx);
-        ends.push(rx);
+        let r = GenerateRequest::new(id, prompt(12, id as u32), max_new);
+        ends.push(submit_constrained(&mut s, &grammars, r, &abc));
     }
     drain(&mut s, |_| {});
     let mut got = Vec::new();

@@ -312,10 +312,7 @@ fn grammars(config: &ValidConfig, model: &Weights) -> Option<Arc<Grammars>> {
     } else {
         Vocabulary::from_gguf(&config.model)
     };
-    let (_, eos, end_of_turn) = model.special();
-    let stops: Vec<u32> = [eos, end_of_turn].into_iter().flatten().collect();
-    let made =
-        vocab.and_then(|v| Grammars::new(&v, &stops, model.config().vocab_size, MASK_THREADS));
+    let made = vocab.and_then(|v| Grammars::for_model(v, model, MASK_THREADS));
     match made {
         Ok(g) => Some(Arc::new(g)),
         Err(e) => {
