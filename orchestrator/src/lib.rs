@@ -16,6 +16,7 @@
 //! - [`server`]: start-up, including the quick start's local worker.
 //! - [`http_server`]: the HTTP accept loop (header deadline, connection cap, bounded shutdown).
 //! - [`ids`]: session and message ids, well formed by construction.
+//! - [`tools`]: tool calling: the tools a turn offers, their prompt, calls parsed from a reply.
 //! - [`telemetry`]: Prometheus metrics.
 
 pub mod api;
@@ -31,4 +32,5 @@ pub mod server;
 pub mod service;
 pub mod storage;
 pub mod telemetry;
+pub mod tools;
 pub mod workers;

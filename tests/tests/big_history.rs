@@ -72,6 +72,7 @@ async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
             usage: ReplyUsage::default(),
             timings: ReplyTimings::default(),
             worker: None,
+            tool_calls: None,
         };
         s.store
             .finish_message(&t.assistant.id, &reply)

@@ -24,18 +24,34 @@ use utoipa::ToSchema;
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TurnIds};
 use crate::ids::{MessageId, SessionId};
-use crate::service::{Caller, GenOptions, NativeTurn, StopOutcome, UserText, ValidTurn};
-use crate::storage::{Finish, Message, MessageStatus, ReplyTimings, ReplyUsage};
+use crate::service::{
+    Caller, GenOptions, NativeTurn, StopOutcome, ToolResult, UserText, ValidTurn, MAX_TOOL_RESULTS,
+};
+use crate::storage::{Finish, Message, MessageStatus, ReplyTimings, ReplyUsage, ToolCall};
+use crate::tools::{turn_grammar, Tool, ToolChoice, Tools};
 
 /// Options shared by every generation request.
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TurnBody {
-    /// The new user message, or an edited one's new text: required there, up to 256 KiB, not
-    /// blank. Refused on regenerate.
+    /// The new user message, or an edited one's new text: required there (unless the turn
+    /// posts `tool_results`), up to 256 KiB, not blank. Refused on regenerate.
     #[serde(default)]
     #[schema(min_length = 1)]
     pub content: Option<String>,
+    /// Instead of `content`, on a new message: the results of the last reply's tool calls, one
+    /// for each call. They are stored as `tool` messages, and the model answers them.
+    #[serde(default)]
+    pub tool_results: Option<Vec<ToolResultBody>>,
+    /// Functions the model may call (as OpenAI's `tools`). Their description heads the system
+    /// prompt; a reply that is nothing but calls of them ends with `finish_reason` `tool_calls`
+    /// and the calls in `tool_calls`. Send them with each turn that may use them.
+    #[serde(default)]
+    pub tools: Option<Vec<Tool>>,
+    /// `auto` (the default with tools), `none`, `required`, or a named function: the last two
+    /// constrain the reply to a call.
+    #[serde(default)]
+    pub tool_choice: Option<ToolChoice>,
     /// This turn's sampling parameters; the session's defaults when absent.
     #[serde(default)]
     pub params: Option<SamplingParams>,
@@ -69,9 +85,21 @@ pub struct TurnBody {
     pub grammar: Option<Grammar>,
 }
 
+/// A tool's result, posted on a native turn.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ToolResultBody {
+    /// The call it answers: an id from the last reply's `tool_calls`.
+    pub tool_call_id: String,
+    /// What the function returned, as text (JSON, say); up to 256 KiB.
+    pub content: String,
+}
+
 impl TurnBody {
     /// The body's options, checked.
     fn options(&self) -> Result<GenOptions, ApiError> {
+        let tools = Tools::new(self.tools.as_deref(), self.tool_choice.as_ref())?;
+        let (field, grammar) = turn_grammar(tools.as_ref(), "grammar", self.grammar.clone())?;
         Ok(GenOptions::new(
             self.params.clone(),
             "params.",
@@ -80,7 +108,43 @@ impl TurnBody {
             self.ignore_eos,
         )?
         .with_logprobs(self.logprobs, self.top_logprobs)?
-        .with_grammar("grammar", self.grammar.clone())?)
+        .with_grammar(field, grammar)?
+        .with_tools(tools))
+    }
+
+    /// What a new message posts: its text, or the results of the last reply's calls.
+    fn posted(&self) -> Result<NativeTurn, ApiError> {
+        match (self.content.as_deref(), self.tool_results.as_deref()) {
+            (Some(_), Some(_)) => Err(ApiError::Validation(
+                "content: not accepted with `tool_results`; post one or the other".into(),
+            )),
+            (None, None) => Err(ApiError::Validation("content: required".into())),
+            (Some(c), None) => Ok(NativeTurn::Post(UserText::new("content", c)?)),
+            (None, Some([])) => Err(ApiError::Validation(
+                "tool_results: must not be empty".into(),
+            )),
+            (None, Some(r)) if r.len() > MAX_TOOL_RESULTS => Err(ApiError::Validation(format!(
+                "tool_results: at most {MAX_TOOL_RESULTS}"
+            ))),
+            (None, Some(r)) => {
+                let results = r
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| {
+                        ToolResult::new(&format!("tool_results[{i}]"), &t.tool_call_id, &t.content)
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Ok(NativeTurn::ToolResults(results))
+            }
+        }
+    }
+
+    /// Refuses `tool_results` where the turn cannot take them (regenerate, edit).
+    fn no_results(&self, why: &str) -> Result<(), ApiError> {
+        match self.tool_results {
+            Some(_) => Err(ApiError::Validation(format!("tool_results: {why}"))),
+            None => Ok(()),
+        }
     }
 
     /// The body as a validated turn answering `input`.
@@ -113,11 +177,7 @@ pub async fn post_message(
     id: SessionId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
-    let content = body
-        .content
-        .as_deref()
-        .ok_or_else(|| ApiError::Validation("content: required".into()))?;
-    let turn = body.turn(NativeTurn::Post(UserText::new("content", content)?))?;
+    let turn = body.turn(body.posted()?)?;
     start(&s, &caller, &id, turn).await
 }
 
@@ -144,6 +204,7 @@ pub async fn regenerate(
             "content: not accepted here; regenerate answers the last user message again".into(),
         ));
     }
+    body.no_results("not accepted here; post them as a new message")?;
     let turn = body.turn(NativeTurn::Regenerate)?;
     start(&s, &caller, &id, turn).await
 }
@@ -176,6 +237,7 @@ pub async fn edit(
         .content
         .as_deref()
         .ok_or_else(|| ApiError::Validation("content: required (the message's new text)".into()))?;
+    body.no_results("not accepted on an edit")?;
     let turn = body.turn(NativeTurn::Edit {
         message_id,
         content: UserText::new("content", content)?,
@@ -299,6 +361,10 @@ pub struct ReplyEnd {
     /// The worker that finished the reply.
     #[schema(required = true)]
     pub worker: Option<String>,
+    /// With `finish_reason` `tool_calls`: the calls the reply makes. Post their results as
+    /// `tool_results` on the next turn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 impl ReplyEnd {
@@ -306,10 +372,11 @@ impl ReplyEnd {
         Self {
             message_id: ids.message_id.clone(),
             status: o.end.status(),
-            finish_reason: o.end.finish_reason(),
+            finish_reason: o.finish_reason(),
             usage: o.usage,
             timings: o.timings,
             worker: o.worker.clone(),
+            tool_calls: o.tool_calls.clone(),
         }
     }
 }
@@ -352,7 +419,7 @@ pub struct TurnReply {
     pub end: ReplyEnd,
     #[schema(value_type = String)]
     pub session_id: SessionId,
-    /// The user message the reply answers.
+    /// The message the reply answers: the user's, or the last tool result.
     #[schema(value_type = Option<String>, required = true)]
     pub user_message_id: Option<MessageId>,
     pub content: String,

@@ -187,6 +187,15 @@ impl From<StoreError> for ApiError {
     }
 }
 
+impl From<crate::tools::ToolError> for ApiError {
+    fn from(e: crate::tools::ToolError) -> Self {
+        match e {
+            crate::tools::ToolError::Invalid(m) => Self::Validation(m),
+            crate::tools::ToolError::InvalidGrammar(m) => Self::InvalidGrammar(m),
+        }
+    }
+}
+
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
         match r {

@@ -14,7 +14,6 @@ mod ids;
 mod openai;
 mod openapi;
 mod sessions;
-mod tools;
 mod web;
 
 pub use crate::ids::{MessageId, SessionId};

@@ -19,12 +19,13 @@ use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
 use super::chat::sse;
-use super::tools::{
-    assistant_text, call_names, tool_text, InToolCall, Tool, ToolCall, ToolChoice, Tools,
-};
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
 use crate::service::{Caller, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
+use crate::tools::{
+    assistant_text, call_names, tool_text, turn_grammar, InToolCall, Tool, ToolCall, ToolChoice,
+    Tools,
+};
 
 /// OpenAI's chat completion request. Fields that do not change the output (`metadata`, …) are
 /// accepted and ignored; those Hearth cannot honour are refused by name.
@@ -279,7 +280,10 @@ impl InMessage {
 impl ChatRequest {
     /// The request's tools, checked; `None` without any.
     fn tools(&self) -> Result<Option<Tools>, ApiError> {
-        Tools::new(self.tools.as_deref(), self.tool_choice.as_ref())
+        Ok(Tools::new(
+            self.tools.as_deref(),
+            self.tool_choice.as_ref(),
+        )?)
     }
 
     fn check_supported(&self) -> Result<(), ApiError> {
@@ -371,18 +375,10 @@ impl ChatRequest {
         .with_logprobs(self.logprobs == Some(true), self.top_logprobs)?;
         let (field, grammar) =
             requested_grammar(self.response_format.as_ref(), self.grammar.as_ref())?;
-        let (field, grammar) = match (tools.and_then(Tools::grammar), grammar) {
-            (Some(_), Some(_)) => {
-                return Err(refuse(
-                    "tool_choice",
-                    "a required call is not compatible with a response_format or grammar",
-                ))
-            }
-            (Some(call), None) => ("tool_choice", Some(call)),
-            (None, g) => (field, g),
-        };
+        let (field, grammar) = turn_grammar(tools, field, grammar)?;
         let options = options
             .with_grammar(field, grammar)?
+            .with_tools(tools.cloned())
             .with_end_user(self.user.as_deref())?;
         Ok(ValidTurn::new(
             self.conversation(tools)?,
@@ -431,7 +427,7 @@ pub async fn completions(
     let choices = (0u32..)
         .zip(&finished)
         .map(|(index, f)| {
-            let calls = tools.as_ref().and_then(|t| t.calls(&f.outcome.content));
+            let calls = f.outcome.tool_calls.clone();
             CompletionChoice {
                 index,
                 finish_reason: match &calls {
@@ -659,19 +655,16 @@ impl ChoiceStream {
         Some(shape.choice(self.index, Some(&t), Value::Null, lp))
     }
 
-    /// The choices that end it: the held text as calls or as content, what log-probabilities
-    /// are left, and the finish.
-    fn end(&mut self, shape: &Shape, logprobs: bool, reason: &str) -> Vec<Value> {
+    /// The choices that end it: the held text as the reply's calls or as content, what
+    /// log-probabilities are left, and the finish.
+    fn end(&mut self, shape: &Shape, o: &Outcome, logprobs: bool, reason: &str) -> Vec<Value> {
         let i = self.index;
         let text = self.held.take();
-        let calls = text
-            .as_deref()
-            .zip(shape.callable_tools())
-            .and_then(|(t, tools)| tools.calls(t));
-        if let Some(calls) = calls {
+        // Held all along (else the text went out as words): the reply is its calls, if any.
+        if let Some(calls) = o.tool_calls.as_ref().filter(|_| text.is_some()) {
             let lp = self.logprobs(shape, logprobs);
             return vec![
-                Shape::calls_choice(i, &calls, lp),
+                Shape::calls_choice(i, calls, lp),
                 shape.choice(i, None, json!("tool_calls"), Value::Null),
             ];
         }
@@ -735,7 +728,7 @@ pub(super) fn streamed(
                         break;
                     }
                     Ok(reason) => {
-                        for c in choices[i].end(&shape, logprobs, reason) {
+                        for c in choices[i].end(&shape, &o, logprobs, reason) {
                             yield data(chunk(c));
                         }
                         outcomes.push(*o);

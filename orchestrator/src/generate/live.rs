@@ -11,13 +11,16 @@ use tokio::sync::watch;
 
 pub use super::end::{End, GenerationError};
 use crate::ids::{MessageId, SessionId};
-use crate::storage::{Completion, ReplyTimings, ReplyUsage};
+use crate::storage::{Completion, Finish, ReplyTimings, ReplyUsage, ToolCall};
 
 /// How a reply ended, with what it said and cost.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
     pub content: String,
     pub end: End,
+    /// The calls the reply makes, when it stopped and is nothing but calls of the offered
+    /// tools.
+    pub tool_calls: Option<Vec<ToolCall>>,
     pub usage: ReplyUsage,
     pub timings: ReplyTimings,
     /// The worker that finished the reply.
@@ -31,10 +34,20 @@ impl Outcome {
         Completion {
             content: self.content.clone(),
             status: self.end.status(),
-            finish_reason: self.end.finish_reason(),
+            finish_reason: self.finish_reason(),
             usage: self.usage,
             timings: self.timings,
             worker: self.worker.clone(),
+            tool_calls: self.tool_calls.clone(),
+        }
+    }
+
+    /// The stored and native finish reason: `tool_calls` for a reply that is calls, else the
+    /// generation's.
+    pub fn finish_reason(&self) -> Finish {
+        match self.tool_calls {
+            Some(_) => Finish::ToolCalls,
+            None => self.end.finish_reason(),
         }
     }
 }
@@ -309,6 +322,7 @@ mod tests {
         live.push(RunEvent::End(Box::new(Outcome {
             content: "hi".into(),
             end: End::Finished(FinishReason::Stop),
+            tool_calls: None,
             usage: ReplyUsage {
                 prompt_tokens: 1,
                 cached_tokens: 0,

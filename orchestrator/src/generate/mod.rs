@@ -35,6 +35,7 @@ use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::Budget;
 use crate::storage::{ReplyTimings, ReplyUsage, Store, StoreError};
 use crate::telemetry;
+use crate::tools::Tools;
 use crate::workers::{Generation, Lease, PoolError, Tenant, WorkerPool};
 
 use attempt::{request, Attempts, Next};
@@ -65,6 +66,9 @@ pub struct Job {
     pub logprobs: Option<u32>,
     /// The grammar the reply follows (constrained decoding), checked already.
     pub grammar: Option<Grammar>,
+    /// The tools offered: a reply that stops and is nothing but calls of them ends as
+    /// `tool_calls`.
+    pub tools: Option<Arc<Tools>>,
     /// The end user the client named (OpenAI's `user`): the fair queue's second level.
     pub end_user: Option<String>,
     pub stop: Vec<String>,
@@ -131,9 +135,14 @@ impl Generator {
             worker: None,
         };
         let end = self.attempts(&mut job, &live, &mut p).await;
+        let tool_calls = match (&job.tools, &end) {
+            (Some(tools), End::Finished(FinishReason::Stop)) => tools.calls(&p.text),
+            _ => None,
+        };
         let outcome = Outcome {
             content: p.text,
             end,
+            tool_calls,
             usage: ReplyUsage {
                 prompt_tokens: job.prompt.len() as u64,
                 cached_tokens: p.cached_tokens.unwrap_or(0),

@@ -17,8 +17,8 @@ pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSess
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
 
 pub use turn::{
-    check_params, Conversation, GenOptions, NativeTurn, RawPrompt, UserText, ValidTurn,
-    MAX_CONTENT_BYTES,
+    check_params, Conversation, GenOptions, NativeTurn, RawPrompt, ToolResult, UserText, ValidTurn,
+    MAX_CONTENT_BYTES, MAX_TOOL_RESULTS,
 };
 
 use std::sync::Arc;
@@ -36,8 +36,9 @@ use crate::generate::{Generator, Job, Live, Persistence, Streams, TurnIds};
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::{Budget, Limiter, Quota};
 use crate::storage::{
-    Message, MessageStatus, Role, Session, SessionPatch, SessionQuery, Store, User,
+    Message, MessageStatus, NewToolResult, Role, Session, SessionPatch, SessionQuery, Store, User,
 };
+use crate::tools::{result_text, Tools};
 use crate::workers::{Tenant, WorkerPool};
 
 /// Server-wide limits and defaults of the chat service.
@@ -329,7 +330,7 @@ impl ChatService {
         let reservation = self.generator.streams.reserve(session_id)?;
         let history = self.store.list_messages(user_id, session_id).await?;
         self.check_room(&history, &input)?;
-        let (convo, store) = prepare(&session, history, &input)?;
+        let (convo, store) = prepare(&session, history, &input, opts.tools().map(|t| &**t))?;
         let budget = self.charge(caller, max_tokens).await?;
         let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens).await?;
         let params = match opts.params() {
@@ -366,6 +367,7 @@ impl ChatService {
             max_new_tokens,
             logprobs: opts.logprobs(),
             grammar: opts.grammar().cloned(),
+            tools: opts.tools().cloned(),
             end_user: opts.end_user().map(str::to_string),
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
@@ -382,10 +384,10 @@ impl ChatService {
         Ok(live)
     }
 
-    /// Whether the session holds room for the turn: two more messages, and its new text.
+    /// Whether the session holds room for the turn: its new messages, and its new text.
     fn check_room(&self, history: &[Message], input: &NativeTurn) -> Result<(), ChatError> {
         let cap = self.limits.max_messages_per_session;
-        if history.len() + 2 > cap {
+        if history.len() + input.new_messages() > cap {
             return Err(ChatError::SessionFull {
                 held: history.len(),
                 max: cap,
@@ -411,6 +413,13 @@ impl ChatService {
             StoreTurn::Post(content) => {
                 let t = self.store.begin_turn(user_id, session_id, &content).await?;
                 (Some(t.user.id), t.assistant.id)
+            }
+            StoreTurn::ToolResults(results) => {
+                let (tool, reply) = self
+                    .store
+                    .begin_tool_results(user_id, session_id, &results)
+                    .await?;
+                (tool.last().map(|m| m.id.clone()), reply.id)
             }
             StoreTurn::Regenerate { from, asked } => {
                 let reply = self
@@ -565,6 +574,7 @@ impl ChatService {
             max_new_tokens,
             logprobs: opts.logprobs(),
             grammar: opts.grammar().cloned(),
+            tools: opts.tools().cloned(),
             end_user: opts.end_user().map(str::to_string),
             stop: opts.stop().to_vec(),
             ignore_eos: opts.ignore_eos(),
@@ -760,6 +770,7 @@ struct Planned {
 /// How a prepared native turn is stored once a worker has taken it.
 enum StoreTurn {
     Post(String),
+    ToolResults(Vec<NewToolResult>),
     Regenerate {
         /// The sequence number of the reply being replaced.
         from: i64,
@@ -773,17 +784,37 @@ enum StoreTurn {
 }
 
 /// The conversation a native turn answers, and how to store the turn. Refuses a regenerate
-/// without a reply (409) and an edit of a missing (404) or non-user (422) message.
+/// without a reply (409), an edit of a missing (404) or non-user (422) message, and tool results
+/// that do not answer the last reply's calls (422). `tools`' description heads the system prompt.
 fn prepare(
     session: &Session,
     history: Vec<Message>,
     input: &NativeTurn,
+    tools: Option<&Tools>,
 ) -> Result<(Vec<ChatMessage>, StoreTurn), ChatError> {
     match input {
         NativeTurn::Post(content) => {
-            let mut convo = conversation(session, &history);
+            let mut convo = conversation(session, &history, tools);
             convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
             Ok((convo, StoreTurn::Post(content.as_str().to_string())))
+        }
+        NativeTurn::ToolResults(results) => {
+            let names = answered_calls(history.last(), results)?;
+            let mut convo = conversation(session, &history, tools);
+            for (r, name) in results.iter().zip(&names) {
+                convo.push(ChatMessage::new(
+                    ChatRole::User,
+                    result_text(name, &r.content),
+                ));
+            }
+            let store = results
+                .iter()
+                .map(|r| NewToolResult {
+                    tool_call_id: r.call_id.clone(),
+                    content: r.content.clone(),
+                })
+                .collect();
+            Ok((convo, StoreTurn::ToolResults(store)))
         }
         NativeTurn::Regenerate => {
             // The reply to replace is the last message; what came before must end with a user
@@ -795,7 +826,7 @@ fn prepare(
             let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
             let asked = earlier.last().map(|m| m.id.clone());
             Ok((
-                conversation(session, &earlier),
+                conversation(session, &earlier, tools),
                 StoreTurn::Regenerate { from, asked },
             ))
         }
@@ -817,7 +848,7 @@ fn prepare(
             }
             let from = target.seq;
             let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
-            let mut convo = conversation(session, &earlier);
+            let mut convo = conversation(session, &earlier, tools);
             convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
             Ok((
                 convo,
@@ -830,22 +861,76 @@ fn prepare(
     }
 }
 
-/// The stored conversation as the template sees it: the system prompt, then every message
-/// with text (a reply that was cut off counts with what it said).
-fn conversation(session: &Session, history: &[Message]) -> Vec<ChatMessage> {
+/// The names of the functions whose results `results` are, in order: each must answer a call
+/// of `last` (the session's last message, a reply that made calls), and every call once.
+fn answered_calls(
+    last: Option<&Message>,
+    results: &[ToolResult],
+) -> Result<Vec<String>, ChatError> {
+    let invalid = |m: String| Err(ChatError::Invalid(m));
+    let calls = match last {
+        Some(m) if m.role == Role::Assistant => m.tool_calls.as_deref().unwrap_or_default(),
+        _ => &[],
+    };
+    if calls.is_empty() {
+        return invalid("tool_results: the session's last reply made no tool calls".into());
+    }
+    let mut names: Vec<String> = Vec::with_capacity(results.len());
+    for (i, r) in results.iter().enumerate() {
+        let field = format!("tool_results[{i}].tool_call_id");
+        let Some(call) = calls.iter().find(|c| c.id == r.call_id) else {
+            return invalid(format!(
+                "{field}: `{}` names no call of the last reply",
+                r.call_id
+            ));
+        };
+        if results[..i].iter().any(|e| e.call_id == r.call_id) {
+            return invalid(format!("{field}: `{}` is answered twice", r.call_id));
+        }
+        names.push(call.function.name.clone());
+    }
+    if let Some(c) = calls
+        .iter()
+        .find(|c| !results.iter().any(|r| r.call_id == c.id))
+    {
+        return invalid(format!(
+            "tool_results: no result for call `{}` (`{}`); answer every call of the last reply",
+            c.id, c.function.name
+        ));
+    }
+    Ok(names)
+}
+
+/// The stored conversation as the template sees it: the tools' description and the system
+/// prompt, then every message with text (a reply that was cut off counts with what it said; a
+/// reply that made calls, with the text that made them). A tool's result is a user turn that
+/// names its function.
+fn conversation(session: &Session, history: &[Message], tools: Option<&Tools>) -> Vec<ChatMessage> {
     let mut out = Vec::with_capacity(history.len() + 2);
     if let Some(sys) = session.system_prompt.as_deref().filter(|s| !s.is_empty()) {
         out.push(ChatMessage::new(ChatRole::System, sys));
     }
+    if let Some(t) = tools.and_then(Tools::system_text) {
+        turn::prefix_system(&mut out, t);
+    }
+    let mut calls: Vec<(&str, &str)> = Vec::new();
     for m in history {
-        if m.content.is_empty() {
-            continue;
-        }
-        let role = match m.role {
-            Role::User => ChatRole::User,
-            Role::Assistant => ChatRole::Assistant,
+        let (role, text) = match m.role {
+            Role::User => (ChatRole::User, m.content.clone()),
+            Role::Assistant => {
+                let made = m.tool_calls.iter().flatten();
+                calls.extend(made.map(|c| (c.id.as_str(), c.function.name.as_str())));
+                (ChatRole::Assistant, m.content.clone())
+            }
+            Role::Tool => {
+                let id = m.tool_call_id.as_deref().unwrap_or_default();
+                let name = calls.iter().find(|(c, _)| *c == id).map_or(id, |(_, n)| n);
+                (ChatRole::User, result_text(name, &m.content))
+            }
         };
-        out.push(ChatMessage::new(role, m.content.clone()));
+        if !text.is_empty() {
+            out.push(ChatMessage::new(role, text));
+        }
     }
     out
 }

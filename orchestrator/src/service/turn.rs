@@ -6,12 +6,15 @@
 //! (its defaults, whether the edited message exists) is checked by the service, before anything
 //! is charged or stored.
 
+use std::sync::Arc;
+
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
 use hearth_shared::{Grammar, SamplingParams};
 use tokio::time::Instant;
 
 use super::ChatError;
 use crate::ids::MessageId;
+use crate::tools::Tools;
 
 /// Largest message a user may post.
 pub const MAX_CONTENT_BYTES: usize = 256 << 10;
@@ -60,6 +63,8 @@ pub struct GenOptions {
     logprobs: Option<u32>,
     /// The grammar the reply follows.
     grammar: Option<Grammar>,
+    /// The tools the model may call: a reply that is calls of them becomes `tool_calls`.
+    tools: Option<Arc<Tools>>,
     /// The end user the client named (OpenAI's `user`), whom the fair queue tells apart from
     /// the key's other end users.
     end_user: Option<String>,
@@ -89,8 +94,20 @@ impl GenOptions {
             ignore_eos,
             logprobs: None,
             grammar: None,
+            tools: None,
             end_user: None,
         })
+    }
+
+    /// Offers `tools` (checked already): their description heads a native turn's system
+    /// prompt, and a reply that is calls of them ends as `tool_calls`.
+    pub fn with_tools(mut self, tools: Option<Tools>) -> Self {
+        self.tools = tools.map(Arc::new);
+        self
+    }
+
+    pub(super) fn tools(&self) -> Option<&Arc<Tools>> {
+        self.tools.as_ref()
     }
 
     /// Names the end user the request is for (OpenAI's `user`): at most
@@ -175,6 +192,8 @@ impl GenOptions {
 pub enum NativeTurn {
     /// A new user message.
     Post(UserText),
+    /// The results of the last reply's tool calls, one for each call.
+    ToolResults(Vec<ToolResult>),
     /// The last user message again, replacing the last reply.
     Regenerate,
     /// An earlier user message with new text; everything after it is replaced.
@@ -189,8 +208,46 @@ impl NativeTurn {
     pub(super) fn text_len(&self) -> usize {
         match self {
             Self::Post(t) | Self::Edit { content: t, .. } => t.as_str().len(),
+            Self::ToolResults(r) => r.iter().map(|r| r.content.len()).sum(),
             Self::Regenerate => 0,
         }
+    }
+
+    /// Messages the turn may add to its session (a regenerate or an edit counts as two, as a
+    /// post does).
+    pub(super) fn new_messages(&self) -> usize {
+        match self {
+            Self::ToolResults(r) => r.len() + 1,
+            Self::Post(_) | Self::Regenerate | Self::Edit { .. } => 2,
+        }
+    }
+}
+
+/// Most results one turn may post (as many as a reply may make calls: one per tool offered).
+pub const MAX_TOOL_RESULTS: usize = crate::tools::MAX_TOOLS;
+
+/// A tool's result, posted on a native turn: the call it answers and what the tool returned
+/// (at most [`MAX_CONTENT_BYTES`], no NUL characters; it may be empty).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolResult {
+    pub(super) call_id: String,
+    pub(super) content: String,
+}
+
+impl ToolResult {
+    /// `field` names the result in errors (`tool_results[0]`).
+    pub fn new(field: &str, call_id: &str, content: &str) -> Result<Self, ChatError> {
+        if call_id.is_empty() {
+            return Err(ChatError::Invalid(format!(
+                "{field}.tool_call_id: must not be empty"
+            )));
+        }
+        check_text(&format!("{field}.tool_call_id"), call_id)?;
+        check_storable(&format!("{field}.content"), content)?;
+        Ok(Self {
+            call_id: call_id.to_string(),
+            content: content.to_string(),
+        })
     }
 }
 
@@ -242,17 +299,22 @@ impl Conversation {
     /// Puts `text` (the tools' description) first in the system prompt, which it starts if
     /// there is none.
     pub fn with_system_prefix(mut self, text: String) -> Self {
-        match self.0.first_mut() {
-            Some(m) if m.role == ChatRole::System => {
-                m.content = format!("{text}\n\n{}", m.content);
-            }
-            _ => self.0.insert(0, ChatMessage::new(ChatRole::System, text)),
-        }
+        prefix_system(&mut self.0, text);
         self
     }
 
     pub(super) fn into_messages(self) -> Vec<ChatMessage> {
         self.0
+    }
+}
+
+/// Puts `text` first in the system prompt of `messages`, or starts one with it.
+pub(super) fn prefix_system(messages: &mut Vec<ChatMessage>, text: String) {
+    match messages.first_mut() {
+        Some(m) if m.role == ChatRole::System => {
+            m.content = format!("{text}\n\n{}", m.content);
+        }
+        _ => messages.insert(0, ChatMessage::new(ChatRole::System, text)),
     }
 }
 

@@ -110,6 +110,15 @@ pub trait Store: Send + Sync + std::fmt::Debug {
         session_id: &SessionId,
         content: &str,
     ) -> StoreResult<Turn>;
+    /// In one transaction: a `tool` message per result, in order, an empty assistant message
+    /// with status `streaming`, and the session's `updated_at`. Returns the tool messages and
+    /// the reply. The caller checks that each result answers a call of the last reply.
+    async fn begin_tool_results(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+        results: &[NewToolResult],
+    ) -> StoreResult<(Vec<Message>, Message)>;
     /// Regenerate, in one transaction: drops the session's messages from `from_seq` on (the
     /// reply being replaced) and writes a new `streaming` assistant placeholder.
     async fn begin_regenerate(

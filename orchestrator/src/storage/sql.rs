@@ -116,7 +116,7 @@ impl SqlStore {
         user_id: &UserId,
         session_id: &SessionId,
         rewrite: Rewrite<'_>,
-        messages: &[(Role, &str, MessageStatus)],
+        messages: &[NewMessage<'_>],
     ) -> StoreResult<Vec<Message>> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         let now = now_ms();
@@ -159,8 +159,8 @@ impl SqlStore {
                 .await
                 .map_err(db_err)?;
         }
-        for &(role, content, status) in messages {
-            written.push(insert_message(&mut tx, session_id, role, content, status, now).await?);
+        for m in messages {
+            written.push(insert_message(&mut tx, session_id, m, now).await?);
         }
         tx.commit().await.map_err(db_err)?;
         Ok(written)
@@ -225,7 +225,8 @@ enum Rewrite<'a> {
 const SESSION_COLUMNS: &str =
     "id, title, system_prompt, params, max_tokens, created_at, updated_at";
 const MESSAGE_COLUMNS: &str = "id, seq, role, content, status, finish_reason, prompt_tokens, \
-     cached_tokens, completion_tokens, ttft_ms, duration_ms, worker, created_at, updated_at";
+     cached_tokens, completion_tokens, ttft_ms, duration_ms, worker, tool_calls, tool_call_id, \
+     created_at, updated_at";
 
 fn session_from(r: &AnyRow) -> StoreResult<Session> {
     let params: Option<String> = r.try_get("params").map_err(db_err)?;
@@ -247,6 +248,7 @@ fn message_from(r: &AnyRow) -> StoreResult<Message> {
     let role: String = r.try_get("role").map_err(db_err)?;
     let status: String = r.try_get("status").map_err(db_err)?;
     let finish: Option<String> = r.try_get("finish_reason").map_err(db_err)?;
+    let calls: Option<String> = r.try_get("tool_calls").map_err(db_err)?;
     let bad = |what: &str, v: &str| StoreError::Internal(format!("stored message {what} `{v}`"));
     Ok(Message {
         id: r.try_get("id").map_err(db_err)?,
@@ -263,6 +265,11 @@ fn message_from(r: &AnyRow) -> StoreResult<Message> {
         ttft_ms: r.try_get("ttft_ms").map_err(db_err)?,
         duration_ms: r.try_get("duration_ms").map_err(db_err)?,
         worker: r.try_get("worker").map_err(db_err)?,
+        tool_calls: calls
+            .map(|c| serde_json::from_str(&c))
+            .transpose()
+            .map_err(|e| StoreError::Internal(format!("stored tool calls: {e}")))?,
+        tool_call_id: r.try_get("tool_call_id").map_err(db_err)?,
         created_at: r.try_get("created_at").map_err(db_err)?,
         updated_at: r.try_get("updated_at").map_err(db_err)?,
     })
@@ -342,13 +349,50 @@ async fn edit_message(
     Ok(m)
 }
 
+/// A message `append` writes.
+struct NewMessage<'a> {
+    role: Role,
+    content: &'a str,
+    status: MessageStatus,
+    /// For a `tool` message: the call it answers.
+    tool_call_id: Option<&'a str>,
+}
+
+impl<'a> NewMessage<'a> {
+    fn user(content: &'a str) -> Self {
+        Self {
+            role: Role::User,
+            content,
+            status: MessageStatus::Complete,
+            tool_call_id: None,
+        }
+    }
+
+    /// An empty reply, streaming.
+    fn reply() -> Self {
+        Self {
+            role: Role::Assistant,
+            content: "",
+            status: MessageStatus::Streaming,
+            tool_call_id: None,
+        }
+    }
+
+    fn tool(r: &'a NewToolResult) -> Self {
+        Self {
+            role: Role::Tool,
+            content: &r.content,
+            status: MessageStatus::Complete,
+            tool_call_id: Some(&r.tool_call_id),
+        }
+    }
+}
+
 /// Inserts a message inside a transaction, at the session's next sequence number.
 async fn insert_message(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     session_id: &SessionId,
-    role: Role,
-    content: &str,
-    status: MessageStatus,
+    m: &NewMessage<'_>,
     now: i64,
 ) -> StoreResult<Message> {
     let seq: i64 =
@@ -359,15 +403,16 @@ async fn insert_message(
             .map_err(db_err)?;
     let id = MessageId::random();
     sqlx::query(
-        "INSERT INTO messages (id, session_id, seq, role, content, status, created_at, updated_at) \
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $7)",
+        "INSERT INTO messages (id, session_id, seq, role, content, status, tool_call_id, \
+         created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
     )
     .bind(&id)
     .bind(session_id)
     .bind(seq + 1)
-    .bind(role.as_str())
-    .bind(content)
-    .bind(status.as_str())
+    .bind(m.role.as_str())
+    .bind(m.content)
+    .bind(m.status.as_str())
+    .bind(m.tool_call_id)
     .bind(now)
     .execute(&mut **tx)
     .await
@@ -375,9 +420,9 @@ async fn insert_message(
     Ok(Message {
         id,
         seq: seq + 1,
-        role,
-        content: content.to_string(),
-        status,
+        role: m.role,
+        content: m.content.to_string(),
+        status: m.status,
         finish_reason: None,
         prompt_tokens: None,
         cached_tokens: None,
@@ -385,6 +430,8 @@ async fn insert_message(
         ttft_ms: None,
         duration_ms: None,
         worker: None,
+        tool_calls: None,
+        tool_call_id: m.tool_call_id.map(str::to_string),
         created_at: now,
         updated_at: now,
     })
@@ -756,10 +803,7 @@ impl Store for SqlStore {
                 user_id,
                 session_id,
                 Rewrite::Keep,
-                &[
-                    (Role::User, content, MessageStatus::Complete),
-                    (Role::Assistant, "", MessageStatus::Streaming),
-                ],
+                &[NewMessage::user(content), NewMessage::reply()],
             )
             .await?;
         let assistant = written.pop();
@@ -782,7 +826,7 @@ impl Store for SqlStore {
             user_id,
             session_id,
             Rewrite::From(from_seq),
-            &[(Role::Assistant, "", MessageStatus::Streaming)],
+            &[NewMessage::reply()],
         )
         .await?
         .pop()
@@ -804,7 +848,7 @@ impl Store for SqlStore {
                     message_id,
                     content,
                 },
-                &[(Role::Assistant, "", MessageStatus::Streaming)],
+                &[NewMessage::reply()],
             )
             .await?;
         let assistant = written.pop();
@@ -815,6 +859,23 @@ impl Store for SqlStore {
                 "an edit wrote fewer than two messages".into(),
             )),
         }
+    }
+
+    async fn begin_tool_results(
+        &self,
+        user_id: &UserId,
+        session_id: &SessionId,
+        results: &[NewToolResult],
+    ) -> StoreResult<(Vec<Message>, Message)> {
+        let mut new: Vec<NewMessage<'_>> = results.iter().map(NewMessage::tool).collect();
+        new.push(NewMessage::reply());
+        let mut written = self
+            .append(user_id, session_id, Rewrite::Keep, &new)
+            .await?;
+        let reply = written
+            .pop()
+            .ok_or_else(|| StoreError::Internal("tool results wrote no reply".into()))?;
+        Ok((written, reply))
     }
 
     async fn save_progress(&self, message_id: &MessageId, content: &str) -> StoreResult<()> {
@@ -835,7 +896,7 @@ impl Store for SqlStore {
         let done = sqlx::query(
             "UPDATE messages SET content = $1, status = $2, finish_reason = $3, \
              prompt_tokens = $4, cached_tokens = $5, completion_tokens = $6, ttft_ms = $7, \
-             duration_ms = $8, worker = $9, updated_at = $10 WHERE id = $11",
+             duration_ms = $8, worker = $9, tool_calls = $10, updated_at = $11 WHERE id = $12",
         )
         .bind(&d.content)
         .bind(d.status.as_str())
@@ -846,6 +907,11 @@ impl Store for SqlStore {
         .bind(d.timings.ttft_ms.map(|t| t as i64))
         .bind(d.timings.duration_ms as i64)
         .bind(&d.worker)
+        .bind(
+            d.tool_calls
+                .as_ref()
+                .map(|c| serde_json::to_string(c).unwrap_or_default()),
+        )
         .bind(now_ms())
         .bind(message_id)
         .execute(&self.pool)

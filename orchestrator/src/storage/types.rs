@@ -87,6 +87,8 @@ pub struct SessionQuery {
 pub enum Role {
     User,
     Assistant,
+    /// The result of a tool call the reply before it made.
+    Tool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
@@ -111,8 +113,8 @@ macro_rules! text_enum {
     };
 }
 /// Why a reply ended: how its generation finished (`stop`: end of turn or a stop string,
-/// `length`, `context_full`, `cancelled`: stopped), `error`, or `interrupted` (its orchestrator
-/// went away while it streamed).
+/// `length`, `context_full`, `cancelled`: stopped), `tool_calls` (the reply is calls of the
+/// turn's tools), `error`, or `interrupted` (its orchestrator went away while it streamed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Finish {
@@ -120,16 +122,18 @@ pub enum Finish {
     Length,
     ContextFull,
     Cancelled,
+    ToolCalls,
     Error,
     Interrupted,
 }
 
-text_enum!(Role { User => "user", Assistant => "assistant" });
+text_enum!(Role { User => "user", Assistant => "assistant", Tool => "tool" });
 text_enum!(Finish {
     Stop => "stop",
     Length => "length",
     ContextFull => "context_full",
     Cancelled => "cancelled",
+    ToolCalls => "tool_calls",
     Error => "error",
     Interrupted => "interrupted",
 });
@@ -163,8 +167,40 @@ pub struct Message {
     pub duration_ms: Option<i64>,
     #[schema(required = true)]
     pub worker: Option<String>,
+    /// The tool calls an assistant message makes (its `content` is the text the model wrote
+    /// for them).
+    #[schema(required = true)]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// The call a `tool` message answers.
+    #[schema(required = true)]
+    pub tool_call_id: Option<String>,
     pub created_at: i64,
     pub updated_at: i64,
+}
+
+/// A call a reply makes, in OpenAI's form.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct ToolCall {
+    /// `call_` and 24 hex digits.
+    pub id: String,
+    /// `function`
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments as a JSON text.
+    pub arguments: String,
+}
+
+/// A tool's result to store: the call it answers and what the tool returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewToolResult {
+    pub tool_call_id: String,
+    pub content: String,
 }
 
 /// What `begin_turn` wrote.
@@ -202,6 +238,8 @@ pub struct Completion {
     pub timings: ReplyTimings,
     /// The worker that finished the reply.
     pub worker: Option<String>,
+    /// The calls the reply makes, when it is nothing but calls of the turn's tools.
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 /// Milliseconds since the Unix epoch.

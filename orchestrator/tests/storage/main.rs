@@ -11,8 +11,9 @@ mod races;
 mod replies;
 
 use hearth_orchestrator::storage::{
-    Completion, Finish, KeyId, MessageId, MessageStatus, NewApiKey, NewSession, ReplyTimings,
-    ReplyUsage, Role, SessionId, SessionPatch, SessionQuery, SqlStore, Store, StoreError, UserId,
+    Completion, Finish, FunctionCall, KeyId, MessageId, MessageStatus, NewApiKey, NewSession,
+    NewToolResult, ReplyTimings, ReplyUsage, Role, SessionId, SessionPatch, SessionQuery, SqlStore,
+    Store, StoreError, ToolCall, UserId,
 };
 
 use hearth_e2e::pg::PgDatabase;
@@ -65,6 +66,21 @@ both!(concurrency, races::concurrency_suite);
 both!(search_and_values, listing::search_and_values_suite);
 both!(edit, replies::edit_suite);
 both!(purge, replies::purge_suite);
+both!(tools, replies::tools_suite);
+
+#[tokio::test]
+async fn sqlite_migration_keeps_messages() {
+    let (dir, url) = sqlite_url("migration");
+    replies::migration_keeps_messages(&url, "sqlite").await;
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test]
+async fn postgres_migration_keeps_messages() {
+    let (db, url) = PgDatabase::create("migration").await;
+    replies::migration_keeps_messages(&url, "postgres").await;
+    db.drop_db().await;
+}
 
 #[tokio::test]
 async fn a_bad_database_url_is_a_clear_error() {
@@ -94,5 +110,6 @@ pub(crate) fn complete(text: &str) -> Completion {
             duration_ms: 20,
         },
         worker: Some("w".into()),
+        tool_calls: None,
     }
 }

@@ -36,6 +36,7 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
             duration_ms: 300,
         },
         worker: Some("127.0.0.1:50051".into()),
+        tool_calls: None,
     };
     s.finish_message(&t1.assistant.id, &done)
         .await
@@ -303,4 +304,143 @@ pub(crate) async fn purge_suite(s: &SqlStore) {
     assert_eq!(s.purge_deleted(later).await.expect("again"), (0, 0));
     let kept = s.list_messages(&u, &ids[1]).await.expect("kept");
     assert_eq!(kept.len(), 2, "a live session keeps its messages");
+}
+
+/// A reply that makes tool calls keeps them beside its text; the results are stored as `tool`
+/// messages with the reply that answers them, in one transaction.
+pub(crate) async fn tools_suite(s: &SqlStore) {
+    let u = s.create_user("u").await.expect("user").id;
+    let other = s.create_user("other").await.expect("other").id;
+    let sess = s
+        .create_session(&u, NewSession::default())
+        .await
+        .expect("session");
+    let t = s.begin_turn(&u, &sess.id, "Weather?").await.expect("turn");
+    let call = |id: &str, name: &str, args: &str| ToolCall {
+        id: id.into(),
+        kind: "function".into(),
+        function: FunctionCall {
+            name: name.into(),
+            arguments: args.into(),
+        },
+    };
+    let calls = vec![
+        call("call_a", "get_weather", r#"{"city":"Oslo"}"#),
+        call("call_b", "now", "{}"),
+    ];
+    let text = r#"[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "now"}]"#;
+    let done = Completion {
+        finish_reason: Finish::ToolCalls,
+        tool_calls: Some(calls.clone()),
+        ..complete(text)
+    };
+    s.finish_message(&t.assistant.id, &done)
+        .await
+        .expect("finish");
+    let results = [
+        NewToolResult {
+            tool_call_id: "call_a".into(),
+            content: r#"{"temp_c": 12}"#.into(),
+        },
+        NewToolResult {
+            tool_call_id: "call_b".into(),
+            content: String::new(),
+        },
+    ];
+    // Another user's session: nothing is written.
+    assert_eq!(
+        s.begin_tool_results(&other, &sess.id, &results)
+            .await
+            .map(|_| ()),
+        Err(StoreError::NotFound("session"))
+    );
+    let (tool, reply) = s
+        .begin_tool_results(&u, &sess.id, &results)
+        .await
+        .expect("results");
+    assert_eq!(
+        tool.iter()
+            .map(|m| (m.seq, m.role, m.tool_call_id.as_deref()))
+            .collect::<Vec<_>>(),
+        vec![
+            (3, Role::Tool, Some("call_a")),
+            (4, Role::Tool, Some("call_b"))
+        ]
+    );
+    assert_eq!((reply.seq, reply.status), (5, MessageStatus::Streaming));
+    // One reply at a time: more results while this one streams are refused.
+    assert_eq!(
+        s.begin_tool_results(&u, &sess.id, &results)
+            .await
+            .map(|_| ()),
+        Err(StoreError::ReplyRunning)
+    );
+    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
+    assert_eq!(msgs.len(), 5);
+    assert_eq!(msgs[1].finish_reason, Some(Finish::ToolCalls));
+    assert_eq!(msgs[1].tool_calls.as_deref(), Some(calls.as_slice()));
+    assert_eq!(
+        msgs[1].content, text,
+        "the text that made the calls is kept"
+    );
+    assert_eq!(
+        (msgs[2].content.as_str(), msgs[3].content.as_str()),
+        (r#"{"temp_c": 12}"#, "")
+    );
+    assert!(msgs[0].tool_calls.is_none() && msgs[0].tool_call_id.is_none());
+}
+
+/// A database made by the migrations before tool messages keeps its messages when the next
+/// migration changes the table (SQLite rebuilds it), and can then hold `tool` messages.
+pub(crate) async fn migration_keeps_messages(url: &str, backend: &str) {
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(url).await.expect("connect");
+    let mut before = match backend {
+        "sqlite" => sqlx::migrate!("../migrations/sqlite"),
+        _ => sqlx::migrate!("../migrations/postgres"),
+    };
+    before.migrations = before
+        .migrations
+        .iter()
+        .filter(|m| m.version <= 2)
+        .cloned()
+        .collect::<Vec<_>>()
+        .into();
+    before.run(&pool).await.expect("the first two migrations");
+    for q in [
+        "INSERT INTO users (id, name, created_at) VALUES ('00000000000000000000000000000001', 'u', 1)",
+        "INSERT INTO sessions (id, user_id, title, title_lower, created_at, updated_at) \
+         VALUES ('00000000000000000000000000000002', '00000000000000000000000000000001', 't', 't', 1, 1)",
+        "INSERT INTO messages (id, session_id, seq, role, content, status, finish_reason, \
+         completion_tokens, created_at, updated_at) VALUES \
+         ('00000000000000000000000000000003', '00000000000000000000000000000002', 1, 'user', 'q', 'complete', NULL, NULL, 1, 1), \
+         ('00000000000000000000000000000004', '00000000000000000000000000000002', 2, 'assistant', 'a', 'complete', 'stop', 7, 1, 2)",
+    ] {
+        sqlx::query(q).execute(&pool).await.expect(q);
+    }
+    pool.close().await;
+    let s = SqlStore::connect(url).await.expect("migrated");
+    let user = s.user_by_name("u").await.expect("user").expect("kept");
+    let sess = SessionId::parse("00000000000000000000000000000002").expect("id");
+    let msgs = s.list_messages(&user.id, &sess).await.expect("messages");
+    assert_eq!(
+        msgs.iter()
+            .map(|m| (m.seq, m.role, m.content.as_str(), m.finish_reason))
+            .collect::<Vec<_>>(),
+        vec![
+            (1, Role::User, "q", None),
+            (2, Role::Assistant, "a", Some(Finish::Stop))
+        ]
+    );
+    assert_eq!(msgs[1].completion_tokens, Some(7));
+    assert_eq!((msgs[1].created_at, msgs[1].updated_at), (1, 2));
+    // The rebuilt table still ties messages to their session, and takes tool messages.
+    s.delete_session(&user.id, &sess).await.expect("delete");
+    assert_eq!(s.purge_deleted(i64::MAX).await.expect("purge"), (1, 2));
+    let sess = s
+        .create_session(&user.id, NewSession::default())
+        .await
+        .expect("session");
+    s.begin_turn(&user.id, &sess.id, "q").await.expect("turn");
+    s.close().await;
 }

@@ -52,6 +52,7 @@ fn check_history(sid: &str, msgs: &[Message]) {
                 }
                 MessageStatus::Streaming => panic!("{sid}: a reply left streaming: {m:?}"),
             },
+            Role::Tool => panic!("{sid}: a tool message where none was posted: {m:?}"),
         }
     }
 }

@@ -1,4 +1,4 @@
-//! OpenAI's tool calling on chat completions.
+//! Tool calling, on OpenAI's chat completions and on native turns.
 //!
 //! Gemma has no tool role and no call syntax of its own; its documented convention is to
 //! describe the functions in the prompt and have the model answer with a JSON call. So:
@@ -17,7 +17,18 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use super::ApiError;
+pub use crate::storage::{FunctionCall, ToolCall};
+
+/// A request's tools or tool messages that cannot be served; the message starts with the field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ToolError {
+    /// A value out of range or inconsistent (a 422).
+    #[error("{0}")]
+    Invalid(String),
+    /// A tool's parameters schema does not compile (a 400, as for any grammar).
+    #[error("{0}")]
+    InvalidGrammar(String),
+}
 
 /// Most tools a request may offer (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
@@ -32,7 +43,7 @@ pub struct Tool {
     function: FunctionDef,
 }
 
-#[derive(Debug, Clone, Deserialize, Serialize, ToSchema)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, ToSchema)]
 pub struct FunctionDef {
     /// Letters, digits, `_` and `-`; at most 64.
     name: String,
@@ -85,24 +96,6 @@ pub struct InFunctionCall {
     arguments: String,
 }
 
-/// A call the model made.
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct ToolCall {
-    /// `call_` and 24 hex digits.
-    pub id: String,
-    /// `function`
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub function: FunctionCall,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
-pub struct FunctionCall {
-    pub name: String,
-    /// The arguments as a JSON text.
-    pub arguments: String,
-}
-
 /// What the request lets the model do with its tools.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Choice {
@@ -113,14 +106,14 @@ enum Choice {
 }
 
 /// A request's tools, checked.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Tools {
     defs: Vec<FunctionDef>,
     choice: Choice,
 }
 
-fn refuse(field: &str, why: &str) -> ApiError {
-    ApiError::Validation(format!("{field}: {why}"))
+fn refuse(field: &str, why: &str) -> ToolError {
+    ToolError::Invalid(format!("{field}: {why}"))
 }
 
 fn valid_name(n: &str) -> bool {
@@ -135,7 +128,7 @@ impl Tools {
     pub fn new(
         tools: Option<&[Tool]>,
         choice: Option<&ToolChoice>,
-    ) -> Result<Option<Self>, ApiError> {
+    ) -> Result<Option<Self>, ToolError> {
         let tools = tools.unwrap_or_default();
         if tools.is_empty() {
             return match choice {
@@ -175,7 +168,7 @@ impl Tools {
                 }
                 let g = Grammar::JsonSchema { schema: p.clone() };
                 g.check().map_err(|e| {
-                    ApiError::InvalidGrammar(format!("{field}.function.parameters: {e}"))
+                    ToolError::InvalidGrammar(format!("{field}.function.parameters: {e}"))
                 })?;
             }
             defs.push(f.clone());
@@ -220,7 +213,10 @@ impl Tools {
     }
 
     /// What the system prompt gains: the functions and the form of a call. Nothing with
-    /// `tool_choice: none` (the model then answers in words, as if it had no tools).
+    /// `tool_choice: none` (the model then answers in words, as if it had no tools). The text is
+    /// the same for `auto`, `required` and a named function (a forced call is made by the
+    /// grammar, not asked for in words), so a session's cached prompt survives a change of
+    /// `tool_choice` between turns.
     pub fn system_text(&self) -> Option<String> {
         if !self.callable() {
             return None;
@@ -231,11 +227,6 @@ impl Tools {
              several at once, reply with a JSON array of such objects. Each result comes back \
              in the next message.",
         );
-        match &self.choice {
-            Choice::Required => s.push_str(" You must call a function now."),
-            Choice::Named(n) => s.push_str(&format!(" You must call `{n}` now.")),
-            Choice::None | Choice::Auto => {}
-        }
         s.push_str("\nThe functions:");
         for d in &self.defs {
             s.push('\n');
@@ -351,7 +342,7 @@ pub fn assistant_text(
     field: &str,
     content: String,
     calls: Option<&[InToolCall]>,
-) -> Result<String, ApiError> {
+) -> Result<String, ToolError> {
     let Some(calls) = calls.filter(|c| !c.is_empty()) else {
         return Ok(content);
     };
@@ -383,7 +374,7 @@ pub fn tool_text(
     content: &str,
     call_id: Option<&str>,
     earlier: &[(String, String)],
-) -> Result<String, ApiError> {
+) -> Result<String, ToolError> {
     let id = call_id.ok_or_else(|| refuse(&format!("{field}.tool_call_id"), "required"))?;
     let name = earlier
         .iter()
@@ -395,7 +386,29 @@ pub fn tool_text(
                 &format!("`{id}` names no earlier tool call"),
             )
         })?;
-    Ok(format!("Result of `{name}`:\n{content}"))
+    Ok(result_text(name, content))
+}
+
+/// How a tool's result reads to the model: a user turn that names the function.
+pub fn result_text(name: &str, content: &str) -> String {
+    format!("Result of `{name}`:\n{content}")
+}
+
+/// The grammar a turn follows, and the field that gave it: a forced call's (`tool_choice`), or
+/// the one the request asked for (named `field`). Both at once is an error.
+pub fn turn_grammar<'a>(
+    tools: Option<&Tools>,
+    field: &'a str,
+    grammar: Option<Grammar>,
+) -> Result<(&'a str, Option<Grammar>), ToolError> {
+    match (tools.and_then(Tools::grammar), grammar) {
+        (Some(_), Some(_)) => Err(refuse(
+            "tool_choice",
+            "a required call is not compatible with a response_format or grammar",
+        )),
+        (Some(call), None) => Ok(("tool_choice", Some(call))),
+        (None, g) => Ok((field, g)),
+    }
 }
 
 /// The calls an assistant message makes, as (id, function name), for the tool messages after it.
@@ -411,7 +424,7 @@ pub fn call_names(calls: Option<&[InToolCall]>) -> Vec<(String, String)> {
 mod tests {
     use super::*;
 
-    fn tools(choice: Option<Value>) -> Result<Option<Tools>, ApiError> {
+    fn tools(choice: Option<Value>) -> Result<Option<Tools>, ToolError> {
         let t: Vec<Tool> = serde_json::from_value(json!([
             {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
              "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -465,13 +478,17 @@ mod tests {
             .system_text()
             .expect("text")
             .contains("get_weather"));
+        // The prompt does not change with the choice (a session's cache survives it).
+        let auto = tools(None).expect("ok").expect("some");
+        assert_eq!(auto.system_text(), required.system_text());
+        assert_eq!(auto.system_text(), named.system_text());
         let none = tools(Some(json!("none"))).expect("ok").expect("some");
         assert!(none.system_text().is_none() && none.calls(r#"{"name": "now"}"#).is_none());
         for bad in [
             json!("sometimes"),
             json!({"type": "function", "function": {"name": "x"}}),
         ] {
-            assert!(matches!(tools(Some(bad)), Err(ApiError::Validation(_))));
+            assert!(matches!(tools(Some(bad)), Err(ToolError::Invalid(_))));
         }
         let c: ToolChoice = serde_json::from_value(json!("required")).expect("choice");
         assert!(
@@ -483,7 +500,7 @@ mod tests {
         .expect("tools");
         assert!(matches!(
             Tools::new(Some(&bad_schema), None),
-            Err(ApiError::InvalidGrammar(m)) if m.starts_with("tools[0].function.parameters")
+            Err(ToolError::InvalidGrammar(m)) if m.starts_with("tools[0].function.parameters")
         ));
     }
 
@@ -521,7 +538,7 @@ mod tests {
         assert_eq!(text, "Result of `now`:\n12:00");
         let e = tool_text("messages[2]", "x", Some("call_9"), &earlier);
         assert!(
-            matches!(e, Err(ApiError::Validation(m)) if m.starts_with("messages[2].tool_call_id"))
+            matches!(e, Err(ToolError::Invalid(m)) if m.starts_with("messages[2].tool_call_id"))
         );
     }
 }
