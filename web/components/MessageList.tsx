@@ -4,7 +4,8 @@
 
 "use client";
 
-import type { ChatMessage } from "@/lib/chat-state";
+import { useMemo } from "react";
+import { callNames, type ChatMessage } from "@/lib/chat-state";
 import { MessageView } from "./MessageView";
 
 async function copyText(text: string): Promise<void> {
@@ -52,6 +53,7 @@ export function MessageList({
   bottom: React.Ref<HTMLDivElement>;
 }) {
   const last = messages[messages.length - 1];
+  const names = useMemo(() => callNames(messages), [messages]);
   return (
     <section className="messages" aria-label="Messages" onClick={onCopyClick} onScroll={onScroll}>
       {messages.length === 0 && (
@@ -63,6 +65,7 @@ export function MessageList({
         <MessageView
           key={`${i}-${m.id}`}
           m={m}
+          toolName={m.toolCallId ? names.get(m.toolCallId) : undefined}
           canEdit={!busy}
           canRegenerate={!busy && m === last && m.role === "assistant"}
           reconnecting={reconnecting && m.status === "streaming"}

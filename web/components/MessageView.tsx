@@ -2,6 +2,7 @@
 
 import { memo, useState } from "react";
 import type { ChatMessage } from "@/lib/chat-state";
+import type { ToolCall } from "@/lib/types";
 import { Markdown } from "./Markdown";
 
 function details(m: ChatMessage): string[] {
@@ -16,8 +17,35 @@ function details(m: ChatMessage): string[] {
   return out;
 }
 
+/** A call's arguments, indented when they are JSON. */
+function prettyArguments(args: string): string {
+  try {
+    return JSON.stringify(JSON.parse(args), null, 2);
+  } catch {
+    return args;
+  }
+}
+
+function ToolCalls({ calls }: { calls: ToolCall[] }) {
+  return (
+    <ul className="tool-calls" aria-label="Tool calls">
+      {calls.map((c) => (
+        <li key={c.id} data-call-id={c.id}>
+          <div className="tool-name">
+            Calls <code>{c.function.name}</code>
+          </div>
+          <pre>
+            <code>{prettyArguments(c.function.arguments)}</code>
+          </pre>
+        </li>
+      ))}
+    </ul>
+  );
+}
+
 export const MessageView = memo(function MessageView({
   m,
+  toolName,
   canRegenerate,
   canEdit,
   reconnecting,
@@ -25,6 +53,8 @@ export const MessageView = memo(function MessageView({
   onEdit,
 }: {
   m: ChatMessage;
+  /** For a tool's result: the function whose call it answers, when the list holds that call. */
+  toolName?: string;
   canRegenerate: boolean;
   canEdit: boolean;
   reconnecting: boolean;
@@ -90,8 +120,21 @@ export const MessageView = memo(function MessageView({
       </article>
     );
   }
+  if (m.role === "tool") {
+    return (
+      <article className="msg tool" data-id={m.id} aria-label="Tool result">
+        <div className="tool-name">
+          Result of <code>{toolName ?? m.toolCallId ?? "a call"}</code>
+        </div>
+        <pre>
+          <code>{m.content}</code>
+        </pre>
+      </article>
+    );
+  }
   const streaming = m.status === "streaming";
   const info = details(m);
+  const calls = !streaming && m.toolCalls && m.toolCalls.length > 0 ? m.toolCalls : null;
   return (
     <article
       className={`msg assistant ${m.status}`}
@@ -107,6 +150,8 @@ export const MessageView = memo(function MessageView({
           <span className="typing" aria-label="Waiting for the reply">
             …
           </span>
+        ) : calls ? (
+          <ToolCalls calls={calls} />
         ) : (
           <Markdown text={m.content} streaming={streaming} />
         )}

@@ -442,11 +442,11 @@ export interface components {
         };
         /**
          * @description Why a reply ended: how its generation finished (`stop`: end of turn or a stop string,
-         *     `length`, `context_full`, `cancelled`: stopped), `error`, or `interrupted` (its orchestrator
-         *     went away while it streamed).
+         *     `length`, `context_full`, `cancelled`: stopped), `tool_calls` (the reply is calls of the
+         *     turn's tools), `error`, or `interrupted` (its orchestrator went away while it streamed).
          * @enum {string}
          */
-        Finish: "stop" | "length" | "context_full" | "cancelled" | "error" | "interrupted";
+        Finish: "stop" | "length" | "context_full" | "cancelled" | "tool_calls" | "error" | "interrupted";
         FunctionCall: {
             name: string;
             /** @description The arguments as a JSON text. */
@@ -539,6 +539,13 @@ export interface components {
             /** Format: int64 */
             duration_ms: number | null;
             worker: string | null;
+            /**
+             * @description The tool calls an assistant message makes (its `content` is the text the model wrote
+             *     for them).
+             */
+            tool_calls: components["schemas"]["ToolCall"][] | null;
+            /** @description The call a `tool` message answers. */
+            tool_call_id: string | null;
             /** Format: int64 */
             created_at: number;
             /** Format: int64 */
@@ -601,6 +608,11 @@ export interface components {
             timings: components["schemas"]["ReplyTimings"];
             /** @description The worker that finished the reply. */
             worker: string | null;
+            /**
+             * @description With `finish_reason` `tool_calls`: the calls the reply makes. Post their results as
+             *     `tool_results` on the next turn.
+             */
+            tool_calls?: components["schemas"]["ToolCall"][] | null;
         };
         /** @description Why a finished reply failed. */
         ReplyError: {
@@ -678,7 +690,7 @@ export interface components {
             type: "json_schema";
         };
         /** @enum {string} */
-        Role: "user" | "assistant";
+        Role: "user" | "assistant" | "tool";
         /**
          * @description How the next token is chosen. `temperature == 0` means greedy (argmax).
          *     The ranges in its schema are the ones [`SamplingParams::validate`] enforces.
@@ -869,7 +881,7 @@ export interface components {
             type: string;
             function: components["schemas"]["FunctionDef"];
         };
-        /** @description A call the model made. */
+        /** @description A call a reply makes, in OpenAI's form. */
         ToolCall: {
             /** @description `call_` and 24 hex digits. */
             id: string;
@@ -882,6 +894,13 @@ export interface components {
             type: string;
             function: components["schemas"]["NamedFunction"];
         };
+        /** @description A tool's result, posted on a native turn. */
+        ToolResultBody: {
+            /** @description The call it answers: an id from the last reply's `tool_calls`. */
+            tool_call_id: string;
+            /** @description What the function returned, as text (JSON, say); up to 256 KiB. */
+            content: string;
+        };
         /** @description An alternative token at a position. */
         TopLogprob: {
             token: string;
@@ -892,10 +911,22 @@ export interface components {
         /** @description Options shared by every generation request. */
         TurnBody: {
             /**
-             * @description The new user message, or an edited one's new text: required there, up to 256 KiB, not
-             *     blank. Refused on regenerate.
+             * @description The new user message, or an edited one's new text: required there (unless the turn
+             *     posts `tool_results`), up to 256 KiB, not blank. Refused on regenerate.
              */
             content?: string | null;
+            /**
+             * @description Instead of `content`, on a new message: the results of the last reply's tool calls, one
+             *     for each call. They are stored as `tool` messages, and the model answers them.
+             */
+            tool_results?: components["schemas"]["ToolResultBody"][] | null;
+            /**
+             * @description Functions the model may call (as OpenAI's `tools`). Their description heads the system
+             *     prompt; a reply that is nothing but calls of them ends with `finish_reason` `tool_calls`
+             *     and the calls in `tool_calls`. Send them with each turn that may use them.
+             */
+            tools?: components["schemas"]["Tool"][] | null;
+            tool_choice?: null | components["schemas"]["ToolChoice"];
             params?: null | components["schemas"]["SamplingParams"];
             /**
              * @description `false`: answer with the finished message as JSON instead of Server-Sent Events.
@@ -923,7 +954,7 @@ export interface components {
         /** @description A finished reply, as a turn with `"stream": false` answers. */
         TurnReply: components["schemas"]["ReplyEnd"] & {
             session_id: string;
-            /** @description The user message the reply answers. */
+            /** @description The message the reply answers: the user's, or the last tool result. */
             user_message_id: string | null;
             content: string;
             error?: null | components["schemas"]["ReplyError"];

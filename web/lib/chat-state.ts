@@ -1,7 +1,7 @@
 // The message list of the open session and how streamed events change it. Pure: the
 // `useReplyStream` hook feeds it actions, the unit tests do the same.
 
-import type { ApiMessage, MessageStart, MessageStatus, ReplyEnd, ReplyFailed, Role, TokenText } from "./types";
+import type { ApiMessage, MessageStart, MessageStatus, ReplyEnd, ReplyFailed, Role, TokenText, ToolCall } from "./types";
 import type { SseEvent } from "./sse";
 
 export interface ChatMessage {
@@ -15,6 +15,10 @@ export interface ChatMessage {
   completionTokens?: number | null;
   ttftMs?: number | null;
   durationMs?: number | null;
+  /** The tool calls a reply makes (its content is the text that made them). */
+  toolCalls?: ToolCall[] | null;
+  /** The call a `tool` message answers. */
+  toolCallId?: string | null;
   /** Why the reply failed, when it did. */
   error?: string;
   /** Shown before the server has named it (ids `local-…`). */
@@ -69,7 +73,18 @@ export function fromApi(m: ApiMessage): ChatMessage {
     completionTokens: m.completion_tokens,
     ttftMs: m.ttft_ms,
     durationMs: m.duration_ms,
+    toolCalls: m.tool_calls,
+    toolCallId: m.tool_call_id,
   };
+}
+
+/** The function each call of the list's replies names, by call id (for their `tool` results). */
+export function callNames(messages: ChatMessage[]): Map<string, string> {
+  const names = new Map<string, string>();
+  for (const m of messages) {
+    for (const c of m.toolCalls ?? []) names.set(c.id, c.function.name);
+  }
+  return names;
 }
 
 function placeholderReply(): ChatMessage {
@@ -161,6 +176,7 @@ function applyEvent(state: ChatState, ev: SseEvent): ChatState {
         completionTokens: num(usage.completion_tokens),
         ttftMs: num(timings.ttft_ms),
         durationMs: num(timings.duration_ms),
+        toolCalls: Array.isArray(end.tool_calls) ? end.tool_calls : null,
       }));
       nextLive.ended = true;
       break;

@@ -10,6 +10,7 @@ type Schemas = components["schemas"];
 export type Role = Schemas["Role"];
 export type MessageStatus = Schemas["MessageStatus"];
 export type ApiMessage = Schemas["Message"];
+export type ToolCall = Schemas["ToolCall"];
 export type SamplingParams = Schemas["SamplingParams"];
 export type Session = Schemas["Session"];
 export type SessionPage = Schemas["SessionPage"];

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { chatReducer, initialChat, parseEventId, type ChatState } from "../lib/chat-state";
+import { callNames, chatReducer, initialChat, parseEventId, type ChatState } from "../lib/chat-state";
 import type { SseEvent } from "../lib/sse";
 import type { ApiMessage } from "../lib/types";
 
@@ -8,11 +8,11 @@ const start = (mid: string, uid: string | null = "u1") =>
   ev(`${mid}:1`, "message_start", { session_id: "s", message_id: mid, user_message_id: uid });
 const tok = (mid: string, n: number, text: string) => ev(`${mid}:${n}`, "token", { text });
 
-function stored(id: string, role: "user" | "assistant", content: string, seq: number, status = "complete"): ApiMessage {
+function stored(id: string, role: ApiMessage["role"], content: string, seq: number, status = "complete"): ApiMessage {
   return {
     id, seq, role, content, status: status as ApiMessage["status"], finish_reason: role === "assistant" ? "stop" : null,
     prompt_tokens: null, cached_tokens: null, completion_tokens: null, ttft_ms: null, duration_ms: null,
-    worker: null, created_at: 0, updated_at: 0,
+    worker: null, tool_calls: null, tool_call_id: null, created_at: 0, updated_at: 0,
   };
 }
 
@@ -37,6 +37,23 @@ describe("chatReducer", () => {
       status: "complete", finishReason: "length", promptTokens: 7, cachedTokens: 3, completionTokens: 2, ttftMs: 12, durationMs: 40,
     });
     expect(s.live?.ended).toBe(true);
+  });
+
+  it("takes a reply's tool calls from message_end and names the function of each result", () => {
+    let s = chatReducer(initialChat, { type: "send", content: "weather?" });
+    s = run(s, start("a1"), tok("a1", 2, '{"name": "get_weather", "parameters": {"city": "Oslo"}}'));
+    const call = { id: "call_1", type: "function", function: { name: "get_weather", arguments: '{"city":"Oslo"}' } };
+    s = run(s, ev("a1:3", "message_end", {
+      message_id: "a1", status: "complete", finish_reason: "tool_calls", tool_calls: [call],
+      usage: { prompt_tokens: 7, cached_tokens: 0, completion_tokens: 9 }, timings: { ttft_ms: 1, duration_ms: 2 },
+    }));
+    expect(s.messages[1]).toMatchObject({ finishReason: "tool_calls", toolCalls: [call] });
+    const result = { ...stored("t1", "tool", "12 °C", 3), tool_call_id: "call_1" };
+    const loaded = chatReducer(s, { type: "load", messages: [
+      stored("u1", "user", "weather?", 1), { ...stored("a1", "assistant", "{}", 2), tool_calls: [call] }, result,
+    ] });
+    expect(loaded.messages[2]).toMatchObject({ role: "tool", toolCallId: "call_1", content: "12 °C" });
+    expect(callNames(loaded.messages).get("call_1")).toBe("get_weather");
   });
 
   it("skips events already applied when a resumed stream overlaps", () => {
