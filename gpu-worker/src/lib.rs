@@ -16,11 +16,13 @@
 //! - [`bench`]: the `hearth-worker bench` benchmark.
 //! - [`check`]: `hearth-worker check-greedy`, a device's greedy tokens against the CPU kernels.
 //! - [`gen_model`]: random-weight GGUF files shaped like real Gemma 3 models (`gen-model`).
+//! - [`fetch`]: model files from HTTP(S) into the models cache (resumed, verified).
 
 pub mod bench;
 pub mod check;
 pub mod device;
 pub mod engine;
+pub mod fetch;
 pub mod fixtures;
 pub mod gen_model;
 pub mod generic;

@@ -40,6 +40,14 @@ enum Command {
     /// Check the model's picks against llama.cpp's greedy tokens on the real Gemma 3 270M
     /// (teacher-forced; JSON; exits 1 below 99 % within a tie or 96 % exact).
     CheckGolden(GoldenOptions),
+    /// Fetch a model file from an http(s) URL into the models cache (resuming a cut download,
+    /// checking its sha256) and print its path.
+    Fetch {
+        url: String,
+        /// The sha256 (64 hex digits) the file must have.
+        #[arg(long)]
+        sha256: Option<String>,
+    },
     /// Chat in the terminal with the model (one session; each line is a user turn).
     Chat {
         #[arg(long, env = "HEARTH_MODEL")]
@@ -92,6 +100,14 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::Fetch { url, sha256 } => {
+            let path = fetch_model(&models, &url, sha256.as_deref())?;
+            #[allow(clippy::print_stdout)]
+            {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
         Command::Chat {
             model,
             tokenizer,
@@ -130,7 +146,34 @@ fn passed(report: &serde_json::Value) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn serve(config: ServeConfig) -> anyhow::Result<()> {
+/// `url`'s file in `<models>/fetched/`, fetched unless it is there already.
+fn fetch_model(models: &Path, url: &str, sha256: Option<&str>) -> anyhow::Result<PathBuf> {
+    use hearth_worker::fetch::{Fetcher, Progress, Source};
+    let src = Source::parse(url, sha256)?;
+    let fetcher = Fetcher::new(&models.join("fetched"))?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok(runtime.block_on(fetcher.fetch(&src, &Progress::default()))?)
+}
+
+fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
+    let url = config
+        .model
+        .as_deref()
+        .and_then(|m| m.to_str())
+        .filter(|m| hearth_worker::fetch::is_url(m))
+        .map(str::to_string);
+    match url {
+        Some(url) => {
+            let models = config.models_dir.clone().unwrap_or_else(default_models_dir);
+            config.model = Some(fetch_model(&models, &url, config.model_sha256.as_deref())?);
+        }
+        None if config.model_sha256.is_some() => {
+            anyhow::bail!("--model-sha256: only with a --model URL (http:// or https://)")
+        }
+        None => {}
+    }
     let config = config.validate()?;
     tracing::info!("configuration: {config}");
     tracing::debug!(?config, "full configuration");

@@ -19,9 +19,15 @@ pub const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
 /// orchestrator's own settings, inherited by a worker it starts, never leak into the worker.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ServeConfig {
-    /// GGUF model file [default: <models dir>/gemma-3-270m-q4_k_m.gguf].
+    /// GGUF model file [default: <models dir>/gemma-3-270m-q4_k_m.gguf], or an http(s) URL,
+    /// fetched into `<models dir>/fetched/` before loading (resumed if cut; see
+    /// `--model-sha256`).
     #[arg(long, env = "HEARTH_MODEL")]
     pub model: Option<PathBuf>,
+    /// The sha256 (64 hex digits) a `--model` URL's file must have; a download that does not
+    /// match is removed and the worker does not start.
+    #[arg(long, env = "HEARTH_MODEL_SHA256")]
+    pub model_sha256: Option<String>,
     /// Optional tokenizer.json: checked against the model's vocabulary at start-up, and its
     /// special tokens reported by `Info`.
     #[arg(long, env = "HEARTH_TOKENIZER")]
