@@ -104,7 +104,7 @@ echo "$reply" | jq -e '.status == "complete" and (.content | length) > 0' >/dev/
 log "chat ok: $(echo "$reply" | jq -c '{status, finish_reason, worker, completion_tokens: .usage.completion_tokens}')"
 # And the OpenAI API, streamed.
 curl -sfN "${auth[@]}" "$base/v1/chat/completions" \
-  -d '{"model": "gemma-3-270m", "stream": true, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}' \
+  -d '{"model": "gemma-3-270m-q4_k_m", "stream": true, "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]}' \
   | grep -q '^data: \[DONE\]' || die "streamed OpenAI completion did not end with [DONE]"
 mark "chat through the entry point"
 

@@ -53,7 +53,7 @@ def loops(text: str) -> bool:
 
 
 def ask(url: str, key: str | None, prompt: str, setting: dict, tokens: int) -> str:
-    body = {"model": "default", "temperature": 0, "max_tokens": tokens,
+    body = {"temperature": 0, "max_tokens": tokens,
             "messages": [{"role": "user", "content": prompt}], **setting}
     req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})

@@ -273,7 +273,7 @@ async fn load(s: &Stack, round: usize) {
     for i in 0..3 {
         let r = Req::new("POST", "/v1/chat/completions")
             .key(Some(&key))
-            .json(&json!({"model": "m", "max_tokens": 6 + i, "messages": [{"role": "user", "content": "count to ten"}]}))
+            .json(&json!({"model": "tiny", "max_tokens": 6 + i, "messages": [{"role": "user", "content": "count to ten"}]}))
             .send(addr)
             .await;
         assert_eq!(r.status, 200, "{}", r.text());
@@ -283,7 +283,7 @@ async fn load(s: &Stack, round: usize) {
     for _ in 0..2 {
         let r = Req::new("POST", "/v1/chat/completions")
             .key(Some(&limited))
-            .json(&json!({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}))
+            .json(&json!({"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}))
             .send(addr)
             .await;
         statuses.push(r.status);
@@ -301,7 +301,7 @@ async fn load(s: &Stack, round: usize) {
     assert_eq!(Req::new("GET", "/v1/sessions").send(addr).await.status, 401);
     let bad = Req::new("POST", "/v1/chat/completions")
         .key(Some(&key))
-        .json(&json!({"model": "m", "n": 17, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}))
+        .json(&json!({"model": "tiny", "n": 17, "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}))
         .send(addr)
         .await;
     assert_eq!(bad.status, 422, "{}", bad.text());

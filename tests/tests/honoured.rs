@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 
 /// A 40-token completion of "Tell me everything", with `extra` fields; it must succeed.
 async fn ask(addr: SocketAddr, key: &str, extra: Value) -> Value {
-    let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "Tell me everything"}],
+    let mut body = json!({"messages": [{"role": "user", "content": "Tell me everything"}],
                           "max_tokens": 40, "ignore_eos": true});
     for (k, v) in extra.as_object().expect("object") {
         body[k] = v.clone();
@@ -122,10 +122,8 @@ async fn logit_bias_and_dry_reach_the_worker() {
     // A token outside the vocabulary is refused by name.
     let r = Req::new("POST", "/v1/chat/completions")
         .key(Some(&k))
-        .json(
-            &json!({"model": "m", "messages": [{"role": "user", "content": "Hi"}],
-                      "logit_bias": {"600": 1}}),
-        )
+        .json(&json!({"messages": [{"role": "user", "content": "Hi"}],
+                      "logit_bias": {"600": 1}}))
         .send(s.addr())
         .await;
     assert!(

@@ -25,7 +25,7 @@ fn keys(s: &Stack, args: &[&str]) -> Result<String, String> {
 
 /// A completion of exactly `max_tokens` tokens, whatever the answer.
 async fn ask(s: &Stack, key: &str, max_tokens: u32) -> Reply {
-    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                       "max_tokens": max_tokens, "ignore_eos": true});
     completion(s.addr(), key, &body).await
 }

@@ -74,7 +74,7 @@ async fn every_defined_and_documented_metric_is_exported() {
     let r = Req::new("POST", "/v1/chat/completions")
         .key(Some(&k))
         .json(
-            &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                       "max_tokens": 4}),
         )
         .send(s.addr())

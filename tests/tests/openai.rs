@@ -3,9 +3,11 @@
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    assert_cancelled_before, chat_completion, slow_spec, wait_idle, worker_in_flight,
+    assert_cancelled_before, chat_completion, history, slow_spec, wait_idle, worker_in_flight,
     worker_metric, Db, Stack,
 };
+use hearth_orchestrator::ids::SessionId;
+use hearth_orchestrator::storage::{SessionPatch, Store};
 
 use serde_json::{json, Value};
 
@@ -108,10 +110,10 @@ async fn completions_stream_and_not_with_usage() {
         assert!(msg.contains(field), "{extra}: {msg}");
     }
     for body in [
-        json!({"model": "m", "messages": []}),
-        json!({"model": "m"}),
-        json!({"model": "m", "messages": [{"role": "tool", "content": "x"}]}),
-        json!({"model": "m", "messages": [{"role": "assistant", "content": "x"}]}),
+        json!({"model": "tiny", "messages": []}),
+        json!({"model": "tiny"}),
+        json!({"model": "tiny", "messages": [{"role": "tool", "content": "x"}]}),
+        json!({"model": "tiny", "messages": [{"role": "assistant", "content": "x"}]}),
     ] {
         let r = Req::new("POST", "/v1/chat/completions")
             .key(Some(&k))
@@ -125,6 +127,97 @@ async fn completions_stream_and_not_with_usage() {
         .send(s.addr())
         .await;
     assert_eq!(r.status, 401);
+
+    // A model no worker serves is OpenAI's 404 `model_not_found`, on every route that names
+    // one, and a native session for it is not created; without `model`, the served one answers.
+    let not_found = |r: &hearth_e2e::http::Reply, what: &str| {
+        assert_eq!(r.status, 404, "{what}: {}", r.text());
+        let e = r.json()["error"].clone();
+        assert_eq!(e["code"], "model_not_found", "{what}: {e}");
+        assert_eq!(e["type"], "invalid_request_error", "{what}: {e}");
+        let m = e["message"].as_str().unwrap_or_default();
+        assert!(
+            m.contains("`gpt-4o`") && m.contains("`tiny`"),
+            "{what}: {m}"
+        );
+    };
+    let post = |path: &'static str, body: Value| {
+        let k = k.clone();
+        let addr = s.addr();
+        async move {
+            Req::new("POST", path)
+                .key(Some(&k))
+                .json(&body)
+                .send(addr)
+                .await
+        }
+    };
+    let mut other = chat("Hi", json!({"max_tokens": 2}));
+    other["model"] = json!("gpt-4o");
+    not_found(&post("/v1/chat/completions", other).await, "chat");
+    let legacy = json!({"model": "gpt-4o", "prompt": "Hi", "max_tokens": 2});
+    not_found(&post("/v1/completions", legacy).await, "completions");
+    let r = Req::new("GET", "/v1/models/gpt-4o")
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    not_found(&r, "retrieve");
+    let before = post("/v1/sessions", json!({})).await;
+    assert_eq!(before.status, 201);
+    not_found(
+        &post("/v1/sessions", json!({"model": "gpt-4o", "title": "x"})).await,
+        "session",
+    );
+    let listed = Req::new("GET", "/v1/sessions?q=x")
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(listed.json()["data"], json!([]), "no session was created");
+    let pinned = post("/v1/sessions", json!({"model": "tiny"})).await;
+    assert_eq!(pinned.status, 201, "{}", pinned.text());
+    assert_eq!(pinned.json()["model"], "tiny");
+    // A session made for a model that is no longer served: its turns are refused, storing
+    // nothing, until its model is cleared.
+    let sid = pinned.json()["id"].as_str().expect("id").to_string();
+    let user = s
+        .store
+        .user_by_name("alice")
+        .await
+        .expect("store")
+        .expect("alice");
+    let id = SessionId::parse(&sid).expect("id");
+    let gone = SessionPatch {
+        model: Some(Some("gemma-1".into())),
+        ..Default::default()
+    };
+    s.store
+        .update_session(&user.id, &id, gone)
+        .await
+        .expect("patch");
+    let path = format!("/v1/sessions/{sid}/messages");
+    let turn = Req::new("POST", &path)
+        .key(Some(&k))
+        .json(&json!({"content": "Hi", "stream": false, "max_tokens": 2}))
+        .send(s.addr())
+        .await;
+    assert_eq!(turn.status, 404, "{}", turn.text());
+    assert_eq!(turn.json()["error"]["code"], "model_not_found");
+    assert!(history(s.addr(), &k, &sid).await.is_empty());
+    let patch = Req::new("PATCH", &format!("/v1/sessions/{sid}"))
+        .key(Some(&k))
+        .json(&json!({"model": null}))
+        .send(s.addr())
+        .await;
+    assert_eq!(patch.status, 200, "{}", patch.text());
+    let turn = Req::new("POST", &path)
+        .key(Some(&k))
+        .json(&json!({"content": "Hi", "stream": false, "max_tokens": 2}))
+        .send(s.addr())
+        .await;
+    assert_eq!(turn.status, 200, "{}", turn.text());
+    let mut served = chat("Hi", json!({"max_tokens": 2}));
+    served.as_object_mut().expect("object").remove("model");
+    assert_eq!(post("/v1/chat/completions", served).await.status, 200);
     s.finish().await;
 }
 
@@ -361,7 +454,7 @@ async fn legacy_completions_take_text_or_token_ids_and_models_are_found_by_id() 
                 .await
         }
     };
-    let greedy = json!({"model": "m", "prompt": "Once upon a time", "max_tokens": 5,
+    let greedy = json!({"model": "tiny", "prompt": "Once upon a time", "max_tokens": 5,
                         "temperature": 0, "ignore_eos": true});
     let r = post(greedy.clone()).await;
     assert_eq!(r.status, 200, "{}", r.text());

@@ -30,7 +30,7 @@ async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
 
     // No key needed: the README's curl, streamed.
     let mut sse = Req::new("POST", "/v1/chat/completions")
-        .json(&json!({"model": "any", "stream": true, "max_tokens": 8,
+        .json(&json!({"stream": true, "max_tokens": 8,
                       "messages": [{"role": "user", "content": "Why is the sky blue?"}]}))
         .events(hearth.addr)
         .await;

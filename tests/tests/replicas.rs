@@ -65,7 +65,7 @@ async fn two_replicas_share_sessions_stops_and_limits() {
     let limited = s.limited_key("bob", 2).await;
     hearth_e2e::stack::clear_of_a_minute_boundary(std::time::Duration::from_secs(20)).await;
     let body =
-        json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+        json!({"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
     let mut statuses = Vec::new();
     for addr in [a, b_addr, a, b_addr] {
         let r = Req::new("POST", "/v1/chat/completions")

@@ -44,7 +44,7 @@ fn check_person(text: &str) {
 }
 
 fn chat(extra: Value) -> Value {
-    let mut body = json!({"model": "m", "max_tokens": 120, "temperature": 1.0, "seed": 11,
+    let mut body = json!({"model": "tiny", "max_tokens": 120, "temperature": 1.0, "seed": 11,
                           "messages": [{"role": "user", "content": "Who are you?"}]});
     for (k, v) in extra.as_object().expect("object") {
         body[k] = v.clone();
@@ -113,7 +113,7 @@ async fn replies_follow_the_requested_grammar_on_every_api() {
         s.addr(),
         &k,
         "/v1/completions",
-        &json!({"model": "m", "prompt": "Code:", "max_tokens": 20, "temperature": 1.0,
+        &json!({"model": "tiny", "prompt": "Code:", "max_tokens": 20, "temperature": 1.0,
                 "grammar": {"type": "regex", "pattern": "[0-9]{3}-[a-z]{2}"}}),
     )
     .await;

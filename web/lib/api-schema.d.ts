@@ -255,7 +255,10 @@ export interface components {
          *     accepted and ignored; those Hearth cannot honour are refused by name.
          */
         ChatRequest: {
-            /** @description Accepted for compatibility; the one served model answers whatever it names. */
+            /**
+             * @description The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
+             *     Absent: the served model.
+             */
             model?: string | null;
             messages: components["schemas"]["InMessage"][];
             stream?: boolean;
@@ -350,7 +353,10 @@ export interface components {
          *     accepted; those Hearth cannot honour are refused by name.
          */
         CompletionRequest: {
-            /** @description Accepted for compatibility; the one served model answers whatever it names. */
+            /**
+             * @description The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
+             *     Absent: the served model.
+             */
             model?: string | null;
             /** @description Text, token ids, or a list of one of them. */
             prompt: Record<string, never>;
@@ -424,6 +430,11 @@ export interface components {
              *     context.
              */
             max_tokens?: number | null;
+            /**
+             * @description The model the session's turns need: a served model's id, as `/v1/models` lists it (a
+             *     404 `model_not_found` otherwise). Absent: whichever model is served.
+             */
+            model?: string | null;
         };
         /** @description Every error's body (OpenAI's shape). */
         ErrorBody: {
@@ -802,6 +813,8 @@ export interface components {
              * @description Default reply length for the session's turns, if set.
              */
             max_tokens: number | null;
+            /** @description The model the session's turns need (`null`: whichever is served). */
+            model: string | null;
             /** Format: int64 */
             created_at: number;
             /** Format: int64 */
@@ -966,6 +979,8 @@ export interface components {
             params?: null | components["schemas"]["SamplingParams"];
             /** Format: u-int32 */
             max_tokens?: number | null;
+            /** @description A served model's id; `null`: whichever model is served. */
+            model?: string | null;
         };
         Usage: {
             /** Format: u-int64 */
@@ -1028,6 +1043,15 @@ export interface operations {
             };
             /** @description Without API keys: the request names another site (Host or Origin) */
             403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -1134,6 +1158,15 @@ export interface operations {
             };
             /** @description Without API keys: the request names another site (Host or Origin) */
             403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -1301,7 +1334,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description No model has this id */
+            /** @description No model has this id (`model_not_found`) */
             404: {
                 headers: {
                     [name: string]: unknown;
@@ -1462,6 +1495,15 @@ export interface operations {
             };
             /** @description Without API keys: the request names another site (Host or Origin) */
             403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            404: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -1729,7 +1771,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description No such session */
+            /** @description No such session, or `model` names a model this server does not serve (`model_not_found`) */
             404: {
                 headers: {
                     [name: string]: unknown;
@@ -1938,7 +1980,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description No such session */
+            /** @description No such session, or no worker serves the session's model (`model_not_found`) */
             404: {
                 headers: {
                     [name: string]: unknown;

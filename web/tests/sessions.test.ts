@@ -4,7 +4,7 @@ import { DEFAULT_DRY } from "../lib/settings";
 import type { Session } from "../lib/types";
 
 function s(id: string, title: string, updated_at: number): Session {
-  return { id, title, created_at: 0, updated_at, system_prompt: null, params: null, max_tokens: null };
+  return { id, title, created_at: 0, updated_at, system_prompt: null, params: null, max_tokens: null, model: null };
 }
 
 describe("titleFrom", () => {

@@ -13,6 +13,7 @@ function session(over: Partial<Session> = {}): Session {
     system_prompt: null,
     params: null,
     max_tokens: null,
+    model: null,
     ...over,
   };
 }

@@ -167,7 +167,7 @@ impl TurnBody {
             (super::openapi::ReplyEvent = "text/event-stream"),
             (TurnReply = "application/json"),
         )),
-        (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 404, description = "No such session, or no worker serves the session's model (`model_not_found`)", body = super::ErrorBody),
         (status = 409, description = "The session already has a reply running", body = super::ErrorBody),
         (status = 422, description = "A field is out of range, or the session is full", body = super::ErrorBody),
     ))]

@@ -25,9 +25,9 @@ const MAX_LEGACY_LOGPROBS: u32 = 5;
 /// accepted; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
-    /// Accepted for compatibility; the one served model answers whatever it names.
+    /// The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
+    /// Absent: the served model.
     #[serde(default)]
-    #[allow(dead_code)] // read by serde and documented; nothing routes on it
     model: Option<String>,
     /// Text, token ids, or a list of one of them.
     #[schema(value_type = Object)]
@@ -213,6 +213,7 @@ impl CompletionRequest {
             (TextCompletion = "application/json"),
             (super::openapi::CompletionEvent = "text/event-stream"),
         )),
+        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`)", body = super::ErrorBody),
         (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = super::ErrorBody),
     ))]
 pub async fn completions(
@@ -220,6 +221,7 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
+    s.chat.check_model(req.model.as_deref())?;
     let (turn, n) = req.turn()?;
     let echo = match (&req.prompt, req.echo) {
         (_, false) => None,

@@ -56,6 +56,9 @@ pub enum ApiError {
     /// Missing, or another user's (the two are indistinguishable on purpose).
     #[error("{0} not found")]
     NotFound(&'static str),
+    /// A model no worker serves (OpenAI's `model_not_found`).
+    #[error("{0}")]
+    ModelNotFound(String),
     #[error("method not allowed on this route")]
     MethodNotAllowed,
     #[error("{0}")]
@@ -82,7 +85,7 @@ impl ApiError {
             Self::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::Forbidden(_) => StatusCode::FORBIDDEN,
-            Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::NotFound(_) | Self::ModelNotFound(_) => StatusCode::NOT_FOUND,
             Self::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             Self::Conflict(_) => StatusCode::CONFLICT,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -103,6 +106,7 @@ impl ApiError {
             Self::Unauthorized => "authentication_error",
             Self::Forbidden(_) => "permission_error",
             Self::NotFound(_) => "not_found_error",
+            Self::ModelNotFound(_) => "invalid_request_error",
             Self::MethodNotAllowed => "invalid_request_error",
             Self::Conflict(_) => "conflict_error",
             Self::PayloadTooLarge => "request_too_large",
@@ -123,6 +127,7 @@ impl ApiError {
             Self::Unauthorized => "invalid_api_key",
             Self::Forbidden(_) => "forbidden",
             Self::NotFound(_) => "not_found",
+            Self::ModelNotFound(_) => "model_not_found",
             Self::MethodNotAllowed => "method_not_allowed",
             Self::Conflict(_) => "conflict",
             Self::PayloadTooLarge => "body_too_large",
@@ -240,6 +245,7 @@ impl From<ChatError> for ApiError {
         match e {
             ChatError::InvalidKey => Self::Unauthorized,
             ChatError::NotFound(what) => Self::NotFound(what),
+            ChatError::ModelNotFound { .. } => Self::ModelNotFound(e.to_string()),
             ChatError::Invalid(m) => Self::Validation(m),
             ChatError::InvalidGrammar(m) => Self::InvalidGrammar(m),
             ChatError::TooManySessions { .. } => Self::Unprocessable {

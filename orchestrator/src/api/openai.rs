@@ -21,7 +21,7 @@ use utoipa::ToSchema;
 use super::chat::sse;
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
-use crate::service::{Caller, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
+use crate::service::{Caller, ChatError, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
 use crate::tools::{
     assistant_text, call_names, tool_text, turn_grammar, InToolCall, Tool, ToolCall, ToolChoice,
     Tools,
@@ -31,9 +31,9 @@ use crate::tools::{
 /// accepted and ignored; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
-    /// Accepted for compatibility; the one served model answers whatever it names.
+    /// The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
+    /// Absent: the served model.
     #[serde(default)]
-    #[allow(dead_code)] // read by serde and documented; nothing routes on it
     model: Option<String>,
     #[schema(min_items = 1)]
     messages: Vec<InMessage>,
@@ -397,6 +397,7 @@ impl ChatRequest {
             (ChatCompletion = "application/json"),
             (super::openapi::CompletionEvent = "text/event-stream"),
         )),
+        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`)", body = super::ErrorBody),
         (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = super::ErrorBody),
     ))]
 pub async fn completions(
@@ -404,6 +405,7 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
+    s.chat.check_model(req.model.as_deref())?;
     let tools = req.tools()?.map(Arc::new);
     let turn = req.turn(tools.as_deref())?;
     let logprobs = req.logprobs == Some(true);
@@ -874,7 +876,7 @@ fn model_card(s: &AppState) -> ModelCard {
     params(("id" = String, Path, description = "The model's id, as `/v1/models` lists it")),
     responses(
         (status = 200, description = "The model", body = ModelCard),
-        (status = 404, description = "No model has this id", body = super::ErrorBody),
+        (status = 404, description = "No model has this id (`model_not_found`)", body = super::ErrorBody),
     ))]
 pub async fn model(
     State(s): State<AppState>,
@@ -882,9 +884,12 @@ pub async fn model(
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<ModelCard>, ApiError> {
     let card = model_card(&s);
-    if card.id == id {
-        Ok(Json(card))
-    } else {
-        Err(ApiError::NotFound("model"))
+    if card.id != id {
+        return Err(ChatError::ModelNotFound {
+            asked: id,
+            served: card.id,
+        }
+        .into());
     }
+    Ok(Json(card))
 }

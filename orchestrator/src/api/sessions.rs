@@ -51,6 +51,10 @@ pub(super) struct CreateSession {
     #[serde(default)]
     #[schema(minimum = 1)]
     max_tokens: Option<u32>,
+    /// The model the session's turns need: a served model's id, as `/v1/models` lists it (a
+    /// 404 `model_not_found` otherwise). Absent: whichever model is served.
+    #[serde(default)]
+    model: Option<String>,
 }
 
 /// Distinguishes an absent field (`None`) from an explicit `null` (`Some(None)`).
@@ -75,6 +79,9 @@ pub(super) struct UpdateSession {
     #[serde(default, deserialize_with = "present")]
     #[schema(minimum = 1)]
     max_tokens: Option<Option<u32>>,
+    /// A served model's id; `null`: whichever model is served.
+    #[serde(default, deserialize_with = "present")]
+    model: Option<Option<String>>,
 }
 
 #[derive(Debug, Deserialize, IntoParams)]
@@ -126,6 +133,7 @@ pub(super) struct MessageParams {
     request_body = CreateSession,
     responses(
         (status = 201, description = "The new session", body = Session),
+        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`)", body = super::ErrorBody),
         (status = 422, description = "A field is out of range, or the caller has the most sessions a user may keep", body = super::ErrorBody),
     ))]
 pub(super) async fn create(
@@ -138,7 +146,8 @@ pub(super) async fn create(
         body.system_prompt,
         body.params,
         body.max_tokens,
-    )?;
+    )?
+    .with_model(body.model)?;
     let session = s.chat.create_session(&user, new).await?;
     Ok(created(session))
 }
@@ -185,7 +194,7 @@ pub(super) async fn fetch(
     request_body = UpdateSession,
     responses(
         (status = 200, description = "The changed session", body = Session),
-        (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 404, description = "No such session, or `model` names a model this server does not serve (`model_not_found`)", body = super::ErrorBody),
         (status = 422, description = "A field is out of range", body = super::ErrorBody),
     ))]
 pub(super) async fn update(
@@ -199,7 +208,8 @@ pub(super) async fn update(
         body.system_prompt,
         body.params,
         body.max_tokens,
-    )?;
+    )?
+    .with_model(body.model)?;
     Ok(Json(s.chat.update_session(&user, &id, patch).await?))
 }
 

@@ -16,6 +16,12 @@ pub enum ChatError {
     /// purpose).
     #[error("{0} not found")]
     NotFound(&'static str),
+    /// The request names a model that no worker serves.
+    #[error(
+        "the model `{asked}` does not exist; this server serves `{served}` (GET /v1/models \
+         lists it)"
+    )]
+    ModelNotFound { asked: String, served: String },
     /// A value out of range or of the wrong kind; the message names the field.
     #[error("{0}")]
     Invalid(String),

@@ -201,13 +201,29 @@ impl ChatService {
             .unwrap_or_else(|| "hearth".to_string())
     }
 
-    /// The served model's context in tokens, once a worker has reported it.
+    /// Refuses a request that names a model no worker serves (`model`, when given). Before any
+    /// worker has reported its model, nothing is refused here: the request waits for a worker
+    /// as any other.
+    pub fn check_model(&self, model: Option<&str>) -> Result<(), ChatError> {
+        let served = self.generator.pool.info().map(|i| i.model_id);
+        match (model, served) {
+            (Some(asked), Some(served)) if !served.is_empty() && asked != served => {
+                Err(ChatError::ModelNotFound {
+                    asked: asked.to_string(),
+                    served,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The text of token ids (a legacy completion's echoed prompt); nothing for ids the
     /// tokenizer cannot read.
     pub fn decode(&self, ids: &[u32]) -> String {
         self.generator.tokenizer.decode(ids).unwrap_or_default()
     }
 
+    /// The served model's context in tokens, once a worker has reported it.
     pub fn context_length(&self) -> Option<usize> {
         self.generator.pool.context_length()
     }
@@ -221,6 +237,7 @@ impl ChatService {
         session: ValidSession,
     ) -> Result<Session, ChatError> {
         let mut new = session.new;
+        self.check_model(new.model.as_deref())?;
         new.max_tokens = session
             .max_tokens
             .map(|n| self.check_max_tokens(n).map(i64::from))
@@ -251,6 +268,9 @@ impl ChatService {
             Some(None) => Some(None),
             None => None,
         };
+        if let Some(Some(m)) = &patch.patch.model {
+            self.check_model(Some(m))?;
+        }
         let patch = SessionPatch {
             max_tokens,
             ..patch.patch
@@ -307,7 +327,7 @@ impl ChatService {
     /// Starts a native turn in one of the caller's sessions and returns its running reply.
     ///
     /// In order, so that a refused request costs nothing and changes nothing: the session
-    /// (404), the options against the served context (422), the session's place (409: one
+    /// (404), its model (404 when no worker serves it), the options against the served context (422), the session's place (409: one
     /// reply at a time), the history and its cap (422) and what the turn needs from it (409,
     /// 404, 422); then the caller's rate limit and token budget are charged, the prompt is fitted,
     /// a worker is taken (503) and only then the turn is stored and generation starts.
@@ -320,6 +340,7 @@ impl ChatService {
         let user_id = &caller.user.id;
         let (input, opts, arrived) = turn.into_parts();
         let session = self.store.get_session(user_id, session_id).await?;
+        self.check_model(session.model.as_deref())?;
         // The turn's own value, else the session's default (else the server's).
         let max_tokens = opts
             .max_tokens()

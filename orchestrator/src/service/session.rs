@@ -79,10 +79,30 @@ impl ValidSession {
                 system_prompt,
                 params: params.map(stored_params).transpose()?,
                 max_tokens: None,
+                model: None,
             },
             max_tokens,
         })
     }
+
+    /// The model the session's turns need (checked against the served one when stored).
+    pub fn with_model(mut self, model: Option<String>) -> Result<Self, ChatError> {
+        self.new.model = model.map(check_model_name).transpose()?;
+        Ok(self)
+    }
+}
+
+/// Longest model name a session may name.
+const MAX_MODEL_CHARS: usize = 256;
+
+fn check_model_name(m: String) -> Result<String, ChatError> {
+    if m.is_empty() || m.chars().count() > MAX_MODEL_CHARS {
+        return Err(ChatError::Invalid(format!(
+            "model: must be 1 to {MAX_MODEL_CHARS} characters"
+        )));
+    }
+    check_text("model", &m)?;
+    Ok(m)
 }
 
 /// Changes to a session, checked: `None` leaves a field as it is, `Some(None)` clears it.
@@ -110,9 +130,18 @@ impl ValidPatch {
                     .map(|p| p.map(stored_params).transpose())
                     .transpose()?,
                 max_tokens: None,
+                model: None,
             },
             max_tokens,
         })
+    }
+
+    /// Changes the model the session's turns need (`Some(None)`: whichever is served).
+    pub fn with_model(mut self, model: Option<Option<String>>) -> Result<Self, ChatError> {
+        self.patch.model = model
+            .map(|m| m.map(check_model_name).transpose())
+            .transpose()?;
+        Ok(self)
     }
 }
 

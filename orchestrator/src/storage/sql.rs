@@ -223,7 +223,7 @@ enum Rewrite<'a> {
 }
 
 const SESSION_COLUMNS: &str =
-    "id, title, system_prompt, params, max_tokens, created_at, updated_at";
+    "id, title, system_prompt, params, max_tokens, model, created_at, updated_at";
 const MESSAGE_COLUMNS: &str = "id, seq, role, content, status, finish_reason, prompt_tokens, \
      cached_tokens, completion_tokens, ttft_ms, duration_ms, worker, tool_calls, tool_call_id, \
      created_at, updated_at";
@@ -239,6 +239,7 @@ fn session_from(r: &AnyRow) -> StoreResult<Session> {
             .transpose()
             .map_err(|e| StoreError::Internal(format!("stored session params: {e}")))?,
         max_tokens: r.try_get("max_tokens").map_err(db_err)?,
+        model: r.try_get("model").map_err(db_err)?,
         created_at: r.try_get("created_at").map_err(db_err)?,
         updated_at: r.try_get("updated_at").map_err(db_err)?,
     })
@@ -549,12 +550,14 @@ impl Store for SqlStore {
             system_prompt: new.system_prompt,
             params: new.params,
             max_tokens: new.max_tokens,
+            model: new.model,
             created_at: now,
             updated_at: now,
         };
         sqlx::query(
             "INSERT INTO sessions (id, user_id, title, title_lower, system_prompt, params, \
-             max_tokens, created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
+             max_tokens, model, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $9)",
         )
         .bind(&s.id)
         .bind(user_id)
@@ -563,6 +566,7 @@ impl Store for SqlStore {
         .bind(&s.system_prompt)
         .bind(json_text(&s.params))
         .bind(s.max_tokens)
+        .bind(&s.model)
         .bind(now)
         .execute(&self.pool)
         .await
@@ -673,6 +677,14 @@ impl Store for SqlStore {
         if let Some(max_tokens) = patch.max_tokens {
             sqlx::query("UPDATE sessions SET max_tokens = $1 WHERE id = $2")
                 .bind(max_tokens)
+                .bind(session_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db_err)?;
+        }
+        if let Some(model) = &patch.model {
+            sqlx::query("UPDATE sessions SET model = $1 WHERE id = $2")
+                .bind(model.clone())
                 .bind(session_id)
                 .execute(&mut *tx)
                 .await

@@ -50,6 +50,9 @@ pub struct Session {
     /// Default reply length for the session's turns, if set.
     #[schema(required = true)]
     pub max_tokens: Option<i64>,
+    /// The model the session's turns need (`null`: whichever is served).
+    #[schema(required = true)]
+    pub model: Option<String>,
     pub created_at: i64,
     pub updated_at: i64,
 }
@@ -60,6 +63,7 @@ pub struct NewSession {
     pub system_prompt: Option<String>,
     pub params: Option<serde_json::Value>,
     pub max_tokens: Option<i64>,
+    pub model: Option<String>,
 }
 
 /// Fields to change; `None` leaves a field as it is.
@@ -71,6 +75,8 @@ pub struct SessionPatch {
     pub params: Option<Option<serde_json::Value>>,
     /// `Some(None)` clears the default reply length.
     pub max_tokens: Option<Option<i64>>,
+    /// `Some(None)`: the session follows whichever model is served.
+    pub model: Option<Option<String>>,
 }
 
 /// A page of sessions: newest first, optionally matching `q` in the title, strictly older than

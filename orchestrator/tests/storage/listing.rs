@@ -14,6 +14,7 @@ pub(crate) async fn sessions_suite(s: &SqlStore) {
                     system_prompt: (i == 0).then(|| "Be brief.".to_string()),
                     params: (i == 1).then(|| serde_json::json!({"temperature": 0.7})),
                     max_tokens: (i == 2).then_some(300),
+                    model: (i == 3).then(|| "tiny".to_string()),
                 },
             )
             .await
@@ -38,6 +39,8 @@ pub(crate) async fn sessions_suite(s: &SqlStore) {
     assert_eq!(listed, newest_first);
     assert_eq!(all[3].params, Some(serde_json::json!({"temperature": 0.7})));
     assert_eq!(all[4].system_prompt.as_deref(), Some("Be brief."));
+    assert_eq!(all[1].model.as_deref(), Some("tiny"));
+    assert_eq!(all[0].model, None);
 
     // Pages of two, by cursor.
     let mut paged = Vec::new();
@@ -101,6 +104,7 @@ pub(crate) async fn sessions_suite(s: &SqlStore) {
                 system_prompt: Some(None),
                 params: None,
                 max_tokens: Some(Some(64)),
+                model: Some(Some("gemma".into())),
             },
         )
         .await
@@ -108,6 +112,7 @@ pub(crate) async fn sessions_suite(s: &SqlStore) {
     assert_eq!(patched.title, "Renamed");
     assert_eq!(patched.system_prompt, None);
     assert_eq!(patched.max_tokens, Some(64));
+    assert_eq!(patched.model.as_deref(), Some("gemma"));
     assert_eq!(
         s.get_session(&u, &ids[0]).await.expect("get").max_tokens,
         Some(64)
@@ -153,6 +158,18 @@ pub(crate) async fn sessions_suite(s: &SqlStore) {
         .await
         .expect("clear max_tokens");
     assert_eq!(cleared.max_tokens, None);
+    let unpinned = s
+        .update_session(
+            &u,
+            &ids[3],
+            SessionPatch {
+                model: Some(None),
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("clear model");
+    assert_eq!(unpinned.model, None);
 
     // Soft delete: gone from every query, and deleting again is NotFound.
     s.delete_session(&u, &ids[1]).await.expect("delete");

@@ -101,7 +101,7 @@ impl BodyRoute {
             Self::Post => json!({"content": "Hello", "max_tokens": 4, "stream": false}),
             Self::Regenerate => json!({"max_tokens": 4, "stream": false}),
             Self::Completions => json!({
-                "model": "m", "max_tokens": 2,
+                "model": "tiny", "max_tokens": 2,
                 "messages": [{"role": "user", "content": "Hello"}]
             }),
         }

@@ -17,8 +17,7 @@ use super::check_history;
 
 /// A two-token completion, whatever the answer.
 async fn ask(addr: SocketAddr, key: &str) -> Reply {
-    let body =
-        json!({"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+    let body = json!({"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
     completion(addr, key, &body).await
 }
 

@@ -103,10 +103,8 @@ async fn a_reply_preempted_for_another_user_is_identical_to_the_uncut_one() {
     let newest = begin_story(&s, &alice, &params, 20).await;
     let r = Req::new("POST", "/v1/chat/completions")
         .key(Some(&bob))
-        .json(
-            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                      "max_tokens": 4, "ignore_eos": true}),
-        )
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 4, "ignore_eos": true}))
         .send(s.addr())
         .await;
     assert_eq!(r.status, 200, "bob was served: {}", r.text());

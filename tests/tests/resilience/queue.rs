@@ -19,7 +19,7 @@ async fn queued_client(addr: SocketAddr, key: &str) -> TcpStream {
 
 /// A streamed OpenAI completion of `max_tokens` tokens written on a raw connection, left open.
 async fn raw_completion(addr: SocketAddr, key: &str, max_tokens: u32) -> TcpStream {
-    let body = json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+    let body = json!({"messages": [{"role": "user", "content": "hi"}],
                       "max_tokens": max_tokens, "ignore_eos": true, "stream": true})
     .to_string();
     let head = format!(
@@ -75,10 +75,8 @@ async fn clients_that_leave_the_queue_give_their_places_back() {
     let queued = tokio::spawn(async move {
         Req::new("POST", "/v1/chat/completions")
             .key(Some(&key))
-            .json(
-                &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                          "max_tokens": 3}),
-            )
+            .json(&json!({"messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 3}))
             .send(addr)
             .await
     });
@@ -103,10 +101,8 @@ async fn ttft(addr: SocketAddr, key: &str) -> Duration {
     let started = Instant::now();
     let mut sse = Req::new("POST", "/v1/chat/completions")
         .key(Some(key))
-        .json(
-            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 1, "ignore_eos": true, "stream": true}),
-        )
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 1, "ignore_eos": true, "stream": true}))
         .events(addr)
         .await;
     assert_eq!(
@@ -216,26 +212,25 @@ async fn concurrent_replies_cannot_overspend_a_daily_token_budget() {
         )
         .await;
     let ask = || {
-        Req::new("POST", "/v1/chat/completions").key(Some(&k)).json(
-            &json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                          "max_tokens": 30, "ignore_eos": true}),
-        )
+        Req::new("POST", "/v1/chat/completions")
+            .key(Some(&k))
+            .json(&json!({"messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 30, "ignore_eos": true}))
     };
     let addr = s.addr();
-    let tasks: Vec<_> =
-        (0..10)
-            .map(|_| {
-                let k = k.clone();
-                tokio::spawn(async move {
-                    Req::new("POST", "/v1/chat/completions")
+    let tasks: Vec<_> = (0..10)
+        .map(|_| {
+            let k = k.clone();
+            tokio::spawn(async move {
+                Req::new("POST", "/v1/chat/completions")
                     .key(Some(&k))
-                    .json(&json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                    .json(&json!({"messages": [{"role": "user", "content": "hi"}],
                                   "max_tokens": 30, "ignore_eos": true}))
                     .send(addr)
                     .await
-                })
             })
-            .collect();
+        })
+        .collect();
     let mut replies = Vec::new();
     for t in tasks {
         replies.push(t.await.expect("task"));
