@@ -17,6 +17,7 @@
 //! - [`check`]: `hearth-worker check-greedy`, a device's greedy tokens against the CPU kernels.
 //! - [`gen_model`]: random-weight GGUF files shaped like real Gemma 3 models (`gen-model`).
 //! - [`fetch`]: model files from HTTP(S) into the models cache (resumed, verified).
+//! - [`repository`]: a directory of models and their versions, with optional manifests.
 
 pub mod bench;
 pub mod check;
@@ -30,6 +31,7 @@ pub mod kernels;
 pub mod kv;
 pub mod math;
 pub mod model;
+pub mod repository;
 pub mod sampling;
 pub mod server;
 pub mod telemetry;

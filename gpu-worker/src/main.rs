@@ -157,7 +157,38 @@ fn fetch_model(models: &Path, url: &str, sha256: Option<&str>) -> anyhow::Result
     Ok(runtime.block_on(fetcher.fetch(&src, &Progress::default()))?)
 }
 
+/// `--model` as the repository's `name[@version]` (its one model when absent): the weights,
+/// the tokenizer (unless `--tokenizer` names one) and the version for `Info`.
+fn resolve_in_repository(config: &mut ServeConfig, root: &Path) -> anyhow::Result<()> {
+    let repo = hearth_worker::repository::Repository::open(root)?;
+    let spec = match config.model.as_deref() {
+        Some(m) => m.to_string_lossy().into_owned(),
+        None => match repo.models()?.as_slice() {
+            [one] => one.clone(),
+            names => anyhow::bail!(
+                "--model: name a model of the repository {} ({})",
+                root.display(),
+                names.join(", ")
+            ),
+        },
+    };
+    if hearth_worker::fetch::is_url(&spec) {
+        anyhow::bail!("--model: a URL is not a model of --repository; name one, as name[@version]");
+    }
+    let entry = repo.resolve(&spec)?;
+    tracing::info!(model = %entry.name, version = %entry.version, weights = %entry.weights.display(), "model from the repository");
+    config.model = Some(entry.weights.clone());
+    if config.tokenizer.is_none() {
+        config.tokenizer = entry.tokenizer.clone();
+    }
+    config.entry = Some(entry);
+    Ok(())
+}
+
 fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
+    if let Some(root) = config.repository.clone() {
+        resolve_in_repository(&mut config, &root)?;
+    }
     let url = config
         .model
         .as_deref()

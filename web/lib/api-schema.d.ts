@@ -588,6 +588,10 @@ export interface components {
              * @description The model's context in tokens, once a worker has reported it.
              */
             max_model_len: number | null;
+            /** @description The served version, for a model from a repository (`id@version` pins it). */
+            version: string | null;
+            /** @description For people: the repository manifest's display name, else the id. */
+            display_name: string;
         };
         /** @description The served models. */
         ModelList: {

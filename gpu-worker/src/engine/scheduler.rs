@@ -224,7 +224,9 @@ impl Scheduler {
         let default_stop_ids = [eos_id, end_of_turn_id].into_iter().flatten().collect();
         let info = ModelInfo {
             architecture: c.architecture.clone(),
-            context_length: c.context_length,
+            context_length: config
+                .max_context
+                .map_or(c.context_length, |m| m.min(c.context_length)),
             vocab_size: c.vocab_size,
             bos_id,
             eos_id,

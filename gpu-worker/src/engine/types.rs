@@ -51,6 +51,9 @@ pub struct EngineConfig {
     /// The grammar engine over the model's vocabulary; `None`: requests with a grammar are
     /// refused.
     pub grammars: Option<Arc<Grammars>>,
+    /// Most tokens of context to serve, below the model's own (a repository manifest's
+    /// `context_length`); `None`: the model's.
+    pub max_context: Option<usize>,
 }
 
 /// What a step reports: the step, how long it took, and the engine's batch limit.
@@ -84,6 +87,7 @@ impl Default for EngineConfig {
             spec_max_batch: 2,
             on_step: None,
             grammars: None,
+            max_context: None,
         }
     }
 }

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::device::DeviceSpec;
 use crate::engine::{DiskConfig, EngineConfig};
 use crate::kv::KvDtype;
+use crate::repository::ModelVersion;
 use hearth_shared::worker_auth::WorkerToken;
 
 /// Default model and tokenizer file names inside the models directory (what
@@ -28,6 +29,13 @@ pub struct ServeConfig {
     /// match is removed and the worker does not start.
     #[arg(long, env = "HEARTH_MODEL_SHA256")]
     pub model_sha256: Option<String>,
+    /// A model repository (`<name>/<version>/` directories): `--model` then names a model in it,
+    /// `name` (its newest version) or `name@version` [default: its one model].
+    #[arg(long, env = "HEARTH_MODEL_REPOSITORY")]
+    pub repository: Option<PathBuf>,
+    /// The repository version `--model` named, once resolved.
+    #[arg(skip)]
+    pub entry: Option<ModelVersion>,
     /// Optional tokenizer.json: checked against the model's vocabulary at start-up, and its
     /// special tokens reported by `Info`.
     #[arg(long, env = "HEARTH_TOKENIZER")]
@@ -224,6 +232,8 @@ pub const DEFAULT_CPU_KV_BUDGET: usize = 2 << 30;
 #[derive(Debug, Clone)]
 pub struct ValidConfig {
     pub model: PathBuf,
+    /// The repository version the model is, when it came from one.
+    pub entry: Option<ModelVersion>,
     pub tokenizer: Option<PathBuf>,
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
@@ -419,10 +429,16 @@ impl ServeConfig {
             // Room for every waiting request plus the cancels and drops that accompany them.
             command_queue: self.max_waiting * 2 + 64,
             on_step: Some(crate::telemetry::record_step),
+            max_context: self
+                .entry
+                .as_ref()
+                .and_then(|e| e.manifest.context_length)
+                .map(|n| n as usize),
             ..EngineConfig::default()
         };
         Ok(ValidConfig {
             model,
+            entry: self.entry,
             tokenizer: self.tokenizer,
             listen: self.listen,
             metrics_listen: self.metrics_listen,

@@ -287,9 +287,23 @@ fn load(config: &ValidConfig, device: &device::Device) -> Result<LoadedModel, Se
     let path = &config.model;
     let model = load_weights(path, &config.run_on, device)?;
     let grammars = grammars(config, &model);
-    let mut loaded = Loaded {
-        model_id: model_id(path),
-        ..Loaded::default()
+    let mut loaded = match &config.entry {
+        Some(e) => Loaded {
+            model_id: e.name.clone(),
+            version: e.version.clone(),
+            display_name: e.manifest.display_name.clone().unwrap_or_default(),
+            default_params_json: e
+                .manifest
+                .params
+                .as_ref()
+                .map(|p| serde_json::Value::Object(p.clone()).to_string())
+                .unwrap_or_default(),
+            ..Loaded::default()
+        },
+        None => Loaded {
+            model_id: model_id(path),
+            ..Loaded::default()
+        },
     };
     if let Some(t) = &config.tokenizer {
         let tok = Tokenizer::from_file(t)?;

@@ -97,6 +97,9 @@ impl Worker for WorkerService {
             max_batch: m.max_batch as u32,
             max_waiting: m.max_waiting as u32,
             worker_version: env!("CARGO_PKG_VERSION").into(),
+            model_version: loaded.version.clone(),
+            display_name: loaded.display_name.clone(),
+            default_params_json: loaded.default_params_json.clone(),
         }))
     }
 

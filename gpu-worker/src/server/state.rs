@@ -23,6 +23,11 @@ pub enum Phase {
 #[derive(Clone, Debug, Default)]
 pub struct Loaded {
     pub model_id: String,
+    /// From a repository: the version, the display name and the default sampling parameters
+    /// (JSON); empty otherwise.
+    pub version: String,
+    pub display_name: String,
+    pub default_params_json: String,
     pub start_of_turn_id: Option<u32>,
     pub pad_id: Option<u32>,
 }

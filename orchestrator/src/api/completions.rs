@@ -16,7 +16,7 @@ use super::openai::{
 };
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::Outcome;
-use crate::service::{Caller, GenOptions, RawPrompt, ValidTurn, MAX_CHOICES};
+use crate::service::{Caller, GenOptions, ModelDefaults, RawPrompt, ValidTurn, MAX_CHOICES};
 
 /// Most alternatives the legacy `logprobs` asks for per token (OpenAI's limit).
 const MAX_LEGACY_LOGPROBS: u32 = 5;
@@ -165,23 +165,24 @@ impl CompletionRequest {
         Ok(n)
     }
 
-    fn params(&self) -> SamplingParams {
-        let d = SamplingParams::default();
+    /// The request's sampling fields over the model's defaults.
+    fn params(&self, defaults: &ModelDefaults) -> SamplingParams {
+        let d = defaults.params().clone();
         SamplingParams {
-            temperature: self.temperature.unwrap_or(1.0),
+            temperature: self.temperature.unwrap_or(defaults.openai_temperature()),
             top_k: self.top_k.unwrap_or(d.top_k),
             top_p: self.top_p.unwrap_or(d.top_p),
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
-            logit_bias: self.logit_bias.clone().unwrap_or_default(),
-            seed: self.seed,
+            logit_bias: self.logit_bias.clone().unwrap_or(d.logit_bias.clone()),
+            seed: self.seed.or(d.seed),
             ..d
         }
     }
 
-    fn turn(&self) -> Result<(ValidTurn<RawPrompt>, u32), ApiError> {
+    fn turn(&self, defaults: &ModelDefaults) -> Result<(ValidTurn<RawPrompt>, u32), ApiError> {
         let n = self.check_supported()?;
         let stop = match self.stop.as_ref() {
             None => Vec::new(),
@@ -189,7 +190,7 @@ impl CompletionRequest {
             Some(StopField::Many(v)) => v.clone(),
         };
         let options = GenOptions::new(
-            Some(self.params()),
+            Some(self.params(defaults)),
             "",
             self.max_tokens,
             stop,
@@ -222,7 +223,7 @@ pub async fn completions(
     ValidJson(req): ValidJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     s.chat.check_model(req.model.as_deref())?;
-    let (turn, n) = req.turn()?;
+    let (turn, n) = req.turn(&s.chat.model_defaults())?;
     let echo = match (&req.prompt, req.echo) {
         (_, false) => None,
         (PromptField::Text(t), true) => Some(t.clone()),

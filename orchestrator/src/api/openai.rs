@@ -21,7 +21,9 @@ use utoipa::ToSchema;
 use super::chat::sse;
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
-use crate::service::{Caller, ChatError, Conversation, GenOptions, ValidTurn, MAX_CHOICES};
+use crate::service::{
+    Caller, ChatError, Conversation, GenOptions, ModelDefaults, ValidTurn, MAX_CHOICES,
+};
 use crate::tools::{
     assistant_text, call_names, tool_text, turn_grammar, InToolCall, Tool, ToolCall, ToolChoice,
     Tools,
@@ -296,18 +298,19 @@ impl ChatRequest {
         Ok(())
     }
 
-    fn params(&self) -> SamplingParams {
-        let d = SamplingParams::default();
+    /// The request's sampling fields over the model's defaults.
+    fn params(&self, defaults: &ModelDefaults) -> SamplingParams {
+        let d = defaults.params().clone();
         SamplingParams {
-            // OpenAI's default temperature is 1.
-            temperature: self.temperature.unwrap_or(1.0),
+            // OpenAI's default temperature is 1 (unless the model's manifest sets one).
+            temperature: self.temperature.unwrap_or(defaults.openai_temperature()),
             top_k: self.top_k.unwrap_or(d.top_k),
             top_p: self.top_p.unwrap_or(d.top_p),
             min_p: self.min_p.unwrap_or(d.min_p),
             repetition_penalty: self.repetition_penalty.unwrap_or(d.repetition_penalty),
             presence_penalty: self.presence_penalty.unwrap_or(d.presence_penalty),
             frequency_penalty: self.frequency_penalty.unwrap_or(d.frequency_penalty),
-            logit_bias: self.logit_bias.clone().unwrap_or_default(),
+            logit_bias: self.logit_bias.clone().unwrap_or(d.logit_bias.clone()),
             dry_multiplier: self.dry_multiplier.unwrap_or(d.dry_multiplier),
             dry_base: self.dry_base.unwrap_or(d.dry_base),
             dry_allowed_length: self.dry_allowed_length.unwrap_or(d.dry_allowed_length),
@@ -316,7 +319,7 @@ impl ChatRequest {
                 .dry_sequence_breakers
                 .clone()
                 .unwrap_or(d.dry_sequence_breakers),
-            seed: self.seed,
+            seed: self.seed.or(d.seed),
         }
     }
 
@@ -358,7 +361,11 @@ impl ChatRequest {
     }
 
     /// The request as a validated turn: every field checked once, here.
-    fn turn(&self, tools: Option<&Tools>) -> Result<ValidTurn<Conversation>, ApiError> {
+    fn turn(
+        &self,
+        tools: Option<&Tools>,
+        defaults: &ModelDefaults,
+    ) -> Result<ValidTurn<Conversation>, ApiError> {
         self.check_supported()?;
         let stop = match self.stop.as_ref() {
             None => Vec::new(),
@@ -366,7 +373,7 @@ impl ChatRequest {
             Some(StopField::Many(v)) => v.clone(),
         };
         let options = GenOptions::new(
-            Some(self.params()),
+            Some(self.params(defaults)),
             "",
             self.max_completion_tokens.or(self.max_tokens),
             stop,
@@ -407,7 +414,7 @@ pub async fn completions(
 ) -> Result<Response, ApiError> {
     s.chat.check_model(req.model.as_deref())?;
     let tools = req.tools()?.map(Arc::new);
-    let turn = req.turn(tools.as_deref())?;
+    let turn = req.turn(tools.as_deref(), &s.chat.model_defaults())?;
     let logprobs = req.logprobs == Some(true);
     let lives = s.chat.complete(&caller, turn, req.n.unwrap_or(1)).await?;
     let head = Head {
@@ -849,6 +856,11 @@ pub struct ModelCard {
     /// The model's context in tokens, once a worker has reported it.
     #[schema(required = true)]
     pub max_model_len: Option<u64>,
+    /// The served version, for a model from a repository (`id@version` pins it).
+    #[schema(required = true)]
+    pub version: Option<String>,
+    /// For people: the repository manifest's display name, else the id.
+    pub display_name: String,
 }
 
 /// The served model (the one every worker runs).
@@ -862,12 +874,16 @@ pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelLis
 }
 
 fn model_card(s: &AppState) -> ModelCard {
+    let (version, display) = s.chat.model_labels();
+    let id = s.chat.model_name();
     ModelCard {
-        id: s.chat.model_name(),
+        display_name: display.unwrap_or_else(|| id.clone()),
+        id,
         object: "model".into(),
         created: 0,
         owned_by: "hearth".into(),
         max_model_len: s.chat.context_length().map(|n| n as u64),
+        version,
     }
 }
 
@@ -883,8 +899,16 @@ pub async fn model(
     _caller: Caller,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<ModelCard>, ApiError> {
+    // The id, or `id@version`.
     let card = model_card(&s);
-    if card.id != id {
+    let named = id == card.id
+        || Some(id.as_str())
+            == card
+                .version
+                .as_ref()
+                .map(|v| format!("{}@{v}", card.id))
+                .as_deref();
+    if !named {
         return Err(ChatError::ModelNotFound {
             asked: id,
             served: card.id,

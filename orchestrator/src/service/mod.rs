@@ -201,20 +201,50 @@ impl ChatService {
             .unwrap_or_else(|| "hearth".to_string())
     }
 
-    /// Refuses a request that names a model no worker serves (`model`, when given). Before any
-    /// worker has reported its model, nothing is refused here: the request waits for a worker
-    /// as any other.
+    /// Refuses a request that names a model no worker serves (`model`, when given): the
+    /// served model's name, or `name@version` with its version. Before any worker has reported
+    /// its model, nothing is refused here: the request waits for a worker as any other.
     pub fn check_model(&self, model: Option<&str>) -> Result<(), ChatError> {
-        let served = self.generator.pool.info().map(|i| i.model_id);
-        match (model, served) {
-            (Some(asked), Some(served)) if !served.is_empty() && asked != served => {
-                Err(ChatError::ModelNotFound {
-                    asked: asked.to_string(),
-                    served,
-                })
-            }
-            _ => Ok(()),
+        let (Some(asked), Some(info)) = (model, self.generator.pool.info()) else {
+            return Ok(());
+        };
+        if info.model_id.is_empty() {
+            return Ok(());
         }
+        let found = match asked.split_once('@') {
+            Some((name, version)) => name == info.model_id && version == info.model_version,
+            None => asked == info.model_id,
+        };
+        if found {
+            return Ok(());
+        }
+        Err(ChatError::ModelNotFound {
+            asked: asked.to_string(),
+            served: match info.model_version.as_str() {
+                "" => info.model_id,
+                v => format!("{}@{v}", info.model_id),
+            },
+        })
+    }
+
+    /// The served model's version and display name, when it came from a repository.
+    pub fn model_labels(&self) -> (Option<String>, Option<String>) {
+        let Some(info) = self.generator.pool.info() else {
+            return (None, None);
+        };
+        let some = |s: String| Some(s).filter(|s| !s.is_empty());
+        (some(info.model_version), some(info.display_name))
+    }
+
+    /// The served model's default sampling parameters (a repository manifest's `params`).
+    pub fn model_defaults(&self) -> ModelDefaults {
+        let json = self
+            .generator
+            .pool
+            .info()
+            .map(|i| i.default_params_json)
+            .unwrap_or_default();
+        ModelDefaults::from_json(&json)
     }
 
     /// The text of token ids (a legacy completion's echoed prompt); nothing for ids the
@@ -360,7 +390,7 @@ impl ChatService {
                 .params
                 .clone()
                 .and_then(|stored| serde_json::from_value(stored).ok())
-                .unwrap_or_default(),
+                .unwrap_or_else(|| self.model_defaults().params().clone()),
         };
         let dry_breakers = self.dry_breakers(&params).await?;
         let lease = self
@@ -774,6 +804,45 @@ impl ChatService {
             None => 0,
         };
         Ok((prompt.tokens, want.min(room), shared))
+    }
+}
+
+/// What a request that leaves a sampling field out gets for it: the served model's defaults
+/// (its manifest's `params`), else the built-in ones.
+#[derive(Debug, Clone, Default)]
+pub struct ModelDefaults {
+    params: SamplingParams,
+    /// The manifest's temperature, when it sets one.
+    temperature: Option<f32>,
+}
+
+impl ModelDefaults {
+    /// From a worker's `default_params_json` (empty, or not a valid object: the built-in
+    /// defaults; the worker checked it already).
+    pub fn from_json(json: &str) -> Self {
+        let Ok(serde_json::Value::Object(fields)) = serde_json::from_str(json) else {
+            return Self::default();
+        };
+        let temperature = fields
+            .get("temperature")
+            .and_then(serde_json::Value::as_f64)
+            .map(|t| t as f32);
+        match serde_json::from_value(serde_json::Value::Object(fields)) {
+            Ok(params) => Self {
+                params,
+                temperature,
+            },
+            Err(_) => Self::default(),
+        }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// The temperature of an OpenAI request that sets none: the model's, else OpenAI's 1.
+    pub fn openai_temperature(&self) -> f32 {
+        self.temperature.unwrap_or(1.0)
     }
 }
 

@@ -15,6 +15,7 @@ mod process;
 mod stream;
 
 use std::net::SocketAddr;
+use std::path::Path;
 
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
 use hearth_orchestrator::storage::SqlStore;
@@ -116,6 +117,28 @@ impl Stack {
             store,
             db_url,
             pg,
+        }
+    }
+
+    /// One worker serving `spec` (`name` or `name@version`) from the model repository `root`,
+    /// and `hearth` with `extra` flags, on SQLite.
+    pub async fn from_repository(tag: &str, root: &Path, spec: &str, extra: &[&str]) -> Self {
+        let assets = assets_with(tag, &TinySpec::default());
+        let db_url = assets.sqlite_url();
+        let root = path(root);
+        let mut flags = WORKER_FLAGS.to_vec();
+        flags.extend(["--repository", root.as_str()]);
+        let workers = vec![worker_with(Path::new(spec), &flags)];
+        let hearth = Hearth::spawn(&Self::args(&assets, &db_url, &workers, extra));
+        hearth.wait_ready().await;
+        let store = SqlStore::connect(&db_url).await.expect("store");
+        Self {
+            assets,
+            workers,
+            hearth,
+            store,
+            db_url,
+            pg: None,
         }
     }
 
