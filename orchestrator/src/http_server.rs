@@ -114,23 +114,7 @@ pub async fn serve(
         let mut stop = shutdown.clone();
         let open = open_rx.clone();
         tokio::spawn(async move {
-            let conn = builder.serve_connection(TokioIo::new(stream), service);
-            tokio::pin!(conn);
-            let mut stopping = false;
-            loop {
-                tokio::select! {
-                    r = conn.as_mut() => {
-                        if let Err(e) = r {
-                            tracing::debug!(error = %e, "connection ended with an error");
-                        }
-                        break;
-                    }
-                    _ = stop.wait_for(|s| *s), if !stopping => {
-                        stopping = true;
-                        conn.as_mut().graceful_shutdown();
-                    }
-                }
-            }
+            connection(&builder, stream, service, &mut stop).await;
             drop(open);
             drop(permit);
         });
@@ -145,5 +129,40 @@ pub async fn serve(
             open = open_tx.receiver_count(),
             "connections still open at the shutdown deadline; closing them"
         );
+    }
+}
+
+/// Serves one connection until it ends, shutting it down gracefully once `stop` is set. An
+/// upgrade (WebSocket) hands the connection to its own task (see `api::ws`).
+async fn connection<S>(
+    builder: &http1::Builder,
+    stream: tokio::net::TcpStream,
+    service: S,
+    stop: &mut watch::Receiver<bool>,
+) where
+    S: hyper::service::HttpService<hyper::body::Incoming> + Send,
+    S::Future: Send + 'static,
+    S::ResBody: Send + 'static,
+    <S::ResBody as hyper::body::Body>::Data: Send,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let conn = builder
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
+    tokio::pin!(conn);
+    let mut stopping = false;
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                break;
+            }
+            _ = stop.wait_for(|s| *s), if !stopping => {
+                stopping = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
     }
 }

@@ -74,6 +74,9 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
         body_bytes: Arc::new(tokio::sync::Semaphore::new(
             hearth_orchestrator::api::MAX_BODY_BYTES_IN_FLIGHT,
         )),
+        sockets: Arc::new(tokio::sync::Semaphore::new(
+            hearth_orchestrator::api::ws::MAX_SOCKETS,
+        )),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -113,7 +113,7 @@ impl TurnBody {
     }
 
     /// What a new message posts: its text, or the results of the last reply's calls.
-    fn posted(&self) -> Result<NativeTurn, ApiError> {
+    pub(super) fn posted(&self) -> Result<NativeTurn, ApiError> {
         match (self.content.as_deref(), self.tool_results.as_deref()) {
             (Some(_), Some(_)) => Err(ApiError::Validation(
                 "content: not accepted with `tool_results`; post one or the other".into(),
@@ -140,7 +140,7 @@ impl TurnBody {
     }
 
     /// Refuses `tool_results` where the turn cannot take them (regenerate, edit).
-    fn no_results(&self, why: &str) -> Result<(), ApiError> {
+    pub(super) fn no_results(&self, why: &str) -> Result<(), ApiError> {
         match self.tool_results {
             Some(_) => Err(ApiError::Validation(format!("tool_results: {why}"))),
             None => Ok(()),
@@ -148,7 +148,7 @@ impl TurnBody {
     }
 
     /// The body as a validated turn answering `input`.
-    fn turn(&self, input: NativeTurn) -> Result<ValidTurn<NativeTurn>, ApiError> {
+    pub(super) fn turn(&self, input: NativeTurn) -> Result<ValidTurn<NativeTurn>, ApiError> {
         Ok(ValidTurn::new(
             input,
             self.options()?,
@@ -327,26 +327,42 @@ fn native_events(
     };
     live.subscribe(from).map(move |(n, e)| {
         let _keep = &guard;
-        let event = Event::default().id(format!("{}:{}", ids.message_id, n + 1));
-        Ok(match e {
-            RunEvent::Begin => event.event("message_start").data(event_data(&ids)),
-            RunEvent::Text(text) => event.event("token").data(event_data(&TokenText { text })),
-            RunEvent::Logprobs(content) => event
-                .event("logprobs")
-                .data(event_data(&LogprobsEvent { content })),
-            RunEvent::End(o) => match o.end.error() {
-                Some(e) => event.event("error").data(event_data(&ReplyFailed {
-                    error_type: e.kind().to_string(),
-                    message: e.to_string(),
-                    message_id: ids.message_id.clone(),
-                    content: o.content.clone(),
-                })),
-                None => event
-                    .event("message_end")
-                    .data(event_data(&ReplyEnd::new(&ids, &o))),
-            },
-        })
+        let e = NativeEvent::new(&ids, n, e);
+        Ok(Event::default().id(e.id).event(e.name).data(e.data))
     })
+}
+
+/// One event of a native reply's stream, as SSE and the WebSocket send it: its id
+/// (`<message id>:<n>`, what `Last-Event-ID` and `resume` take), its name and its JSON data.
+pub(super) struct NativeEvent {
+    pub(super) id: String,
+    pub(super) name: &'static str,
+    pub(super) data: String,
+}
+
+impl NativeEvent {
+    /// The `n`-th (from 0) event of the reply `ids` names.
+    pub(super) fn new(ids: &TurnIds, n: usize, e: RunEvent) -> Self {
+        let id = format!("{}:{}", ids.message_id, n + 1);
+        let (name, data) = match e {
+            RunEvent::Begin => ("message_start", event_data(ids)),
+            RunEvent::Text(text) => ("token", event_data(&TokenText { text })),
+            RunEvent::Logprobs(content) => ("logprobs", event_data(&LogprobsEvent { content })),
+            RunEvent::End(o) => match o.end.error() {
+                Some(e) => (
+                    "error",
+                    event_data(&ReplyFailed {
+                        error_type: e.kind().to_string(),
+                        message: e.to_string(),
+                        message_id: ids.message_id.clone(),
+                        content: o.content.clone(),
+                    }),
+                ),
+                None => ("message_end", event_data(&ReplyEnd::new(ids, &o))),
+            },
+        };
+        Self { id, name, data }
+    }
 }
 
 /// How a reply ended: the SSE `message_end` event's data.
@@ -466,14 +482,18 @@ pub async fn resume(
         .ids
         .clone()
         .ok_or_else(|| ApiError::Internal("a session's reply without its stored turn".into()))?;
-    let from = headers
-        .get("last-event-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.rsplit_once(':'))
+    let last = headers.get("last-event-id").and_then(|v| v.to_str().ok());
+    let from = resume_from(&ids, last);
+    Ok(sse(native_events(live, ids, from, false)))
+}
+
+/// Where a resumed stream of the reply `ids` names starts: after `last` (`<message id>:<n>`)
+/// when it is one of its events, else from its start.
+pub(super) fn resume_from(ids: &TurnIds, last: Option<&str>) -> usize {
+    last.and_then(|v| v.rsplit_once(':'))
         .filter(|(msg, _)| *msg == ids.message_id.as_str())
         .and_then(|(_, n)| n.parse::<usize>().ok())
-        .unwrap_or(0);
-    Ok(sse(native_events(live, ids, from, false)))
+        .unwrap_or(0)
 }
 
 /// What a stop did.
@@ -487,10 +507,18 @@ pub struct StopResult {
 }
 
 impl StopResult {
-    const NOTHING: Self = Self {
-        stopped: false,
-        message: None,
-    };
+    pub(super) fn of(o: StopOutcome) -> Self {
+        match o {
+            StopOutcome::NothingRunning => Self {
+                stopped: false,
+                message: None,
+            },
+            StopOutcome::Ended(m) => Self {
+                stopped: m.status == MessageStatus::Stopped,
+                message: Some(*m),
+            },
+        }
+    }
 }
 
 /// `POST /v1/sessions/{id}/stop`: cancels the running reply (on the worker within one engine
@@ -506,11 +534,5 @@ pub async fn stop(
     caller: Caller,
     id: SessionId,
 ) -> Result<Json<StopResult>, ApiError> {
-    Ok(Json(match s.chat.stop(&caller, &id).await? {
-        StopOutcome::NothingRunning => StopResult::NOTHING,
-        StopOutcome::Ended(m) => StopResult {
-            stopped: m.status == MessageStatus::Stopped,
-            message: Some(*m),
-        },
-    }))
+    Ok(Json(StopResult::of(s.chat.stop(&caller, &id).await?)))
 }

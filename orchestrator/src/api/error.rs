@@ -117,7 +117,7 @@ impl ApiError {
         }
     }
 
-    fn code(&self) -> &'static str {
+    pub fn code(&self) -> &'static str {
         match self {
             Self::Validation(_) => "invalid_value",
             Self::Unprocessable { kind, .. } => kind,

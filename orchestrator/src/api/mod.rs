@@ -15,6 +15,7 @@ mod openai;
 mod openapi;
 mod sessions;
 mod web;
+pub mod ws;
 
 pub use crate::ids::{MessageId, SessionId};
 pub use error::{ApiError, ErrorBody};
@@ -54,6 +55,8 @@ pub struct AppState {
     pub metrics: Option<PrometheusHandle>,
     /// Permits for [`MAX_BODY_BYTES_IN_FLIGHT`], one a byte.
     pub body_bytes: Arc<tokio::sync::Semaphore>,
+    /// Places for open WebSockets ([`ws::MAX_SOCKETS`]).
+    pub sockets: Arc<tokio::sync::Semaphore>,
 }
 
 /// Settings of the HTTP layer.

@@ -31,6 +31,7 @@ use super::chat::{ReplyFailed, TokenText};
         super::chat::edit,
         super::chat::stop,
         super::chat::resume,
+        super::ws::socket,
         super::openai::completions,
         super::completions::completions,
         super::openai::models,

@@ -32,6 +32,7 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/v1/sessions/{id}/stop", post(super::chat::stop))
         .route("/v1/sessions/{id}/stream", get(super::chat::resume))
+        .route("/v1/sessions/{id}/ws", get(super::ws::socket))
 }
 
 /// A new session; every field is optional.

@@ -1,0 +1,355 @@
+//! `GET /v1/sessions/{id}/ws`: a session over one WebSocket. The client sends commands as JSON
+//! text messages and receives the reply's events as the SSE stream has them, in JSON, with
+//! their ids:
+//!
+//! - `{"type": "message", "content": …, …}`: a new turn (the fields of `POST …/messages`, or
+//!   its `tool_results`);
+//! - `{"type": "regenerate", …}` and `{"type": "edit", "message_id": …, "content": …, …}`;
+//! - `{"type": "stop"}`: answered by `{"event": "stopped", "data": <the stop result>}`;
+//! - `{"type": "resume", "last_event_id": "<message id>:<n>"}`: the running (or just finished)
+//!   reply's events after that one (all of them without it).
+//!
+//! Each event of a reply is `{"id": "<message id>:<n>", "event": "message_start" | "token" |
+//! "logprobs" | "message_end" | "error", "data": {…}}`. A command that is refused gets
+//! `{"event": "refused", "status": <HTTP status>, "error": {"message", "type", "code"}}`, the
+//! answer its HTTP route would give, and the socket stays open.
+//!
+//! Authentication is the API's: the key as a bearer header, or (browsers cannot set headers on
+//! a WebSocket) as a subprotocol `hearth.key.<key>` beside `hearth.v1`, which the server
+//! selects. The `Host` and `Origin` checks of the rest of the API apply. Messages are at most
+//! [`MAX_MESSAGE_BYTES`]; the server pings every [`PING_EVERY`], and closes a socket it has heard
+//! nothing from (not even a pong) for [`IDLE_AFTER`]. At most [`MAX_SOCKETS`] are open at once.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::{header, HeaderMap};
+use axum::response::Response;
+use serde_json::{json, Map, Value};
+use tokio::time::Instant;
+use tokio_stream::{Stream, StreamExt};
+
+use super::chat::{resume_from, NativeEvent, StopResult, TurnBody};
+use super::{ApiError, AppState, AuthMode};
+use crate::generate::{Live, RunEvent, TurnIds};
+use crate::ids::{MessageId, SessionId};
+use crate::service::{Caller, NativeTurn, UserText};
+
+/// Largest message a client may send (a turn's body, as over HTTP).
+pub const MAX_MESSAGE_BYTES: usize = super::MAX_BODY_BYTES;
+/// How often the server pings.
+pub const PING_EVERY: Duration = Duration::from_secs(20);
+/// A socket silent this long is closed.
+pub const IDLE_AFTER: Duration = Duration::from_secs(60);
+/// Most WebSockets open at once (an upgraded socket leaves the HTTP connection cap).
+pub const MAX_SOCKETS: usize = 1024;
+
+/// The subprotocol the server speaks.
+const PROTOCOL: &str = "hearth.v1";
+/// The prefix of the subprotocol that carries the key.
+const KEY_PROTOCOL: &str = "hearth.key.";
+
+/// Opens a session's WebSocket (see the module's documentation for what flows over it).
+#[utoipa::path(get, path = "/v1/sessions/{id}/ws", operation_id = "sessionSocket", tag = "generation", params(super::SessionPath),
+    responses(
+        (status = 101, description = "Switched to the WebSocket (subprotocol `hearth.v1`)"),
+        (status = 400, description = "Not a WebSocket upgrade", body = super::ErrorBody),
+        (status = 401, description = "Missing or invalid API key", body = super::ErrorBody),
+        (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 503, description = "Too many WebSockets are open", body = super::ErrorBody),
+    ))]
+pub async fn socket(
+    State(s): State<AppState>,
+    id: SessionId,
+    headers: HeaderMap,
+    upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
+) -> Result<Response, ApiError> {
+    let caller = socket_caller(&s, &headers).await?;
+    s.chat.session(&caller.user, &id).await?;
+    let upgrade = upgrade.map_err(|e| ApiError::BadRequest(e.body_text()))?;
+    let Ok(place) = s.sockets.clone().try_acquire_owned() else {
+        return Err(ApiError::Unavailable(
+            "too many WebSockets are open; try again shortly".into(),
+        ));
+    };
+    Ok(upgrade
+        .protocols([PROTOCOL])
+        .max_message_size(MAX_MESSAGE_BYTES)
+        .max_frame_size(MAX_MESSAGE_BYTES)
+        .on_upgrade(move |ws| async move {
+            Session::new(s, caller, id).run(ws).await;
+            drop(place);
+        }))
+}
+
+/// The caller: the API's own rules, with the key taken from a `hearth.key.<key>` subprotocol
+/// when there is no `Authorization` header.
+async fn socket_caller(s: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_string)
+        .or_else(|| {
+            headers
+                .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .find_map(|p| p.trim().strip_prefix(KEY_PROTOCOL).map(str::to_string))
+        });
+    match &s.auth {
+        AuthMode::Disabled(user) => Ok(s.chat.local_caller(user)),
+        AuthMode::Keys => {
+            let token = token.ok_or(ApiError::Unauthorized)?;
+            Ok(s.chat.key_caller(token.trim()).await?)
+        }
+    }
+}
+
+type Events = Pin<Box<dyn Stream<Item = (usize, RunEvent)> + Send>>;
+
+/// One open socket: its session, and the reply whose events it forwards.
+struct Session {
+    s: AppState,
+    caller: Caller,
+    id: SessionId,
+    following: Option<(Arc<Live>, TurnIds, Events)>,
+}
+
+/// What the socket's loop does next: send these messages, or close.
+enum Step {
+    Send(Vec<Message>),
+    Close(Option<CloseFrame>),
+}
+
+fn close(code: u16, reason: &str) -> CloseFrame {
+    CloseFrame {
+        code,
+        reason: reason.into(),
+    }
+}
+
+fn text(v: Value) -> Message {
+    Message::Text(v.to_string().into())
+}
+
+/// A refused command's answer: what its HTTP route would have said.
+fn refused(e: &ApiError) -> Message {
+    text(json!({
+        "event": "refused",
+        "status": e.status().as_u16(),
+        "error": {"message": e.to_string(), "type": e.error_type(), "code": e.code()},
+    }))
+}
+
+/// The next event of the reply being followed; never, when none is.
+async fn next_event(
+    following: &mut Option<(Arc<Live>, TurnIds, Events)>,
+) -> Option<(usize, RunEvent)> {
+    match following {
+        Some((_, _, events)) => events.next().await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Session {
+    fn new(s: AppState, caller: Caller, id: SessionId) -> Self {
+        Self {
+            s,
+            caller,
+            id,
+            following: None,
+        }
+    }
+
+    async fn run(mut self, mut ws: WebSocket) {
+        let mut ping = tokio::time::interval_at(Instant::now() + PING_EVERY, PING_EVERY);
+        let mut heard = Instant::now();
+        'socket: loop {
+            let step = tokio::select! {
+                m = ws.recv() => match m {
+                    Some(Ok(m)) => {
+                        heard = Instant::now();
+                        self.received(m).await
+                    }
+                    Some(Err(_)) | None => break 'socket,
+                },
+                e = next_event(&mut self.following) => self.forward(e),
+                _ = ping.tick() => match heard.elapsed() >= IDLE_AFTER {
+                    true => Step::Close(Some(close(1001, "idle"))),
+                    false => Step::Send(vec![Message::Ping(Vec::new().into())]),
+                },
+            };
+            match step {
+                Step::Send(messages) => {
+                    for m in messages {
+                        if ws.send(m).await.is_err() {
+                            break 'socket;
+                        }
+                    }
+                }
+                Step::Close(frame) => {
+                    let _ = ws.send(Message::Close(frame)).await;
+                    break 'socket;
+                }
+            }
+        }
+        if let Some((live, _, _)) = &self.following {
+            if self.s.options.cancel_on_disconnect && !live.is_finished() {
+                live.stop();
+            }
+        }
+    }
+
+    /// A reply's event as the socket sends it; the reply is no longer followed after its end.
+    fn forward(&mut self, e: Option<(usize, RunEvent)>) -> Step {
+        let (Some((n, e)), Some((_, ids, _))) = (e, &self.following) else {
+            self.following = None;
+            return Step::Send(Vec::new());
+        };
+        let last = matches!(e, RunEvent::End(_));
+        let e = NativeEvent::new(ids, n, e);
+        let data: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        let m = text(json!({"id": e.id, "event": e.name, "data": data}));
+        if last {
+            self.following = None;
+        }
+        Step::Send(vec![m])
+    }
+
+    async fn received(&mut self, m: Message) -> Step {
+        match m {
+            Message::Text(t) => match self.command(t.as_str()).await {
+                Ok(out) => Step::Send(out),
+                Err(e) => Step::Send(vec![refused(&e)]),
+            },
+            Message::Binary(_) => Step::Send(vec![refused(&ApiError::BadRequest(
+                "commands are JSON text messages".into(),
+            ))]),
+            Message::Close(_) => Step::Close(None),
+            Message::Ping(_) | Message::Pong(_) => Step::Send(Vec::new()),
+        }
+    }
+
+    /// Runs one command; what to send back (a reply's events follow as they come).
+    async fn command(&mut self, message: &str) -> Result<Vec<Message>, ApiError> {
+        let mut fields = match serde_json::from_str(message) {
+            Ok(Value::Object(m)) => m,
+            Ok(_) => return Err(ApiError::BadRequest("a command is a JSON object".into())),
+            Err(e) => return Err(ApiError::BadRequest(format!("not JSON: {e}"))),
+        };
+        let kind = match fields.remove("type") {
+            Some(Value::String(t)) => t,
+            _ => {
+                return Err(ApiError::Validation(
+                    "type: required: message, regenerate, edit, stop or resume".into(),
+                ))
+            }
+        };
+        match kind.as_str() {
+            "message" => {
+                let body = turn_body(fields)?;
+                self.start(body.turn(body.posted()?)?).await
+            }
+            "regenerate" => {
+                let body = turn_body(fields)?;
+                if body.content.is_some() {
+                    return Err(ApiError::Validation(
+                        "content: not accepted here; regenerate answers the last user message again"
+                            .into(),
+                    ));
+                }
+                body.no_results("not accepted here; send them with a message")?;
+                self.start(body.turn(NativeTurn::Regenerate)?).await
+            }
+            "edit" => {
+                let message_id = take_str(&mut fields, "message_id")?
+                    .and_then(|m| MessageId::parse(&m))
+                    .ok_or_else(|| {
+                        ApiError::Validation("message_id: required, a message's id".into())
+                    })?;
+                let body = turn_body(fields)?;
+                body.no_results("not accepted on an edit")?;
+                let content = body.content.as_deref().ok_or_else(|| {
+                    ApiError::Validation("content: required (the message's new text)".into())
+                })?;
+                let content = UserText::new("content", content)?;
+                self.start(body.turn(NativeTurn::Edit {
+                    message_id,
+                    content,
+                })?)
+                .await
+            }
+            "stop" => {
+                no_more(&fields)?;
+                let r = StopResult::of(self.s.chat.stop(&self.caller, &self.id).await?);
+                Ok(vec![text(json!({"event": "stopped", "data": r}))])
+            }
+            "resume" => {
+                let last = take_str(&mut fields, "last_event_id")?;
+                no_more(&fields)?;
+                let live = self.s.chat.reply_stream(&self.caller, &self.id).await?;
+                let ids = live.ids.clone().ok_or_else(|| {
+                    ApiError::Internal("a session's reply without its stored turn".into())
+                })?;
+                let from = resume_from(&ids, last.as_deref());
+                self.follow(live, ids, from);
+                Ok(Vec::new())
+            }
+            other => Err(ApiError::Validation(format!(
+                "type: `{other}` is not one of message, regenerate, edit, stop, resume"
+            ))),
+        }
+    }
+
+    async fn start(
+        &mut self,
+        turn: crate::service::ValidTurn<NativeTurn>,
+    ) -> Result<Vec<Message>, ApiError> {
+        let live = self.s.chat.start_turn(&self.caller, &self.id, turn).await?;
+        let ids = live
+            .ids
+            .clone()
+            .ok_or_else(|| ApiError::Internal("a native reply without its stored turn".into()))?;
+        self.follow(live, ids, 0);
+        Ok(Vec::new())
+    }
+
+    fn follow(&mut self, live: Arc<Live>, ids: TurnIds, from: usize) {
+        let events: Events = Box::pin(live.subscribe(from));
+        self.following = Some((live, ids, events));
+    }
+}
+
+/// A turn's fields (those of `POST …/messages`), checked as there.
+fn turn_body(fields: Map<String, Value>) -> Result<TurnBody, ApiError> {
+    if fields.get("stream") == Some(&Value::Bool(false)) {
+        return Err(ApiError::Validation(
+            "stream: replies over the WebSocket always stream".into(),
+        ));
+    }
+    serde_json::from_value(Value::Object(fields)).map_err(|e| ApiError::Validation(e.to_string()))
+}
+
+/// A text field taken out of a command (absent: `None`; not text: an error naming it).
+fn take_str(fields: &mut Map<String, Value>, name: &str) -> Result<Option<String>, ApiError> {
+    match fields.remove(name) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::Validation(format!("{name}: must be text"))),
+    }
+}
+
+/// Refuses fields a command does not take.
+fn no_more(fields: &Map<String, Value>) -> Result<(), ApiError> {
+    match fields.keys().next() {
+        Some(k) => Err(ApiError::Validation(format!(
+            "{k}: not a field of this command"
+        ))),
+        None => Ok(()),
+    }
+}

@@ -1,0 +1,311 @@
+//! A session over a WebSocket, through the whole stack: turns, regenerate, edit and stop as
+//! commands, the reply's events as the SSE stream has them (ids included), resuming after a
+//! reconnect from an event id, the key as a subprotocol, and refusals that leave the socket open
+//! and store nothing.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use hearth_e2e::stack::{history, new_session, slow_spec, Db, Stack};
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::Message;
+
+type Socket =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// Opens the session's socket with the key as a bearer header, or as a subprotocol.
+async fn open(addr: SocketAddr, sid: &str, key: &str, as_protocol: bool) -> Socket {
+    let mut req = format!("ws://{addr}/v1/sessions/{sid}/ws")
+        .into_client_request()
+        .expect("request");
+    let h = req.headers_mut();
+    if as_protocol {
+        let p = format!("hearth.v1, hearth.key.{key}");
+        h.insert(
+            "sec-websocket-protocol",
+            HeaderValue::from_str(&p).expect("header"),
+        );
+    } else {
+        let b = format!("Bearer {key}");
+        h.insert("authorization", HeaderValue::from_str(&b).expect("header"));
+    }
+    let (ws, resp) = tokio_tungstenite::connect_async(req)
+        .await
+        .expect("upgrade");
+    if as_protocol {
+        assert_eq!(
+            resp.headers()
+                .get("sec-websocket-protocol")
+                .map(|v| v.as_bytes()),
+            Some(&b"hearth.v1"[..])
+        );
+    }
+    ws
+}
+
+async fn send(ws: &mut Socket, v: Value) {
+    ws.send(Message::Text(v.to_string().into()))
+        .await
+        .expect("send");
+}
+
+/// The next JSON message (pings are answered by the client itself).
+async fn next(ws: &mut Socket) -> Value {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .expect("a message within 30 s")
+            .expect("open")
+            .expect("message");
+        if let Message::Text(t) = m {
+            return serde_json::from_str(t.as_str()).expect("JSON");
+        }
+    }
+}
+
+/// Messages up to and including the reply's end (`message_end` or `error`).
+async fn until_end(ws: &mut Socket) -> Vec<Value> {
+    let mut out = Vec::new();
+    loop {
+        let v = next(ws).await;
+        let end = v["event"] == "message_end" || v["event"] == "error";
+        out.push(v);
+        if end {
+            return out;
+        }
+    }
+}
+
+fn tokens(events: &[Value]) -> String {
+    events
+        .iter()
+        .filter(|e| e["event"] == "token")
+        .map(|e| e["data"]["text"].as_str().expect("text"))
+        .collect()
+}
+
+/// The `n` of an event id `<message id>:<n>`.
+fn seq(e: &Value) -> usize {
+    let id = e["id"].as_str().expect("id");
+    id.rsplit_once(':').expect(":").1.parse().expect("n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_runs_over_a_websocket_and_resumes_after_a_reconnect() {
+    let s = Stack::start("websocket", Db::Sqlite, 1, &[]).await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let mut ws = open(s.addr(), &sid, &k, false).await;
+
+    send(
+        &mut ws,
+        json!({"type": "message", "content": "Hello", "max_tokens": 6}),
+    )
+    .await;
+    let events = until_end(&mut ws).await;
+    assert_eq!(events[0]["event"], "message_start", "{events:?}");
+    let mid = events[0]["data"]["message_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    let ns: Vec<usize> = events.iter().map(seq).collect();
+    assert_eq!(ns, (1..=events.len()).collect::<Vec<_>>(), "ids in order");
+    assert!(events
+        .iter()
+        .all(|e| e["id"].as_str().expect("id").starts_with(&mid)));
+    let end = events.last().expect("end");
+    assert_eq!(end["event"], "message_end");
+    assert_eq!(end["data"]["usage"]["completion_tokens"], 6);
+    let stored = history(s.addr(), &k, &sid).await;
+    assert_eq!(stored.len(), 2);
+    assert_eq!(stored[1]["content"], tokens(&events).as_str());
+
+    // Regenerate and edit, as commands.
+    send(&mut ws, json!({"type": "regenerate", "max_tokens": 3})).await;
+    let again = until_end(&mut ws).await;
+    assert_eq!(
+        again.last().expect("end")["data"]["usage"]["completion_tokens"],
+        3
+    );
+    let user_id = stored[0]["id"].as_str().expect("id");
+    send(
+        &mut ws,
+        json!({"type": "edit", "message_id": user_id, "content": "Hi again", "max_tokens": 2}),
+    )
+    .await;
+    until_end(&mut ws).await;
+    let stored = history(s.addr(), &k, &sid).await;
+    assert_eq!(stored[0]["content"], "Hi again");
+    assert_eq!(stored.len(), 2);
+    drop(ws);
+
+    // Another socket, the key as a subprotocol: the last reply from after its second event.
+    let mut ws = open(s.addr(), &sid, &k, true).await;
+    send(
+        &mut ws,
+        json!({"type": "message", "content": "More", "max_tokens": 5}),
+    )
+    .await;
+    let whole = until_end(&mut ws).await;
+    let last_id = whole[1]["id"].as_str().expect("id").to_string();
+    drop(ws);
+    let mut ws = open(s.addr(), &sid, &k, true).await;
+    send(&mut ws, json!({"type": "resume", "last_event_id": last_id})).await;
+    let rest = until_end(&mut ws).await;
+    assert_eq!(
+        rest,
+        whole[2..].to_vec(),
+        "the events after the last one seen, once each"
+    );
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_and_refusals_keep_the_socket_open_and_store_nothing_wrong() {
+    let s = Stack::start_with("websocket_stop", &slow_spec(), Db::Sqlite, 1, &[]).await;
+    let (k, other) = (s.key("alice").await, s.key("bob").await);
+    let sid = new_session(s.addr(), &k).await;
+
+    // No key, a wrong key, another user's session: no socket.
+    let url = format!("ws://{}/v1/sessions/{sid}/ws", s.addr());
+    let no_key = tokio_tungstenite::connect_async(url.as_str()).await;
+    assert!(
+        matches!(&no_key, Err(tokio_tungstenite::tungstenite::Error::Http(r)) if r.status() == 401),
+        "{no_key:?}"
+    );
+    let mut req = url.as_str().into_client_request().expect("request");
+    let b = HeaderValue::from_str(&format!("Bearer {other}")).expect("header");
+    req.headers_mut().insert("authorization", b);
+    let theirs = tokio_tungstenite::connect_async(req).await;
+    assert!(
+        matches!(&theirs, Err(tokio_tungstenite::tungstenite::Error::Http(r)) if r.status() == 404),
+        "{theirs:?}"
+    );
+
+    let mut ws = open(s.addr(), &sid, &k, false).await;
+    for (command, status, says) in [
+        (Message::Text("{".into()), 400, "not JSON"),
+        (Message::Binary(vec![1, 2].into()), 400, "JSON text"),
+        (
+            Message::Text(json!({"type": "dance"}).to_string().into()),
+            422,
+            "`dance`",
+        ),
+        (
+            Message::Text(json!({"content": "x"}).to_string().into()),
+            422,
+            "type: required",
+        ),
+        (
+            Message::Text(
+                json!({"type": "message", "content": " "})
+                    .to_string()
+                    .into(),
+            ),
+            422,
+            "content: must not be empty",
+        ),
+        (
+            Message::Text(
+                json!({"type": "message", "content": "x", "stream": false})
+                    .to_string()
+                    .into(),
+            ),
+            422,
+            "always stream",
+        ),
+        (
+            Message::Text(
+                json!({"type": "message", "contnet": "x"})
+                    .to_string()
+                    .into(),
+            ),
+            422,
+            "contnet",
+        ),
+        (
+            Message::Text(json!({"type": "regenerate"}).to_string().into()),
+            409,
+            "no reply",
+        ),
+        (
+            Message::Text(json!({"type": "stop", "now": true}).to_string().into()),
+            422,
+            "now",
+        ),
+    ] {
+        ws.send(command).await.expect("send");
+        let v = next(&mut ws).await;
+        assert_eq!(v["event"], "refused", "{v}");
+        assert_eq!(v["status"], status, "{v}");
+        let m = v["error"]["message"].as_str().expect("message");
+        assert!(m.contains(says), "{says}: {v}");
+    }
+    assert!(
+        history(s.addr(), &k, &sid).await.is_empty(),
+        "nothing stored"
+    );
+
+    // A long reply, stopped from the socket.
+    send(
+        &mut ws,
+        json!({"type": "message", "content": "Talk", "max_tokens": 900, "ignore_eos": true}),
+    )
+    .await;
+    let mut seen = Vec::new();
+    while seen.len() < 4 {
+        seen.push(next(&mut ws).await);
+    }
+    // A second turn while it runs is refused, and the reply goes on.
+    send(&mut ws, json!({"type": "message", "content": "And?"})).await;
+    send(&mut ws, json!({"type": "stop"})).await;
+    let mut refused = None;
+    let mut stopped = None;
+    let mut end = None;
+    while stopped.is_none() || end.is_none() {
+        let v = next(&mut ws).await;
+        match v["event"].as_str() {
+            Some("refused") => refused = Some(v),
+            Some("stopped") => stopped = Some(v),
+            Some("message_end") => end = Some(v),
+            _ => {}
+        }
+    }
+    assert_eq!(refused.expect("the second turn")["status"], 409);
+    let stopped = stopped.expect("stopped");
+    assert_eq!(stopped["data"]["stopped"], true, "{stopped}");
+    assert_eq!(end.expect("end")["data"]["finish_reason"], "cancelled");
+    let stored = history(s.addr(), &k, &sid).await;
+    assert_eq!(stored.len(), 2);
+    assert_eq!(stored[1]["status"], "stopped");
+
+    // Over the size limit: the socket is closed (1009), the server stays up.
+    let big = "x".repeat((1 << 20) + 1);
+    let _ = ws
+        .send(Message::Text(
+            json!({"type": "message", "content": big})
+                .to_string()
+                .into(),
+        ))
+        .await;
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match ws.next().await {
+                Some(Ok(Message::Close(f))) => return f.map(|f| u16::from(f.code)),
+                Some(Ok(_)) => continue,
+                _ => return None,
+            }
+        }
+    })
+    .await
+    .expect("closed within 10 s");
+    if let Some(code) = closed {
+        assert_eq!(code, 1009, "message too big");
+    }
+    let again = open(s.addr(), &sid, &k, false).await;
+    drop(again);
+    s.finish().await;
+}
