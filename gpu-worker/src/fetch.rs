@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
-use reqwest::header::{CONTENT_RANGE, RANGE};
+use reqwest::header::{CONTENT_RANGE, IF_RANGE, RANGE};
 use reqwest::StatusCode;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -167,6 +167,17 @@ struct Partial {
     path: PathBuf,
     bytes: u64,
     hasher: Sha256,
+    /// What the server said of the file whose bytes these are (kept in `<partial>.meta`), so
+    /// a resume asks for the rest of the same file (`If-Range`).
+    meta: Meta,
+}
+
+/// The file's strong validator (an `ETag`, else `Last-Modified`) and size, as its server gave
+/// them.
+#[derive(Debug, Default, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Meta {
+    validator: Option<String>,
+    total: Option<u64>,
 }
 
 impl Partial {
@@ -189,10 +200,16 @@ impl Partial {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_err(&path)(e)),
         }
+        let meta = tokio::fs::read(meta_path(&path))
+            .await
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
         Ok(Self {
             path,
             bytes,
             hasher,
+            meta,
         })
     }
 
@@ -200,7 +217,51 @@ impl Partial {
     fn restart(&mut self) {
         self.bytes = 0;
         self.hasher = Sha256::new();
+        self.meta = Meta::default();
     }
+
+    async fn save_meta(&self) -> Result<(), FetchError> {
+        let path = meta_path(&self.path);
+        let text = serde_json::to_vec(&self.meta).unwrap_or_default();
+        tokio::fs::write(&path, text).await.map_err(io_err(&path))
+    }
+
+    /// Removes the partial file and what is known of it.
+    async fn remove(&self) {
+        let _ = tokio::fs::remove_file(&self.path).await;
+        let _ = tokio::fs::remove_file(meta_path(&self.path)).await;
+    }
+}
+
+fn meta_path(partial: &Path) -> PathBuf {
+    let mut p = partial.as_os_str().to_owned();
+    p.push(".meta");
+    PathBuf::from(p)
+}
+
+/// `url` as logs and errors show it: without credentials or a query (a signed URL's signature).
+pub fn shown(url: &reqwest::Url) -> String {
+    let mut u = url.clone();
+    let _ = u.set_username("");
+    let _ = u.set_password(None);
+    if u.query().is_some() {
+        u.set_query(Some("…"));
+    }
+    u.to_string()
+}
+
+/// The response's strong validator: an `ETag` that is not weak, else `Last-Modified`.
+fn validator(resp: &reqwest::Response) -> Option<String> {
+    let h = resp.headers();
+    let etag = h
+        .get(reqwest::header::ETAG)
+        .and_then(|v| v.to_str().ok())
+        .filter(|e| !e.starts_with("W/"));
+    etag.or_else(|| {
+        h.get(reqwest::header::LAST_MODIFIED)
+            .and_then(|v| v.to_str().ok())
+    })
+    .map(str::to_string)
 }
 
 impl Fetcher {
@@ -238,7 +299,7 @@ impl Fetcher {
     pub async fn fetch(&self, src: &Source, progress: &Progress) -> Result<PathBuf, FetchError> {
         let done = self.cached_path(src);
         if tokio::fs::try_exists(&done).await.unwrap_or(false) {
-            tracing::info!(url = %src.url, path = %done.display(), "model file already fetched");
+            tracing::info!(url = %shown(&src.url), path = %done.display(), "model file already fetched");
             return Ok(done);
         }
         let dir = done.parent().unwrap_or(&self.cache).to_path_buf();
@@ -269,13 +330,13 @@ impl Fetcher {
                     return Err(e);
                 }
                 Err(TryEnd::Again(reason)) if attempt < self.attempts => {
-                    tracing::warn!(url = %src.url, %reason, kept = part.bytes, attempt, "model download interrupted; resuming");
+                    tracing::warn!(url = %shown(&src.url), %reason, kept = part.bytes, attempt, "model download interrupted; resuming");
                     tokio::time::sleep(self.backoff * attempt).await;
                 }
                 Err(TryEnd::Again(reason)) => {
                     bar.abandon();
                     return Err(FetchError::Network {
-                        url: src.url.to_string(),
+                        url: shown(&src.url),
                         reason,
                         attempts: attempt,
                         kept: part.bytes,
@@ -294,11 +355,11 @@ impl Fetcher {
         part: Partial,
         done: &Path,
     ) -> Result<PathBuf, FetchError> {
-        let got = hex(&part.hasher.finalize());
+        let got = hex(&part.hasher.clone().finalize());
         if let Some(expected) = src.sha256.as_ref().filter(|e| **e != got) {
-            let _ = tokio::fs::remove_file(&part.path).await;
+            part.remove().await;
             return Err(FetchError::Checksum {
-                url: src.url.to_string(),
+                url: shown(&src.url),
                 expected: expected.clone(),
                 got,
                 bytes: part.bytes,
@@ -307,7 +368,8 @@ impl Fetcher {
         tokio::fs::rename(&part.path, done)
             .await
             .map_err(io_err(done))?;
-        tracing::info!(url = %src.url, path = %done.display(), bytes = part.bytes, sha256 = %got, "model file fetched");
+        let _ = tokio::fs::remove_file(meta_path(&part.path)).await;
+        tracing::info!(url = %shown(&src.url), path = %done.display(), bytes = part.bytes, sha256 = %got, "model file fetched");
         Ok(done.to_path_buf())
     }
 
@@ -321,25 +383,40 @@ impl Fetcher {
     ) -> Result<(), TryEnd> {
         let mut req = self.client.get(src.url.clone());
         if part.bytes > 0 {
-            req = req.header(RANGE, format!("bytes={}-", part.bytes));
+            match (&part.meta.validator, &src.sha256) {
+                // The rest of the same file, or (the file changed) the whole new one.
+                (Some(v), _) => {
+                    req = req
+                        .header(RANGE, format!("bytes={}-", part.bytes))
+                        .header(IF_RANGE, v.as_str());
+                }
+                // The checksum will tell whether the pieces belong together.
+                (None, Some(_)) => req = req.header(RANGE, format!("bytes={}-", part.bytes)),
+                // Nothing would tell a changed file from the same one: start over.
+                (None, None) => {
+                    tracing::info!(url = %shown(&src.url), "the server gave no validator to resume against; fetching the whole file again");
+                    part.restart();
+                }
+            }
         }
         let resp = req.send().await.map_err(|e| TryEnd::Again(e.to_string()))?;
         let total = match resp.status() {
             StatusCode::PARTIAL_CONTENT => {
                 let (start, total) = content_range(&resp).unwrap_or((u64::MAX, None));
-                if start != part.bytes {
+                let resized = part.meta.total.is_some() && total != part.meta.total;
+                if start != part.bytes || resized {
                     // Not the range asked for: start over with the whole file.
                     part.restart();
                     return Err(TryEnd::Again(format!(
-                        "the server resumed at byte {start}, not {}",
-                        part.bytes
+                        "the server resumed at byte {start} of {total:?}, not {} of {:?}",
+                        part.bytes, part.meta.total
                     )));
                 }
                 total
             }
             StatusCode::OK => {
                 if part.bytes > 0 {
-                    tracing::info!(url = %src.url, "the server ignored the range; fetching the whole file again");
+                    tracing::info!(url = %shown(&src.url), "the server ignored the range; fetching the whole file again");
                     part.restart();
                 }
                 resp.content_length()
@@ -361,11 +438,16 @@ impl Fetcher {
             }
             s => {
                 return Err(TryEnd::Fatal(FetchError::Status {
-                    url: src.url.to_string(),
+                    url: shown(&src.url),
                     status: s.as_u16(),
                 }))
             }
         };
+        part.meta = Meta {
+            validator: validator(&resp),
+            total,
+        };
+        part.save_meta().await.map_err(TryEnd::Fatal)?;
         self.receive(src, resp, part, total, progress, bar).await
     }
 
@@ -406,7 +488,7 @@ impl Fetcher {
                     bar.set_position(part.bytes);
                     if logged.elapsed() >= Duration::from_secs(5) && bar.is_hidden() {
                         logged = Instant::now();
-                        tracing::info!(url = %src.url, done = part.bytes, total, "fetching the model file");
+                        tracing::info!(url = %shown(&src.url), done = part.bytes, total, "fetching the model file");
                     }
                 }
                 Ok(None) => break None,

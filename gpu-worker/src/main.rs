@@ -47,6 +47,10 @@ enum Command {
         /// The sha256 (64 hex digits) the file must have.
         #[arg(long)]
         sha256: Option<String>,
+        /// The models directory (the file goes to its `fetched/`), as `serve` takes it
+        /// [default: ~/.cache/hearth/models].
+        #[arg(long, env = "HEARTH_MODELS_DIR")]
+        models_dir: Option<PathBuf>,
     },
     /// Chat in the terminal with the model (one session; each line is a user turn).
     Chat {
@@ -100,7 +104,12 @@ fn main() -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Fetch { url, sha256 } => {
+        Command::Fetch {
+            url,
+            sha256,
+            models_dir,
+        } => {
+            let models = models_dir.unwrap_or(models);
             let path = fetch_model(&models, &url, sha256.as_deref())?;
             #[allow(clippy::print_stdout)]
             {

@@ -25,19 +25,27 @@ struct Behaviour {
     delay: Option<Duration>,
     /// Answer 404 to everything.
     missing: bool,
+    /// Send this `ETag`, and honour `If-Range` against it.
+    etag: Option<String>,
 }
 
 #[derive(Debug, Default)]
 struct Log {
     /// Each request's `Range` header (None without one).
     ranges: Vec<Option<String>>,
+    /// Each request's `If-Range` header.
+    if_ranges: Vec<Option<String>>,
     /// Body bytes written in all.
     served: usize,
 }
 
+/// What the server serves now: the file and its behaviour (a test may replace both).
+type Served = Arc<Mutex<(Arc<Vec<u8>>, Behaviour)>>;
+
 struct Server {
     addr: SocketAddr,
     log: Arc<Mutex<Log>>,
+    served: Served,
 }
 
 impl Server {
@@ -45,19 +53,30 @@ impl Server {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let log = Arc::new(Mutex::new(Log::default()));
-        let (body, l) = (Arc::new(body), log.clone());
+        let served: Served = Arc::new(Mutex::new((Arc::new(body), how)));
+        let (l, now) = (log.clone(), served.clone());
         tokio::spawn(async move {
             loop {
                 let Ok((sock, _)) = listener.accept().await else {
                     return;
                 };
-                let (body, how, log) = (body.clone(), how.clone(), l.clone());
+                let (body, how) = now.lock().expect("served").clone();
+                let log = l.clone();
                 tokio::spawn(async move {
                     let _ = answer(sock, &body, &how, &log).await;
                 });
             }
         });
-        Self { addr, log }
+        Self { addr, log, served }
+    }
+
+    /// Serves another file from now on.
+    fn replace(&self, body: Vec<u8>, how: Behaviour) {
+        *self.served.lock().expect("served") = (Arc::new(body), how);
+    }
+
+    fn if_ranges(&self) -> Vec<Option<String>> {
+        self.log.lock().expect("log").if_ranges.clone()
     }
 
     fn url(&self, name: &str) -> String {
@@ -88,24 +107,27 @@ async fn answer(
         head.push(byte[0]);
     }
     let head = String::from_utf8_lossy(&head).to_string();
-    let range = head
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("range: ")
-                .or_else(|| l.strip_prefix("Range: "))
+    let header = |name: &str| {
+        head.lines().find_map(|l| {
+            let (k, v) = l.split_once(": ")?;
+            k.eq_ignore_ascii_case(name).then(|| v.to_string())
         })
-        .map(str::to_string);
+    };
+    let (range, if_range) = (header("range"), header("if-range"));
     let first = {
         let mut log = log.lock().expect("log");
         log.ranges.push(range.clone());
+        log.if_ranges.push(if_range.clone());
         log.ranges.len() == 1
     };
+    // `If-Range` naming another version of the file: the whole file, as RFC 9110 says.
+    let stale = if_range.is_some() && if_range != how.etag;
     if how.missing {
         sock.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
             .await?;
         return Ok(());
     }
-    let start = match (&range, how.ignore_range) {
+    let start = match (&range, how.ignore_range || stale) {
         (Some(r), false) => r
             .trim_start_matches("bytes=")
             .trim_end_matches('-')
@@ -123,9 +145,13 @@ async fn answer(
     } else {
         "200 OK".to_string()
     };
+    let etag = match &how.etag {
+        Some(e) => format!("ETag: {e}\r\n"),
+        None => String::new(),
+    };
     sock.write_all(
         format!(
-            "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            "HTTP/1.1 {status}\r\n{etag}Content-Length: {}\r\nConnection: close\r\n\r\n",
             part.len()
         )
         .as_bytes(),
@@ -182,7 +208,8 @@ fn fetcher(cache: &Path, attempts: u32) -> Fetcher {
         .with_retries(attempts, Duration::from_millis(10))
 }
 
-/// Every file under `dir`, recursively, but the fetch's lock files.
+/// Every file under `dir`, recursively, but the fetch's lock files (a partial file's `.meta`
+/// counts).
 fn files(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(dir).expect("dir").flatten() {
@@ -242,7 +269,7 @@ async fn a_download_left_by_a_failed_fetch_resumes_in_the_next_one() {
         body.clone(),
         Behaviour {
             cut_first_at: Some(100_000),
-            missing: false,
+            etag: Some("\"v1\"".into()),
             ..Behaviour::default()
         },
     )
@@ -260,12 +287,12 @@ async fn a_download_left_by_a_failed_fetch_resumes_in_the_next_one() {
     assert_eq!(*attempts, 1);
     assert!(*kept > 0 && *kept <= 100_000, "{e}");
     assert!(e.to_string().contains("the next fetch resumes"), "{e}");
-    let left = files(&cache);
-    assert_eq!(left.len(), 1);
-    assert!(
-        left[0].to_string_lossy().ends_with("m.gguf.partial"),
-        "{left:?}"
-    );
+    let mut left: Vec<String> = files(&cache)
+        .iter()
+        .filter_map(|p| p.file_name()?.to_str().map(str::to_string))
+        .collect();
+    left.sort();
+    assert_eq!(left, ["m.gguf.partial", "m.gguf.partial.meta"]);
 
     // The next fetch (a new process would do the same) asks for the rest only.
     let path = fetcher(&cache, 1)
@@ -274,6 +301,7 @@ async fn a_download_left_by_a_failed_fetch_resumes_in_the_next_one() {
         .expect("resumed");
     assert_eq!(std::fs::read(&path).expect("read"), body);
     assert_eq!(cut.ranges()[1], Some(format!("bytes={kept}-")));
+    assert_eq!(cut.if_ranges()[1].as_deref(), Some("\"v1\""));
     let _ = std::fs::remove_dir_all(cache);
 }
 
@@ -483,4 +511,80 @@ async fn two_fetches_of_one_file_download_it_once() {
         "the second waited, then found it fetched"
     );
     let _ = std::fs::remove_dir_all(cache);
+}
+
+#[tokio::test]
+async fn a_file_that_changed_since_the_cut_is_fetched_whole_not_spliced() {
+    let (old, new) = (file_bytes(200_000), file_bytes(210_000)[10_000..].to_vec());
+    let cut = Behaviour {
+        cut_first_at: Some(80_000),
+        etag: Some("\"old\"".into()),
+        ..Behaviour::default()
+    };
+    let server = Server::start(old, cut).await;
+    let cache = cache_dir("changed");
+    let src = Source::parse(&server.url("m.gguf"), None).expect("source");
+    fetcher(&cache, 1)
+        .fetch(&src, &Progress::default())
+        .await
+        .expect_err("cut");
+    let etag = Some("\"new\"".to_string());
+    server.replace(
+        new.clone(),
+        Behaviour {
+            etag,
+            ..Behaviour::default()
+        },
+    );
+    let path = fetcher(&cache, 1)
+        .fetch(&src, &Progress::default())
+        .await
+        .expect("fetched");
+    assert_eq!(
+        std::fs::read(&path).expect("read"),
+        new,
+        "the new file, whole"
+    );
+    assert_eq!(server.if_ranges()[1].as_deref(), Some("\"old\""));
+    assert_eq!(files(&cache), vec![path], "nothing else is left");
+    let _ = std::fs::remove_dir_all(cache);
+}
+
+#[tokio::test]
+async fn without_a_validator_or_a_checksum_a_cut_download_starts_over() {
+    let body = file_bytes(150_000);
+    let cut = Behaviour {
+        cut_first_at: Some(50_000),
+        ..Behaviour::default()
+    };
+    let server = Server::start(body.clone(), cut).await;
+    let cache = cache_dir("no-validator");
+    let src = Source::parse(&server.url("m.gguf"), None).expect("source");
+    fetcher(&cache, 1)
+        .fetch(&src, &Progress::default())
+        .await
+        .expect_err("cut");
+    let path = fetcher(&cache, 1)
+        .fetch(&src, &Progress::default())
+        .await
+        .expect("fetched");
+    assert_eq!(std::fs::read(&path).expect("read"), body);
+    assert_eq!(
+        server.ranges()[1],
+        None,
+        "nothing tells the kept bytes are of this file"
+    );
+    let _ = std::fs::remove_dir_all(cache);
+}
+
+#[test]
+fn urls_are_shown_without_credentials_or_signatures() {
+    let u =
+        reqwest::Url::parse("https://user:secret@host/m.gguf?X-Amz-Signature=abc").expect("url");
+    let s = hearth_worker::fetch::shown(&u);
+    assert!(
+        !s.contains("secret") && !s.contains("abc") && !s.contains("user"),
+        "{s}"
+    );
+    assert!(s.starts_with("https://host/m.gguf"), "{s}");
 }

@@ -1,6 +1,7 @@
-//! `hearth-worker serve --repository`: a model named in the repository is served under its
-//! name and version, and a name or version the repository does not hold stops the worker before
-//! it listens, with a message that lists what it does hold.
+//! `hearth-worker serve --repository`: a name or version the repository does not hold stops the
+//! worker before it listens, with a message that lists what it does hold; a manifest that biases
+//! a token outside the model's vocabulary stops it once the model is loaded. (Serving a model
+//! from a repository is tested through the whole stack, in `tests/tests/repository.rs`.)
 
 use std::path::Path;
 
@@ -39,5 +40,13 @@ fn names_the_repository_does_not_hold_are_refused_before_listening() {
         assert!(out.is_empty(), "{model}: it listened: {out}");
         assert!(err.contains(says), "{model}: {err}");
     }
+    let bad = root.join("tiny/3/manifest.json");
+    std::fs::write(&bad, r#"{"params": {"logit_bias": {"999999": 5}}}"#).expect("manifest");
+    let (ok, _, err) = run(&root, "tiny@3");
+    assert!(!ok, "a bias outside the vocabulary was served");
+    assert!(
+        err.contains("params.logit_bias: token 999999 is not in the model's vocabulary"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(root);
 }

@@ -122,7 +122,8 @@ fn describe() {
     describe_gauge!(WORKERS_READY, "Workers that are ready to serve");
     describe_counter!(
         FINISHED,
-        "Generations ended, by finish reason (stop, length, context_full, cancelled, error)"
+        "Generations ended, by finish reason (stop, length, context_full, cancelled, tool_calls, \
+         error)"
     );
     describe_counter!(ERRORS, "Error answers by error type (the body's `type`)");
     describe_counter!(

@@ -33,6 +33,9 @@ pub enum ToolError {
 /// Most tools a request may offer (OpenAI's limit).
 pub const MAX_TOOLS: usize = 128;
 
+/// Most calls one reply may make: as many results as a native turn may post back.
+pub const MAX_CALLS: usize = 128;
+
 /// A tool the model may call: only functions.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct Tool {
@@ -283,7 +286,8 @@ impl Tools {
         let body = strip_fence(text.trim());
         let v: Value = serde_json::from_str(body).ok()?;
         let items = match v {
-            Value::Array(a) if !a.is_empty() => a,
+            // More calls than a turn may answer would leave the exchange stuck: words, then.
+            Value::Array(a) if !a.is_empty() && a.len() <= MAX_CALLS => a,
             o @ Value::Object(_) => vec![o],
             _ => return None,
         };
@@ -457,6 +461,10 @@ mod tests {
             assert!(t.calls(words).is_none(), "{words}");
         }
         assert!(t.may_be_call("  {\"na") && t.may_be_call("``") && !t.may_be_call("It"));
+        // As many calls as a turn may answer, and no more.
+        let many = |n: usize| format!("[{}]", vec![r#"{"name": "now"}"#; n].join(","));
+        assert_eq!(t.calls(&many(MAX_CALLS)).map(|c| c.len()), Some(MAX_CALLS));
+        assert!(t.calls(&many(MAX_CALLS + 1)).is_none());
     }
 
     #[test]

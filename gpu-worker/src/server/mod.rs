@@ -45,6 +45,7 @@ use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
 use crate::engine::{Engine, EngineError, Weights};
 use crate::generic::GenericModel;
 use crate::model::{load_gguf, load_safetensors, ModelError};
+use crate::repository::ModelVersion;
 use config::RunOn;
 use state::{Loaded, WorkerState};
 
@@ -76,6 +77,9 @@ pub enum ServeError {
     Transport(#[from] tonic::transport::Error),
     #[error("model loading stopped unexpectedly: {0}")]
     Join(#[from] tokio::task::JoinError),
+    /// The repository manifest asks for what the loaded model cannot do.
+    #[error("{0}")]
+    Manifest(String),
 }
 
 /// A worker whose listeners are bound but which serves nothing yet.
@@ -286,6 +290,9 @@ type LoadedModel = (Weights, Loaded, Option<Arc<Grammars>>);
 fn load(config: &ValidConfig, device: &device::Device) -> Result<LoadedModel, ServeError> {
     let path = &config.model;
     let model = load_weights(path, &config.run_on, device)?;
+    if let Some(e) = &config.entry {
+        check_manifest(e, model.config().vocab_size)?;
+    }
     let grammars = grammars(config, &model);
     let mut loaded = match &config.entry {
         Some(e) => Loaded {
@@ -361,6 +368,29 @@ pub fn load_weights(
     } else {
         Arc::new(load_gguf(path)?).into()
     })
+}
+
+/// A manifest's defaults against the model: every biased token is in its vocabulary (else
+/// every request that leaves `logit_bias` out would be refused for a field it never sent).
+fn check_manifest(e: &ModelVersion, vocab: usize) -> Result<(), ServeError> {
+    let bias = e
+        .manifest
+        .params
+        .as_ref()
+        .and_then(|p| p.get("logit_bias"))
+        .and_then(|b| b.as_object());
+    let outside = bias
+        .into_iter()
+        .flat_map(|b| b.keys())
+        .find(|k| k.parse::<usize>().map_or(true, |id| id >= vocab));
+    match outside {
+        Some(k) => Err(ServeError::Manifest(format!(
+            "{}@{}: manifest.json: params.logit_bias: token {k} is not in the model's \
+             vocabulary of {vocab}",
+            e.name, e.version
+        ))),
+        None => Ok(()),
+    }
 }
 
 fn model_id(path: &Path) -> String {

@@ -171,7 +171,7 @@ impl Generator {
         metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(usage.cached_tokens);
         metrics::counter!(telemetry::GENERATED_TOKENS).increment(usage.completion_tokens);
         telemetry::record_reply_end(&telemetry::ReplyEnd {
-            finish_reason: outcome.end.finish_reason().as_str(),
+            finish_reason: outcome.finish_reason().as_str(),
             error_type: outcome.end.error().map(GenerationError::kind),
             prompt_tokens: usage.prompt_tokens,
             completion_tokens: usage.completion_tokens,

@@ -211,11 +211,7 @@ impl ChatService {
         if info.model_id.is_empty() {
             return Ok(());
         }
-        let found = match asked.split_once('@') {
-            Some((name, version)) => name == info.model_id && version == info.model_version,
-            None => asked == info.model_id,
-        };
-        if found {
+        if names_model(asked, &info.model_id, &info.model_version) {
             return Ok(());
         }
         Err(ChatError::ModelNotFound {
@@ -807,6 +803,17 @@ impl ChatService {
     }
 }
 
+/// Whether `asked` names the model `id` at `version`: the id itself (which may hold an `@`, as
+/// a file's name can), or `id@version` for a repository's model.
+fn names_model(asked: &str, id: &str, version: &str) -> bool {
+    asked == id
+        || (!version.is_empty()
+            && asked
+                .strip_suffix(version)
+                .and_then(|a| a.strip_suffix('@'))
+                == Some(id))
+}
+
 /// What a request that leaves a sampling field out gets for it: the served model's defaults
 /// (its manifest's `params`), else the built-in ones.
 #[derive(Debug, Clone, Default)]
@@ -1023,4 +1030,30 @@ fn conversation(session: &Session, history: &[Message], tools: Option<&Tools>) -
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::names_model;
+
+    #[test]
+    fn a_model_is_named_by_its_id_or_pinned_to_its_version() {
+        assert!(names_model("tiny", "tiny", ""));
+        assert!(names_model("tiny", "tiny", "2"));
+        assert!(names_model("tiny@2", "tiny", "2"));
+        assert!(
+            names_model("foo@v2", "foo@v2", ""),
+            "an id with an @ of its own"
+        );
+        for (asked, id, version) in [
+            ("tiny@1", "tiny", "2"),
+            ("tiny@", "tiny", ""),
+            ("tiny@2", "tiny", ""),
+            ("tin", "tiny", ""),
+            ("tiny2", "tiny", "2"),
+            ("gpt-4o", "tiny", "2"),
+        ] {
+            assert!(!names_model(asked, id, version), "{asked} {id} {version}");
+        }
+    }
 }

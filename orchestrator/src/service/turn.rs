@@ -223,8 +223,8 @@ impl NativeTurn {
     }
 }
 
-/// Most results one turn may post (as many as a reply may make calls: one per tool offered).
-pub const MAX_TOOL_RESULTS: usize = crate::tools::MAX_TOOLS;
+/// Most results one turn may post: as many calls as one reply may make.
+pub const MAX_TOOL_RESULTS: usize = crate::tools::MAX_CALLS;
 
 /// A tool's result, posted on a native turn: the call it answers and what the tool returned
 /// (at most [`MAX_CONTENT_BYTES`], no NUL characters; it may be empty).
