@@ -5,10 +5,8 @@
 //! whose prompt extends the session's cached one. Requests that do not answer the last reply's
 //! calls are refused by name and store nothing.
 
-use std::net::SocketAddr;
-
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{history, new_session, Db, Stack};
+use hearth_e2e::stack::{history, new_session, post, Db, Stack};
 use serde_json::{json, Value};
 
 fn weather_tools() -> Value {
@@ -22,14 +20,6 @@ fn weather_tools() -> Value {
 
 fn named(name: &str) -> Value {
     json!({"type": "function", "function": {"name": name}})
-}
-
-async fn post(addr: SocketAddr, key: &str, path: &str, body: &Value) -> hearth_e2e::http::Reply {
-    Req::new("POST", path)
-        .key(Some(key))
-        .json(body)
-        .send(addr)
-        .await
 }
 
 /// The city a `get_weather` call's arguments name; panics unless they validate.

@@ -4,10 +4,8 @@
 //! cut by `max_tokens` says `length`; a grammar that does not compile is a 400 that names it,
 //! and nothing is stored.
 
-use std::net::SocketAddr;
-
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{chat_completion, history, new_session, Db, Stack};
+use hearth_e2e::stack::{chat_completion, history, new_session, post, Db, Stack};
 use serde_json::{json, Value};
 
 fn person() -> Value {
@@ -66,14 +64,6 @@ fn is_code(text: &str) -> bool {
         && b[..3].iter().all(u8::is_ascii_digit)
         && b[3] == b'-'
         && b[4..].iter().all(u8::is_ascii_lowercase)
-}
-
-async fn post(addr: SocketAddr, key: &str, path: &str, body: &Value) -> hearth_e2e::http::Reply {
-    Req::new("POST", path)
-        .key(Some(key))
-        .json(body)
-        .send(addr)
-        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -102,6 +102,15 @@ pub async fn stream_turn(addr: SocketAddr, key: &str, sid: &str, tokens: u32) ->
     stream_turn_with(addr, key, sid, &body).await
 }
 
+/// `POST path` with the JSON `body` as `key`'s user, whatever the answer.
+pub async fn post(addr: SocketAddr, key: &str, path: &str, body: &Value) -> Reply {
+    Req::new("POST", path)
+        .key(Some(key))
+        .json(body)
+        .send(addr)
+        .await
+}
+
 /// An OpenAI chat completion with `body`, whatever the answer.
 pub async fn completion(addr: SocketAddr, key: &str, body: &Value) -> Reply {
     Req::new("POST", "/v1/chat/completions")

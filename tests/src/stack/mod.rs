@@ -23,7 +23,7 @@ use hearth_worker::fixtures::{TinySpec, WorkerProcess};
 
 pub use api::{
     chat_completion, clear_of_a_minute_boundary, completion, history, json_turn, new_session,
-    new_session_with, settled_reply, stream_turn, stream_turn_with,
+    new_session_with, post, settled_reply, stream_turn, stream_turn_with,
 };
 pub use assets::{assets, assets_with, path, slow_spec, Assets};
 pub use bins::{bench_bin, hearth_bin, stack_bin, worker_bin};
@@ -107,6 +107,17 @@ impl Stack {
         let workers: Vec<WorkerProcess> = (0..workers)
             .map(|_| worker_with(&assets.model, worker_flags))
             .collect();
+        Self::around(assets, workers, db_url, pg, extra).await
+    }
+
+    /// `hearth` with `extra` flags in front of `workers`, on `db_url`.
+    async fn around(
+        assets: Assets,
+        workers: Vec<WorkerProcess>,
+        db_url: String,
+        pg: Option<PgDatabase>,
+        extra: &[&str],
+    ) -> Self {
         let hearth = Hearth::spawn(&Self::args(&assets, &db_url, &workers, extra));
         hearth.wait_ready().await;
         let store = SqlStore::connect(&db_url).await.expect("store");
@@ -129,17 +140,7 @@ impl Stack {
         let mut flags = WORKER_FLAGS.to_vec();
         flags.extend(["--repository", root.as_str()]);
         let workers = vec![worker_with(Path::new(spec), &flags)];
-        let hearth = Hearth::spawn(&Self::args(&assets, &db_url, &workers, extra));
-        hearth.wait_ready().await;
-        let store = SqlStore::connect(&db_url).await.expect("store");
-        Self {
-            assets,
-            workers,
-            hearth,
-            store,
-            db_url,
-            pg: None,
-        }
+        Self::around(assets, workers, db_url, None, extra).await
     }
 
     pub fn args(
