@@ -6,7 +6,9 @@
 use std::path::Path;
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{chat_completion, completion, history, new_session, Stack};
+use hearth_e2e::stack::{
+    chat_completion, completion, history, new_session, new_session_with, Stack,
+};
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
 use serde_json::{json, Value};
 
@@ -81,6 +83,25 @@ async fn a_repository_model_is_named_pinned_and_keeps_its_manifest() {
         history(s.addr(), &k, &sid).await[1]["content"],
         biased.as_str()
     );
+    // A session's own fields lie over the manifest's, field by field (as the web UI's chats
+    // have a DRY setting of their own).
+    let own = new_session_with(s.addr(), &k, &json!({"params": {"dry_multiplier": 0.0}})).await;
+    let r = Req::new("GET", &format!("/v1/sessions/{own}"))
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(
+        r.json()["params"],
+        json!({"dry_multiplier": 0.0}),
+        "stored as given"
+    );
+    let r = Req::new("POST", &format!("/v1/sessions/{own}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "Hello there", "stream": false, "max_tokens": 6}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["content"], biased.as_str());
 
     // Another version is not served here.
     let r = completion(s.addr(), &k, &ask("tiny@1", json!({}))).await;

@@ -46,7 +46,9 @@ pub(super) struct CreateSession {
     #[serde(default)]
     system_prompt: Option<String>,
     #[serde(default)]
-    params: Option<SamplingParams>,
+    /// Default sampling parameters: the fields given, over the served model's defaults.
+    #[schema(value_type = Option<SamplingParams>)]
+    params: Option<serde_json::Map<String, serde_json::Value>>,
     /// Default reply length for the session's turns: at least 1, and less than the model's
     /// context.
     #[serde(default)]
@@ -76,7 +78,9 @@ pub(super) struct UpdateSession {
     #[serde(default, deserialize_with = "present")]
     system_prompt: Option<Option<String>>,
     #[serde(default, deserialize_with = "present")]
-    params: Option<Option<SamplingParams>>,
+    /// The session's sampling fields (they replace the stored ones); `null` clears them.
+    #[schema(value_type = Option<SamplingParams>)]
+    params: Option<Option<serde_json::Map<String, serde_json::Value>>>,
     #[serde(default, deserialize_with = "present")]
     #[schema(minimum = 1)]
     max_tokens: Option<Option<u32>>,

@@ -382,11 +382,7 @@ impl ChatService {
         let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens).await?;
         let params = match opts.params() {
             Some(p) => p.clone(),
-            None => session
-                .params
-                .clone()
-                .and_then(|stored| serde_json::from_value(stored).ok())
-                .unwrap_or_else(|| self.model_defaults().params().clone()),
+            None => self.model_defaults().with_session(session.params.as_ref()),
         };
         let dry_breakers = self.dry_breakers(&params).await?;
         let lease = self
@@ -818,6 +814,8 @@ fn names_model(asked: &str, id: &str, version: &str) -> bool {
 /// (its manifest's `params`), else the built-in ones.
 #[derive(Debug, Clone, Default)]
 pub struct ModelDefaults {
+    /// The manifest's fields, as it gives them.
+    fields: serde_json::Map<String, serde_json::Value>,
     params: SamplingParams,
     /// The manifest's temperature, when it sets one.
     temperature: Option<f32>,
@@ -834,13 +832,28 @@ impl ModelDefaults {
             .get("temperature")
             .and_then(serde_json::Value::as_f64)
             .map(|t| t as f32);
-        match serde_json::from_value(serde_json::Value::Object(fields)) {
+        match serde_json::from_value(serde_json::Value::Object(fields.clone())) {
             Ok(params) => Self {
+                fields,
                 params,
                 temperature,
             },
             Err(_) => Self::default(),
         }
+    }
+
+    /// A native turn's parameters in a session whose stored `params` (the fields its client
+    /// gave) lie over these defaults, field by field.
+    pub fn with_session(&self, stored: Option<&serde_json::Value>) -> SamplingParams {
+        let Some(serde_json::Value::Object(session)) = stored else {
+            return self.params.clone();
+        };
+        let mut fields = self.fields.clone();
+        fields.extend(session.iter().map(|(k, v)| (k.clone(), v.clone())));
+        serde_json::from_value(serde_json::Value::Object(fields)).unwrap_or_else(|e| {
+            tracing::warn!(error = %e, "a session's stored params do not parse; built-in defaults used");
+            SamplingParams::default()
+        })
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -1034,7 +1047,23 @@ fn conversation(session: &Session, history: &[Message], tools: Option<&Tools>) -
 
 #[cfg(test)]
 mod tests {
-    use super::names_model;
+    use super::{names_model, ModelDefaults};
+
+    #[test]
+    fn a_session_s_fields_lie_over_the_model_s_defaults() {
+        let d = ModelDefaults::from_json(r#"{"temperature": 0.5, "top_k": 5}"#);
+        let p = d.with_session(Some(&serde_json::json!({"top_k": 9})));
+        assert_eq!((p.temperature, p.top_k), (0.5, 9));
+        let p = d.with_session(None);
+        assert_eq!((p.temperature, p.top_k), (0.5, 5));
+        assert_eq!(d.openai_temperature(), 0.5);
+        let none = ModelDefaults::from_json("");
+        assert_eq!(
+            none.with_session(None),
+            hearth_shared::SamplingParams::default()
+        );
+        assert_eq!(none.openai_temperature(), 1.0);
+    }
 
     #[test]
     fn a_model_is_named_by_its_id_or_pinned_to_its_version() {

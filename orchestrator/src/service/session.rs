@@ -62,7 +62,7 @@ impl ValidSession {
     pub fn new(
         title: Option<&str>,
         system_prompt: Option<String>,
-        params: Option<SamplingParams>,
+        params: Option<Fields>,
         max_tokens: Option<u32>,
     ) -> Result<Self, ChatError> {
         let title = check_title(title.unwrap_or(""))?;
@@ -116,7 +116,7 @@ impl ValidPatch {
     pub fn new(
         title: Option<&str>,
         system_prompt: Option<Option<String>>,
-        params: Option<Option<SamplingParams>>,
+        params: Option<Option<Fields>>,
         max_tokens: Option<Option<u32>>,
     ) -> Result<Self, ChatError> {
         if let Some(Some(sys)) = &system_prompt {
@@ -203,9 +203,16 @@ fn check_system(s: &str) -> Result<(), ChatError> {
 }
 
 /// A session's default sampling parameters, in range, as stored.
-fn stored_params(p: SamplingParams) -> Result<serde_json::Value, ChatError> {
-    let p = check_params(p, "params.")?;
-    serde_json::to_value(p).map_err(|e| ChatError::Internal(e.to_string()))
+/// Sampling fields as a client gave them (a JSON object).
+pub type Fields = serde_json::Map<String, serde_json::Value>;
+
+/// The fields, checked as [`SamplingParams`] (names, types, ranges), stored as given: the
+/// fields left out take the served model's defaults at each turn.
+fn stored_params(p: Fields) -> Result<serde_json::Value, ChatError> {
+    let parsed: SamplingParams = serde_json::from_value(serde_json::Value::Object(p.clone()))
+        .map_err(|e| ChatError::Invalid(format!("params: {e}")))?;
+    check_params(parsed, "params.")?;
+    Ok(serde_json::Value::Object(p))
 }
 
 #[cfg(test)]
@@ -233,10 +240,18 @@ mod tests {
         assert!(
             message(ValidSession::new(None, Some(big), None, None)).starts_with("system_prompt:")
         );
-        let hot = SamplingParams {
-            temperature: -1.0,
-            ..SamplingParams::default()
-        };
+        let fields = |v: serde_json::Value| v.as_object().cloned().expect("object");
+        let hot = fields(serde_json::json!({"temperature": -1.0}));
+        assert!(message(ValidSession::new(
+            None,
+            None,
+            Some(fields(serde_json::json!({"temprature": 1}))),
+            None
+        ))
+        .starts_with("params: unknown field `temprature`"));
+        let given = fields(serde_json::json!({"top_k": 5}));
+        let kept = ValidSession::new(None, None, Some(given.clone()), None).expect("valid");
+        assert_eq!(kept.new.params, Some(serde_json::Value::Object(given)));
         assert!(
             message(ValidSession::new(None, None, Some(hot.clone()), None))
                 .starts_with("params.temperature:")
