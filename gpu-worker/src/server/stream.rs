@@ -17,7 +17,7 @@ use tonic::{Code, Status, Streaming};
 
 use super::state::{InFlight, WorkerState};
 use super::status::{self, error_event};
-use crate::engine::{EngineEvent, EngineHandle, EventStream, GenerateRequest};
+use crate::engine::{EngineError, EngineEvent, EngineHandle, EventStream, GenerateRequest};
 
 pub type EventTx = mpsc::Sender<Result<proto::WorkerEvent, Status>>;
 
@@ -177,7 +177,7 @@ impl Connection {
                 Err(msg) => refuse(Code::InvalidArgument, msg),
                 Ok(req) => {
                     let engine_id = req.id;
-                    match self.engine.submit(req) {
+                    match self.submit_to_engine(req).await {
                         Err(e) => refuse(status::code(&e), e.to_string()),
                         Ok(events) => {
                             self.live.insert(client_id, engine_id);
@@ -193,6 +193,19 @@ impl Connection {
             }
         };
         self.out.send(event).await.map_err(|_| Gone)
+    }
+
+    /// Hands `req` to the engine. A grammar is compiled against the vocabulary as it is
+    /// taken (milliseconds for a large schema), so a constrained request is handed over on the
+    /// blocking pool, where it cannot hold up the runtime's other streams and health checks.
+    async fn submit_to_engine(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        if req.grammar.is_none() {
+            return self.engine.submit(req);
+        }
+        let engine = self.engine.clone();
+        tokio::task::spawn_blocking(move || engine.submit(req))
+            .await
+            .unwrap_or_else(|e| Err(EngineError::Internal(format!("submitting failed: {e}"))))
     }
 
     fn to_engine_request(&self, r: proto::GenerateRequest) -> Result<GenerateRequest, String> {
