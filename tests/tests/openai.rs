@@ -545,6 +545,8 @@ async fn legacy_completions_take_text_or_token_ids_and_models_are_found_by_id() 
         .as_str()
         .expect("model id")
         .to_string();
+    assert_eq!(list["data"][0]["state"], "ready", "{list}");
+    assert_eq!(list["data"][0]["workers"], 1, "{list}");
     let one = Req::new("GET", &format!("/v1/models/{id}"))
         .key(Some(&k))
         .send(s.addr())

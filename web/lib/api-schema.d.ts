@@ -609,6 +609,13 @@ export interface components {
             version: string | null;
             /** @description For people: the repository manifest's display name, else the id. */
             display_name: string;
+            /** @description `ready` while a worker serves it, else `unavailable` (loading, or no worker is up). */
+            state: string;
+            /**
+             * Format: u-int32
+             * @description Workers serving it now.
+             */
+            workers: number;
         };
         /** @description The served models. */
         ModelList: {

@@ -861,6 +861,10 @@ pub struct ModelCard {
     pub version: Option<String>,
     /// For people: the repository manifest's display name, else the id.
     pub display_name: String,
+    /// `ready` while a worker serves it, else `unavailable` (loading, or no worker is up).
+    pub state: String,
+    /// Workers serving it now.
+    pub workers: u32,
 }
 
 /// The served model (the one every worker runs).
@@ -875,6 +879,7 @@ pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelLis
 
 fn model_card(s: &AppState) -> ModelCard {
     let (version, display) = s.chat.model_labels();
+    let workers = s.chat.serving_workers() as u32;
     let id = s.chat.model_name();
     ModelCard {
         display_name: display.unwrap_or_else(|| id.clone()),
@@ -884,6 +889,8 @@ fn model_card(s: &AppState) -> ModelCard {
         owned_by: "hearth".into(),
         max_model_len: s.chat.context_length().map(|n| n as u64),
         version,
+        state: if workers > 0 { "ready" } else { "unavailable" }.into(),
+        workers,
     }
 }
 

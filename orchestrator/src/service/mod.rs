@@ -232,6 +232,11 @@ impl ChatService {
         (some(info.model_version), some(info.display_name))
     }
 
+    /// Workers ready to serve the model now.
+    pub fn serving_workers(&self) -> usize {
+        self.generator.pool.ready_count()
+    }
+
     /// The served model's default sampling parameters (a repository manifest's `params`).
     pub fn model_defaults(&self) -> ModelDefaults {
         let json = self
