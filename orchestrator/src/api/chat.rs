@@ -140,11 +140,34 @@ impl TurnBody {
     }
 
     /// Refuses `tool_results` where the turn cannot take them (regenerate, edit).
-    pub(super) fn no_results(&self, why: &str) -> Result<(), ApiError> {
+    fn no_results(&self, why: &str) -> Result<(), ApiError> {
         match self.tool_results {
             Some(_) => Err(ApiError::Validation(format!("tool_results: {why}"))),
             None => Ok(()),
         }
+    }
+
+    /// The body as a regenerate, which takes neither content nor tool results.
+    pub(super) fn regenerated(&self) -> Result<ValidTurn<NativeTurn>, ApiError> {
+        if self.content.is_some() {
+            return Err(ApiError::Validation(
+                "content: not accepted here; regenerate answers the last user message again".into(),
+            ));
+        }
+        self.no_results("not accepted here; post them as a new message")?;
+        self.turn(NativeTurn::Regenerate)
+    }
+
+    /// The body as an edit of `message_id`: its `content` is the message's new text.
+    pub(super) fn edited(&self, message_id: MessageId) -> Result<ValidTurn<NativeTurn>, ApiError> {
+        let content = self.content.as_deref().ok_or_else(|| {
+            ApiError::Validation("content: required (the message's new text)".into())
+        })?;
+        self.no_results("not accepted on an edit")?;
+        self.turn(NativeTurn::Edit {
+            message_id,
+            content: UserText::new("content", content)?,
+        })
     }
 
     /// The body as a validated turn answering `input`.
@@ -199,13 +222,7 @@ pub async fn regenerate(
     id: SessionId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
-    if body.content.is_some() {
-        return Err(ApiError::Validation(
-            "content: not accepted here; regenerate answers the last user message again".into(),
-        ));
-    }
-    body.no_results("not accepted here; post them as a new message")?;
-    let turn = body.turn(NativeTurn::Regenerate)?;
+    let turn = body.regenerated()?;
     start(&s, &caller, &id, turn).await
 }
 
@@ -233,15 +250,7 @@ pub async fn edit(
     message_id: MessageId,
     ValidJson(body): ValidJson<TurnBody>,
 ) -> Result<Response, ApiError> {
-    let content = body
-        .content
-        .as_deref()
-        .ok_or_else(|| ApiError::Validation("content: required (the message's new text)".into()))?;
-    body.no_results("not accepted on an edit")?;
-    let turn = body.turn(NativeTurn::Edit {
-        message_id,
-        content: UserText::new("content", content)?,
-    })?;
+    let turn = body.edited(message_id)?;
     start(&s, &caller, &id, turn).await
 }
 

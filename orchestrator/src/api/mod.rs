@@ -304,16 +304,25 @@ impl FromRequestParts<AppState> for Caller {
 
 /// The request's caller: the local user without keys, else the owner of its API key.
 async fn caller_of(parts: &Parts, state: &AppState) -> Result<Caller, ApiError> {
+    caller_with(state, bearer(&parts.headers)).await
+}
+
+/// The key an `Authorization: Bearer …` header carries, if there is one.
+fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+}
+
+/// The caller of a request that carries `key` (if any): the local user without keys, else the
+/// key's owner.
+async fn caller_with(state: &AppState, key: Option<&str>) -> Result<Caller, ApiError> {
     match &state.auth {
         AuthMode::Disabled(user) => Ok(state.chat.local_caller(user)),
         AuthMode::Keys => {
-            let token = parts
-                .headers
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "))
-                .ok_or(ApiError::Unauthorized)?;
-            Ok(state.chat.key_caller(token.trim()).await?)
+            let key = key.ok_or(ApiError::Unauthorized)?;
+            Ok(state.chat.key_caller(key.trim()).await?)
         }
     }
 }

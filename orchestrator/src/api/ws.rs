@@ -33,10 +33,10 @@ use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
 
 use super::chat::{resume_from, NativeEvent, StopResult, TurnBody};
-use super::{ApiError, AppState, AuthMode};
+use super::{bearer, caller_with, ApiError, AppState};
 use crate::generate::{Live, RunEvent, TurnIds};
 use crate::ids::{MessageId, SessionId};
-use crate::service::{Caller, NativeTurn, UserText};
+use crate::service::{Caller, NativeTurn};
 
 /// Largest message a client may send (a turn's body, as over HTTP).
 pub const MAX_MESSAGE_BYTES: usize = super::MAX_BODY_BYTES;
@@ -88,26 +88,15 @@ pub async fn socket(
 /// The caller: the API's own rules, with the key taken from a `hearth.key.<key>` subprotocol
 /// when there is no `Authorization` header.
 async fn socket_caller(s: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
-    let token = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::to_string)
-        .or_else(|| {
-            headers
-                .get_all(header::SEC_WEBSOCKET_PROTOCOL)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(','))
-                .find_map(|p| p.trim().strip_prefix(KEY_PROTOCOL).map(str::to_string))
-        });
-    match &s.auth {
-        AuthMode::Disabled(user) => Ok(s.chat.local_caller(user)),
-        AuthMode::Keys => {
-            let token = token.ok_or(ApiError::Unauthorized)?;
-            Ok(s.chat.key_caller(token.trim()).await?)
-        }
-    }
+    let key = bearer(headers).or_else(|| {
+        headers
+            .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .find_map(|p| p.trim().strip_prefix(KEY_PROTOCOL))
+    });
+    caller_with(s, key).await
 }
 
 type Events = Pin<Box<dyn Stream<Item = (usize, RunEvent)> + Send>>;
@@ -212,9 +201,17 @@ impl Session {
             return Step::Send(Vec::new());
         };
         let last = matches!(e, RunEvent::End(_));
+        // The event's data is JSON already: written in place, not parsed again.
         let e = NativeEvent::new(ids, n, e);
-        let data: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
-        let m = text(json!({"id": e.id, "event": e.name, "data": data}));
+        let m = Message::Text(
+            format!(
+                r#"{{"id":{},"event":"{}","data":{}}}"#,
+                Value::String(e.id),
+                e.name,
+                e.data
+            )
+            .into(),
+        );
         if last {
             self.following = None;
         }
@@ -255,34 +252,14 @@ impl Session {
                 let body = turn_body(fields)?;
                 self.start(body.turn(body.posted()?)?).await
             }
-            "regenerate" => {
-                let body = turn_body(fields)?;
-                if body.content.is_some() {
-                    return Err(ApiError::Validation(
-                        "content: not accepted here; regenerate answers the last user message again"
-                            .into(),
-                    ));
-                }
-                body.no_results("not accepted here; send them with a message")?;
-                self.start(body.turn(NativeTurn::Regenerate)?).await
-            }
+            "regenerate" => self.start(turn_body(fields)?.regenerated()?).await,
             "edit" => {
                 let message_id = take_str(&mut fields, "message_id")?
                     .and_then(|m| MessageId::parse(&m))
                     .ok_or_else(|| {
                         ApiError::Validation("message_id: required, a message's id".into())
                     })?;
-                let body = turn_body(fields)?;
-                body.no_results("not accepted on an edit")?;
-                let content = body.content.as_deref().ok_or_else(|| {
-                    ApiError::Validation("content: required (the message's new text)".into())
-                })?;
-                let content = UserText::new("content", content)?;
-                self.start(body.turn(NativeTurn::Edit {
-                    message_id,
-                    content,
-                })?)
-                .await
+                self.start(turn_body(fields)?.edited(message_id)?).await
             }
             "stop" => {
                 no_more(&fields)?;
