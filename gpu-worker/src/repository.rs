@@ -21,8 +21,9 @@
 //! newer than `9`), part by part (`1.10` after `1.9`), and as text otherwise. `name@version`
 //! pins one.
 
-use std::cmp::Ordering;
 use std::path::{Path, PathBuf};
+
+pub use hearth_shared::versions::compare_versions;
 
 use hearth_shared::SamplingParams;
 use serde::Deserialize;
@@ -98,29 +99,6 @@ fn subdirs(dir: &Path) -> Result<Vec<String>, RepoError> {
         .collect();
     out.sort();
     Ok(out)
-}
-
-/// Orders versions: part by part (split at `.`, `-` and `_`), numbers as numbers, numbers before
-/// text, text as text.
-pub fn compare_versions(a: &str, b: &str) -> Ordering {
-    let parts = |s: &str| -> Vec<String> {
-        s.split(['.', '-', '_'])
-            .map(str::to_string)
-            .collect::<Vec<_>>()
-    };
-    let (pa, pb) = (parts(a), parts(b));
-    for (x, y) in pa.iter().zip(&pb) {
-        let o = match (x.parse::<u64>(), y.parse::<u64>()) {
-            (Ok(m), Ok(n)) => m.cmp(&n),
-            (Ok(_), Err(_)) => Ordering::Less,
-            (Err(_), Ok(_)) => Ordering::Greater,
-            (Err(_), Err(_)) => x.cmp(y),
-        };
-        if o != Ordering::Equal {
-            return o;
-        }
-    }
-    pa.len().cmp(&pb.len()).then_with(|| a.cmp(b))
 }
 
 /// A model repository on disk.
@@ -275,13 +253,6 @@ mod tests {
     fn file(p: &Path, text: &str) {
         std::fs::create_dir_all(p.parent().expect("parent")).expect("dir");
         std::fs::write(p, text).expect("write");
-    }
-
-    #[test]
-    fn versions_order_as_numbers_part_by_part() {
-        let mut v = vec!["10", "9", "1.10", "1.9", "2", "b", "a", "1"];
-        v.sort_by(|a, b| compare_versions(a, b));
-        assert_eq!(v, ["1", "1.9", "1.10", "2", "9", "10", "a", "b"]);
     }
 
     #[test]

@@ -36,6 +36,10 @@ pub const SPEC_ACCEPTED: &str = "hearth_worker_spec_accepted_tokens_total";
 pub const DEVICE_MEMORY_USED: &str = "hearth_worker_device_memory_used_bytes";
 pub const DEVICE_MEMORY_TOTAL: &str = "hearth_worker_device_memory_total_bytes";
 pub const READY: &str = "hearth_worker_ready";
+/// Per model (`model="name@version"`): 1 loading, 2 ready, 3 unloading, 4 failed, 0 unloaded.
+pub const MODEL_STATE: &str = "hearth_worker_model_state";
+/// Per model: its weights and K/V pool, in bytes (0 once unloaded).
+pub const MODEL_BYTES: &str = "hearth_worker_model_bytes";
 pub const DEVICE_INFO: &str = "hearth_worker_device_info";
 
 pub use hearth_shared::telemetry::LATENCY_BUCKETS;
@@ -113,6 +117,11 @@ fn describe() {
     );
     describe_gauge!(READY, "1 when the worker accepts generation requests");
     describe_gauge!(
+        MODEL_STATE,
+        "Per model: 1 loading, 2 ready, 3 unloading, 4 failed, 0 unloaded"
+    );
+    describe_gauge!(MODEL_BYTES, "Per model: its weights and K/V pool, in bytes");
+    describe_gauge!(
         DEVICE_INFO,
         "1, labelled with the device the model runs on (kind, ordinal, name, compute capability)"
     );
@@ -128,16 +137,29 @@ pub fn record_step(summary: &StepSummary, elapsed: Duration, max_batch: usize) {
     counter!(DECODE_TOKENS).increment(summary.decode_tokens as u64);
 }
 
+/// A model's state and bytes (see [`MODEL_STATE`]).
+pub fn model_state(model: &str, state: u8, bytes: u64) {
+    gauge!(MODEL_STATE, "model" => model.to_string()).set(f64::from(state));
+    gauge!(MODEL_BYTES, "model" => model.to_string()).set(bytes as f64);
+}
+
+/// K/V memory of every engine together: bytes in use and in all.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct KvBytes {
+    pub used: usize,
+    pub total: usize,
+}
+
 /// Mirrors engine and device state into gauges; called on every scrape.
-pub fn refresh(stats: &EngineStats, kv_block_bytes: usize, in_flight: usize, memory: MemoryUse) {
+pub fn refresh(stats: &EngineStats, kv: KvBytes, in_flight: usize, memory: MemoryUse) {
     gauge!(RUNNING).set(stats.running as f64);
     gauge!(WAITING).set(stats.waiting as f64);
     gauge!(IN_FLIGHT).set(in_flight as f64);
     gauge!(KV_BLOCKS_USED).set(stats.kv_blocks_used as f64);
     gauge!(KV_BLOCKS_TOTAL).set(stats.kv_blocks_total as f64);
     gauge!(KV_BLOCKS_CACHED).set(stats.kv_blocks_cached as f64);
-    gauge!(KV_BYTES_USED).set((stats.kv_blocks_used * kv_block_bytes) as f64);
-    gauge!(KV_BYTES_TOTAL).set((stats.kv_blocks_total * kv_block_bytes) as f64);
+    gauge!(KV_BYTES_USED).set(kv.used as f64);
+    gauge!(KV_BYTES_TOTAL).set(kv.total as f64);
     gauge!(CACHED_SESSIONS).set(stats.cached_sessions as f64);
     counter!(SESSION_EVICTIONS).absolute(stats.session_evictions as u64);
     counter!(PREEMPTIONS).absolute(stats.preemptions as u64);

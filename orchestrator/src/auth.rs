@@ -57,6 +57,8 @@ pub struct KeyOptions {
     pub requests_per_minute: Option<i64>,
     pub tokens_per_day: Option<i64>,
     pub expires_at: Option<i64>,
+    /// An admin key: it may also load and unload models.
+    pub admin: bool,
 }
 
 /// Creates a key for `user_name` (and the user, if new).
@@ -78,6 +80,7 @@ pub async fn issue_key(
             requests_per_minute: options.requests_per_minute,
             tokens_per_day: options.tokens_per_day,
             expires_at: options.expires_at,
+            admin: options.admin,
         })
         .await?;
     Ok(IssuedKey { key, record })

@@ -60,6 +60,10 @@ enum KeysCommand {
         /// Generated tokens per day allowed with this key [default: the server's limit].
         #[arg(long)]
         tokens_per_day: Option<u32>,
+        /// An admin key: it may also load and unload models on the workers
+        /// (`/v1/admin/...`).
+        #[arg(long)]
+        admin: bool,
     },
     /// Revoke the key that starts with PREFIX (the `hk_…` shown at creation), or the whole key.
     Revoke {
@@ -119,6 +123,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             expires_in_days,
             requests_per_minute,
             tokens_per_day,
+            admin,
         } => {
             if user.trim().is_empty() || user.len() > 128 {
                 anyhow::bail!("--user: must be 1 to 128 characters");
@@ -127,10 +132,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 requests_per_minute: requests_per_minute.map(i64::from),
                 tokens_per_day: tokens_per_day.map(i64::from),
                 expires_at: expires_in_days.map(|d| now_ms() + i64::from(d) * 86_400_000),
+                admin,
             };
             let issued = issue_key(&store, &user, options).await?;
+            let kind = if admin { "admin key" } else { "API key" };
             eprintln!(
-                "created API key {}… for user {user}; it is shown only now:",
+                "created {kind} {}… for user {user}; it is shown only now:",
                 issued.record.prefix
             );
             #[allow(clippy::print_stdout)]

@@ -475,7 +475,7 @@ fn announce(addr: SocketAddr, metrics: Option<SocketAddr>, state: &AppState) {
         "\nhearth: serving {model} at http://{addr}\n\n  \
          curl -N http://{addr}/v1/chat/completions{key} -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\": \"{model}\", \"stream\": true, \"messages\": [{{\"role\": \"user\", \"content\": \"Why is the sky blue?\"}}]}}'\n",
-        model = state.chat.model_name(),
+        model = state.chat.lookup(None).map(|t| t.name()).unwrap_or_default(),
     );
 }
 

@@ -41,6 +41,8 @@ pub const PROMPT_LENGTH: &str = "hearth_request_prompt_tokens";
 pub const GENERATION_LENGTH: &str = "hearth_request_generation_tokens";
 pub const DECODE_TIME: &str = "hearth_request_decode_seconds";
 pub const DATABASE_UP: &str = "hearth_database_up";
+/// Models loaded on demand (a request for a repository model no worker held).
+pub const MODEL_LOADS: &str = "hearth_model_loads_on_demand_total";
 
 /// Buckets for per-request token counts (prompt and reply lengths), 1 to 32k tokens.
 const LENGTH_BUCKETS: &[f64] = &[
@@ -82,6 +84,10 @@ pub fn handle() -> Option<PrometheusHandle> {
 
 fn describe() {
     describe_counter!(REQUESTS, "HTTP requests by route and status");
+    describe_counter!(
+        MODEL_LOADS,
+        "Repository models loaded on demand for a request no worker could serve"
+    );
     describe_histogram!(
         TTFT,
         metrics::Unit::Seconds,
@@ -145,10 +151,15 @@ fn describe() {
         DATABASE_UP,
         "1 when the last periodic database check succeeded, 0 when it failed"
     );
-    // Series that only move on rare events start at zero, so dashboards and alerts see a
-    // flat line (and `rate()` works) rather than no data until the first event.
+    start_at_zero();
+}
+
+/// Series that only move on rare events start at zero, so dashboards and alerts see a flat
+/// line (and `rate()` works) rather than no data until the first event.
+fn start_at_zero() {
     counter!(WORKER_FAILOVERS).increment(0);
     counter!(PREEMPTIONS).increment(0);
+    counter!(MODEL_LOADS).increment(0);
     for limit in ["requests_per_minute", "tokens_per_day", "stops_per_minute"] {
         counter!(RATE_LIMITED, "limit" => limit).increment(0);
     }

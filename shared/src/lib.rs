@@ -8,6 +8,7 @@
 //! - [`finish`]: why a generation ended.
 //! - [`proto`]: the orchestrator ⇄ worker gRPC contract (generated) and its conversions.
 //! - [`tokenizer`]: a thin wrapper over a `tokenizer.json` with Gemma's special tokens.
+//! - [`versions`]: the order of model versions (which is the newest).
 //! - [`worker_auth`]: the token every orchestrator-to-worker call carries.
 
 pub mod chat;
@@ -18,6 +19,7 @@ pub mod proto;
 pub mod sampling;
 pub mod telemetry;
 pub mod tokenizer;
+pub mod versions;
 pub mod worker_auth;
 
 pub use finish::FinishReason;

@@ -1,7 +1,8 @@
 //! A worker serving a model from a model repository, through the whole stack: `/v1/models`
 //! shows its name, version and display name, and its manifest's context; requests name it, or
-//! pin its version, and another version is OpenAI's 404; the manifest's default sampling
-//! parameters apply to requests (on both APIs) that leave those fields out.
+//! pin its version (the repository's other version loads on demand), and a version it does not
+//! hold is OpenAI's 404; the manifest's default sampling parameters apply to requests (on both
+//! APIs) that leave those fields out.
 
 use std::path::Path;
 
@@ -46,7 +47,7 @@ async fn a_repository_model_is_named_pinned_and_keeps_its_manifest() {
     let root = std::env::temp_dir().join(format!("hearth-repo-e2e-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     repository(&root);
-    let s = Stack::from_repository("repository", &root, "tiny", &[]).await;
+    let s = Stack::from_repository("repository", &root, &["tiny"], &[]).await;
     let k = s.key("alice").await;
 
     let models = Req::new("GET", "/v1/models")
@@ -103,16 +104,35 @@ async fn a_repository_model_is_named_pinned_and_keeps_its_manifest() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["content"], biased.as_str());
 
-    // Another version is not served here.
+    // The repository's other version is listed as available, and loaded on demand by the
+    // first request pinning it; the name still means the newest.
+    let card = Req::new("GET", "/v1/models")
+        .key(Some(&k))
+        .send(s.addr())
+        .await
+        .json()["data"][0]
+        .clone();
+    assert_eq!(card["versions"][1]["version"], "1", "{card}");
+    assert_eq!(card["versions"][1]["state"], "available", "{card}");
     let r = completion(s.addr(), &k, &ask("tiny@1", json!({}))).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let pinned = Req::new("GET", "/v1/models/tiny@1")
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(pinned.json()["version"], "1", "{}", pinned.text());
+    assert_eq!(pinned.json()["state"], "ready", "{}", pinned.text());
+    let biased_again = text(&chat_completion(s.addr(), &k, &ask("tiny", json!({}))).await);
+    assert_eq!(biased_again, biased, "`tiny` is still version 2");
+
+    // A version the repository does not hold is OpenAI's 404, naming what can be asked for.
+    let r = completion(s.addr(), &k, &ask("tiny@3", json!({}))).await;
     assert_eq!(r.status, 404, "{}", r.text());
     let e = r.json()["error"].clone();
     assert_eq!(e["code"], "model_not_found");
+    let message = e["message"].as_str().unwrap_or_default();
     assert!(
-        e["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("`tiny@2`"),
+        message.contains("`tiny@2`") && message.contains("`tiny@1`"),
         "{e}"
     );
     s.finish().await;

@@ -36,6 +36,26 @@ pub struct ServeConfig {
     /// The repository version `--model` named, once resolved.
     #[arg(skip)]
     pub entry: Option<ModelVersion>,
+    /// More of the repository's models to load at start-up beside `--model` (`name` or
+    /// `name@version`; repeat the flag, or separate them with commas). Each runs on an engine
+    /// of its own with a K/V pool of `--kv-budget`.
+    #[arg(
+        long = "load",
+        env = "HEARTH_WORKER_LOAD",
+        value_delimiter = ',',
+        requires = "repository"
+    )]
+    pub load: Vec<String>,
+    /// Memory all the worker's models may take together, weights and K/V pools (bytes, or with
+    /// a unit: `8GiB`): a load that would go past it is refused, naming the bytes needed and
+    /// free [default: none; a load must fit in the device's free memory].
+    #[arg(long, env = "HEARTH_WORKER_MEMORY_BUDGET", value_parser = parse_bytes)]
+    pub memory_budget: Option<u64>,
+    /// Seconds a repository model stays loaded with no request streaming on it, after which it
+    /// is unloaded (and loaded again on demand); a request's `keep_alive` overrides it for its
+    /// model. Negative: for good. A model given by path is never unloaded this way.
+    #[arg(long, env = "HEARTH_WORKER_KEEP_ALIVE_SECS", default_value_t = -1, allow_hyphen_values = true)]
+    pub keep_alive_secs: i64,
     /// Optional tokenizer.json: checked against the model's vocabulary at start-up, and its
     /// special tokens reported by `Info`.
     #[arg(long, env = "HEARTH_TOKENIZER")]
@@ -234,6 +254,14 @@ pub struct ValidConfig {
     pub model: PathBuf,
     /// The repository version the model is, when it came from one.
     pub entry: Option<ModelVersion>,
+    /// The model repository, when there is one: `LoadModel` loads from it.
+    pub repository: Option<PathBuf>,
+    /// Its models to load at start-up beside the first (`--load`).
+    pub load: Vec<String>,
+    /// `--memory-budget`.
+    pub memory_budget: Option<u64>,
+    /// `--keep-alive-secs`, in milliseconds (negative: for good).
+    pub keep_alive_ms: i64,
     pub tokenizer: Option<PathBuf>,
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
@@ -372,6 +400,9 @@ impl ServeConfig {
         if self.kv_budget == Some(0) {
             return Err(invalid("--kv-budget", "must be more than 0 bytes"));
         }
+        if self.memory_budget == Some(0) {
+            return Err(invalid("--memory-budget", "must be more than 0 bytes"));
+        }
         if !(self.gpu_memory_fraction > 0.0 && self.gpu_memory_fraction <= 1.0) {
             return Err(invalid(
                 "--gpu-memory-fraction",
@@ -439,6 +470,10 @@ impl ServeConfig {
         Ok(ValidConfig {
             model,
             entry: self.entry,
+            repository: self.repository,
+            load: self.load,
+            memory_budget: self.memory_budget,
+            keep_alive_ms: self.keep_alive_secs.saturating_mul(1000),
             tokenizer: self.tokenizer,
             listen: self.listen,
             metrics_listen: self.metrics_listen,

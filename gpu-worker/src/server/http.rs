@@ -39,13 +39,9 @@ pub async fn serve(
 }
 
 async fn render(State(h): State<Http>) -> impl IntoResponse {
-    if let Some((engine, _)) = h.state.engine() {
-        telemetry::refresh(
-            &engine.stats(),
-            engine.model_info().kv_block_bytes,
-            h.state.in_flight(),
-            h.state.device.memory(),
-        );
+    if h.state.phase() != Phase::Loading {
+        let (stats, kv) = h.state.models.stats();
+        telemetry::refresh(&stats, kv, h.state.in_flight(), h.state.device.memory());
     }
     let mut text = h.metrics.render();
     text.push_str(&hearth_shared::telemetry::process_metrics());

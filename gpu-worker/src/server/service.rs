@@ -1,4 +1,4 @@
-//! The `hearth.worker.v1.Worker` gRPC service over the engine handle.
+//! The `hearth.worker.v1.Worker` gRPC service over the worker's models and their engines.
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -12,24 +12,28 @@ use tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 use tracing::Instrument;
 
-use super::state::{Phase, WorkerState};
+use super::loader::Loader;
+use super::state::{Loaded, Phase, WorkerState};
 use super::{status, stream};
+use crate::engine::ModelInfo;
 
 #[derive(Debug, Clone)]
 pub struct WorkerService {
     state: Arc<WorkerState>,
     stall: Arc<StallWatch>,
+    loader: Arc<Loader>,
 }
 
 impl WorkerService {
     /// `engine_stall`: how long an engine with work may go without finishing a step.
-    pub fn new(state: Arc<WorkerState>, engine_stall: Duration) -> Self {
+    pub fn new(state: Arc<WorkerState>, engine_stall: Duration, loader: Arc<Loader>) -> Self {
         Self {
             state,
             stall: Arc::new(StallWatch {
                 limit: engine_stall,
                 last: Mutex::new((0, Instant::now())),
             }),
+            loader,
         }
     }
 }
@@ -61,24 +65,12 @@ impl Worker for WorkerService {
         &self,
         _: Request<proto::InfoRequest>,
     ) -> Result<Response<proto::InfoResponse>, Status> {
-        let (engine, loaded) = self.state.loaded()?;
-        let m = engine.model_info();
+        if self.state.phase() == Phase::Loading {
+            return Err(Status::unavailable("the worker is still loading its model"));
+        }
         let d = &self.state.device;
         let memory = d.memory();
-        let blocks_total = m.kv_capacity_tokens / m.block_size;
-        Ok(Response::new(proto::InfoResponse {
-            model_id: loaded.model_id.clone(),
-            architecture: m.architecture.clone(),
-            context_length: m.context_length as u32,
-            vocab_size: m.vocab_size as u32,
-            special_tokens: Some(proto::SpecialTokens {
-                bos: m.bos_id,
-                eos: m.eos_id,
-                start_of_turn: loaded.start_of_turn_id,
-                end_of_turn: m.end_of_turn_id,
-                pad: loaded.pad_id,
-                default_stop_ids: m.default_stop_ids.clone(),
-            }),
+        let mut r = proto::InfoResponse {
             device: Some(proto::DeviceInfo {
                 kind: d.kind.into(),
                 ordinal: d.ordinal,
@@ -88,19 +80,20 @@ impl Worker for WorkerService {
                 memory_free_bytes: memory.free_bytes,
                 compute_capability: d.compute_capability.clone().unwrap_or_default(),
             }),
-            kv: Some(proto::KvCapacity {
-                block_size: m.block_size as u32,
-                blocks_total: blocks_total as u64,
-                capacity_tokens: m.kv_capacity_tokens as u64,
-                budget_bytes: (blocks_total * m.kv_block_bytes) as u64,
-            }),
-            max_batch: m.max_batch as u32,
-            max_waiting: m.max_waiting as u32,
             worker_version: env!("CARGO_PKG_VERSION").into(),
-            model_version: loaded.version.clone(),
-            display_name: loaded.display_name.clone(),
-            default_params_json: loaded.default_params_json.clone(),
-        }))
+            models: self.state.models.all().iter().map(|s| s.status()).collect(),
+            available: self.loader.available(),
+            memory_budget_bytes: self.state.models.budget.unwrap_or(0),
+            memory_used_bytes: self.state.models.used_bytes(),
+            ..Default::default()
+        };
+        // The default model's own fields; none while the worker holds no model (all unloaded).
+        if let Some(slot) = self.state.models.default_model() {
+            if let Some(engine) = slot.handle() {
+                describe_default(&mut r, &slot.loaded, engine.model_info());
+            }
+        }
+        Ok(Response::new(r))
     }
 
     async fn health(
@@ -117,10 +110,11 @@ impl Worker for WorkerService {
             ready: phase == Phase::Ready,
             state: state as i32,
             in_flight: self.state.in_flight() as u32,
+            models_epoch: self.state.models.epoch(),
             ..Default::default()
         };
-        if let Some((engine, _)) = self.state.engine() {
-            let s = engine.stats();
+        if phase != Phase::Loading {
+            let (s, _) = self.state.models.stats();
             r.running = s.running as u32;
             r.waiting = s.waiting as u32;
             r.kv_blocks_used = s.kv_blocks_used as u64;
@@ -145,7 +139,7 @@ impl Worker for WorkerService {
         &self,
         request: Request<Streaming<proto::WorkerRequest>>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let engine = self.state.accepting()?.clone();
+        self.state.accepting()?;
         // The caller's trace context (W3C `traceparent` metadata) follows the stream's logs.
         let traceparent = request
             .metadata()
@@ -160,8 +154,7 @@ impl Worker for WorkerService {
         );
         let (tx, rx) = mpsc::channel(stream::OUT_QUEUE);
         tokio::spawn(
-            stream::connection_task(self.state.clone(), engine, request.into_inner(), tx)
-                .instrument(span),
+            stream::connection_task(self.state.clone(), request.into_inner(), tx).instrument(span),
         );
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -170,17 +163,109 @@ impl Worker for WorkerService {
         &self,
         request: Request<proto::DropSessionRequest>,
     ) -> Result<Response<proto::DropSessionResponse>, Status> {
-        let (engine, _) = self.state.loaded()?;
+        self.state.loaded()?;
         let id = request.into_inner().session_id;
         if id.is_empty() {
             return Err(Status::invalid_argument("session_id: must not be empty"));
         }
-        engine
-            .drop_session(SessionId::new(id))
-            .await
-            .map_err(|e| status::status(&e))?;
-        Ok(Response::new(proto::DropSessionResponse {}))
+        // A session's cache lives in the engine of the model that served it: ask each.
+        let mut dropped = false;
+        let mut last = None;
+        for slot in self.state.models.all() {
+            let Some(engine) = slot.handle() else {
+                continue;
+            };
+            match engine.drop_session(SessionId::new(id.clone())).await {
+                Ok(()) => dropped = true,
+                Err(e) => last = Some(status::status(&e)),
+            }
+        }
+        match (dropped, last) {
+            (true, _) => Ok(Response::new(proto::DropSessionResponse {})),
+            (false, Some(s)) => Err(s),
+            (false, None) => Err(Status::not_found("no session cache on this worker")),
+        }
     }
+
+    async fn load_model(
+        &self,
+        request: Request<proto::LoadModelRequest>,
+    ) -> Result<Response<proto::LoadModelResponse>, Status> {
+        self.state.accepting()?;
+        let r = request.into_inner();
+        if r.model.trim().is_empty() {
+            return Err(Status::invalid_argument(
+                "model: name a model of the repository",
+            ));
+        }
+        let source = self.loader.repository_source(&r.model)?;
+        let slot = self.loader.load(source, r.evict_idle).await?;
+        Ok(Response::new(proto::LoadModelResponse {
+            model: Some(slot.status()),
+        }))
+    }
+
+    async fn unload_model(
+        &self,
+        request: Request<proto::UnloadModelRequest>,
+    ) -> Result<Response<proto::UnloadModelResponse>, Status> {
+        let r = request.into_inner();
+        if r.model.trim().is_empty() {
+            return Err(Status::invalid_argument("model: name a loaded model"));
+        }
+        let slot =
+            self.state.models.find(&r.model).ok_or_else(|| {
+                Status::not_found(format!("model: `{}` is not loaded here", r.model))
+            })?;
+        if slot.phase() == super::models::ModelPhase::Loading {
+            return Err(Status::failed_precondition(format!(
+                "model: {} is still loading; unload it once it is ready",
+                slot.key()
+            )));
+        }
+        if slot.phase() == super::models::ModelPhase::Unloading {
+            return Err(Status::failed_precondition(format!(
+                "model: {} is already being unloaded",
+                slot.key()
+            )));
+        }
+        let deadline = match r.deadline_ms {
+            0 => self.loader.config.drain_timeout,
+            ms => Duration::from_millis(u64::from(ms)),
+        };
+        let ended = self.state.models.unload(&slot, deadline).await;
+        Ok(Response::new(proto::UnloadModelResponse {
+            ended: ended as u32,
+        }))
+    }
+}
+
+/// `Info`'s fields of the default model.
+fn describe_default(r: &mut proto::InfoResponse, loaded: &Loaded, m: &ModelInfo) {
+    let blocks_total = m.kv_capacity_tokens / m.block_size;
+    r.model_id = loaded.model_id.clone();
+    r.architecture = m.architecture.clone();
+    r.context_length = m.context_length as u32;
+    r.vocab_size = m.vocab_size as u32;
+    r.special_tokens = Some(proto::SpecialTokens {
+        bos: m.bos_id,
+        eos: m.eos_id,
+        start_of_turn: loaded.start_of_turn_id,
+        end_of_turn: m.end_of_turn_id,
+        pad: loaded.pad_id,
+        default_stop_ids: m.default_stop_ids.clone(),
+    });
+    r.kv = Some(proto::KvCapacity {
+        block_size: m.block_size as u32,
+        blocks_total: blocks_total as u64,
+        capacity_tokens: m.kv_capacity_tokens as u64,
+        budget_bytes: (blocks_total * m.kv_block_bytes) as u64,
+    });
+    r.max_batch = m.max_batch as u32;
+    r.max_waiting = m.max_waiting as u32;
+    r.model_version = loaded.version.clone();
+    r.display_name = loaded.display_name.clone();
+    r.default_params_json = loaded.default_params_json.clone();
 }
 
 #[cfg(test)]

@@ -1,14 +1,14 @@
 //! What every RPC of one worker process shares: the serving state (loading → ready → draining),
-//! the engine once it exists, and the count of requests being streamed.
+//! its models (see [`super::models`]), and the count of requests being streamed.
 
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
 use tokio::sync::{watch, Notify};
 use tonic::Status;
 
+use super::models::{ModelSlot, Models};
 use crate::device::Device;
-use crate::engine::EngineHandle;
 
 /// Where the worker is in its life.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,7 +19,7 @@ pub enum Phase {
     Draining = 3,
 }
 
-/// Facts about the loaded model that `Info` reports beyond the engine's [`crate::engine::ModelInfo`].
+/// Facts about a loaded model that `Info` reports beyond the engine's [`crate::engine::ModelInfo`].
 #[derive(Clone, Debug, Default)]
 pub struct Loaded {
     pub model_id: String,
@@ -37,25 +37,24 @@ pub struct WorkerState {
     phase: AtomicU8,
     /// Tells open `Generate` streams that draining began, so they refuse new requests.
     drain_tx: watch::Sender<bool>,
-    engine: OnceLock<(EngineHandle, Loaded)>,
+    pub models: Models,
     pub device: Device,
     /// Engine request ids are unique per process; each stream maps its own ids onto them.
     next_engine_id: AtomicU64,
-    in_flight: AtomicUsize,
-    /// Woken whenever a request stops streaming, for the drain to re-check `in_flight`.
-    idle: Notify,
+    /// Requests streaming, for the drain.
+    in_flight: Streaming,
 }
 
 impl WorkerState {
-    pub fn new(device: Device) -> Arc<Self> {
+    /// `keep_alive_ms`: how long a repository model stays loaded once idle (negative: for good).
+    pub fn new(device: Device, memory_budget: Option<u64>, keep_alive_ms: i64) -> Arc<Self> {
         Arc::new(Self {
             phase: AtomicU8::new(Phase::Loading as u8),
             drain_tx: watch::channel(false).0,
-            engine: OnceLock::new(),
+            models: Models::new(memory_budget, keep_alive_ms),
             device,
             next_engine_id: AtomicU64::new(1),
-            in_flight: AtomicUsize::new(0),
-            idle: Notify::new(),
+            in_flight: Streaming::default(),
         })
     }
 
@@ -67,9 +66,8 @@ impl WorkerState {
         }
     }
 
-    /// Publishes the engine and starts accepting work (unless draining already began).
-    pub fn set_ready(&self, engine: EngineHandle, loaded: Loaded) {
-        let _ = self.engine.set((engine, loaded));
+    /// The start-up models are loaded: the worker accepts work (unless draining began).
+    pub fn set_ready(&self) {
         let _ = self.phase.compare_exchange(
             Phase::Loading as u8,
             Phase::Ready as u8,
@@ -87,26 +85,37 @@ impl WorkerState {
         self.drain_tx.subscribe()
     }
 
-    pub fn engine(&self) -> Option<&(EngineHandle, Loaded)> {
-        self.engine.get()
-    }
-
-    /// The engine once the model is loaded (also while draining), else `UNAVAILABLE`.
-    pub fn loaded(&self) -> Result<&(EngineHandle, Loaded), Status> {
-        self.engine
-            .get()
+    /// The default model, once one is listed (also while draining), else `UNAVAILABLE`.
+    pub fn loaded(&self) -> Result<Arc<ModelSlot>, Status> {
+        self.models
+            .default_model()
             .ok_or_else(|| Status::unavailable("the worker is still loading its model"))
     }
 
-    /// The engine, if the worker accepts new work; otherwise the status to refuse it with.
-    pub fn accepting(&self) -> Result<&EngineHandle, Status> {
-        match (self.phase(), self.engine.get()) {
-            (Phase::Ready, Some((engine, _))) => Ok(engine),
-            (Phase::Draining, _) => Err(Status::unavailable(
+    /// Whether the worker accepts new work; otherwise the status to refuse it with.
+    pub fn accepting(&self) -> Result<(), Status> {
+        match self.phase() {
+            Phase::Ready => Ok(()),
+            Phase::Draining => Err(Status::unavailable(
                 "the worker is shutting down and accepts no new requests",
             )),
-            _ => self.loaded().map(|(engine, _)| engine),
+            Phase::Loading => Err(Status::unavailable("the worker is still loading its model")),
         }
+    }
+
+    /// The model `asked` names (empty: the default), if it takes new requests now: NOT_FOUND
+    /// for a model this worker does not hold, UNAVAILABLE for one loading or unloading.
+    pub fn model_for(&self, asked: &str) -> Result<Arc<ModelSlot>, Status> {
+        self.accepting()?;
+        let slot = self.models.find(asked).ok_or_else(|| {
+            let held: Vec<String> = self.models.all().iter().map(|s| s.key()).collect();
+            Status::not_found(format!(
+                "model: `{asked}` is not loaded on this worker (it holds {})",
+                held.join(", ")
+            ))
+        })?;
+        slot.accepting()?;
+        Ok(slot)
     }
 
     pub fn next_engine_id(&self) -> u64 {
@@ -114,20 +123,48 @@ impl WorkerState {
     }
 
     pub fn in_flight(&self) -> usize {
-        self.in_flight.load(Ordering::SeqCst)
+        self.in_flight.count()
     }
 
     /// Counts a request as streaming until the guard drops.
     pub fn track(self: &Arc<Self>) -> InFlight {
-        self.in_flight.fetch_add(1, Ordering::SeqCst);
+        self.in_flight.enter();
         InFlight(self.clone())
     }
 
     /// Resolves once no request is streaming.
     pub async fn all_idle(&self) {
+        self.in_flight.all_idle().await;
+    }
+}
+
+/// A count of requests streaming, and a wake-up whenever one ends (for a drain, or a model's
+/// unload, to check it again).
+#[derive(Debug, Default)]
+pub struct Streaming {
+    count: AtomicUsize,
+    idle: Notify,
+}
+
+impl Streaming {
+    pub fn enter(&self) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    pub fn leave(&self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
+        self.idle.notify_waiters();
+    }
+
+    pub fn count(&self) -> usize {
+        self.count.load(Ordering::SeqCst)
+    }
+
+    /// Resolves once nothing is streaming.
+    pub async fn all_idle(&self) {
         loop {
             let woken = self.idle.notified();
-            if self.in_flight() == 0 {
+            if self.count() == 0 {
                 return;
             }
             woken.await;
@@ -141,7 +178,6 @@ pub struct InFlight(Arc<WorkerState>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::SeqCst);
-        self.0.idle.notify_waiters();
+        self.0.in_flight.leave();
     }
 }

@@ -15,6 +15,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 use tonic::{Code, Status, Streaming};
 
+use super::models::ModelGuard;
 use super::state::{InFlight, WorkerState};
 use super::status::{self, error_event};
 use crate::engine::{EngineError, EngineEvent, EngineHandle, EventStream, GenerateRequest};
@@ -31,13 +32,11 @@ const MAX_ID_BYTES: usize = 256;
 /// Runs one stream until the client is done and every request has finished, or the client goes.
 pub async fn connection_task(
     state: Arc<WorkerState>,
-    engine: EngineHandle,
     mut inbound: Streaming<proto::WorkerRequest>,
     out: EventTx,
 ) {
     let mut conn = Connection {
         state,
-        engine,
         out,
         live: HashMap::new(),
         forwarders: JoinSet::new(),
@@ -99,21 +98,23 @@ pub async fn connection_task(
 
 struct Connection {
     state: Arc<WorkerState>,
-    engine: EngineHandle,
     out: EventTx,
-    /// The client's request id → the engine's.
-    live: HashMap<u64, RequestId>,
+    /// The client's request id → the engine's, and the engine (its model's) that runs it.
+    live: HashMap<u64, (RequestId, EngineHandle)>,
     /// One per live request; each returns the request's last event, which the connection sends
     /// only after forgetting the id, so a client may reuse an id as soon as it sees that event.
     /// The forwarder also hands back the request's in-flight count, released once the last
     /// event is sent, so a drain never finishes ahead of a request's final event.
-    forwarders: JoinSet<(proto::WorkerEvent, InFlight)>,
+    forwarders: JoinSet<(proto::WorkerEvent, Guards)>,
     /// Forwarder task → client request id, to forget the id even if a forwarder panics.
     tasks: HashMap<tokio::task::Id, u64>,
 }
 
 /// The client stopped reading; nothing more can be delivered.
 struct Gone;
+
+/// A request's place in the worker's and its model's in-flight counts.
+type Guards = (InFlight, ModelGuard);
 
 impl Connection {
     async fn handle(&mut self, req: proto::WorkerRequest) -> Result<(), Gone> {
@@ -125,8 +126,8 @@ impl Connection {
             }
             Some(worker_request::Kind::Cancel(c)) => {
                 // A cancel that races the request's end finds nothing: not an error.
-                if let Some(&id) = self.live.get(&c.request_id) {
-                    self.engine.cancel(id);
+                if let Some((id, engine)) = self.live.get(&c.request_id) {
+                    engine.cancel(*id);
                 }
             }
             None => tracing::debug!("empty WorkerRequest ignored"),
@@ -137,7 +138,7 @@ impl Connection {
     /// A forwarder ended: forget its id, then deliver its last event.
     async fn finish(
         &mut self,
-        done: Result<(tokio::task::Id, (proto::WorkerEvent, InFlight)), tokio::task::JoinError>,
+        done: Result<(tokio::task::Id, (proto::WorkerEvent, Guards)), tokio::task::JoinError>,
     ) -> Result<(), Gone> {
         let (task, last, _in_flight) = match done {
             Ok((task, (last, guard))) => (task, Some(last), Some(guard)),
@@ -159,53 +160,54 @@ impl Connection {
 
     async fn submit(&mut self, r: proto::GenerateRequest) -> Result<(), Gone> {
         let client_id = r.request_id;
-        let refuse = |code: Code, msg: String| Ok(error_event(client_id, code, msg));
         // Counted before the phase check, so a drain that starts meanwhile waits for it.
         let guard = self.state.track();
-        let event = if self.state.accepting().is_err() {
-            refuse(
-                Code::Unavailable,
-                "the worker is shutting down and accepts no new requests".into(),
-            )
-        } else if self.live.contains_key(&client_id) {
-            refuse(
-                Code::InvalidArgument,
-                format!("request_id: {client_id} is already in flight on this stream"),
-            )
-        } else {
-            match self.to_engine_request(r) {
-                Err(msg) => refuse(Code::InvalidArgument, msg),
-                Ok(req) => {
-                    let engine_id = req.id;
-                    match self.submit_to_engine(req).await {
-                        Err(e) => refuse(status::code(&e), e.to_string()),
-                        Ok(events) => {
-                            self.live.insert(client_id, engine_id);
-                            let out = self.out.clone();
-                            let task = self
-                                .forwarders
-                                .spawn(forward(client_id, events, out, guard));
-                            self.tasks.insert(task.id(), client_id);
-                            return Ok(());
-                        }
-                    }
-                }
-            }
-        };
-        self.out.send(event).await.map_err(|_| Gone)
+        match self.start(r, guard).await {
+            Ok(()) => Ok(()),
+            Err((code, msg)) => self
+                .out
+                .send(Ok(error_event(client_id, code, msg)))
+                .await
+                .map_err(|_| Gone),
+        }
     }
 
-    /// Hands `req` to the engine. A grammar is compiled against the vocabulary as it is
-    /// taken (milliseconds for a large schema), so a constrained request is handed over on the
-    /// blocking pool, where it cannot hold up the runtime's other streams and health checks.
-    async fn submit_to_engine(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
-        if req.grammar.is_none() {
-            return self.engine.submit(req);
+    /// Starts `r` on its model's engine, or says why not.
+    async fn start(
+        &mut self,
+        r: proto::GenerateRequest,
+        guard: InFlight,
+    ) -> Result<(), (Code, String)> {
+        let client_id = r.request_id;
+        let refused = |s: Status| (s.code(), s.message().to_string());
+        let slot = self.state.model_for(&r.model).map_err(refused)?;
+        if self.live.contains_key(&client_id) {
+            return Err((
+                Code::InvalidArgument,
+                format!("request_id: {client_id} is already in flight on this stream"),
+            ));
         }
-        let engine = self.engine.clone();
-        tokio::task::spawn_blocking(move || engine.submit(req))
+        // Counted before the model's phase is checked again, so an unload that starts
+        // meanwhile waits for it.
+        let on_model = slot.track();
+        let engine = slot.accepting().map_err(refused)?.clone();
+        if let Some(ms) = r.keep_alive_ms {
+            slot.set_keep_alive(ms);
+        }
+        let req = self
+            .to_engine_request(r)
+            .map_err(|m| (Code::InvalidArgument, m))?;
+        let engine_id = req.id;
+        let events = submit_to_engine(&engine, req)
             .await
-            .unwrap_or_else(|e| Err(EngineError::Internal(format!("submitting failed: {e}"))))
+            .map_err(|e| (status::code(&e), e.to_string()))?;
+        self.live.insert(client_id, (engine_id, engine));
+        let out = self.out.clone();
+        let task = self
+            .forwarders
+            .spawn(forward(client_id, events, out, (guard, on_model)));
+        self.tasks.insert(task.id(), client_id);
+        Ok(())
     }
 
     fn to_engine_request(&self, r: proto::GenerateRequest) -> Result<GenerateRequest, String> {
@@ -240,21 +242,46 @@ impl Connection {
     }
 
     fn cancel_all(&mut self) {
-        for &id in self.live.values() {
-            self.engine.cancel(id);
+        for (id, engine) in self.live.values() {
+            engine.cancel(*id);
         }
         self.forwarders.abort_all();
     }
 }
 
-/// Relays one request's engine events to the stream and returns its last event, unsent.
+/// Hands `req` to `engine`. A grammar is compiled against the vocabulary as it is taken
+/// (milliseconds for a large schema), so a constrained request is handed over on the blocking
+/// pool, where it cannot hold up the runtime's other streams and health checks.
+async fn submit_to_engine(
+    engine: &EngineHandle,
+    req: GenerateRequest,
+) -> Result<EventStream, EngineError> {
+    if req.grammar.is_none() {
+        return engine.submit(req);
+    }
+    let engine = engine.clone();
+    tokio::task::spawn_blocking(move || engine.submit(req))
+        .await
+        .unwrap_or_else(|e| Err(EngineError::Internal(format!("submitting failed: {e}"))))
+}
+
+/// Relays one request's engine events to the stream and returns its last event, unsent. A
+/// request its model's unload cut short ends as `UNAVAILABLE`, so the client continues it on
+/// another worker.
 async fn forward(
     client_id: u64,
     mut events: EventStream,
     out: EventTx,
-    in_flight: InFlight,
-) -> (proto::WorkerEvent, InFlight) {
-    (relay(client_id, &mut events, &out).await, in_flight)
+    guards: Guards,
+) -> (proto::WorkerEvent, Guards) {
+    let last = relay(client_id, &mut events, &out).await;
+    let slot = guards.1.slot();
+    let cancelled = matches!(&last.kind, Some(Kind::Finished(f)) if f.reason == proto::FinishReason::Cancelled as i32);
+    if cancelled && slot.was_cut() {
+        let msg = format!("the model {} was unloaded from this worker", slot.key());
+        return (error_event(client_id, Code::Unavailable, msg), guards);
+    }
+    (last, guards)
 }
 
 /// Adds a token (and its alternatives, when asked for) to a batch of them.

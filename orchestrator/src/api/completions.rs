@@ -25,8 +25,9 @@ const MAX_LEGACY_LOGPROBS: u32 = 5;
 /// accepted; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct CompletionRequest {
-    /// The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
-    /// Absent: the served model.
+    /// A served model's name, as `/v1/models` lists it (its newest ready version), or
+    /// `name@version` for one version; another is a 404 `model_not_found`. Absent: the default
+    /// model (the first `/v1/models` lists).
     #[serde(default)]
     model: Option<String>,
     /// Text, token ids, or a list of one of them.
@@ -85,6 +86,11 @@ pub struct CompletionRequest {
     /// The end user the request is for, as on the chat API.
     #[serde(default)]
     user: Option<String>,
+    /// Non-standard (Ollama): how long, in seconds, the model stays loaded once idle, from
+    /// this request on; negative keeps it for good, 0 unloads it as soon as it is idle. It
+    /// applies to models from a worker's repository, which load again on demand.
+    #[serde(default)]
+    keep_alive: Option<f64>,
     /// Non-standard: the grammar the completion follows (JSON Schema, Lark or a regular
     /// expression), as on the chat API.
     #[serde(default)]
@@ -201,7 +207,8 @@ impl CompletionRequest {
             requested_grammar(self.response_format.as_ref(), self.grammar.as_ref())?;
         let options = options
             .with_grammar(field, grammar)?
-            .with_end_user(self.user.as_deref())?;
+            .with_end_user(self.user.as_deref())?
+            .with_keep_alive(self.keep_alive)?;
         Ok((ValidTurn::new(self.prompt()?, options, self.stream), n))
     }
 }
@@ -222,8 +229,8 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    s.chat.check_model(req.model.as_deref())?;
-    let (turn, n) = req.turn(&s.chat.model_defaults())?;
+    let target = s.chat.target(req.model.as_deref()).await?;
+    let (turn, n) = req.turn(&target.defaults())?;
     let echo = match (&req.prompt, req.echo) {
         (_, false) => None,
         (PromptField::Text(t), true) => Some(t.clone()),
@@ -231,11 +238,11 @@ pub async fn completions(
         (PromptField::Tokens(ids), true) => Some(s.chat.decode(ids)),
         (PromptField::TokenLists(v), true) => v.first().map(|ids| s.chat.decode(ids)),
     };
-    let lives = s.chat.complete_raw(&caller, turn, n).await?;
+    let lives = s.chat.complete_raw(&caller, turn, &target, n).await?;
     let head = Head {
         id: format!("cmpl-{}", uuid::Uuid::new_v4().simple()),
         created: crate::storage::now_ms() / 1000,
-        model: s.chat.model_name(),
+        model: target.name(),
     };
     let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
     let shape = Shape::Text { echo: echo.clone() };

@@ -72,6 +72,9 @@ pub enum ApiError {
     RateLimited(crate::limits::Limited),
     #[error("the service is unavailable: {0}")]
     Unavailable(String),
+    /// A model that is only loading yet: 503 with `Retry-After`.
+    #[error("{0}")]
+    Loading(String),
     #[error("internal error")]
     Internal(String),
 }
@@ -91,7 +94,7 @@ impl ApiError {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
-            Self::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable(_) | Self::Loading(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -112,7 +115,7 @@ impl ApiError {
             Self::PayloadTooLarge => "request_too_large",
             Self::BodyTimeout(_) => "request_timeout",
             Self::RateLimited(_) => "rate_limit_error",
-            Self::Unavailable(_) => "service_unavailable",
+            Self::Unavailable(_) | Self::Loading(_) => "service_unavailable",
             Self::Internal(_) => "internal_error",
         }
     }
@@ -134,6 +137,7 @@ impl ApiError {
             Self::BodyTimeout(_) => "body_timeout",
             Self::RateLimited(_) => "rate_limit_exceeded",
             Self::Unavailable(_) => "unavailable",
+            Self::Loading(_) => "model_loading",
             Self::Internal(_) => "internal",
         }
     }
@@ -148,6 +152,9 @@ impl ApiError {
         }
     }
 }
+
+/// When a request for a model that is loading may try again.
+const LOADING_RETRY_AFTER_SECS: u64 = 2;
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -164,10 +171,15 @@ impl IntoResponse for ApiError {
             },
         };
         let mut response = (status, axum::Json(body)).into_response();
-        if let Self::RateLimited(l) = &self {
+        let retry_after = match &self {
+            Self::RateLimited(l) => Some(l.retry_after_secs),
+            Self::Loading(_) => Some(LOADING_RETRY_AFTER_SECS),
+            _ => None,
+        };
+        if let Some(secs) = retry_after {
             response.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from(l.retry_after_secs),
+                axum::http::HeaderValue::from(secs),
             );
         }
         response
@@ -263,6 +275,7 @@ impl From<ChatError> for ApiError {
             ChatError::Busy(b) => b.into(),
             ChatError::Limited(l) => l.into(),
             ChatError::Unavailable(m) => Self::Unavailable(m),
+            ChatError::ModelLoading(_) => Self::Loading(e.to_string()),
             ChatError::Pool(p) => p.into(),
             ChatError::Generation(g) => g.into(),
             ChatError::Store(s) => s.into(),

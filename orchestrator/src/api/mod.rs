@@ -3,10 +3,12 @@
 //! - [`sessions`]: the caller's sessions and stored messages;
 //! - [`chat`]: generation on the native API (post, regenerate, stop, resume; SSE or JSON);
 //! - [`openai`]: `/v1/chat/completions` and `/v1/models`; [`completions`]: `/v1/completions`;
+//! - [`admin`]: the workers' models, loaded and unloaded (admin keys only);
 //! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`;
 //! - [`openapi`]: the API's OpenAPI 3.1 document at `/openapi.json`;
 //! - [`web`]: the web UI's static files at `/` (every path the API does not claim).
 
+mod admin;
 mod chat;
 mod completions;
 mod error;
@@ -105,6 +107,7 @@ pub fn router(state: AppState) -> Router {
     let router = router
         .route("/openapi.json", get(openapi::serve))
         .merge(sessions::routes())
+        .merge(admin::routes())
         .route("/v1/chat/completions", post(openai::completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(openai::models))

@@ -22,19 +22,22 @@ use super::chat::sse;
 use super::{ApiError, AppState, ValidJson};
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
 use crate::service::{
-    Caller, ChatError, Conversation, GenOptions, ModelDefaults, ValidTurn, MAX_CHOICES,
+    Caller, ChatError, Conversation, GenOptions, ModelDefaults, Target, ValidTurn, MAX_CHOICES,
 };
 use crate::tools::{
     assistant_text, call_names, tool_text, turn_grammar, InToolCall, Tool, ToolCall, ToolChoice,
     Tools,
 };
+use crate::workers::ServedModel;
+use hearth_shared::versions::compare_versions;
 
 /// OpenAI's chat completion request. Fields that do not change the output (`metadata`, …) are
 /// accepted and ignored; those Hearth cannot honour are refused by name.
 #[derive(Debug, Deserialize, ToSchema)]
 pub struct ChatRequest {
-    /// The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
-    /// Absent: the served model.
+    /// A served model's name, as `/v1/models` lists it (its newest ready version), or
+    /// `name@version` for one version; another is a 404 `model_not_found`. Absent: the default
+    /// model (the first `/v1/models` lists).
     #[serde(default)]
     model: Option<String>,
     #[schema(min_items = 1)]
@@ -119,6 +122,11 @@ pub struct ChatRequest {
     /// workers, each end user gets a fair share of its own.
     #[serde(default)]
     user: Option<String>,
+    /// Non-standard (Ollama): how long, in seconds, the model stays loaded once idle, from
+    /// this request on; negative keeps it for good, 0 unloads it as soon as it is idle. It
+    /// applies to models from a worker's repository, which load again on demand.
+    #[serde(default)]
+    keep_alive: Option<f64>,
     /// Accepted: the model may make several calls in one reply (a JSON array of them).
     #[serde(default)]
     #[allow(dead_code)]
@@ -386,7 +394,8 @@ impl ChatRequest {
         let options = options
             .with_grammar(field, grammar)?
             .with_tools(tools.cloned())
-            .with_end_user(self.user.as_deref())?;
+            .with_end_user(self.user.as_deref())?
+            .with_keep_alive(self.keep_alive)?;
         Ok(ValidTurn::new(
             self.conversation(tools)?,
             options,
@@ -412,15 +421,16 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    s.chat.check_model(req.model.as_deref())?;
+    let target = s.chat.target(req.model.as_deref()).await?;
     let tools = req.tools()?.map(Arc::new);
-    let turn = req.turn(tools.as_deref(), &s.chat.model_defaults())?;
+    let turn = req.turn(tools.as_deref(), &target.defaults())?;
     let logprobs = req.logprobs == Some(true);
-    let lives = s.chat.complete(&caller, turn, req.n.unwrap_or(1)).await?;
+    let n = req.n.unwrap_or(1);
+    let lives = s.chat.complete(&caller, turn, &target, n).await?;
     let head = Head {
         id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
         created: crate::storage::now_ms() / 1000,
-        model: s.chat.model_name(),
+        model: target.name(),
     };
     // Dropping these (the client went away) stops the generations.
     let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
@@ -848,55 +858,157 @@ pub struct ModelList {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ModelCard {
+    /// The model's name: a request's `model` names it (its newest version), or `id@version`
+    /// one version.
     pub id: String,
     /// `model`
     pub object: String,
     pub created: i64,
     pub owned_by: String,
-    /// The model's context in tokens, once a worker has reported it.
+    /// The context in tokens of the version `id` means.
     #[schema(required = true)]
     pub max_model_len: Option<u64>,
-    /// The served version, for a model from a repository (`id@version` pins it).
+    /// The version `id` means (the newest ready one), for a model from a repository.
     #[schema(required = true)]
     pub version: Option<String>,
     /// For people: the repository manifest's display name, else the id.
     pub display_name: String,
-    /// `ready` while a worker serves it, else `unavailable` (loading, or no worker is up).
+    /// `ready` while a worker serves the version `id` means, `loading` while one loads it and
+    /// none has it ready, `available` when only a worker's repository holds it (a request loads
+    /// it), else `unavailable` (no worker is up).
+    pub state: String,
+    /// Workers serving that version now.
+    pub workers: u32,
+    /// Every version some worker has reported, newest first.
+    pub versions: Vec<ModelVersion>,
+}
+
+/// One version of a model.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelVersion {
+    /// Empty for a model its worker was given by path.
+    pub version: String,
+    pub display_name: String,
+    #[schema(required = true)]
+    pub max_model_len: Option<u64>,
+    /// `ready`, `loading`, `available` or `unavailable`, as the card's.
     pub state: String,
     /// Workers serving it now.
     pub workers: u32,
+    /// Workers that reported it, ready or not.
+    pub known_workers: u32,
 }
 
-/// The served model (the one every worker runs).
+/// Every model a worker serves, one card per model with its versions. The default model (the
+/// one a request that names none gets) comes first, then the others by name.
 #[utoipa::path(get, path = "/v1/models", operation_id = "listModels", tag = "openai",
-    responses((status = 200, description = "The served model", body = ModelList)))]
+    responses((status = 200, description = "The served models, the default first", body = ModelList)))]
 pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelList> {
+    let served = s.chat.models();
+    let default = s.chat.lookup(None).ok().and_then(|t| t.model);
+    let ids = default.iter().chain(&served).map(|m| m.key.id.as_str());
+    let mut data: Vec<ModelCard> = Vec::new();
+    for id in ids {
+        if data.iter().any(|c| c.id == id) {
+            continue;
+        }
+        if let Ok(t) = s.chat.lookup(Some(id)) {
+            data.push(model_card(&t, &served));
+        }
+    }
+    add_available(&mut data, s.chat.available());
     Json(ModelList {
         object: "list".into(),
-        data: vec![model_card(&s)],
+        data,
     })
 }
 
-fn model_card(s: &AppState) -> ModelCard {
-    let (version, display) = s.chat.model_labels();
-    let workers = s.chat.serving_workers() as u32;
-    let id = s.chat.model_name();
+/// The versions workers' repositories hold that no worker has loaded (`name@version` each), as
+/// `available` versions of their cards, and cards of their own for models no worker serves: a
+/// request for one loads it on demand.
+fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
+    for (name, version) in available.iter().filter_map(|a| a.rsplit_once('@')) {
+        let i = match data.iter().position(|c| c.id == name) {
+            Some(i) => i,
+            None => {
+                data.push(ModelCard {
+                    id: name.to_string(),
+                    object: "model".into(),
+                    created: 0,
+                    owned_by: "hearth".into(),
+                    max_model_len: None,
+                    version: Some(version.to_string()),
+                    display_name: name.to_string(),
+                    state: "available".into(),
+                    workers: 0,
+                    versions: Vec::new(),
+                });
+                data.len() - 1
+            }
+        };
+        let card = &mut data[i];
+        if card.versions.iter().any(|v| v.version == version) {
+            continue;
+        }
+        card.versions.push(ModelVersion {
+            version: version.to_string(),
+            display_name: name.to_string(),
+            max_model_len: None,
+            state: "available".into(),
+            workers: 0,
+            known_workers: 0,
+        });
+        card.versions
+            .sort_by(|a, b| compare_versions(&b.version, &a.version));
+        // A card of repository versions only names the newest.
+        if card.workers == 0 && card.state == "available" {
+            card.version = card.versions.first().map(|v| v.version.clone());
+        }
+    }
+}
+
+fn state(m: &ServedModel) -> String {
+    match (m.ready_workers, m.loading_workers) {
+        (0, 0) => "unavailable",
+        (0, _) => "loading",
+        _ => "ready",
+    }
+    .into()
+}
+
+/// The card of `target`'s model, the version it names first among `served`'s of that id.
+fn model_card(target: &Target, served: &[ServedModel]) -> ModelCard {
+    let m = target.model.as_ref();
+    let id = target.name();
+    let versions = served
+        .iter()
+        .filter(|v| v.key.id == id)
+        .map(|v| ModelVersion {
+            version: v.key.version.clone(),
+            display_name: v.display_name.clone(),
+            max_model_len: v.context_length.map(|n| n as u64),
+            state: state(v),
+            workers: v.ready_workers as u32,
+            known_workers: v.workers as u32,
+        })
+        .collect();
     ModelCard {
-        display_name: display.unwrap_or_else(|| id.clone()),
+        display_name: m.map_or_else(|| id.clone(), |m| m.display_name.clone()),
         id,
         object: "model".into(),
         created: 0,
         owned_by: "hearth".into(),
-        max_model_len: s.chat.context_length().map(|n| n as u64),
-        version,
-        state: if workers > 0 { "ready" } else { "unavailable" }.into(),
-        workers,
+        max_model_len: target.context_length().map(|n| n as u64),
+        version: m.map(|m| m.key.version.clone()).filter(|v| !v.is_empty()),
+        state: m.map_or_else(|| "unavailable".into(), state),
+        workers: m.map_or(0, |m| m.ready_workers as u32),
+        versions,
     }
 }
 
-/// One model by its id: the served model, else 404.
+/// One model by its id (its newest version), or one version as `id@version`; else 404.
 #[utoipa::path(get, path = "/v1/models/{id}", operation_id = "retrieveModel", tag = "openai",
-    params(("id" = String, Path, description = "The model's id, as `/v1/models` lists it")),
+    params(("id" = String, Path, description = "The model's id, as `/v1/models` lists it, or `id@version`")),
     responses(
         (status = 200, description = "The model", body = ModelCard),
         (status = 404, description = "No model has this id (`model_not_found`)", body = super::ErrorBody),
@@ -906,21 +1018,14 @@ pub async fn model(
     _caller: Caller,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> Result<Json<ModelCard>, ApiError> {
-    // The id, or `id@version`.
-    let card = model_card(&s);
-    let named = id == card.id
-        || Some(id.as_str())
-            == card
-                .version
-                .as_ref()
-                .map(|v| format!("{}@{v}", card.id))
-                .as_deref();
-    if !named {
+    let target = s.chat.lookup(Some(&id))?;
+    if target.model.is_none() {
+        // No worker has reported a model yet: nothing can be named.
         return Err(ChatError::ModelNotFound {
             asked: id,
-            served: card.id,
+            served: "no model yet".into(),
         }
         .into());
     }
-    Ok(Json(card))
+    Ok(Json(model_card(&target, &s.chat.models())))
 }

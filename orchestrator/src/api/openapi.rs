@@ -36,6 +36,9 @@ use super::chat::{ReplyFailed, TokenText};
         super::completions::completions,
         super::openai::models,
         super::openai::model,
+        super::admin::workers,
+        super::admin::load,
+        super::admin::unload,
     ),
     // The SSE events' data, which no path's schema reaches.
     components(schemas(
@@ -50,6 +53,7 @@ use super::chat::{ReplyFailed, TokenText};
         (name = "sessions", description = "The caller's chat sessions and their stored messages"),
         (name = "generation", description = "Replies on the native API, streamed as Server-Sent Events"),
         (name = "openai", description = "OpenAI-compatible and stateless"),
+        (name = "admin", description = "The workers' models, loaded and unloaded (admin keys only)"),
     ),
 )]
 struct ApiDoc;

@@ -54,8 +54,9 @@ pub(super) struct CreateSession {
     #[serde(default)]
     #[schema(minimum = 1)]
     max_tokens: Option<u32>,
-    /// The model the session's turns need: a served model's id, as `/v1/models` lists it (a
-    /// 404 `model_not_found` otherwise). Absent: whichever model is served.
+    /// The model the session's turns go to: a served model's name, as `/v1/models` lists it
+    /// (each turn gets its newest ready version), or `name@version` to keep one version (a 404
+    /// `model_not_found` otherwise). Absent: the default model.
     #[serde(default)]
     model: Option<String>,
 }
@@ -84,7 +85,7 @@ pub(super) struct UpdateSession {
     #[serde(default, deserialize_with = "present")]
     #[schema(minimum = 1)]
     max_tokens: Option<Option<u32>>,
-    /// A served model's id; `null`: whichever model is served.
+    /// A served model's name, or `name@version`; `null`: the default model.
     #[serde(default, deserialize_with = "present")]
     model: Option<Option<String>>,
 }

@@ -124,13 +124,20 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
         dry_breaker_ids: job.dry_breakers.to_vec(),
         top_logprobs: job.logprobs.unwrap_or(0),
         grammar: job.grammar.as_ref().map(Into::into),
+        model: job
+            .model
+            .as_ref()
+            .map(|m| m.to_string())
+            .unwrap_or_default(),
+        keep_alive_ms: job.keep_alive_ms,
     }
 }
 
 /// What a worker's error means for the reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Fault {
-    /// The worker went away, is shutting down, or dropped the request: continue on another.
+    /// The worker went away, is shutting down, dropped the request, or no longer holds its
+    /// model (it was unloaded there): continue on another.
     Failover,
     /// The worker is full: try another, without counting the worker as failed.
     Busy,
@@ -145,14 +152,15 @@ impl Fault {
     fn of(code: i32) -> Self {
         use tonic::Code;
         match Code::from_i32(code) {
-            Code::Unavailable | Code::Aborted | Code::Cancelled | Code::DeadlineExceeded => {
-                Self::Failover
-            }
+            Code::Unavailable
+            | Code::Aborted
+            | Code::Cancelled
+            | Code::DeadlineExceeded
+            | Code::NotFound => Self::Failover,
             Code::ResourceExhausted => Self::Busy,
             Code::InvalidArgument
             | Code::FailedPrecondition
             | Code::OutOfRange
-            | Code::NotFound
             | Code::AlreadyExists
             | Code::PermissionDenied
             | Code::Unauthenticated => Self::Refused,
@@ -170,7 +178,7 @@ mod tests {
     use super::Fault;
 
     #[test]
-    fn only_a_lost_worker_fails_over_and_a_full_one_is_busy() {
+    fn only_a_lost_worker_or_model_fails_over_and_a_full_one_is_busy() {
         use Code::*;
         let cases = [
             (Unavailable, Fault::Failover),
@@ -184,7 +192,8 @@ mod tests {
             (Unimplemented, Fault::Internal),
             (InvalidArgument, Fault::Refused),
             (OutOfRange, Fault::Refused),
-            (NotFound, Fault::Refused),
+            (NotFound, Fault::Failover),
+            (FailedPrecondition, Fault::Refused),
         ];
         for (code, fault) in cases {
             assert_eq!(Fault::of(code as i32), fault, "{code:?}");

@@ -36,7 +36,7 @@ use crate::limits::Budget;
 use crate::storage::{ReplyTimings, ReplyUsage, Store, StoreError};
 use crate::telemetry;
 use crate::tools::Tools;
-use crate::workers::{Generation, Lease, PoolError, Tenant, WorkerPool};
+use crate::workers::{Generation, Lease, ModelKey, PoolError, Tenant, WorkerPool};
 
 use attempt::{request, Attempts, Next};
 
@@ -77,6 +77,12 @@ pub struct Job {
     pub arrived: Instant,
     /// The tokens set aside for the reply from its key's daily budget.
     pub budget: Option<Budget>,
+    /// The exact version every worker of the reply must serve (a failover's continuation
+    /// too); none while no worker has reported its model.
+    pub model: Option<ModelKey>,
+    /// How long the model stays loaded once idle, from this request on (ms; negative: for
+    /// good).
+    pub keep_alive_ms: Option<i64>,
     /// The worker already chosen at admission.
     pub lease: Option<Lease>,
 }
@@ -221,10 +227,10 @@ impl Generator {
     /// Waits for a worker's place: ahead of the user's new requests after a preemption.
     async fn admit(&self, job: &Job, live: &Live, a: &mut Attempts) -> Result<Lease, End> {
         let user = Tenant::within(&job.user_id, job.end_user.as_deref());
-        let session = job.persistence.session_id();
+        let (session, model) = (job.persistence.session_id(), job.model.as_ref());
         let admitted = tokio::select! {
-            l = self.pool.readmit(&user, session, &a.failed), if a.preempted => l,
-            l = self.pool.admit(&user, session, &a.failed), if !a.preempted => l,
+            l = self.pool.readmit(&user, model, session, &a.failed), if a.preempted => l,
+            l = self.pool.admit(&user, model, session, &a.failed), if !a.preempted => l,
             () = live.stopped() => return Err(End::Finished(FinishReason::Cancelled)),
         };
         a.preempted = false;

@@ -16,12 +16,16 @@ pub enum ChatError {
     /// purpose).
     #[error("{0} not found")]
     NotFound(&'static str),
-    /// The request names a model that no worker serves.
+    /// The request names a model that no worker serves; `served` lists what is served, as
+    /// `name` or `name@version`, comma-separated.
     #[error(
-        "the model `{asked}` does not exist; this server serves `{served}` (GET /v1/models \
-         lists it)"
+        "the model `{asked}` does not exist; this server serves {served} (GET /v1/models \
+         lists them)"
     )]
     ModelNotFound { asked: String, served: String },
+    /// The model is loading on a worker and none has it ready yet.
+    #[error("the model `{0}` is loading; try again shortly")]
+    ModelLoading(String),
     /// A value out of range or of the wrong kind; the message names the field.
     #[error("{0}")]
     Invalid(String),

@@ -8,11 +8,13 @@
 
 mod breakers;
 mod error;
+mod models;
 mod session;
 mod shared_prompt;
 mod turn;
 
 pub use error::ChatError;
+pub use models::{ModelDefaults, Target};
 pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
 
@@ -95,6 +97,9 @@ pub struct ChatService {
     limits: ChatLimits,
     shared_prompts: SharedPrompts,
     breakers: Arc<breakers::Breakers>,
+    /// One gate per model being loaded on demand, so that one load serves every request
+    /// waiting for it.
+    loads: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// Most choices (`n`) one request may ask for.
@@ -105,6 +110,9 @@ pub const MAX_CHOICES: u32 = 16;
 pub struct Caller {
     pub user: User,
     pub quota: Quota,
+    /// May use the admin API: an admin key's owner, or the local user of a server without
+    /// keys (which listens on loopback only).
+    pub admin: bool,
 }
 
 /// What a stop found.
@@ -122,6 +130,9 @@ pub struct Readiness {
     pub ready_workers: usize,
     pub workers: Vec<crate::workers::WorkerStatus>,
 }
+
+/// How long a request waits for its model's load on demand before it is answered 503.
+const ON_DEMAND_LOAD_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// How long a stop waits for the reply to end and be stored.
 const STOP_WAIT: Duration = Duration::from_secs(10);
@@ -144,6 +155,7 @@ impl ChatService {
             limits: p.limits,
             shared_prompts: p.shared_prompts,
             breakers: Arc::default(),
+            loads: std::sync::Mutex::default(),
         }
     }
 
@@ -152,6 +164,7 @@ impl ChatService {
     /// The local user of a server without keys, with the server's limits.
     pub fn local_caller(&self, user: &User) -> Caller {
         Caller {
+            admin: true,
             user: user.clone(),
             quota: Quota {
                 bucket: user.id.to_string(),
@@ -165,6 +178,7 @@ impl ChatService {
     pub async fn key_caller(&self, token: &str) -> Result<Caller, ChatError> {
         match authenticate(self.store.as_ref(), token).await {
             Ok(c) => Ok(Caller {
+                admin: c.key.admin,
                 quota: Quota {
                     bucket: c.key.id.to_string(),
                     requests_per_minute: c
@@ -191,72 +205,118 @@ impl ChatService {
         })
     }
 
-    /// The served model's name, as `/v1/models` and completions report it.
-    pub fn model_name(&self) -> String {
-        self.generator
-            .pool
-            .info()
-            .map(|i| i.model_id)
-            .filter(|m| !m.is_empty())
-            .unwrap_or_else(|| "hearth".to_string())
+    /// The model `asked` names (`name`: its newest version; `name@version`), else the default
+    /// model; 404 `model_not_found` for one no worker serves. Until a worker has reported its
+    /// model, nothing is refused here: the request waits for a worker as any other.
+    /// A model no worker has ready yet, only loading, is a 503 with `Retry-After`. A model no
+    /// worker holds but some worker's repository has is loaded first, on demand (see
+    /// [`Self::load_on_demand`]).
+    pub async fn target(&self, asked: Option<&str>) -> Result<Target, ChatError> {
+        let model = match self.generator.pool.resolve(asked) {
+            Ok(model) => model,
+            Err(u) => match (u.loadable.clone(), asked) {
+                (Some(spec), Some(asked)) => return self.load_on_demand(&spec, asked).await,
+                _ => return Err(u.into()),
+            },
+        };
+        if let Some(m) = &model {
+            if m.ready_workers == 0 && m.loading_workers > 0 {
+                return Err(ChatError::ModelLoading(m.key.to_string()));
+            }
+        }
+        Ok(Target { model })
     }
 
-    /// Refuses a request that names a model no worker serves (`model`, when given): the
-    /// served model's name, or `name@version` with its version. Before any worker has reported
-    /// its model, nothing is refused here: the request waits for a worker as any other.
-    pub fn check_model(&self, model: Option<&str>) -> Result<(), ChatError> {
-        let (Some(asked), Some(info)) = (model, self.generator.pool.info()) else {
-            return Ok(());
+    /// Loads the repository version `spec` (which `asked` names) on the worker with the most
+    /// room, which first unloads its least recently used idle models if it must, and waits
+    /// for it. Requests for a model being loaded here wait for that one load.
+    async fn load_on_demand(&self, spec: &str, asked: &str) -> Result<Target, ChatError> {
+        let gate = {
+            let mut loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+            loads.entry(spec.to_string()).or_default().clone()
         };
-        if info.model_id.is_empty() {
-            return Ok(());
+        let _one_load = gate.lock().await;
+        let pool = &self.generator.pool;
+        // Another request may have loaded it while this one waited.
+        if let Ok(Some(model)) = pool.resolve(Some(asked)) {
+            if model.ready_workers > 0 {
+                return Ok(Target { model: Some(model) });
+            }
         }
-        if names_model(asked, &info.model_id, &info.model_version) {
-            return Ok(());
+        tracing::info!(model = spec, "loading a model on demand");
+        metrics::counter!(crate::telemetry::MODEL_LOADS).increment(1);
+        let loaded =
+            tokio::time::timeout(ON_DEMAND_LOAD_TIMEOUT, pool.load_model(spec, None, true));
+        match loaded.await {
+            Ok(Ok(_)) => {}
+            Ok(Err(crate::workers::AdminError::NotFound(_))) => {
+                return Err(pool.resolve(Some(asked)).err().map_or_else(
+                    || ChatError::Unavailable(format!("the model {spec} could not be loaded")),
+                    ChatError::from,
+                ))
+            }
+            Ok(Err(e)) => {
+                return Err(ChatError::Unavailable(format!(
+                    "the model {spec} could not be loaded: {e}"
+                )))
+            }
+            Err(_) => return Err(ChatError::ModelLoading(spec.to_string())),
         }
-        Err(ChatError::ModelNotFound {
-            asked: asked.to_string(),
-            served: match info.model_version.as_str() {
-                "" => info.model_id,
-                v => format!("{}@{v}", info.model_id),
-            },
+        Ok(Target {
+            model: pool.resolve(Some(asked))?,
         })
     }
 
-    /// The served model's version and display name, when it came from a repository.
-    pub fn model_labels(&self) -> (Option<String>, Option<String>) {
-        let Some(info) = self.generator.pool.info() else {
-            return (None, None);
-        };
-        let some = |s: String| Some(s).filter(|s| !s.is_empty());
-        (some(info.model_version), some(info.display_name))
+    /// The model `asked` names, as [`Self::target`] finds it, in any state.
+    pub fn lookup(&self, asked: Option<&str>) -> Result<Target, ChatError> {
+        Ok(Target {
+            model: self.generator.pool.resolve(asked)?,
+        })
     }
 
-    /// Workers ready to serve the model now.
-    pub fn serving_workers(&self) -> usize {
-        self.generator.pool.ready_count()
+    /// Every model some worker serves, as `/v1/models` lists them.
+    pub fn models(&self) -> Vec<crate::workers::ServedModel> {
+        self.generator.pool.models()
     }
 
-    /// The served model's default sampling parameters (a repository manifest's `params`).
-    pub fn model_defaults(&self) -> ModelDefaults {
-        let json = self
-            .generator
+    /// Every `name@version` the workers' repositories hold, loaded or not.
+    pub fn available(&self) -> Vec<String> {
+        self.generator.pool.available()
+    }
+
+    // --- Administration (admin callers only; the API checks) ---
+
+    /// Every worker and the models it holds.
+    pub fn worker_models(&self) -> Vec<crate::workers::WorkerModels> {
+        self.generator.pool.worker_models()
+    }
+
+    /// Loads `model` on `worker`, else where it fits (see [`crate::workers::WorkerPool::load_model`]).
+    pub async fn load_model(
+        &self,
+        model: &str,
+        worker: Option<&str>,
+    ) -> Result<(String, crate::workers::WorkerModel), crate::workers::AdminError> {
+        self.generator.pool.load_model(model, worker, false).await
+    }
+
+    /// Unloads `model` from the workers that hold it (or from `worker`).
+    pub async fn unload_model(
+        &self,
+        model: &str,
+        worker: Option<&str>,
+        deadline: Option<Duration>,
+    ) -> Result<Vec<(String, u32)>, crate::workers::AdminError> {
+        self.generator
             .pool
-            .info()
-            .map(|i| i.default_params_json)
-            .unwrap_or_default();
-        ModelDefaults::from_json(&json)
+            .unload_model(model, worker, deadline)
+            .await
     }
 
     /// The text of token ids (a legacy completion's echoed prompt); nothing for ids the
     /// tokenizer cannot read.
     pub fn decode(&self, ids: &[u32]) -> String {
         self.generator.tokenizer.decode(ids).unwrap_or_default()
-    }
-
-    /// The served model's context in tokens, once a worker has reported it.
-    pub fn context_length(&self) -> Option<usize> {
-        self.generator.pool.context_length()
     }
 
     // --- Sessions ---
@@ -268,10 +328,10 @@ impl ChatService {
         session: ValidSession,
     ) -> Result<Session, ChatError> {
         let mut new = session.new;
-        self.check_model(new.model.as_deref())?;
+        let target = self.target(new.model.as_deref()).await?;
         new.max_tokens = session
             .max_tokens
-            .map(|n| self.check_max_tokens(n).map(i64::from))
+            .map(|n| check_max_tokens(n, &target).map(i64::from))
             .transpose()?;
         let cap = self.limits.max_sessions_per_user;
         if self.store.count_sessions(&user.id).await? >= cap {
@@ -294,14 +354,20 @@ impl ChatService {
         id: &SessionId,
         patch: ValidPatch,
     ) -> Result<Session, ChatError> {
+        // The session's model after the patch bounds its reply length.
+        let target = match &patch.patch.model {
+            Some(Some(m)) => self.target(Some(m)).await?,
+            Some(None) => self.target(None).await?,
+            None => {
+                let session = self.store.get_session(&user.id, id).await?;
+                self.target(session.model.as_deref()).await?
+            }
+        };
         let max_tokens = match patch.max_tokens {
-            Some(Some(n)) => Some(Some(i64::from(self.check_max_tokens(n)?))),
+            Some(Some(n)) => Some(Some(i64::from(check_max_tokens(n, &target)?))),
             Some(None) => Some(None),
             None => None,
         };
-        if let Some(Some(m)) = &patch.patch.model {
-            self.check_model(Some(m))?;
-        }
         let patch = SessionPatch {
             max_tokens,
             ..patch.patch
@@ -371,29 +437,30 @@ impl ChatService {
         let user_id = &caller.user.id;
         let (input, opts, arrived) = turn.into_parts();
         let session = self.store.get_session(user_id, session_id).await?;
-        self.check_model(session.model.as_deref())?;
+        let target = self.target(session.model.as_deref()).await?;
         // The turn's own value, else the session's default (else the server's).
         let max_tokens = opts
             .max_tokens()
             .or_else(|| session.max_tokens.and_then(|n| u32::try_from(n).ok()));
         if let Some(n) = max_tokens {
-            self.check_max_tokens(n)?;
+            check_max_tokens(n, &target)?;
         }
         let reservation = self.generator.streams.reserve(session_id)?;
         let history = self.store.list_messages(user_id, session_id).await?;
         self.check_room(&history, &input)?;
         let (convo, store) = prepare(&session, history, &input, opts.tools().map(|t| &**t))?;
         let budget = self.charge(caller, max_tokens).await?;
-        let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens).await?;
+        let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens, &target).await?;
         let params = match opts.params() {
             Some(p) => p.clone(),
-            None => self.model_defaults().with_session(session.params.as_ref()),
+            None => target.defaults().with_session(session.params.as_ref()),
         };
         let dry_breakers = self.dry_breakers(&params).await?;
+        let (tenant, model) = (Tenant::user(user_id), target.key().cloned());
         let lease = self
             .generator
             .pool
-            .admit(&Tenant::user(user_id), Some(session_id), &[])
+            .admit(&tenant, model.as_ref(), Some(session_id), &[])
             .await?;
         let (user_message_id, message_id) = self.store_turn(user_id, session_id, store).await?;
         let live = Live::new(Some(TurnIds {
@@ -421,6 +488,8 @@ impl ChatService {
             ignore_eos: opts.ignore_eos(),
             arrived,
             budget,
+            model,
+            keep_alive_ms: opts.keep_alive_ms(),
             lease: Some(lease),
         };
         let g = self.generator.clone();
@@ -495,20 +564,22 @@ impl ChatService {
         &self,
         caller: &Caller,
         turn: ValidTurn<Conversation>,
+        target: &Target,
         n: u32,
     ) -> Result<Vec<Arc<Live>>, ChatError> {
         let (convo, opts, arrived) = turn.into_parts();
         let max_tokens = opts.max_tokens();
         if let Some(n) = max_tokens {
-            self.check_max_tokens(n)?;
+            check_max_tokens(n, target)?;
         }
         let budget = self.charge_choices(caller, max_tokens, n).await?;
         let (prompt, max_new_tokens, shared_prefix) =
-            self.plan(convo.into_messages(), max_tokens).await?;
+            self.plan(convo.into_messages(), max_tokens, target).await?;
         let plan = Planned {
             prompt,
             max_new_tokens,
             shared_prefix,
+            model: target.key().cloned(),
         };
         self.start_choices(caller, plan, opts, arrived, budget, n)
             .await
@@ -520,15 +591,16 @@ impl ChatService {
         &self,
         caller: &Caller,
         turn: ValidTurn<RawPrompt>,
+        target: &Target,
         n: u32,
     ) -> Result<Vec<Arc<Live>>, ChatError> {
         let (raw, opts, arrived) = turn.into_parts();
-        let ctx = self
+        let ctx = target
             .context_length()
             .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
         let max_tokens = opts.max_tokens();
         if let Some(n) = max_tokens {
-            self.check_max_tokens(n)?;
+            check_max_tokens(n, target)?;
         }
         let tok = &self.generator.tokenizer;
         let prompt = match raw {
@@ -563,6 +635,7 @@ impl ChatService {
             max_new_tokens: want.min((ctx - prompt.len()) as u32),
             shared_prefix: 0,
             prompt,
+            model: target.key().cloned(),
         };
         self.start_choices(caller, plan, opts, arrived, budget, n)
             .await
@@ -599,10 +672,12 @@ impl ChatService {
             prompt,
             max_new_tokens,
             shared_prefix,
+            model,
         } = plan;
         let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
         let tenant = Tenant::within(&caller.user.id, opts.end_user());
-        let lease = self.generator.pool.admit_prefix(&tenant, &keys).await?;
+        let pool = &self.generator.pool;
+        let lease = pool.admit_prefix(&tenant, model.as_ref(), &keys).await?;
         let params = opts.params().cloned().unwrap_or_default();
         let dry_breakers = self.dry_breakers(&params).await?;
         let mut budgets: Vec<Option<Budget>> = match budget {
@@ -628,6 +703,8 @@ impl ChatService {
             ignore_eos: opts.ignore_eos(),
             arrived,
             budget,
+            model: model.clone(),
+            keep_alive_ms: opts.keep_alive_ms(),
             lease: None,
         };
         let first = Live::new(None);
@@ -643,7 +720,8 @@ impl ChatService {
             tokio::spawn(async move {
                 first.first_progress().await;
                 // Failing here, the generation waits in the queue like a failover.
-                follower.lease = g.pool.admit_prefix(&user, &keys).await.ok();
+                let model = follower.model.clone();
+                follower.lease = g.pool.admit_prefix(&user, model.as_ref(), &keys).await.ok();
                 g.run(follower, live).await;
             });
         }
@@ -714,25 +792,6 @@ impl ChatService {
             .filter(|l| !l.is_finished())
     }
 
-    /// Refuses a reply length (a turn's, or a session's default) of zero or more than the
-    /// served context can hold, before anything is charged or stored. Until a worker has
-    /// reported its context, the bound is [`MAX_SESSION_MAX_TOKENS`].
-    fn check_max_tokens(&self, n: u32) -> Result<u32, ChatError> {
-        let ctx = self.context_length();
-        let limit = ctx.map_or(MAX_SESSION_MAX_TOKENS, |ctx| {
-            u32::try_from(ctx).unwrap_or(u32::MAX).saturating_sub(1)
-        });
-        if n == 0 || n > limit {
-            let why = ctx.map_or_else(String::new, |ctx| {
-                format!(" (the model's context is {ctx} tokens)")
-            });
-            return Err(ChatError::Invalid(format!(
-                "max_tokens: must be between 1 and {limit}{why}"
-            )));
-        }
-        Ok(n)
-    }
-
     /// Charges the request to the caller's rate limit and sets its reply's tokens aside from
     /// the caller's daily budget.
     async fn charge(
@@ -771,13 +830,14 @@ impl ChatService {
         &self,
         convo: Vec<ChatMessage>,
         max_tokens: Option<u32>,
+        target: &Target,
     ) -> Result<(Vec<u32>, u32, u32), ChatError> {
-        let ctx = self
+        let ctx = target
             .context_length()
             .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
         // The server's default shrinks to fit a small model; an explicit value must fit as asked.
         let want = max_tokens.unwrap_or_else(|| self.limits.default_max_tokens.min(ctx as u32 / 2));
-        self.check_max_tokens(want)?;
+        check_max_tokens(want, target)?;
         let reserve = (want as usize).min(ctx / 2);
         let tokenizer = self.generator.tokenizer.clone();
         let rendered =
@@ -804,71 +864,23 @@ impl ChatService {
     }
 }
 
-/// Whether `asked` names the model `id` at `version`: the id itself (which may hold an `@`, as
-/// a file's name can), or `id@version` for a repository's model.
-fn names_model(asked: &str, id: &str, version: &str) -> bool {
-    asked == id
-        || (!version.is_empty()
-            && asked
-                .strip_suffix(version)
-                .and_then(|a| a.strip_suffix('@'))
-                == Some(id))
-}
-
-/// What a request that leaves a sampling field out gets for it: the served model's defaults
-/// (its manifest's `params`), else the built-in ones.
-#[derive(Debug, Clone, Default)]
-pub struct ModelDefaults {
-    /// The manifest's fields, as it gives them.
-    fields: serde_json::Map<String, serde_json::Value>,
-    params: SamplingParams,
-    /// The manifest's temperature, when it sets one.
-    temperature: Option<f32>,
-}
-
-impl ModelDefaults {
-    /// From a worker's `default_params_json` (empty, or not a valid object: the built-in
-    /// defaults; the worker checked it already).
-    pub fn from_json(json: &str) -> Self {
-        let Ok(serde_json::Value::Object(fields)) = serde_json::from_str(json) else {
-            return Self::default();
-        };
-        let temperature = fields
-            .get("temperature")
-            .and_then(serde_json::Value::as_f64)
-            .map(|t| t as f32);
-        match serde_json::from_value(serde_json::Value::Object(fields.clone())) {
-            Ok(params) => Self {
-                fields,
-                params,
-                temperature,
-            },
-            Err(_) => Self::default(),
-        }
+/// Refuses a reply length (a turn's, or a session's default) of zero or more than the
+/// target model's context can hold, before anything is charged or stored. Until a worker has
+/// reported its context, the bound is [`MAX_SESSION_MAX_TOKENS`].
+fn check_max_tokens(n: u32, target: &Target) -> Result<u32, ChatError> {
+    let ctx = target.context_length();
+    let limit = ctx.map_or(MAX_SESSION_MAX_TOKENS, |ctx| {
+        u32::try_from(ctx).unwrap_or(u32::MAX).saturating_sub(1)
+    });
+    if n == 0 || n > limit {
+        let why = ctx.map_or_else(String::new, |ctx| {
+            format!(" (the model's context is {ctx} tokens)")
+        });
+        return Err(ChatError::Invalid(format!(
+            "max_tokens: must be between 1 and {limit}{why}"
+        )));
     }
-
-    /// A native turn's parameters in a session whose stored `params` (the fields its client
-    /// gave) lie over these defaults, field by field.
-    pub fn with_session(&self, stored: Option<&serde_json::Value>) -> SamplingParams {
-        let Some(serde_json::Value::Object(session)) = stored else {
-            return self.params.clone();
-        };
-        let mut fields = self.fields.clone();
-        fields.extend(session.iter().map(|(k, v)| (k.clone(), v.clone())));
-        serde_json::from_value(serde_json::Value::Object(fields)).unwrap_or_else(|e| {
-            tracing::warn!(error = %e, "a session's stored params do not parse; built-in defaults used");
-            SamplingParams::default()
-        })
-    }
-
-    pub fn params(&self) -> &SamplingParams {
-        &self.params
-    }
-
-    /// The temperature of an OpenAI request that sets none: the model's, else OpenAI's 1.
-    pub fn openai_temperature(&self) -> f32 {
-        self.temperature.unwrap_or(1.0)
-    }
+    Ok(n)
 }
 
 /// OpenAI's default reply length on the legacy completions API.
@@ -880,6 +892,8 @@ struct Planned {
     max_new_tokens: u32,
     /// Leading tokens that are an operator's shared prompt (see [`SharedPrompts`]).
     shared_prefix: u32,
+    /// The exact version every worker of it must serve.
+    model: Option<crate::workers::ModelKey>,
 }
 
 /// How a prepared native turn is stored once a worker has taken it.
@@ -1048,46 +1062,4 @@ fn conversation(session: &Session, history: &[Message], tools: Option<&Tools>) -
         }
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{names_model, ModelDefaults};
-
-    #[test]
-    fn a_session_s_fields_lie_over_the_model_s_defaults() {
-        let d = ModelDefaults::from_json(r#"{"temperature": 0.5, "top_k": 5}"#);
-        let p = d.with_session(Some(&serde_json::json!({"top_k": 9})));
-        assert_eq!((p.temperature, p.top_k), (0.5, 9));
-        let p = d.with_session(None);
-        assert_eq!((p.temperature, p.top_k), (0.5, 5));
-        assert_eq!(d.openai_temperature(), 0.5);
-        let none = ModelDefaults::from_json("");
-        assert_eq!(
-            none.with_session(None),
-            hearth_shared::SamplingParams::default()
-        );
-        assert_eq!(none.openai_temperature(), 1.0);
-    }
-
-    #[test]
-    fn a_model_is_named_by_its_id_or_pinned_to_its_version() {
-        assert!(names_model("tiny", "tiny", ""));
-        assert!(names_model("tiny", "tiny", "2"));
-        assert!(names_model("tiny@2", "tiny", "2"));
-        assert!(
-            names_model("foo@v2", "foo@v2", ""),
-            "an id with an @ of its own"
-        );
-        for (asked, id, version) in [
-            ("tiny@1", "tiny", "2"),
-            ("tiny@", "tiny", ""),
-            ("tiny@2", "tiny", ""),
-            ("tin", "tiny", ""),
-            ("tiny2", "tiny", "2"),
-            ("gpt-4o", "tiny", "2"),
-        ] {
-            assert!(!names_model(asked, id, version), "{asked} {id} {version}");
-        }
-    }
 }

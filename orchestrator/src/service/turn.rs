@@ -68,7 +68,13 @@ pub struct GenOptions {
     /// The end user the client named (OpenAI's `user`), whom the fair queue tells apart from
     /// the key's other end users.
     end_user: Option<String>,
+    /// How long the model stays loaded once idle, from this request on (`keep_alive`), in
+    /// milliseconds; negative: for good.
+    keep_alive_ms: Option<i64>,
 }
+
+/// Longest `keep_alive` a request may set, in seconds (a week).
+pub const MAX_KEEP_ALIVE_SECS: f64 = 7.0 * 86_400.0;
 
 /// Most bytes of an end user's name (OpenAI's `user`).
 pub const MAX_END_USER_BYTES: usize = 256;
@@ -96,6 +102,7 @@ impl GenOptions {
             grammar: None,
             tools: None,
             end_user: None,
+            keep_alive_ms: None,
         })
     }
 
@@ -127,6 +134,24 @@ impl GenOptions {
 
     pub(super) fn end_user(&self) -> Option<&str> {
         self.end_user.as_deref()
+    }
+
+    /// `keep_alive` (seconds; negative: for good), as Ollama takes it.
+    pub fn with_keep_alive(mut self, secs: Option<f64>) -> Result<Self, ChatError> {
+        if let Some(s) = secs {
+            if !s.is_finite() || s > MAX_KEEP_ALIVE_SECS {
+                return Err(ChatError::Invalid(format!(
+                    "keep_alive: seconds up to {MAX_KEEP_ALIVE_SECS} (a week), or negative to keep \
+                     the model loaded for good"
+                )));
+            }
+            self.keep_alive_ms = Some(if s < 0.0 { -1 } else { (s * 1000.0) as i64 });
+        }
+        Ok(self)
+    }
+
+    pub(super) fn keep_alive_ms(&self) -> Option<i64> {
+        self.keep_alive_ms
     }
 
     /// Constrains the reply to `grammar`, which must compile; `field` names it in the error

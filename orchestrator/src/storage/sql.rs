@@ -287,6 +287,7 @@ fn api_key_from(r: &AnyRow) -> StoreResult<(ApiKey, User)> {
         created_at: r.try_get("created_at").map_err(db_err)?,
         expires_at: r.try_get("expires_at").map_err(db_err)?,
         revoked_at: r.try_get("revoked_at").map_err(db_err)?,
+        admin: r.try_get::<i64, _>("admin").map_err(db_err)? != 0,
     };
     let user = User {
         id: key.user_id.clone(),
@@ -495,10 +496,12 @@ impl Store for SqlStore {
             created_at: now_ms(),
             expires_at: k.expires_at,
             revoked_at: None,
+            admin: k.admin,
         };
         sqlx::query(
             "INSERT INTO api_keys (id, user_id, prefix, key_hash, requests_per_minute, \
-             tokens_per_day, created_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+             tokens_per_day, created_at, expires_at, admin) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
         )
         .bind(&key.id)
         .bind(&key.user_id)
@@ -508,6 +511,7 @@ impl Store for SqlStore {
         .bind(key.tokens_per_day)
         .bind(key.created_at)
         .bind(key.expires_at)
+        .bind(i64::from(key.admin))
         .execute(&self.pool)
         .await
         .map_err(conflict("api key"))?;
@@ -517,7 +521,7 @@ impl Store for SqlStore {
     async fn api_keys_by_prefix(&self, prefix: &str) -> StoreResult<Vec<(ApiKey, User)>> {
         let rows = sqlx::query(
             "SELECT k.id, k.user_id, k.prefix, k.key_hash, k.requests_per_minute, \
-             k.tokens_per_day, k.created_at, k.expires_at, k.revoked_at, \
+             k.tokens_per_day, k.created_at, k.expires_at, k.revoked_at, k.admin, \
              u.name AS user_name, u.created_at AS user_created_at \
              FROM api_keys k JOIN users u ON u.id = k.user_id WHERE k.prefix = $1",
         )

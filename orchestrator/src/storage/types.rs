@@ -21,6 +21,8 @@ pub struct NewApiKey {
     pub requests_per_minute: Option<i64>,
     pub tokens_per_day: Option<i64>,
     pub expires_at: Option<i64>,
+    /// May load and unload models (the admin API).
+    pub admin: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -34,6 +36,8 @@ pub struct ApiKey {
     pub created_at: i64,
     pub expires_at: Option<i64>,
     pub revoked_at: Option<i64>,
+    /// May load and unload models (the admin API).
+    pub admin: bool,
 }
 
 /// A chat session. Timestamps are Unix milliseconds.
@@ -75,7 +79,7 @@ pub struct SessionPatch {
     pub params: Option<Option<serde_json::Value>>,
     /// `Some(None)` clears the default reply length.
     pub max_tokens: Option<Option<i64>>,
-    /// `Some(None)`: the session follows whichever model is served.
+    /// `Some(None)`: the session follows the default model.
     pub model: Option<Option<String>>,
 }
 

@@ -30,7 +30,7 @@ use std::sync::Arc;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::pool::{Pick, PoolError, WorkerPool};
+use super::pool::{Ask, Pick, PoolError, WorkerPool};
 use super::Lease;
 use crate::ids::UserId;
 use crate::telemetry;
@@ -79,11 +79,10 @@ pub(super) struct Fair {
 struct Waiter {
     ticket: u64,
     tenant: Tenant,
-    preferred: Option<String>,
-    exclude: Vec<String>,
-    /// A preempted reply waiting to continue: it goes before its user's new requests, and
-    /// neither the queue's bound nor its timeout applies to it.
-    resumed: bool,
+    /// The workers it may take. `ask.resumed`: a preempted reply waiting to continue; it goes
+    /// before its user's new requests, and neither the queue's bound nor its timeout applies
+    /// to it.
+    ask: Ask,
 }
 
 /// A place held, as the queue sees it.
@@ -107,7 +106,7 @@ impl Fair {
     /// Each waiting user's first new (not preempted) request's ticket.
     pub(super) fn firsts(&self) -> HashMap<&UserId, u64> {
         let mut m: HashMap<&UserId, u64> = HashMap::new();
-        for w in self.waiting.iter().filter(|w| !w.resumed) {
+        for w in self.waiting.iter().filter(|w| !w.ask.resumed) {
             m.entry(&w.tenant.user)
                 .and_modify(|f| *f = (*f).min(w.ticket))
                 .or_insert(w.ticket);
@@ -173,17 +172,11 @@ struct QueuePlace<'a> {
 impl<'a> QueuePlace<'a> {
     /// A place for `user`'s request, if the queue has one or `user` may take one from the
     /// user with the most waiting requests.
-    fn take(
-        pool: &'a WorkerPool,
-        tenant: &Tenant,
-        preferred: Option<&str>,
-        exclude: &[String],
-        resumed: bool,
-    ) -> Option<Self> {
+    fn take(pool: &'a WorkerPool, tenant: &Tenant, ask: &Ask) -> Option<Self> {
         let mut fair = pool.fair();
-        if !resumed && fair.waiting.len() >= pool.config.max_queue {
+        if !ask.resumed && fair.waiting.len() >= pool.config.max_queue {
             let mut counts: HashMap<&UserId, usize> = HashMap::new();
-            for w in fair.waiting.iter().filter(|w| !w.resumed) {
+            for w in fair.waiting.iter().filter(|w| !w.ask.resumed) {
                 *counts.entry(&w.tenant.user).or_default() += 1;
             }
             let mine = counts.get(&tenant.user).copied().unwrap_or(0);
@@ -197,7 +190,7 @@ impl<'a> QueuePlace<'a> {
             let newest = fair
                 .waiting
                 .iter()
-                .rposition(|w| w.tenant.user == most && !w.resumed)
+                .rposition(|w| w.tenant.user == most && !w.ask.resumed)
                 .expect("the user with the most waiting requests has one");
             fair.waiting.remove(newest);
             metrics::gauge!(telemetry::QUEUE_DEPTH).decrement(1.0);
@@ -209,9 +202,7 @@ impl<'a> QueuePlace<'a> {
         fair.waiting.push(Waiter {
             ticket,
             tenant: tenant.clone(),
-            preferred: preferred.map(str::to_string),
-            exclude: exclude.to_vec(),
-            resumed,
+            ask: ask.clone(),
         });
         metrics::gauge!(telemetry::QUEUE_DEPTH).increment(1.0);
         Some(Self { pool, ticket })
@@ -231,6 +222,11 @@ impl Drop for QueuePlace<'_> {
     }
 }
 
+/// Whether two asks would be given the same worker now.
+fn same_workers(a: &Ask, b: &Ask) -> bool {
+    (&a.model, &a.preferred, &a.exclude) == (&b.model, &b.preferred, &b.exclude)
+}
+
 /// Where a request stands in the queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Turn {
@@ -246,13 +242,11 @@ impl WorkerPool {
     pub(super) async fn wait_for_room(
         self: &Arc<Self>,
         user: &Tenant,
-        preferred: Option<&str>,
-        exclude: &[String],
-        resumed: bool,
+        ask: Ask,
     ) -> Result<Lease, PoolError> {
         // The place in the queue is given back when this future ends in any way, including
         // being dropped while it waits (a client that goes away, a stop).
-        let Some(place) = QueuePlace::take(self, user, preferred, exclude, resumed) else {
+        let Some(place) = QueuePlace::take(self, user, &ask) else {
             return Err(PoolError::Full);
         };
         let deadline = Instant::now() + self.config.queue_timeout;
@@ -263,13 +257,13 @@ impl WorkerPool {
             match self.turn(place.ticket) {
                 Turn::Bumped => return Err(PoolError::Full),
                 Turn::Behind => {}
-                Turn::Next => match self.pick(user, preferred, exclude) {
+                Turn::Next => match self.pick(user, &ask) {
                     Pick::Got(l) => return Ok(l),
                     Pick::NoneReady => return Err(PoolError::NoWorker),
-                    Pick::Full => self.preempt_for(&user.user, exclude),
+                    Pick::Full => self.preempt_for(&user.user, &ask),
                 },
             }
-            if resumed {
+            if ask.resumed {
                 notified.await;
             } else if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(PoolError::Full);
@@ -279,9 +273,10 @@ impl WorkerPool {
 
     /// When `user` holds no place and waits with every worker full, asks the user with the
     /// most places (at least two, not counting those already asked) to give their newest up,
-    /// on a worker `user` may use. One place is asked for each waiting user who holds none,
-    /// and the freed place goes to the first of them in queue order.
-    fn preempt_for(&self, user: &UserId, exclude: &[String]) {
+    /// on a worker `user` may use (one serving its model, not excluded). One place is asked
+    /// for each waiting user who holds none, and the freed place goes to the first of them in
+    /// queue order.
+    fn preempt_for(&self, user: &UserId, ask: &Ask) {
         let mut fair = self.fair();
         if fair.held.contains_key(user) {
             return;
@@ -289,7 +284,7 @@ impl WorkerPool {
         let starving: std::collections::HashSet<&UserId> = fair
             .waiting
             .iter()
-            .filter(|w| !w.resumed && !fair.held.contains_key(&w.tenant.user))
+            .filter(|w| !w.ask.resumed && !fair.held.contains_key(&w.tenant.user))
             .map(|w| &w.tenant.user)
             .collect();
         let asked = fair.leases.iter().filter(|l| l.yielding).count();
@@ -311,11 +306,12 @@ impl WorkerPool {
             return;
         }
         let victim = victim.clone();
-        let newest = fair
-            .leases
-            .iter_mut()
-            .rev()
-            .find(|l| l.tenant.user == victim && !l.yielding && !exclude.contains(&l.addr));
+        let newest = fair.leases.iter_mut().rev().find(|l| {
+            l.tenant.user == victim
+                && !l.yielding
+                && !ask.exclude.contains(&l.addr)
+                && self.usable(&l.addr, ask)
+        });
         if let Some(l) = newest {
             l.yielding = true;
             l.signal.notify_one();
@@ -327,23 +323,33 @@ impl WorkerPool {
         self.fair.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether a waiting request ranked before `rank` could take a worker's place now.
-    pub(super) fn someone_ahead(&self, fair: &Fair, rank: Rank) -> bool {
+    /// Whether a waiting request ranked before `rank` could take a worker's place now, on a
+    /// worker `mine` could use too: a request for another model never holds this one up.
+    pub(super) fn someone_ahead(&self, fair: &Fair, rank: Rank, mine: &Ask) -> bool {
         // Most waiting requests ask for the same workers: try each distinct ask once.
-        let mut asked: Vec<(Option<&str>, &[String], bool)> = Vec::new();
+        let mut asked: Vec<(&Ask, bool)> = Vec::new();
         let firsts = fair.firsts();
         fair.waiting
             .iter()
-            .filter(|w| fair.rank_among(&firsts, &w.tenant, w.resumed, w.ticket) < rank)
+            .filter(|w| fair.rank_among(&firsts, &w.tenant, w.ask.resumed, w.ticket) < rank)
             .any(|w| {
-                let ask = (w.preferred.as_deref(), w.exclude.as_slice());
-                if let Some(&(_, _, able)) = asked.iter().find(|a| (a.0, a.1) == ask) {
+                if let Some(&(_, able)) = asked.iter().find(|a| same_workers(a.0, &w.ask)) {
                     return able;
                 }
-                let able = self.choose(ask.0, ask.1).is_ok();
-                asked.push((ask.0, ask.1, able));
+                let able = self
+                    .choose(&w.ask)
+                    .is_ok_and(|(slot, _)| self.usable(&slot.addr, mine));
+                asked.push((&w.ask, able));
                 able
             })
+    }
+
+    /// Whether the worker at `addr` serves what `ask` needs.
+    fn usable(&self, addr: &str, ask: &Ask) -> bool {
+        let Some(model) = &ask.model else {
+            return true;
+        };
+        self.slots.iter().any(|s| s.addr == addr && s.serves(model))
     }
 
     fn turn(&self, ticket: u64) -> Turn {
@@ -351,8 +357,8 @@ impl WorkerPool {
         let Some(me) = fair.waiting.iter().find(|w| w.ticket == ticket) else {
             return Turn::Bumped;
         };
-        let mine = fair.rank(&me.tenant, me.resumed, me.ticket);
-        if self.someone_ahead(&fair, mine) {
+        let mine = fair.rank(&me.tenant, me.ask.resumed, me.ticket);
+        if self.someone_ahead(&fair, mine, &me.ask) {
             Turn::Behind
         } else {
             Turn::Next
@@ -371,6 +377,13 @@ mod tests {
 
     use super::*;
     use crate::workers::{Affinity, PoolConfig};
+
+    fn resumed_ask() -> Ask {
+        Ask {
+            resumed: true,
+            ..Ask::default()
+        }
+    }
 
     fn pool(max_queue: usize) -> Arc<WorkerPool> {
         WorkerPool::start(
@@ -408,14 +421,14 @@ mod tests {
     async fn a_full_queue_is_shared_a_user_with_fewer_waiting_takes_the_newest_place_of_the_most() {
         let p = pool(4);
         let alice: Vec<_> = (0..4)
-            .map(|_| QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room"))
+            .map(|_| QueuePlace::take(&p, &tenant("alice"), &Ask::default()).expect("room"))
             .collect();
         assert!(
-            QueuePlace::take(&p, &tenant("alice"), None, &[], false).is_none(),
+            QueuePlace::take(&p, &tenant("alice"), &Ask::default()).is_none(),
             "full"
         );
         let bob1 =
-            QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("bob takes a place");
+            QueuePlace::take(&p, &tenant("bob"), &Ask::default()).expect("bob takes a place");
         assert_eq!(
             users(&p),
             [user("alice"), user("alice"), user("alice"), user("bob")]
@@ -426,11 +439,11 @@ mod tests {
             "alice's newest lost it"
         );
         assert_eq!(p.turn(alice[0].ticket), Turn::Next);
-        let bob2 = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("bob again");
+        let bob2 = QueuePlace::take(&p, &tenant("bob"), &Ask::default()).expect("bob again");
         assert_eq!(p.turn(alice[2].ticket), Turn::Bumped);
         // Two each: nobody takes from anybody any more.
-        assert!(QueuePlace::take(&p, &tenant("bob"), None, &[], false).is_none());
-        assert!(QueuePlace::take(&p, &tenant("alice"), None, &[], false).is_none());
+        assert!(QueuePlace::take(&p, &tenant("bob"), &Ask::default()).is_none());
+        assert!(QueuePlace::take(&p, &tenant("alice"), &Ask::default()).is_none());
         assert_eq!(p.queued(), 4);
         // A bumped place that is dropped gives nothing back twice; a real one frees a place.
         drop(alice);
@@ -442,8 +455,8 @@ mod tests {
     #[tokio::test]
     async fn the_queue_ranks_users_by_the_places_they_hold_then_by_arrival() {
         let p = pool(8);
-        let a1 = QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room");
-        let b1 = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("room");
+        let a1 = QueuePlace::take(&p, &tenant("alice"), &Ask::default()).expect("room");
+        let b1 = QueuePlace::take(&p, &tenant("bob"), &Ask::default()).expect("room");
         let mut fair = p.fair();
         assert!(
             fair.rank(&tenant("alice"), false, a1.ticket)
@@ -469,8 +482,8 @@ mod tests {
             Tenant::within(&alice, Some("ann")),
             Tenant::within(&alice, Some("bo")),
         );
-        let a = QueuePlace::take(&p, &ann, None, &[], false).expect("room");
-        let b = QueuePlace::take(&p, &bo, None, &[], false).expect("room");
+        let a = QueuePlace::take(&p, &ann, &Ask::default()).expect("room");
+        let b = QueuePlace::take(&p, &bo, &Ask::default()).expect("room");
         let mut fair = p.fair();
         assert!(fair.rank(&ann, false, a.ticket) < fair.rank(&bo, false, b.ticket));
         // Ann holds two of alice's places, Bo none: Bo goes first among alice's requests.
@@ -494,11 +507,11 @@ mod tests {
     async fn end_users_never_move_their_user_ahead_of_another() {
         let p = pool(8);
         let alice = user("alice");
-        let b = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("room");
+        let b = QueuePlace::take(&p, &tenant("bob"), &Ask::default()).expect("room");
         let zed = Tenant::within(&alice, Some("zed"));
-        let z = QueuePlace::take(&p, &zed, None, &[], false).expect("room");
+        let z = QueuePlace::take(&p, &zed, &Ask::default()).expect("room");
         let ann = Tenant::within(&alice, Some("ann"));
-        let a = QueuePlace::take(&p, &ann, None, &[], true).expect("room");
+        let a = QueuePlace::take(&p, &ann, &resumed_ask()).expect("room");
         let mut fair = p.fair();
         // Alice and bob hold two places each; bob's request came first, so it goes first,
         // whatever end user alice's request names.
@@ -543,22 +556,22 @@ mod tests {
         let alice: Vec<_> = (0..3).map(|_| hold(&p, &user("alice"), "w1")).collect();
         let dave = hold(&p, &user("dave"), "w1");
         // Alice waits too, but she holds places: she asks nobody for one.
-        let _a = QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room");
-        p.preempt_for(&user("alice"), &[]);
+        let _a = QueuePlace::take(&p, &tenant("alice"), &Ask::default()).expect("room");
+        p.preempt_for(&user("alice"), &Ask::default());
         assert!(!asked(&alice[2]).await);
         // Bob holds none: alice's newest place is asked back, once.
-        let _b = QueuePlace::take(&p, &tenant("bob"), None, &[], false).expect("room");
-        p.preempt_for(&user("bob"), &[]);
-        p.preempt_for(&user("bob"), &[]);
+        let _b = QueuePlace::take(&p, &tenant("bob"), &Ask::default()).expect("room");
+        p.preempt_for(&user("bob"), &Ask::default());
+        p.preempt_for(&user("bob"), &Ask::default());
         assert!(asked(&alice[2]).await, "alice's newest place");
         assert!(!asked(&alice[1]).await && !asked(&alice[0]).await);
         // Carol holds none either: one more of alice's. Not dave's: he holds only one.
-        let _c = QueuePlace::take(&p, &tenant("carol"), None, &[], false).expect("room");
-        p.preempt_for(&user("carol"), &[]);
+        let _c = QueuePlace::take(&p, &tenant("carol"), &Ask::default()).expect("room");
+        p.preempt_for(&user("carol"), &Ask::default());
         assert!(asked(&alice[1]).await);
         // Erin, a third: alice keeps her last place and dave his only one.
-        let _e = QueuePlace::take(&p, &tenant("erin"), None, &[], false).expect("room");
-        p.preempt_for(&user("erin"), &[]);
+        let _e = QueuePlace::take(&p, &tenant("erin"), &Ask::default()).expect("room");
+        p.preempt_for(&user("erin"), &Ask::default());
         assert!(!asked(&alice[0]).await && !asked(&dave).await);
         assert_eq!(p.fair().leases.iter().filter(|l| l.yielding).count(), 2);
     }
@@ -568,9 +581,22 @@ mod tests {
         let p = pool(8);
         let on_w2 = hold(&p, &user("alice"), "w2");
         let on_w1 = hold(&p, &user("alice"), "w1");
-        let _b =
-            QueuePlace::take(&p, &tenant("bob"), None, &["w1".to_string()], false).expect("room");
-        p.preempt_for(&user("bob"), &["w1".to_string()]);
+        let _b = QueuePlace::take(
+            &p,
+            &tenant("bob"),
+            &Ask {
+                exclude: vec!["w1".to_string()],
+                ..Ask::default()
+            },
+        )
+        .expect("room");
+        p.preempt_for(
+            &user("bob"),
+            &Ask {
+                exclude: vec!["w1".to_string()],
+                ..Ask::default()
+            },
+        );
         assert!(!asked(&on_w1).await, "bob's reply just failed on w1");
         assert!(asked(&on_w2).await);
     }
@@ -579,12 +605,12 @@ mod tests {
     async fn a_preempted_reply_waits_before_its_users_new_requests_and_past_a_full_queue() {
         let p = pool(1);
         hold(&p, &user("alice"), "w1");
-        let new = QueuePlace::take(&p, &tenant("alice"), None, &[], false).expect("room");
+        let new = QueuePlace::take(&p, &tenant("alice"), &Ask::default()).expect("room");
         assert!(
-            QueuePlace::take(&p, &tenant("alice"), None, &[], false).is_none(),
+            QueuePlace::take(&p, &tenant("alice"), &Ask::default()).is_none(),
             "full"
         );
-        let resumed = QueuePlace::take(&p, &tenant("alice"), None, &[], true).expect("not bounded");
+        let resumed = QueuePlace::take(&p, &tenant("alice"), &resumed_ask()).expect("not bounded");
         let fair = p.fair();
         assert!(
             fair.rank(&tenant("alice"), true, resumed.ticket)

@@ -12,6 +12,7 @@ use hearth_shared::proto;
 use tokio::time::Instant;
 
 use super::connection::{Client, WorkerConnection, WorkerLink};
+use super::models::{reported, ModelKey, Reported};
 use super::pool::{PoolConfig, WorkerPool};
 use crate::telemetry;
 
@@ -19,6 +20,8 @@ use crate::telemetry;
 pub(super) struct SlotState {
     pub(super) ready: bool,
     pub(super) info: Option<proto::InfoResponse>,
+    /// The worker's `models_epoch` when `info` was fetched: a new one means its models changed.
+    pub(super) epoch: u64,
     pub(super) conn: Option<Arc<WorkerConnection>>,
     /// The connection a failing health check took out of service, and since when: requests on
     /// it may still finish if the worker recovers, or are failed over after `stall_timeout`.
@@ -55,21 +58,38 @@ impl WorkerSlot {
         s.conn.clone().filter(|c| s.ready && c.is_open())
     }
 
+    /// Whether this worker reported `model` as the one it serves.
+    pub(super) fn serves(&self, model: &ModelKey) -> bool {
+        self.state()
+            .info
+            .as_ref()
+            .is_some_and(|i| model.served_by(i))
+    }
+
+    /// Requests it takes from here: its ready models' batches and queues together.
     pub(super) fn capacity(&self, configured: usize) -> usize {
         if configured > 0 {
             return configured;
         }
-        self.state()
-            .info
-            .as_ref()
-            .map_or(1, |i| (i.max_batch + i.max_waiting).max(1) as usize)
+        self.sum_ready(|r| r.max_batch + r.max_waiting)
     }
 
+    /// Sequences its ready models decode in one step, together.
     pub(super) fn batch(&self) -> usize {
-        self.state()
-            .info
-            .as_ref()
-            .map_or(1, |i| i.max_batch.max(1) as usize)
+        self.sum_ready(|r| r.max_batch)
+    }
+
+    fn sum_ready(&self, f: impl Fn(&Reported) -> u32) -> usize {
+        let st = self.state();
+        let Some(info) = st.info.as_ref() else {
+            return 1;
+        };
+        let n: u32 = reported(info)
+            .iter()
+            .filter(|r| r.state == proto::ModelState::Ready)
+            .map(f)
+            .sum();
+        n.max(1) as usize
     }
 }
 
@@ -93,6 +113,7 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
         let Some(p) = pool.upgrade() else { return };
         let interval = p.config.health_interval;
         let was_ready = slot.conn().is_some();
+        let epoch = slot.state().epoch;
         let outcome = check(&mut client, &slot, &p.config, &link)
             .await
             .and_then(|h| {
@@ -138,6 +159,10 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
             }
         }
         let ready_now = slot.conn().is_some();
+        if slot.state().epoch != epoch {
+            // Its models changed: a request waiting for one may go now.
+            p.room.notify_waiters();
+        }
         if ready_now != was_ready {
             if ready_now {
                 tracing::info!(worker = %slot.addr, "worker ready");
@@ -150,7 +175,9 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
     }
 }
 
-/// One health round: `Health`, `Info` the first time, and an open connection.
+/// One health round: `Health`; `Info` when the worker's models changed (its `models_epoch`
+/// moved) or it has no connection open (a worker that restarted may serve other models now);
+/// and a new connection when none is open.
 async fn check(
     client: &mut Client,
     slot: &WorkerSlot,
@@ -162,15 +189,21 @@ async fn check(
         .await
         .map_err(|s| format!("health check failed: {}", s.message()))?
         .into_inner();
-    if slot.state().info.is_none() {
+    let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
+    let stale = {
+        let st = slot.state();
+        st.info.is_none() || st.epoch != health.models_epoch
+    };
+    if stale || (!open && health.ready) {
         let info = client
             .info(proto::InfoRequest {})
             .await
             .map_err(|s| format!("info failed: {}", s.message()))?
             .into_inner();
-        slot.state().info = Some(info);
+        let mut st = slot.state();
+        st.info = Some(info);
+        st.epoch = health.models_epoch;
     }
-    let open = slot.state().conn.as_ref().is_some_and(|c| c.is_open());
     if !open && health.ready && !health.engine_stalled {
         let conn = WorkerConnection::connect(&slot.addr, config.batch, link)
             .await

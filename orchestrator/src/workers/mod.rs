@@ -3,16 +3,20 @@
 //! [`pool::WorkerPool`] keeps every worker's health and chooses one for each request
 //! (session affinity, least loaded, bounded admission).
 
+mod admin;
 mod affinity;
 pub mod connection;
 mod fair;
 mod health;
 mod lease;
+mod models;
 pub mod pool;
 
+pub use admin::{AdminError, WorkerModel, WorkerModels};
 pub use affinity::{prefix_keys, Affinity, PrefixKey};
 pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError, WorkerLink};
 pub use fair::Tenant;
 pub use health::WorkerStatus;
 pub use lease::Lease;
+pub use models::{ModelKey, ServedModel, UnknownModel};
 pub use pool::{PoolConfig, PoolError, WorkerPool};

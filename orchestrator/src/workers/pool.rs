@@ -22,6 +22,7 @@ use super::affinity::{Affinity, PrefixKey};
 use super::connection::{BatchConfig, WorkerConnection, WorkerLink};
 use super::fair::{Fair, Held};
 use super::health::{poll, SlotState, WorkerSlot, WorkerStatus};
+use super::models::ModelKey;
 use super::Lease;
 use super::Tenant;
 use crate::ids::SessionId;
@@ -90,6 +91,17 @@ pub struct WorkerPool {
     pub(super) fair: Mutex<Fair>,
 }
 
+/// What a request asks of the pool: the model it needs (none: any worker, while none has
+/// reported its model), the worker it would rather have, workers to skip, and whether it is a
+/// preempted reply waiting to continue.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Ask {
+    pub(super) model: Option<ModelKey>,
+    pub(super) preferred: Option<String>,
+    pub(super) exclude: Vec<String>,
+    pub(super) resumed: bool,
+}
+
 pub(super) enum Pick {
     Got(Lease),
     /// Ready workers exist but all are full.
@@ -127,23 +139,6 @@ impl WorkerPool {
 
     pub fn ready_count(&self) -> usize {
         self.slots.iter().filter(|s| s.conn().is_some()).count()
-    }
-
-    /// The first ready worker's `Info` (model, context length, special tokens).
-    pub fn info(&self) -> Option<proto::InfoResponse> {
-        self.slots
-            .iter()
-            .filter(|s| s.conn().is_some())
-            .find_map(|s| s.state().info.clone())
-    }
-
-    /// The smallest context length among ready workers, so a prompt fits wherever it goes.
-    pub fn context_length(&self) -> Option<usize> {
-        self.slots
-            .iter()
-            .filter(|s| s.conn().is_some())
-            .filter_map(|s| s.state().info.as_ref().map(|i| i.context_length as usize))
-            .min()
     }
 
     /// One line per worker, for `/readyz`. Public, so it names each worker `worker-<n>` and
@@ -192,12 +187,15 @@ impl WorkerPool {
     pub async fn admit_prefix(
         self: &Arc<Self>,
         user: &Tenant,
+        model: Option<&ModelKey>,
         keys: &[PrefixKey],
     ) -> Result<Lease, PoolError> {
-        let preferred = self.affinity.get_last(keys).await;
-        let lease = self
-            .admit_preferring(user, preferred.as_deref(), &[], false)
-            .await?;
+        let ask = Ask {
+            model: model.cloned(),
+            preferred: self.affinity.get_last(keys).await,
+            ..Ask::default()
+        };
+        let lease = self.admit_preferring(user, ask).await?;
         // Every key, the longer ones being new: the next turn finds the longest.
         for k in keys {
             self.affinity.set_prefix(k, lease.addr()).await;
@@ -205,18 +203,23 @@ impl WorkerPool {
         Ok(lease)
     }
 
-    /// Chooses a worker for `user`'s request of `session` (if any), skipping `exclude`. Waits
-    /// in the bounded queue when every worker is full.
+    /// Chooses a worker serving `model` for `user`'s request of `session` (if any), skipping
+    /// `exclude`. Waits in the bounded queue when every such worker is full.
     pub async fn admit(
         self: &Arc<Self>,
         user: &Tenant,
+        model: Option<&ModelKey>,
         session: Option<&SessionId>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
         let preferred = self.session_worker(session).await;
-        let lease = self
-            .admit_preferring(user, preferred.as_deref(), exclude, false)
-            .await?;
+        let ask = Ask {
+            model: model.cloned(),
+            preferred: preferred.clone(),
+            exclude: exclude.to_vec(),
+            resumed: false,
+        };
+        let lease = self.admit_preferring(user, ask).await?;
         if let Some(s) = session {
             if preferred.as_deref() != Some(lease.addr()) {
                 self.affinity.set_session(s, lease.addr()).await;
@@ -231,12 +234,17 @@ impl WorkerPool {
     pub async fn readmit(
         self: &Arc<Self>,
         user: &Tenant,
+        model: Option<&ModelKey>,
         session: Option<&SessionId>,
         exclude: &[String],
     ) -> Result<Lease, PoolError> {
-        let preferred = self.session_worker(session).await;
-        self.admit_preferring(user, preferred.as_deref(), exclude, true)
-            .await
+        let ask = Ask {
+            model: model.cloned(),
+            preferred: self.session_worker(session).await,
+            exclude: exclude.to_vec(),
+            resumed: true,
+        };
+        self.admit_preferring(user, ask).await
     }
 
     /// The worker that last served `session` (it likely holds the session's KV cache).
@@ -250,29 +258,23 @@ impl WorkerPool {
     async fn admit_preferring(
         self: &Arc<Self>,
         user: &Tenant,
-        preferred: Option<&str>,
-        exclude: &[String],
-        resumed: bool,
+        ask: Ask,
     ) -> Result<Lease, PoolError> {
         let started = Instant::now();
         // A request that no waiting one ranks before takes room at once; otherwise it queues.
+        // Only waiting requests that could take the same workers count as before it, so a
+        // request for one model never waits behind requests for another.
         let behind = {
             let fair = self.fair();
-            let mine = fair.rank(user, resumed, u64::MAX);
-            self.someone_ahead(&fair, mine)
+            let mine = fair.rank(user, ask.resumed, u64::MAX);
+            self.someone_ahead(&fair, mine, &ask)
         };
         let lease = match behind {
-            true => {
-                self.wait_for_room(user, preferred, exclude, resumed)
-                    .await?
-            }
-            false => match self.pick(user, preferred, exclude) {
+            true => self.wait_for_room(user, ask).await?,
+            false => match self.pick(user, &ask) {
                 Pick::Got(l) => l,
                 Pick::NoneReady => return Err(PoolError::NoWorker),
-                Pick::Full => {
-                    self.wait_for_room(user, preferred, exclude, resumed)
-                        .await?
-                }
+                Pick::Full => self.wait_for_room(user, ask).await?,
             },
         };
         telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
@@ -282,14 +284,14 @@ impl WorkerPool {
     /// The worker a request would get now, without taking its place.
     pub(super) fn choose(
         &self,
-        preferred: Option<&str>,
-        exclude: &[String],
+        ask: &Ask,
     ) -> Result<(Arc<WorkerSlot>, Arc<WorkerConnection>), Pick> {
         let cap = self.config.per_worker_capacity;
         let candidates: Vec<(&Arc<WorkerSlot>, Arc<WorkerConnection>)> = self
             .slots
             .iter()
-            .filter(|s| !exclude.contains(&s.addr))
+            .filter(|s| !ask.exclude.contains(&s.addr))
+            .filter(|s| ask.model.as_ref().is_none_or(|m| s.serves(m)))
             .filter_map(|s| s.conn().map(|c| (s, c)))
             .collect();
         if candidates.is_empty() {
@@ -297,7 +299,7 @@ impl WorkerPool {
         }
         let load = |s: &WorkerSlot| s.in_flight.load(Ordering::SeqCst);
         // The session's worker, unless it is overloaded.
-        let sticky = preferred.and_then(|p| {
+        let sticky = ask.preferred.as_deref().and_then(|p| {
             candidates
                 .iter()
                 .find(|(s, _)| s.addr == p && load(s) < s.batch().min(s.capacity(cap)))
@@ -314,13 +316,8 @@ impl WorkerPool {
         }
     }
 
-    pub(super) fn pick(
-        self: &Arc<Self>,
-        user: &Tenant,
-        preferred: Option<&str>,
-        exclude: &[String],
-    ) -> Pick {
-        let (slot, conn) = match self.choose(preferred, exclude) {
+    pub(super) fn pick(self: &Arc<Self>, user: &Tenant, ask: &Ask) -> Pick {
+        let (slot, conn) = match self.choose(ask) {
             Ok(c) => c,
             Err(p) => return p,
         };

@@ -30,6 +30,9 @@ enum Model {
     /// A bigger random-weight model: a reply of a few hundred tokens takes seconds, so a test
     /// can stop, reload or cut the network while it streams.
     Slow,
+    /// Two tiny models of one repository, `tiny` and `tiny-b` (different weights), both loaded
+    /// by the one worker: for choosing a chat's model.
+    Two,
 }
 
 /// Starts the real `hearth` (debug build) and a real `hearth-worker` with a tiny generated
@@ -300,6 +303,22 @@ async fn wait_for_end(hearth: &mut Guarded, worker: &mut Guarded) -> End {
     }
 }
 
+/// A repository in `dir` of two tiny models: `tiny/1` (the stack's `model`) and `tiny-b/1`.
+fn two_models(dir: &Path, model: &Path) -> anyhow::Result<PathBuf> {
+    let root = dir.join("repository");
+    let a = root.join("tiny/1");
+    let b = root.join("tiny-b/1");
+    std::fs::create_dir_all(&a)?;
+    std::fs::create_dir_all(&b)?;
+    std::fs::copy(model, a.join("model.gguf"))?;
+    let other = TinySpec {
+        seed: 99,
+        ..TinySpec::default()
+    };
+    hearth_worker::fixtures::write_tiny_gguf(&b.join("model.gguf"), &other)?;
+    Ok(root)
+}
+
 async fn run(args: Args) -> anyhow::Result<ExitCode> {
     let hearth_bin = binary(&args.hearth_bin, "hearth", "hearth-orchestrator")?;
     let worker_bin = binary(&args.worker_bin, "hearth-worker", "hearth-worker")?;
@@ -312,10 +331,14 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
     let spec = match args.model {
-        Model::Tiny => TinySpec::default(),
+        Model::Tiny | Model::Two => TinySpec::default(),
         Model::Slow => slow_spec(),
     };
     let assets = TempAssets(assets_with("stack", &spec));
+    let repository = match args.model {
+        Model::Two => Some(two_models(&assets.0.dir, &assets.0.model)?),
+        _ => None,
+    };
     let db_url = args.database_url.clone().unwrap_or_else(|| {
         format!(
             "sqlite://{}?mode=rwc",
@@ -337,10 +360,15 @@ async fn run(args: Args) -> anyhow::Result<ExitCode> {
     worker_cmd
         .env("HEARTH_WORKER_TOKEN", &worker_token)
         .arg("serve")
-        .arg("--model")
-        .arg(&assets.0.model)
         .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
         .args(["--kv-budget", "64MiB"]);
+    match &repository {
+        Some(root) => worker_cmd
+            .arg("--repository")
+            .arg(root)
+            .args(["--model", "tiny", "--load", "tiny-b"]),
+        None => worker_cmd.arg("--model").arg(&assets.0.model),
+    };
     if let Some(ms) = args.scripted_token_ms {
         worker_cmd.arg(format!("--scripted-token-ms={ms}"));
     }

@@ -131,15 +131,30 @@ impl Stack {
         }
     }
 
-    /// One worker serving `spec` (`name` or `name@version`) from the model repository `root`,
-    /// and `hearth` with `extra` flags, on SQLite.
-    pub async fn from_repository(tag: &str, root: &Path, spec: &str, extra: &[&str]) -> Self {
+    /// One worker for each of `specs` (`name` or `name@version`), serving it from the model
+    /// repository `root`, and `hearth` with `extra` flags, on SQLite.
+    pub async fn from_repository(tag: &str, root: &Path, specs: &[&str], extra: &[&str]) -> Self {
+        Self::from_repository_with(tag, root, specs, &[], extra).await
+    }
+
+    /// [`Self::from_repository`], its workers started with `worker_flags` too.
+    pub async fn from_repository_with(
+        tag: &str,
+        root: &Path,
+        specs: &[&str],
+        worker_flags: &[&str],
+        extra: &[&str],
+    ) -> Self {
         let assets = assets_with(tag, &TinySpec::default());
         let db_url = assets.sqlite_url();
         let root = path(root);
         let mut flags = WORKER_FLAGS.to_vec();
         flags.extend(["--repository", root.as_str()]);
-        let workers = vec![worker_with(Path::new(spec), &flags)];
+        flags.extend_from_slice(worker_flags);
+        let workers = specs
+            .iter()
+            .map(|spec| worker_with(Path::new(spec), &flags))
+            .collect();
         Self::around(assets, workers, db_url, None, extra).await
     }
 

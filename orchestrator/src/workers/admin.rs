@@ -1,0 +1,307 @@
+//! Loading and unloading models on the workers (the admin API), and each worker's models as
+//! it reports them.
+//!
+//! A load goes to the worker named, else to the ready workers in order of free memory (their
+//! `--memory-budget` less what their models take, else their device's free memory): the first
+//! whose repository has the model and that has room loads it. An unload goes to every worker
+//! that holds the model (or the one named); each lets the model's running requests finish until
+//! the deadline and ends the rest as unavailable, and this orchestrator continues those on
+//! another worker serving the model.
+
+use std::time::Duration;
+
+use hearth_shared::proto;
+use serde::Serialize;
+use tonic::Code;
+
+use super::connection::Client;
+use super::health::WorkerSlot;
+use super::pool::WorkerPool;
+
+/// One model on one worker, as the admin API shows it.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct WorkerModel {
+    /// `name@version`, or the name of a model its worker was given by path.
+    pub model: String,
+    /// `loading`, `ready`, `unloading` or `failed`.
+    pub state: String,
+    pub weights_bytes: u64,
+    pub kv_bytes: u64,
+    /// Requests streaming on it now.
+    pub in_flight: u32,
+    /// Seconds since its last request.
+    pub idle_s: f64,
+    /// Why its load failed.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// One worker and its models.
+#[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
+pub struct WorkerModels {
+    /// `worker-<n>`, its place in the `--worker` list.
+    pub worker: String,
+    pub ready: bool,
+    /// Its `--memory-budget` (0: none), and what its models take.
+    pub memory_budget_bytes: u64,
+    pub memory_used_bytes: u64,
+    pub models: Vec<WorkerModel>,
+}
+
+/// Why a load or unload did not happen.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    #[error("no worker is called `{0}` (GET /v1/admin/workers lists them)")]
+    UnknownWorker(String),
+    /// No worker's repository has the model, or (unload) no worker holds it.
+    #[error("{0}")]
+    NotFound(String),
+    /// It fits on no worker; the workers' answers name the bytes.
+    #[error("{0}")]
+    NoRoom(String),
+    #[error("no worker is ready")]
+    NoWorker,
+    /// A worker failed to load or unload it.
+    #[error("{0}")]
+    Failed(String),
+}
+
+pub(super) fn model_state(s: i32) -> &'static str {
+    match proto::ModelState::try_from(s) {
+        Ok(proto::ModelState::Loading) => "loading",
+        Ok(proto::ModelState::Ready) => "ready",
+        Ok(proto::ModelState::Unloading) => "unloading",
+        Ok(proto::ModelState::Failed) => "failed",
+        _ => "unknown",
+    }
+}
+
+fn key(m: &proto::ModelStatus) -> String {
+    match m.model_version.as_str() {
+        "" => m.model_id.clone(),
+        v => format!("{}@{v}", m.model_id),
+    }
+}
+
+fn worker_model(m: &proto::ModelStatus) -> WorkerModel {
+    WorkerModel {
+        model: key(m),
+        state: model_state(m.state).into(),
+        weights_bytes: m.weights_bytes,
+        kv_bytes: m.kv_bytes,
+        in_flight: m.in_flight,
+        idle_s: m.idle_s,
+        error: Some(m.error.clone()).filter(|e| !e.is_empty()),
+    }
+}
+
+/// A worker's free memory for another model, as its `Info` says.
+fn free_bytes(info: &proto::InfoResponse) -> u64 {
+    if info.memory_budget_bytes > 0 {
+        return info
+            .memory_budget_bytes
+            .saturating_sub(info.memory_used_bytes);
+    }
+    info.device.as_ref().map_or(0, |d| d.memory_free_bytes)
+}
+
+impl WorkerPool {
+    /// Every worker and the models it holds.
+    pub fn worker_models(&self) -> Vec<WorkerModels> {
+        self.slots
+            .iter()
+            .map(|s| {
+                let ready = s.conn().is_some();
+                let st = s.state();
+                let info = st.info.clone().unwrap_or_default();
+                WorkerModels {
+                    worker: s.name.clone(),
+                    ready,
+                    memory_budget_bytes: info.memory_budget_bytes,
+                    memory_used_bytes: info.memory_used_bytes,
+                    models: info.models.iter().map(worker_model).collect(),
+                }
+            })
+            .collect()
+    }
+
+    fn named(&self, worker: &str) -> Result<&WorkerSlot, AdminError> {
+        self.slots
+            .iter()
+            .find(|s| s.name == worker)
+            .map(|s| &**s)
+            .ok_or_else(|| AdminError::UnknownWorker(worker.to_string()))
+    }
+
+    /// A client for a call that may take long (a load): its own connection, without the health
+    /// checks' timeout.
+    async fn admin_client(&self, slot: &WorkerSlot) -> Result<Client, AdminError> {
+        let link = self.config.link();
+        let endpoint = link
+            .endpoint(&slot.addr)
+            .map_err(AdminError::Failed)?
+            .connect_timeout(Duration::from_secs(2));
+        let channel = endpoint.connect().await.map_err(|e| {
+            tracing::warn!(worker = %slot.addr, error = %e, "admin call: worker unreachable");
+            AdminError::Failed(format!("{} cannot be reached", slot.name))
+        })?;
+        Ok(link.client(channel))
+    }
+
+    /// Loads `model` (`name` or `name@version`) on `worker`, else on the ready worker with the
+    /// most free memory whose repository has it and where it fits (with `evict`, a worker
+    /// first unloads its least recently used idle models to make room). Returns the worker's
+    /// name and the model as it reports it.
+    pub async fn load_model(
+        &self,
+        model: &str,
+        worker: Option<&str>,
+        evict: bool,
+    ) -> Result<(String, WorkerModel), AdminError> {
+        let has = |s: &WorkerSlot| {
+            s.state().info.as_ref().is_some_and(|i| {
+                i.available
+                    .iter()
+                    .any(|a| a == model || a.rsplit_once('@').is_some_and(|(n, _)| n == model))
+            })
+        };
+        let mut candidates: Vec<(&WorkerSlot, (bool, u64))> = match worker {
+            Some(w) => vec![(self.named(w)?, (true, 0))],
+            None => self
+                .slots
+                .iter()
+                .filter(|s| s.conn().is_some())
+                .map(|s| {
+                    let free = s.state().info.as_ref().map_or(0, free_bytes);
+                    (&**s, (has(s), free))
+                })
+                .collect(),
+        };
+        if candidates.is_empty() {
+            return Err(AdminError::NoWorker);
+        }
+        // Workers whose repository lists it first, then the most free memory.
+        candidates.sort_by_key(|&(_, rank)| std::cmp::Reverse(rank));
+        let (mut missing, mut full) = (Vec::new(), Vec::new());
+        for (slot, _) in candidates {
+            let mut client = self.admin_client(slot).await?;
+            let req = proto::LoadModelRequest {
+                model: model.to_string(),
+                evict_idle: evict,
+            };
+            match client.load_model(req).await {
+                Ok(r) => {
+                    let status = r.into_inner().model.unwrap_or_default();
+                    tracing::info!(worker = %slot.addr, model = %key(&status), "model loaded");
+                    // Routing sees it now, not at the next health check.
+                    self.refresh_info(slot, &mut client).await;
+                    self.room.notify_waiters();
+                    return Ok((slot.name.clone(), worker_model(&status)));
+                }
+                Err(s) => {
+                    let line = format!("{}: {}", slot.name, s.message());
+                    match s.code() {
+                        Code::NotFound | Code::FailedPrecondition if !is_load_failure(&s) => {
+                            missing.push(line)
+                        }
+                        Code::ResourceExhausted => full.push(line),
+                        _ => return Err(AdminError::Failed(line)),
+                    }
+                }
+            }
+        }
+        if !full.is_empty() {
+            return Err(AdminError::NoRoom(format!(
+                "the model {model} fits on no worker: {}",
+                full.join("; ")
+            )));
+        }
+        Err(AdminError::NotFound(format!(
+            "no worker can load the model {model}: {}",
+            missing.join("; ")
+        )))
+    }
+
+    /// Unloads `model` from every worker that holds it (or from `worker`), letting its running
+    /// requests go on for `deadline` first (none: each worker's drain timeout). Returns each worker's name and how many requests it
+    /// cut short (they continue elsewhere where another worker serves the model).
+    pub async fn unload_model(
+        &self,
+        model: &str,
+        worker: Option<&str>,
+        deadline: Option<Duration>,
+    ) -> Result<Vec<(String, u32)>, AdminError> {
+        let holds = |s: &WorkerSlot| {
+            s.state().info.as_ref().is_some_and(|i| {
+                i.models
+                    .iter()
+                    .any(|m| m.model_id == model || key(m) == model)
+            })
+        };
+        let targets: Vec<&WorkerSlot> = match worker {
+            Some(w) => vec![self.named(w)?],
+            None => self
+                .slots
+                .iter()
+                .map(|s| &**s)
+                .filter(|s| holds(s))
+                .collect(),
+        };
+        if targets.is_empty() {
+            return Err(AdminError::NotFound(format!(
+                "no worker holds the model {model}"
+            )));
+        }
+        let mut out = Vec::new();
+        for slot in targets {
+            let mut client = self.admin_client(slot).await?;
+            let req = proto::UnloadModelRequest {
+                model: model.to_string(),
+                // 0: the worker's own drain timeout; otherwise at least a millisecond.
+                deadline_ms: deadline.map_or(0, |d| {
+                    u32::try_from(d.as_millis()).unwrap_or(u32::MAX).max(1)
+                }),
+            };
+            match client.unload_model(req).await {
+                Ok(r) => {
+                    self.refresh_info(slot, &mut client).await;
+                    out.push((slot.name.clone(), r.into_inner().ended));
+                }
+                Err(s) if s.code() == Code::NotFound && worker.is_some() => {
+                    return Err(AdminError::NotFound(format!(
+                        "{}: {}",
+                        slot.name,
+                        s.message()
+                    )))
+                }
+                Err(s) => {
+                    return Err(AdminError::Failed(format!(
+                        "{}: {}",
+                        slot.name,
+                        s.message()
+                    )))
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl WorkerPool {
+    /// Fetches `slot`'s `Info` again (its models changed).
+    async fn refresh_info(&self, slot: &WorkerSlot, client: &mut Client) {
+        let health = client.health(proto::HealthRequest {}).await;
+        let info = client.info(proto::InfoRequest {}).await;
+        if let (Ok(h), Ok(i)) = (health, info) {
+            let mut st = slot.state();
+            st.info = Some(i.into_inner());
+            st.epoch = h.into_inner().models_epoch;
+        }
+    }
+}
+
+/// Whether a worker's refusal says the model's own load failed (a broken file), rather than
+/// that the worker cannot load it at all (no repository, not in it).
+fn is_load_failure(s: &tonic::Status) -> bool {
+    s.code() == Code::FailedPrecondition && s.message().starts_with("loading ")
+}

@@ -1,0 +1,225 @@
+//! Several models across workers: three workers serve `alpha@1`, `alpha@2` and `beta@1` of one
+//! repository. `/v1/models` lists both models with their versions; requests go to the worker
+//! of the model they name (by name: its newest ready version; pinned: that version), on both
+//! APIs, and a session keeps its model; an unknown model is a 404 that lists what is served;
+//! with the newest version's worker gone, the name falls back to the older ready version.
+
+use std::path::Path;
+
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{new_session_with, post, Stack, DECODED};
+use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
+use serde_json::{json, Value};
+
+/// `alpha/1`, `alpha/2` and `beta/1`: three different tiny models.
+fn repository(root: &Path) {
+    for (i, (name, v)) in [("alpha", "1"), ("alpha", "2"), ("beta", "1")]
+        .into_iter()
+        .enumerate()
+    {
+        let dir = root.join(name).join(v);
+        std::fs::create_dir_all(&dir).expect("dir");
+        let spec = TinySpec {
+            seed: 11 + i as u64,
+            ..TinySpec::default()
+        };
+        write_tiny_gguf(&dir.join("model.gguf"), &spec).expect("model");
+    }
+}
+
+/// Tokens each worker has decoded so far (0 for the workers in `gone`, which were killed). A
+/// worker exports the counter from its first decoded token on: until then it is 0.
+async fn decoded(s: &Stack, gone: &[usize]) -> Vec<f64> {
+    let mut out = Vec::new();
+    for (i, w) in s.workers.iter().enumerate() {
+        if gone.contains(&i) {
+            out.push(0.0);
+            continue;
+        }
+        let page = Req::new("GET", "/metrics")
+            .send(w.metrics.parse().expect("metrics address"))
+            .await
+            .text();
+        let n = page
+            .lines()
+            .find_map(|l| l.strip_prefix(DECODED)?.strip_prefix(' '))
+            .map_or(0.0, |v| v.trim().parse().expect("a number"));
+        out.push(n);
+    }
+    out
+}
+
+/// Runs `call` and returns the index of the one worker that decoded tokens for it.
+async fn served_by<F: std::future::Future<Output = ()>>(s: &Stack, call: F) -> usize {
+    served_by_of(s, &[], call).await
+}
+
+async fn served_by_of<F: std::future::Future<Output = ()>>(
+    s: &Stack,
+    gone: &[usize],
+    call: F,
+) -> usize {
+    let before = decoded(s, gone).await;
+    call.await;
+    let after = decoded(s, gone).await;
+    let moved: Vec<usize> = (0..before.len())
+        .filter(|&i| after[i] > before[i])
+        .collect();
+    assert_eq!(
+        moved.len(),
+        1,
+        "exactly one worker decoded: {before:?} -> {after:?}"
+    );
+    moved[0]
+}
+
+async fn chat(s: &Stack, key: &str, model: &str) {
+    let body = json!({"model": model, "max_tokens": 4,
+                      "messages": [{"role": "user", "content": "Hello there"}]});
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(key))
+        .json(&body)
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{model}: {}", r.text());
+    assert_eq!(r.json()["model"], model.split('@').next().unwrap_or(model));
+}
+
+async fn turn(s: &Stack, key: &str, sid: &str) {
+    let r = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(&json!({"content": "Hello there", "stream": false, "max_tokens": 4}))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+}
+
+async fn models(s: &Stack, key: &str) -> Vec<Value> {
+    let r = Req::new("GET", "/v1/models")
+        .key(Some(key))
+        .send(s.addr())
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    r.json()["data"].as_array().cloned().unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_go_to_the_workers_of_the_model_they_name() {
+    let root = std::env::temp_dir().join(format!("hearth-models-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    repository(&root);
+    let specs = ["alpha@1", "alpha", "beta"];
+    let mut s = Stack::from_repository("models", &root, &specs, &[]).await;
+    let k = s.key("alice").await;
+    // `hearth` is ready with one worker; wait for all three to be listed.
+    let mut cards = models(&s, &k).await;
+    for _ in 0..100 {
+        let ready = |c: &Value| c["versions"].as_array().map_or(0, |v| v.len());
+        if cards.len() == 2 && ready(&cards[0]) == 2 && cards[0]["workers"] == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        cards = models(&s, &k).await;
+    }
+    assert_eq!(cards.len(), 2, "{cards:?}");
+    assert_eq!(cards[0]["id"], "alpha");
+    assert_eq!(
+        cards[0]["version"], "2",
+        "the name means the newest version"
+    );
+    let versions: Vec<&Value> = cards[0]["versions"]
+        .as_array()
+        .expect("versions")
+        .iter()
+        .map(|v| &v["version"])
+        .collect();
+    assert_eq!(versions, [&json!("2"), &json!("1")]);
+    assert_eq!(cards[1]["id"], "beta");
+    assert_eq!(
+        (&cards[1]["state"], &cards[1]["workers"]),
+        (&json!("ready"), &json!(1))
+    );
+
+    // By name and pinned, on the OpenAI API.
+    assert_eq!(served_by(&s, chat(&s, &k, "alpha")).await, 1);
+    assert_eq!(served_by(&s, chat(&s, &k, "alpha@1")).await, 0);
+    assert_eq!(served_by(&s, chat(&s, &k, "beta")).await, 2);
+    assert_eq!(served_by(&s, chat(&s, &k, "alpha@2")).await, 1);
+    let legacy = json!({"model": "beta", "prompt": "Once", "max_tokens": 3});
+    let w = served_by(&s, async {
+        let r = post(s.addr(), &k, "/v1/completions", &legacy).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    })
+    .await;
+    assert_eq!(w, 2);
+
+    // A session keeps its model, turn after turn.
+    let sid = new_session_with(s.addr(), &k, &json!({"model": "beta"})).await;
+    for _ in 0..2 {
+        assert_eq!(served_by(&s, turn(&s, &k, &sid)).await, 2);
+    }
+    let pinned = new_session_with(s.addr(), &k, &json!({"model": "alpha@1"})).await;
+    assert_eq!(served_by(&s, turn(&s, &k, &pinned)).await, 0);
+
+    // Unknown models and versions: 404, naming what is served.
+    for asked in ["gamma", "alpha@3", "beta@2"] {
+        let body = json!({"model": asked, "max_tokens": 2,
+                          "messages": [{"role": "user", "content": "Hi"}]});
+        let legacy = json!({"model": asked, "prompt": "Hi"});
+        let r = post(s.addr(), &k, "/v1/completions", &legacy).await;
+        assert_eq!(r.status, 404, "{asked}: {}", r.text());
+        let r = Req::new("POST", "/v1/chat/completions")
+            .key(Some(&k))
+            .json(&body)
+            .send(s.addr())
+            .await;
+        assert_eq!(r.status, 404, "{asked}: {}", r.text());
+        let e = r.json()["error"].clone();
+        assert_eq!(e["code"], "model_not_found", "{e}");
+        let msg = e["message"].as_str().unwrap_or_default().to_string();
+        for served in ["`alpha@2`", "`alpha@1`", "`beta@1`"] {
+            assert!(msg.contains(served), "{msg}");
+        }
+        let r = Req::new("POST", "/v1/sessions")
+            .key(Some(&k))
+            .json(&json!({"model": asked}))
+            .send(s.addr())
+            .await;
+        assert_eq!(r.status, 404, "{asked}: {}", r.text());
+    }
+    let one = Req::new("GET", "/v1/models/alpha@1")
+        .key(Some(&k))
+        .send(s.addr())
+        .await;
+    assert_eq!(
+        (one.status, one.json()["version"].clone()),
+        (200, json!("1"))
+    );
+
+    // The newest version's worker goes: the name means the older, ready one.
+    s.workers[1].child.kill().expect("kill");
+    let _ = s.workers[1].child.wait();
+    for _ in 0..100 {
+        let cards = models(&s, &k).await;
+        if cards[0]["version"] == "1" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(served_by_of(&s, &[1], chat(&s, &k, "alpha")).await, 0);
+    let gone = json!({"model": "alpha@2", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    let r = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&gone)
+        .send(s.addr())
+        .await;
+    assert_eq!(
+        r.status,
+        503,
+        "a version no ready worker serves: {}",
+        r.text()
+    );
+    s.finish().await;
+    let _ = std::fs::remove_dir_all(root);
+}
