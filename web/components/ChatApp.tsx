@@ -29,7 +29,7 @@ import { TopBar } from "./TopBar";
 export function ChatApp() {
   const { auth, keyError, submitKey } = useAuth();
   const ok = auth === "ok";
-  const { model, ready } = useHealth(ok);
+  const { models, ready } = useHealth(ok);
   const { banner, setBanner, showRefusal, waitSecs } = useBanner();
   const list = useSessionList(ok, setBanner);
   const reply = useReplyStream({ upsert: list.upsert, setBanner });
@@ -82,6 +82,9 @@ export function ChatApp() {
 
   const { sessionId, session } = sessions;
   const title = session?.title ?? (sessionId ? "" : "New chat");
+  // The open chat's model, else the one a new chat would get (the server's default lists first).
+  const chosen = sessionId ? session?.model : sessions.pendingSettings?.model;
+  const model = chosen || (models[0]?.id ?? null);
 
   return (
     <div className={drawer ? "app drawer-open" : "app"}>
@@ -129,7 +132,9 @@ export function ChatApp() {
           inputRef={composer}
         />
       </main>
-      {settings.open && <Settings initial={settings.initial()} onSave={settings.save} onClose={settings.close} />}
+      {settings.open && (
+        <Settings initial={settings.initial()} models={models} onSave={settings.save} onClose={settings.close} />
+      )}
       {confirmDelete && (
         <ConfirmDelete
           session={confirmDelete}

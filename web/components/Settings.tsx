@@ -2,6 +2,7 @@
 
 import { useState } from "react";
 import type { SettingsValue } from "@/lib/settings";
+import type { ModelCard } from "@/lib/types";
 
 export type { SettingsValue };
 
@@ -19,12 +20,30 @@ function check(v: SettingsValue): string | null {
   return null;
 }
 
+/** What the model list offers: each model by name (its newest version), and each version pinned. */
+export function modelChoices(models: ModelCard[]): { value: string; label: string }[] {
+  const out: { value: string; label: string }[] = [];
+  for (const m of models) {
+    const name = m.display_name && m.display_name !== m.id ? `${m.display_name} (${m.id})` : m.id;
+    const note = m.state === "ready" ? "" : m.state === "available" ? " (loads when used)" : `: ${m.state}`;
+    out.push({ value: m.id, label: name + note });
+    const pinned = m.versions.filter((v) => v.version !== "");
+    if (pinned.length > 1) {
+      for (const v of pinned) out.push({ value: `${m.id}@${v.version}`, label: `${m.id} version ${v.version}` });
+    }
+  }
+  return out;
+}
+
 export function Settings({
   initial,
+  models,
   onSave,
   onClose,
 }: {
   initial: SettingsValue;
+  /** The served models; the list shows when there is a choice to make (or the chat names one). */
+  models: ModelCard[];
   onSave: (v: SettingsValue) => Promise<void>;
   onClose: () => void;
 }) {
@@ -33,8 +52,12 @@ export function Settings({
   const [saving, setSaving] = useState(false);
   const field = (name: keyof SettingsValue) => ({
     value: v[name],
-    onChange: (e: React.ChangeEvent<HTMLInputElement | HTMLTextAreaElement>) => setV({ ...v, [name]: e.target.value }),
+    onChange: (e: React.ChangeEvent<HTMLInputElement | HTMLTextAreaElement | HTMLSelectElement>) =>
+      setV({ ...v, [name]: e.target.value }),
   });
+  const choices = modelChoices(models);
+  // A model the chat names that no worker lists now stays selectable, so saving keeps it.
+  if (v.model && !choices.some((c) => c.value === v.model)) choices.push({ value: v.model, label: `${v.model}: not served now` });
   return (
     <div className="overlay" onMouseDown={(e) => e.target === e.currentTarget && onClose()}>
       <form
@@ -64,6 +87,19 @@ export function Settings({
         }}
       >
         <h2 id="settings-title">Chat settings</h2>
+        {(choices.length > 1 || v.model) && (
+          <>
+            <label htmlFor="set-model">Model</label>
+            <select id="set-model" {...field("model")}>
+              <option value="">Server default{models[0] ? ` (${models[0].id})` : ""}</option>
+              {choices.map((c) => (
+                <option key={c.value} value={c.value}>
+                  {c.label}
+                </option>
+              ))}
+            </select>
+          </>
+        )}
         <label htmlFor="set-system">System prompt</label>
         <textarea id="set-system" rows={4} {...field("systemPrompt")} autoFocus />
         <div className="grid">

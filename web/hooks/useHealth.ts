@@ -1,11 +1,12 @@
-// The header's server status: readiness (GET /readyz) and the served model's name, polled every
-// 15 s while the page may call the API. A failed model lookup keeps the last name shown.
+// The header's server status: readiness (GET /readyz) and the served models (GET /v1/models),
+// polled every 15 s while the page may call the API. A failed model lookup keeps the last list.
 
 import { useEffect, useState } from "react";
 import { api } from "@/lib/api";
+import type { ModelCard } from "@/lib/types";
 
 export function useHealth(enabled: boolean) {
-  const [model, setModel] = useState<string | null>(null);
+  const [models, setModels] = useState<ModelCard[]>([]);
   /** null until the first answer. */
   const [ready, setReady] = useState<boolean | null>(null);
 
@@ -20,10 +21,10 @@ export function useHealth(enabled: boolean) {
         if (alive) setReady(false);
       }
       try {
-        const m = await api.model();
-        if (alive) setModel(m);
+        const m = await api.models();
+        if (alive) setModels(m);
       } catch {
-        // keep the last name
+        // keep the last list
       }
     };
     void poll();
@@ -34,5 +35,5 @@ export function useHealth(enabled: boolean) {
     };
   }, [enabled]);
 
-  return { model, ready };
+  return { models, ready };
 }

@@ -4,6 +4,57 @@
  */
 
 export interface paths {
+    "/v1/admin/models/load": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Loads a model on a worker, and answers once it is ready. */
+        post: operations["loadModel"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/admin/models/unload": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /** Unloads a model, and answers once its memory is free. */
+        post: operations["unloadModel"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/admin/workers": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /** Each worker, its memory and its models with their state, bytes and load. */
+        get: operations["listWorkers"];
+        put?: never;
+        post?: never;
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/chat/completions": {
         parameters: {
             query?: never;
@@ -52,7 +103,10 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** The served model (the one every worker runs). */
+        /**
+         * Every model a worker serves, one card per model with its versions. The default model (the
+         *     one a request that names none gets) comes first, then the others by name.
+         */
         get: operations["listModels"];
         put?: never;
         post?: never;
@@ -69,7 +123,7 @@ export interface paths {
             path?: never;
             cookie?: never;
         };
-        /** One model by its id: the served model, else 404. */
+        /** One model by its id (its newest version), or one version as `id@version`; else 404. */
         get: operations["retrieveModel"];
         put?: never;
         post?: never;
@@ -273,8 +327,9 @@ export interface components {
          */
         ChatRequest: {
             /**
-             * @description The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
-             *     Absent: the served model.
+             * @description A served model's name, as `/v1/models` lists it (its newest ready version), or
+             *     `name@version` for one version; another is a 404 `model_not_found`. Absent: the default
+             *     model (the first `/v1/models` lists).
              */
             model?: string | null;
             messages: components["schemas"]["InMessage"][];
@@ -348,6 +403,13 @@ export interface components {
              *     workers, each end user gets a fair share of its own.
              */
             user?: string | null;
+            /**
+             * Format: double
+             * @description Non-standard (Ollama): how long, in seconds, the model stays loaded once idle, from
+             *     this request on; negative keeps it for good, 0 unloads it as soon as it is idle. It
+             *     applies to models from a worker's repository, which load again on demand.
+             */
+            keep_alive?: number | null;
             /** @description Accepted: the model may make several calls in one reply (a JSON array of them). */
             parallel_tool_calls?: boolean | null;
             response_format?: null | components["schemas"]["ResponseFormat"];
@@ -371,8 +433,9 @@ export interface components {
          */
         CompletionRequest: {
             /**
-             * @description The served model's id, as `/v1/models` lists it; another is a 404 `model_not_found`.
-             *     Absent: the served model.
+             * @description A served model's name, as `/v1/models` lists it (its newest ready version), or
+             *     `name@version` for one version; another is a 404 `model_not_found`. Absent: the default
+             *     model (the first `/v1/models` lists).
              */
             model?: string | null;
             /** @description Text, token ids, or a list of one of them. */
@@ -430,6 +493,13 @@ export interface components {
             ignore_eos?: boolean;
             /** @description The end user the request is for, as on the chat API. */
             user?: string | null;
+            /**
+             * Format: double
+             * @description Non-standard (Ollama): how long, in seconds, the model stays loaded once idle, from
+             *     this request on; negative keeps it for good, 0 unloads it as soon as it is idle. It
+             *     applies to models from a worker's repository, which load again on demand.
+             */
+            keep_alive?: number | null;
             grammar?: null | components["schemas"]["Grammar"];
             response_format?: null | components["schemas"]["ResponseFormat"];
         };
@@ -448,8 +518,9 @@ export interface components {
              */
             max_tokens?: number | null;
             /**
-             * @description The model the session's turns need: a served model's id, as `/v1/models` lists it (a
-             *     404 `model_not_found` otherwise). Absent: whichever model is served.
+             * @description The model the session's turns go to: a served model's name, as `/v1/models` lists it
+             *     (each turn gets its newest ready version), or `name@version` to keep one version (a 404
+             *     `model_not_found` otherwise). Absent: the default model.
              */
             model?: string | null;
         };
@@ -540,6 +611,21 @@ export interface components {
             /** @description Accepted: the reply always follows the schema. */
             strict?: boolean | null;
         };
+        /** @description A model to load. */
+        LoadModel: {
+            /** @description A model of the workers' repository: `name` (its newest version) or `name@version`. */
+            model: string;
+            /**
+             * @description The worker to load it on (`worker-<n>`); absent: the ready worker with the most free
+             *     memory whose repository has it.
+             */
+            worker?: string | null;
+        };
+        /** @description A model loaded. */
+        Loaded: {
+            worker: string;
+            model: components["schemas"]["WorkerModel"];
+        };
         /**
          * @description The SSE `logprobs` event's data (only for a turn that asked for `logprobs`): the
          *     log-probabilities of the tokens whose text the next `token` events bring.
@@ -594,6 +680,10 @@ export interface components {
         /** @enum {string} */
         MessageStatus: "complete" | "streaming" | "stopped" | "error";
         ModelCard: {
+            /**
+             * @description The model's name: a request's `model` names it (its newest version), or `id@version`
+             *     one version.
+             */
             id: string;
             /** @description `model` */
             object: string;
@@ -602,26 +692,52 @@ export interface components {
             owned_by: string;
             /**
              * Format: u-int64
-             * @description The model's context in tokens, once a worker has reported it.
+             * @description The context in tokens of the version `id` means.
              */
             max_model_len: number | null;
-            /** @description The served version, for a model from a repository (`id@version` pins it). */
+            /** @description The version `id` means (the newest ready one), for a model from a repository. */
             version: string | null;
             /** @description For people: the repository manifest's display name, else the id. */
             display_name: string;
-            /** @description `ready` while a worker serves it, else `unavailable` (loading, or no worker is up). */
+            /**
+             * @description `ready` while a worker serves the version `id` means, `loading` while one loads it and
+             *     none has it ready, `available` when only a worker's repository holds it (a request loads
+             *     it), else `unavailable` (no worker is up).
+             */
             state: string;
             /**
              * Format: u-int32
-             * @description Workers serving it now.
+             * @description Workers serving that version now.
              */
             workers: number;
+            /** @description Every version some worker has reported, newest first. */
+            versions: components["schemas"]["ModelVersion"][];
         };
         /** @description The served models. */
         ModelList: {
             /** @description `list` */
             object: string;
             data: components["schemas"]["ModelCard"][];
+        };
+        /** @description One version of a model. */
+        ModelVersion: {
+            /** @description Empty for a model its worker was given by path. */
+            version: string;
+            display_name: string;
+            /** Format: u-int64 */
+            max_model_len: number | null;
+            /** @description `ready`, `loading`, `available` or `unavailable`, as the card's. */
+            state: string;
+            /**
+             * Format: u-int32
+             * @description Workers serving it now.
+             */
+            workers: number;
+            /**
+             * Format: u-int32
+             * @description Workers that reported it, ready or not.
+             */
+            known_workers: number;
         };
         NamedFunction: {
             name: string;
@@ -1000,6 +1116,32 @@ export interface components {
             content: string;
             error?: null | components["schemas"]["ReplyError"];
         };
+        /** @description A model to unload. */
+        UnloadModel: {
+            /** @description `name@version`, or `name`. */
+            model: string;
+            /** @description Only from this worker; absent: from every worker that holds it. */
+            worker?: string | null;
+            /**
+             * Format: u-int32
+             * @description How long its running requests may go on (at most 600000); those still running then
+             *     continue on another worker serving the model, or end as unavailable. Absent: the
+             *     workers' drain timeout.
+             */
+            deadline_ms?: number | null;
+        };
+        /** @description Where a model was unloaded. */
+        Unloaded: {
+            workers: components["schemas"]["UnloadedFrom"][];
+        };
+        UnloadedFrom: {
+            worker: string;
+            /**
+             * Format: u-int32
+             * @description Requests cut short at the deadline.
+             */
+            ended: number;
+        };
         /** @description Fields to change: an absent field is left as it is, `null` clears it. */
         UpdateSession: {
             title?: string | null;
@@ -1007,7 +1149,7 @@ export interface components {
             params?: null | components["schemas"]["SamplingParams"];
             /** Format: u-int32 */
             max_tokens?: number | null;
-            /** @description A served model's id; `null`: whichever model is served. */
+            /** @description A served model's name, or `name@version`; `null`: the default model. */
             model?: string | null;
         };
         Usage: {
@@ -1019,6 +1161,47 @@ export interface components {
             total_tokens: number;
             prompt_tokens_details: components["schemas"]["PromptTokensDetails"];
         };
+        /** @description Every worker and the models it holds. */
+        WorkerList: {
+            data: components["schemas"]["WorkerModels"][];
+        };
+        /** @description One model on one worker, as the admin API shows it. */
+        WorkerModel: {
+            /** @description `name@version`, or the name of a model its worker was given by path. */
+            model: string;
+            /** @description `loading`, `ready`, `unloading` or `failed`. */
+            state: string;
+            /** Format: u-int64 */
+            weights_bytes: number;
+            /** Format: u-int64 */
+            kv_bytes: number;
+            /**
+             * Format: u-int32
+             * @description Requests streaming on it now.
+             */
+            in_flight: number;
+            /**
+             * Format: double
+             * @description Seconds since its last request.
+             */
+            idle_s: number;
+            /** @description Why its load failed. */
+            error?: string | null;
+        };
+        /** @description One worker and its models. */
+        WorkerModels: {
+            /** @description `worker-<n>`, its place in the `--worker` list. */
+            worker: string;
+            ready: boolean;
+            /**
+             * Format: u-int64
+             * @description Its `--memory-budget` (0: none), and what its models take.
+             */
+            memory_budget_bytes: number;
+            /** Format: u-int64 */
+            memory_used_bytes: number;
+            models: components["schemas"]["WorkerModel"][];
+        };
     };
     responses: never;
     parameters: never;
@@ -1028,6 +1211,281 @@ export interface components {
 }
 export type $defs = Record<string, never>;
 export interface operations {
+    loadModel: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["LoadModel"];
+            };
+        };
+        responses: {
+            /** @description Loaded (or already loaded) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Loaded"];
+                };
+            };
+            /** @description The body is not JSON, or not a JSON object */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Not an admin key */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker's repository has it (`not_found`), or it fits on no worker (`insufficient_memory`, naming the bytes needed and free) */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker is ready, or its load failed */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    unloadModel: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["UnloadModel"];
+            };
+        };
+        responses: {
+            /** @description Unloaded */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Unloaded"];
+                };
+            };
+            /** @description The body is not JSON, or not a JSON object */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Not an admin key */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker holds it (`not_found`) */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A worker could not be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    listWorkers: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description The workers and their models */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["WorkerList"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Not an admin key */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     createChatCompletion: {
         parameters: {
             query?: never;
@@ -1267,7 +1725,7 @@ export interface operations {
         };
         requestBody?: never;
         responses: {
-            /** @description The served model */
+            /** @description The served models, the default first */
             200: {
                 headers: {
                     [name: string]: unknown;
@@ -1328,7 +1786,7 @@ export interface operations {
             query?: never;
             header?: never;
             path: {
-                /** @description The model's id, as `/v1/models` lists it */
+                /** @description The model's id, as `/v1/models` lists it, or `id@version` */
                 id: string;
             };
             cookie?: never;

@@ -1,7 +1,7 @@
 // The public HTTP API, on the page's own origin. One place adds the API key and turns error
 // responses into ApiError (status, message, Retry-After).
 
-import type { ApiMessage, ErrorBody, Session, SessionFields, SessionPage } from "./types";
+import type { ApiMessage, ErrorBody, ModelCard, Session, SessionFields, SessionPage } from "./types";
 
 export type { SessionFields };
 
@@ -147,9 +147,10 @@ export const api = {
     if (lastEventId) headers["Last-Event-ID"] = lastEventId;
     return request(`${sid(id)}/stream`, { headers, signal });
   },
-  async model(): Promise<string | null> {
-    const r = await json<{ data?: { id: string }[] }>("/v1/models");
-    return r.data?.[0]?.id ?? null;
+  /** The served models, each with its versions (GET /v1/models). */
+  async models(): Promise<ModelCard[]> {
+    const r = await json<{ data?: ModelCard[] }>("/v1/models");
+    return r.data ?? [];
   },
   /** Readiness without throwing: a 503 here is an answer, not an error. */
   async ready(): Promise<{ ready: boolean; workers: number }> {

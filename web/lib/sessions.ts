@@ -28,6 +28,7 @@ export function newSessionFields(content: string, pending: SettingsValue | null)
     ...(settings.systemPrompt.trim() ? { system_prompt: settings.systemPrompt } : {}),
     params: paramsFrom(settings, null),
     max_tokens: maxTokensFrom(settings),
+    ...(settings.model ? { model: settings.model } : {}),
   };
 }
 

@@ -12,6 +12,8 @@ export interface SettingsValue {
   maxTokens: string;
   /** DRY's multiplier (`dry_multiplier`): how hard repeating earlier text is penalized. */
   dry: string;
+  /** The chat's model, as `/v1/models` lists it (`name`, or `name@version`); empty: the server's default. */
+  model: string;
 }
 
 /**
@@ -60,6 +62,7 @@ export function settingsFrom(session: Session | null): SettingsValue {
     topK: p.top_k != null ? String(p.top_k) : "",
     maxTokens: max ? String(max) : "",
     dry: p.dry_multiplier != null ? f32(p.dry_multiplier) : session ? "" : DEFAULT_DRY,
+    model: session?.model ?? "",
   };
 }
 
@@ -69,5 +72,6 @@ export function settingsPatch(v: SettingsValue, base: SamplingParams | null): Se
     system_prompt: v.systemPrompt.trim() ? v.systemPrompt : null,
     params: paramsFrom(v, base),
     max_tokens: maxTokensFrom(v),
+    model: v.model || null,
   };
 }

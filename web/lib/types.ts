@@ -22,3 +22,5 @@ export type TokenText = Schemas["TokenText"];
 export type ReplyEnd = Schemas["ReplyEnd"];
 export type ReplyFailed = Schemas["ReplyFailed"];
 export type ErrorBody = Schemas["ErrorBody"];
+/** A served model and its versions, as GET /v1/models lists it. */
+export type ModelCard = Schemas["ModelCard"];

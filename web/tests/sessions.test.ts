@@ -34,7 +34,7 @@ describe("newSessionFields", () => {
   });
 
   it("with waiting settings: system prompt only when set, params and max tokens always", () => {
-    const v = { systemPrompt: " ", temperature: "0.5", topP: "", topK: "", maxTokens: "", dry: "" };
+    const v = { systemPrompt: " ", temperature: "0.5", topP: "", topK: "", maxTokens: "", dry: "", model: "" };
     expect(newSessionFields("Hi", v)).toEqual({ title: "Hi", params: { temperature: 0.5 }, max_tokens: null });
     expect(newSessionFields("Hi", { ...v, systemPrompt: "Be brief." })).toEqual({
       title: "Hi",

@@ -1,8 +1,9 @@
 import { describe, expect, it } from "vitest";
+import { newSessionFields } from "../lib/sessions";
 import { DEFAULT_DRY, maxTokensFrom, paramsFrom, settingsFrom, settingsPatch, type SettingsValue } from "../lib/settings";
 import type { Session } from "../lib/types";
 
-const EMPTY: SettingsValue = { systemPrompt: "", temperature: "", topP: "", topK: "", maxTokens: "", dry: "" };
+const EMPTY: SettingsValue = { systemPrompt: "", temperature: "", topP: "", topK: "", maxTokens: "", dry: "", model: "" };
 
 function session(over: Partial<Session> = {}): Session {
   return {
@@ -39,7 +40,7 @@ describe("settings form ↔ session fields", () => {
     const v = settingsFrom(
       session({ system_prompt: "Be terse.", params: { temperature: 0.699999988079071, top_p: 0.8999999761581421, top_k: 40 }, max_tokens: 64 }),
     );
-    expect(v).toEqual({ systemPrompt: "Be terse.", temperature: "0.7", topP: "0.9", topK: "40", maxTokens: "64", dry: "" });
+    expect(v).toEqual({ systemPrompt: "Be terse.", temperature: "0.7", topP: "0.9", topK: "40", maxTokens: "64", dry: "", model: "" });
   });
 
   it("a session with nothing set shows empty fields; a chat not yet created, DRY on", () => {
@@ -58,11 +59,20 @@ describe("settings form ↔ session fields", () => {
       system_prompt: null,
       params: null,
       max_tokens: null,
+      model: null,
     });
     expect(settingsPatch({ ...EMPTY, systemPrompt: " Hi ", topP: "0.5", maxTokens: "10" }, null)).toEqual({
       system_prompt: " Hi ",
       params: { top_p: 0.5 },
       max_tokens: 10,
+      model: null,
     });
+    expect(settingsPatch({ ...EMPTY, model: "alpha@1" }, null).model).toBe("alpha@1");
+  });
+
+  it("a chat's model is stored as chosen; none leaves the server's default", () => {
+    expect(settingsFrom(session({ model: "beta" })).model).toBe("beta");
+    expect(newSessionFields("Hi", { ...EMPTY, model: "beta" }).model).toBe("beta");
+    expect(newSessionFields("Hi", EMPTY)).not.toHaveProperty("model");
   });
 });
