@@ -206,8 +206,13 @@ fn serve(mut config: ServeConfig) -> anyhow::Result<()> {
         .map(str::to_string);
     match url {
         Some(url) => {
+            // Fetched once the worker listens, so its progress shows in `Info` (and /v1/models).
             let models = config.models_dir.clone().unwrap_or_else(default_models_dir);
-            config.model = Some(fetch_model(&models, &url, config.model_sha256.as_deref())?);
+            let source = hearth_worker::fetch::Source::parse(&url, config.model_sha256.as_deref())?;
+            let cache = models.join("fetched");
+            let fetcher = hearth_worker::fetch::Fetcher::new(&cache)?;
+            config.model = Some(fetcher.cached_path(&source));
+            config.fetch = Some(hearth_worker::server::config::FetchPlan { source, cache });
         }
         None if config.model_sha256.is_some() => {
             anyhow::bail!("--model-sha256: only with a --model URL (http:// or https://)")

@@ -2,12 +2,17 @@
 //! repository. `/v1/models` lists both models with their versions; requests go to the worker
 //! of the model they name (by name: its newest ready version; pinned: that version), on both
 //! APIs, and a session keeps its model; an unknown model is a 404 that lists what is served;
-//! with the newest version's worker gone, the name falls back to the older ready version.
+//! with the newest version's worker gone, the name falls back to the older ready version. A
+//! model fetched from a URL shows its progress in `/v1/models` while it arrives.
 
 use std::path::Path;
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{new_session_with, post, Stack, DECODED};
+use hearth_e2e::stack::{
+    assets, new_session_with, path, post, worker_with, Hearth, Stack, DECODED,
+};
+use hearth_orchestrator::auth::{issue_key, KeyOptions};
+use hearth_orchestrator::storage::SqlStore;
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
 use serde_json::{json, Value};
 
@@ -222,4 +227,110 @@ async fn requests_go_to_the_workers_of_the_model_they_name() {
     );
     s.finish().await;
     let _ = std::fs::remove_dir_all(root);
+}
+
+/// Serves `body` at any path over HTTP/1.1, `chunk` bytes every `every`, with its length said
+/// up front: a slow model server.
+async fn slow_server(body: Vec<u8>, chunk: usize, every: std::time::Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let body = std::sync::Arc::new(body);
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let body = body.clone();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if sock.read(&mut byte).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(byte[0]);
+                }
+                let header = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                    body.len()
+                );
+                if sock.write_all(header.as_bytes()).await.is_err() {
+                    return;
+                }
+                for part in body.chunks(chunk) {
+                    tokio::time::sleep(every).await;
+                    if sock.write_all(part).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}/tiny.gguf")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_fetched_from_a_url_shows_its_progress_in_v1_models() {
+    let assets = assets("fetch-progress");
+    let body = std::fs::read(&assets.model).expect("model");
+    let total = body.len() as u64;
+    // About two seconds for the whole file.
+    let chunk = (body.len() / 40).max(1);
+    let url = slow_server(body, chunk, std::time::Duration::from_millis(50)).await;
+    let cache = assets.dir.join("models");
+    let cache_flag = path(&cache);
+    let worker = worker_with(
+        Path::new(&url),
+        &["--kv-budget", "64MiB", "--models-dir", cache_flag.as_str()],
+    );
+    let db_url = assets.sqlite_url();
+    let workers = vec![worker];
+    let mut hearth = Hearth::spawn(&Stack::args(&assets, &db_url, &workers, &[]));
+    let store = SqlStore::connect(&db_url).await.expect("store");
+    let k = issue_key(&store, "alice", KeyOptions::default())
+        .await
+        .expect("key")
+        .key;
+    // Watch the card while the file arrives: loading, with its bytes, then ready.
+    let mut seen: Vec<(u64, u64)> = Vec::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never ready: {seen:?}"
+        );
+        let r = Req::new("GET", "/v1/models")
+            .key(Some(&k))
+            .send(hearth.addr)
+            .await;
+        let card = r.json()["data"][0].clone();
+        if card["state"] == "ready" {
+            assert_eq!(card["id"], "tiny", "{card}");
+            break;
+        }
+        if card["state"] == "loading" {
+            if let (Some(done), Some(all)) = (
+                card["fetched_bytes"].as_u64(),
+                card["fetch_total_bytes"].as_u64(),
+            ) {
+                seen.push((done, all));
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        seen.iter()
+            .any(|&(done, all)| done > 0 && done < total && all == total),
+        "progress part way through the {total}-byte file: {seen:?}"
+    );
+    assert!(seen.windows(2).all(|w| w[0].0 <= w[1].0), "{seen:?}");
+    // And the fetched model serves.
+    let body = json!({"model": "tiny", "max_tokens": 3,
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    let r = post(hearth.addr, &k, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    hearth.kill();
+    store.close().await;
+    drop(workers);
+    let _ = std::fs::remove_dir_all(&assets.dir);
 }

@@ -36,6 +36,10 @@ pub struct ServeConfig {
     /// The repository version `--model` named, once resolved.
     #[arg(skip)]
     pub entry: Option<ModelVersion>,
+    /// A `--model` URL, fetched into the models cache once the worker listens (`--model` is
+    /// then the file it will be).
+    #[arg(skip)]
+    pub fetch: Option<FetchPlan>,
     /// More of the repository's models to load at start-up beside `--model` (`name` or
     /// `name@version`; repeat the flag, or separate them with commas). Each runs on an engine
     /// of its own with a K/V pool of `--kv-budget`.
@@ -245,6 +249,13 @@ impl std::fmt::Debug for TlsIdentity {
     }
 }
 
+/// A model file to fetch before loading it: from where, and into which cache directory.
+#[derive(Debug, Clone)]
+pub struct FetchPlan {
+    pub source: crate::fetch::Source,
+    pub cache: PathBuf,
+}
+
 /// Default K/V budget on the CPU.
 pub const DEFAULT_CPU_KV_BUDGET: usize = 2 << 30;
 
@@ -256,6 +267,8 @@ pub struct ValidConfig {
     pub entry: Option<ModelVersion>,
     /// The model repository, when there is one: `LoadModel` loads from it.
     pub repository: Option<PathBuf>,
+    /// `--model`'s URL, fetched (into `model`) before it loads.
+    pub fetch: Option<FetchPlan>,
     /// Its models to load at start-up beside the first (`--load`).
     pub load: Vec<String>,
     /// `--memory-budget`.
@@ -364,7 +377,7 @@ impl ServeConfig {
                 "only with --scripted-token-ms",
             ));
         }
-        if !model.exists() && self.scripted_token_ms.is_none() {
+        if !model.exists() && self.scripted_token_ms.is_none() && self.fetch.is_none() {
             return Err(ConfigError::MissingModel {
                 path: model.display().to_string(),
             });
@@ -471,6 +484,7 @@ impl ServeConfig {
             model,
             entry: self.entry,
             repository: self.repository,
+            fetch: self.fetch,
             load: self.load,
             memory_budget: self.memory_budget,
             keep_alive_ms: self.keep_alive_secs.saturating_mul(1000),

@@ -341,7 +341,7 @@ fn check_manifest(e: &ModelVersion, vocab: usize) -> Result<(), ServeError> {
     }
 }
 
-fn model_id(path: &Path) -> String {
+pub(super) fn model_id(path: &Path) -> String {
     let name = path
         .file_name()
         .unwrap_or(path.as_os_str())

@@ -227,6 +227,27 @@ async fn unload_expired(state: Arc<WorkerState>) {
     }
 }
 
+/// Fetches `--model`'s URL into the models cache (resumed, checked, with a progress bar), with
+/// its progress in `Info` meanwhile.
+async fn fetch_startup(
+    loader: &loader::Loader,
+    plan: &config::FetchPlan,
+) -> Result<(), ServeError> {
+    let progress = Arc::new(crate::fetch::Progress::default());
+    loader.state.set_fetching(Some(state::Fetching {
+        model_id: loader::model_id(&loader.config.model),
+        progress: progress.clone(),
+    }));
+    let fetched = match crate::fetch::Fetcher::new(&plan.cache) {
+        Ok(f) => f.fetch(&plan.source, &progress).await,
+        Err(e) => Err(e),
+    };
+    loader.state.set_fetching(None);
+    fetched
+        .map(|_| ())
+        .map_err(|e| ServeError::Load(format!("--model: {e}")))
+}
+
 /// Loads the start-up models: `--model` (or a scripted engine), then each `--load`.
 async fn load_startup(loader: &loader::Loader) -> Result<(), ServeError> {
     let config = &loader.config;
@@ -247,6 +268,9 @@ async fn load_startup(loader: &loader::Loader) -> Result<(), ServeError> {
         let engine = Engine::scripted(interval, &config.engine, config.scripted_freeze_after)?;
         models.set_ready(&slot, engine, 0);
         return Ok(());
+    }
+    if let Some(plan) = &config.fetch {
+        fetch_startup(loader, plan).await?;
     }
     let load = |source| async move {
         loader

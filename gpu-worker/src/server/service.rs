@@ -65,9 +65,6 @@ impl Worker for WorkerService {
         &self,
         _: Request<proto::InfoRequest>,
     ) -> Result<Response<proto::InfoResponse>, Status> {
-        if self.state.phase() == Phase::Loading {
-            return Err(Status::unavailable("the worker is still loading its model"));
-        }
         let d = &self.state.device;
         let memory = d.memory();
         let mut r = proto::InfoResponse {
@@ -81,7 +78,9 @@ impl Worker for WorkerService {
                 compute_capability: d.compute_capability.clone().unwrap_or_default(),
             }),
             worker_version: env!("CARGO_PKG_VERSION").into(),
-            models: self.state.models.all().iter().map(|s| s.status()).collect(),
+            models: (self.state.fetching().into_iter())
+                .chain(self.state.models.all().iter().map(|s| s.status()))
+                .collect(),
             available: self.loader.available(),
             memory_budget_bytes: self.state.models.budget.unwrap_or(0),
             memory_used_bytes: self.state.models.used_bytes(),
@@ -110,7 +109,7 @@ impl Worker for WorkerService {
             ready: phase == Phase::Ready,
             state: state as i32,
             in_flight: self.state.in_flight() as u32,
-            models_epoch: self.state.models.epoch(),
+            models_epoch: self.state.models_epoch(),
             ..Default::default()
         };
         if phase != Phase::Loading {

@@ -4,6 +4,7 @@
 use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use hearth_shared::proto;
 use tokio::sync::{watch, Notify};
 use tonic::Status;
 
@@ -43,6 +44,8 @@ pub struct WorkerState {
     next_engine_id: AtomicU64,
     /// Requests streaming, for the drain.
     in_flight: Streaming,
+    /// The start-up model's file while it is fetched from a URL.
+    fetching: std::sync::Mutex<Option<Fetching>>,
 }
 
 impl WorkerState {
@@ -55,6 +58,7 @@ impl WorkerState {
             device,
             next_engine_id: AtomicU64::new(1),
             in_flight: Streaming::default(),
+            fetching: std::sync::Mutex::default(),
         })
     }
 
@@ -135,6 +139,43 @@ impl WorkerState {
     /// Resolves once no request is streaming.
     pub async fn all_idle(&self) {
         self.in_flight.all_idle().await;
+    }
+}
+
+/// A model file being fetched: the model it will be, and how far the fetch has come.
+#[derive(Debug, Clone)]
+pub struct Fetching {
+    pub model_id: String,
+    pub progress: Arc<crate::fetch::Progress>,
+}
+
+impl WorkerState {
+    pub fn set_fetching(&self, f: Option<Fetching>) {
+        *self.fetching.lock().unwrap_or_else(|p| p.into_inner()) = f;
+    }
+
+    /// The fetch as `Info.models` reports it: a loading model with its bytes.
+    pub fn fetching(&self) -> Option<proto::ModelStatus> {
+        let f = self
+            .fetching
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        Some(proto::ModelStatus {
+            model_id: f.model_id,
+            state: proto::ModelState::Loading as i32,
+            fetched_bytes: f.progress.done(),
+            fetch_total_bytes: f.progress.total().unwrap_or(0),
+            ..Default::default()
+        })
+    }
+
+    /// `Health.models_epoch`: the models' epoch, moved on by each 64 KiB a fetch brings, so
+    /// that the orchestrator fetches `Info` (and its progress) again as it goes (at most once a
+    /// health check).
+    pub fn models_epoch(&self) -> u64 {
+        let fetched = self.fetching().map_or(0, |f| f.fetched_bytes >> 16);
+        self.models.epoch() + fetched
     }
 }
 

@@ -881,6 +881,12 @@ pub struct ModelCard {
     pub workers: u32,
     /// Every version some worker has reported, newest first.
     pub versions: Vec<ModelVersion>,
+    /// While a worker fetches the version's file from a URL: the bytes fetched so far.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fetched_bytes: Option<u64>,
+    /// And the file's size, once its server has said it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fetch_total_bytes: Option<u64>,
 }
 
 /// One version of a model.
@@ -897,6 +903,11 @@ pub struct ModelVersion {
     pub workers: u32,
     /// Workers that reported it, ready or not.
     pub known_workers: u32,
+    /// As the card's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fetched_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fetch_total_bytes: Option<u64>,
 }
 
 /// Every model a worker serves, one card per model with its versions. The default model (the
@@ -942,6 +953,8 @@ fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
                     state: "available".into(),
                     workers: 0,
                     versions: Vec::new(),
+                    fetched_bytes: None,
+                    fetch_total_bytes: None,
                 });
                 data.len() - 1
             }
@@ -957,6 +970,8 @@ fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
             state: "available".into(),
             workers: 0,
             known_workers: 0,
+            fetched_bytes: None,
+            fetch_total_bytes: None,
         });
         card.versions
             .sort_by(|a, b| compare_versions(&b.version, &a.version));
@@ -990,6 +1005,8 @@ fn model_card(target: &Target, served: &[ServedModel]) -> ModelCard {
             state: state(v),
             workers: v.ready_workers as u32,
             known_workers: v.workers as u32,
+            fetched_bytes: v.fetch.map(|f| f.0),
+            fetch_total_bytes: v.fetch.map(|f| f.1).filter(|&t| t > 0),
         })
         .collect();
     ModelCard {
@@ -1003,6 +1020,8 @@ fn model_card(target: &Target, served: &[ServedModel]) -> ModelCard {
         state: m.map_or_else(|| "unavailable".into(), state),
         workers: m.map_or(0, |m| m.ready_workers as u32),
         versions,
+        fetched_bytes: m.and_then(|m| m.fetch).map(|f| f.0),
+        fetch_total_bytes: m.and_then(|m| m.fetch).map(|f| f.1).filter(|&t| t > 0),
     }
 }
 

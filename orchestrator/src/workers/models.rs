@@ -32,6 +32,8 @@ pub(super) struct Reported {
     pub(super) state: proto::ModelState,
     pub(super) max_batch: u32,
     pub(super) max_waiting: u32,
+    /// While its file is fetched: bytes on disk, and the whole file's (0: not known yet).
+    pub(super) fetch: Option<(u64, u64)>,
 }
 
 /// The models a worker reports: its `models` list, or for a worker that sends none (an older
@@ -52,6 +54,7 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
             state: proto::ModelState::Ready,
             max_batch: info.max_batch,
             max_waiting: info.max_waiting,
+            fetch: None,
         }];
     }
     info.models
@@ -67,6 +70,8 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
             state: proto::ModelState::try_from(m.state).unwrap_or(proto::ModelState::Unspecified),
             max_batch: m.max_batch,
             max_waiting: m.max_waiting,
+            fetch: (m.fetched_bytes > 0 || m.fetch_total_bytes > 0)
+                .then_some((m.fetched_bytes, m.fetch_total_bytes)),
         })
         .collect()
 }
@@ -111,6 +116,8 @@ pub struct ServedModel {
     pub loading_workers: usize,
     /// Workers that reported it, in any state.
     pub workers: usize,
+    /// While a worker fetches its file: bytes fetched, and the file's size (0: not known yet).
+    pub fetch: Option<(u64, u64)>,
 }
 
 /// A model no worker serves.
@@ -237,6 +244,7 @@ fn add_report(out: &mut Vec<ServedModel>, r: Reported, up: bool) {
                 ready_workers: 0,
                 loading_workers: 0,
                 workers: 0,
+                fetch: None,
             });
             out.len() - 1
         }
@@ -245,6 +253,7 @@ fn add_report(out: &mut Vec<ServedModel>, r: Reported, up: bool) {
     m.workers += 1;
     if r.state == proto::ModelState::Loading {
         m.loading_workers += 1;
+        m.fetch = r.fetch.or(m.fetch);
     }
     // Ready workers' contexts bound what fits; until one is ready, any reported one.
     if ready {
