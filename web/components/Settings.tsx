@@ -1,7 +1,7 @@
 "use client";
 
 import { useState } from "react";
-import type { SettingsValue } from "@/lib/settings";
+import { modelChoices, type SettingsValue } from "@/lib/settings";
 import type { ModelCard } from "@/lib/types";
 
 export type { SettingsValue };
@@ -18,21 +18,6 @@ function check(v: SettingsValue): string | null {
   const m = v.maxTokens.trim();
   if (m && !(Number.isInteger(Number(m)) && Number(m) >= 1)) return "Max tokens must be a whole number, 1 or more.";
   return null;
-}
-
-/** What the model list offers: each model by name (its newest version), and each version pinned. */
-export function modelChoices(models: ModelCard[]): { value: string; label: string }[] {
-  const out: { value: string; label: string }[] = [];
-  for (const m of models) {
-    const name = m.display_name && m.display_name !== m.id ? `${m.display_name} (${m.id})` : m.id;
-    const note = m.state === "ready" ? "" : m.state === "available" ? " (loads when used)" : `: ${m.state}`;
-    out.push({ value: m.id, label: name + note });
-    const pinned = m.versions.filter((v) => v.version !== "");
-    if (pinned.length > 1) {
-      for (const v of pinned) out.push({ value: `${m.id}@${v.version}`, label: `${m.id} version ${v.version}` });
-    }
-  }
-  return out;
 }
 
 export function Settings({

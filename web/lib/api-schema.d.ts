@@ -712,6 +712,16 @@ export interface components {
             workers: number;
             /** @description Every version some worker has reported, newest first. */
             versions: components["schemas"]["ModelVersion"][];
+            /**
+             * Format: u-int64
+             * @description While a worker fetches the version's file from a URL: the bytes fetched so far.
+             */
+            fetched_bytes?: number | null;
+            /**
+             * Format: u-int64
+             * @description And the file's size, once its server has said it.
+             */
+            fetch_total_bytes?: number | null;
         };
         /** @description The served models. */
         ModelList: {
@@ -738,6 +748,13 @@ export interface components {
              * @description Workers that reported it, ready or not.
              */
             known_workers: number;
+            /**
+             * Format: u-int64
+             * @description As the card's.
+             */
+            fetched_bytes?: number | null;
+            /** Format: u-int64 */
+            fetch_total_bytes?: number | null;
         };
         NamedFunction: {
             name: string;

@@ -1,7 +1,7 @@
 // A chat's settings as the settings form holds them (text fields, empty meaning "unset") and
 // their conversion to and from the session fields the API stores. Pure, so unit tests drive it.
 
-import type { SamplingParams, Session, SessionFields } from "./types";
+import type { ModelCard, SamplingParams, Session, SessionFields } from "./types";
 
 /** The settings form's fields, as typed. An empty field leaves the server's default. */
 export interface SettingsValue {
@@ -74,4 +74,21 @@ export function settingsPatch(v: SettingsValue, base: SamplingParams | null): Se
     max_tokens: maxTokensFrom(v),
     model: v.model || null,
   };
+}
+
+/** What the model list offers: each model by name (its newest version), and each version pinned. */
+export function modelChoices(models: ModelCard[]): { value: string; label: string }[] {
+  const out: { value: string; label: string }[] = [];
+  for (const m of models) {
+    const name = m.display_name && m.display_name !== m.id ? `${m.display_name} (${m.id})` : m.id;
+    const fetched =
+      m.fetched_bytes != null && m.fetch_total_bytes ? ` ${Math.floor((100 * m.fetched_bytes) / m.fetch_total_bytes)}%` : "";
+    const note = m.state === "ready" ? "" : m.state === "available" ? " (loads when used)" : `: ${m.state}${fetched}`;
+    out.push({ value: m.id, label: name + note });
+    const pinned = m.versions.filter((v) => v.version !== "");
+    if (pinned.length > 1) {
+      for (const v of pinned) out.push({ value: `${m.id}@${v.version}`, label: `${m.id} version ${v.version}` });
+    }
+  }
+  return out;
 }

@@ -1,6 +1,15 @@
 import { describe, expect, it } from "vitest";
 import { newSessionFields } from "../lib/sessions";
-import { DEFAULT_DRY, maxTokensFrom, paramsFrom, settingsFrom, settingsPatch, type SettingsValue } from "../lib/settings";
+import {
+  DEFAULT_DRY,
+  maxTokensFrom,
+  modelChoices,
+  paramsFrom,
+  settingsFrom,
+  settingsPatch,
+  type SettingsValue,
+} from "../lib/settings";
+import type { ModelCard } from "../lib/types";
 import type { Session } from "../lib/types";
 
 const EMPTY: SettingsValue = { systemPrompt: "", temperature: "", topP: "", topK: "", maxTokens: "", dry: "", model: "" };
@@ -74,5 +83,42 @@ describe("settings form ↔ session fields", () => {
     expect(settingsFrom(session({ model: "beta" })).model).toBe("beta");
     expect(newSessionFields("Hi", { ...EMPTY, model: "beta" }).model).toBe("beta");
     expect(newSessionFields("Hi", EMPTY)).not.toHaveProperty("model");
+  });
+
+  it("the model list names each model, pins versions when there are several, and says what is not ready", () => {
+    const version = (v: string, state = "ready") => ({
+      version: v,
+      display_name: "x",
+      max_model_len: 100,
+      state,
+      workers: 1,
+      known_workers: 1,
+    });
+    const card = (over: Partial<ModelCard>): ModelCard => ({
+      id: "a",
+      object: "model",
+      created: 0,
+      owned_by: "hearth",
+      max_model_len: 100,
+      version: "2",
+      display_name: "a",
+      state: "ready",
+      workers: 1,
+      versions: [version("2")],
+      ...over,
+    });
+    expect(
+      modelChoices([
+        card({ display_name: "Alpha", versions: [version("2"), version("1")] }),
+        card({ id: "b", display_name: "b", state: "loading", fetched_bytes: 25, fetch_total_bytes: 100 }),
+        card({ id: "c", display_name: "c", state: "available", workers: 0 }),
+      ]),
+    ).toEqual([
+      { value: "a", label: "Alpha (a)" },
+      { value: "a@2", label: "a version 2" },
+      { value: "a@1", label: "a version 1" },
+      { value: "b", label: "b: loading 25%" },
+      { value: "c", label: "c (loads when used)" },
+    ]);
   });
 });
