@@ -419,7 +419,8 @@ async fn a_missing_file_is_an_error_at_once() {
 }
 
 /// The worker binary, serving `--model URL`: it fetches the file into `<models dir>/fetched/`
-/// and loads it; with a wrong `--model-sha256` it does not start, and says why.
+/// (once it listens, so its progress shows) and loads it; with a wrong `--model-sha256` it
+/// stops, says why, and leaves no model file behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_serves_a_model_given_by_url() {
     use hearth_worker::fixtures::{write_tiny_gguf, TinySpec, WorkerProcess};
@@ -442,7 +443,11 @@ async fn a_worker_serves_a_model_given_by_url() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("sha256 mismatch"), "{err}");
-    assert!(out.stdout.is_empty(), "it listened: {:?}", out.stdout);
+    let kept: Vec<_> = walk(&models.join("fetched"))
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "gguf"))
+        .collect();
+    assert!(kept.is_empty(), "a refused download was kept: {kept:?}");
 
     let dir = models.to_string_lossy().to_string();
     let good = sha(&body);
@@ -587,4 +592,21 @@ fn urls_are_shown_without_credentials_or_signatures() {
         "{s}"
     );
     assert!(s.starts_with("https://host/m.gguf"), "{s}");
+}
+
+/// Every file under `dir`.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            out.extend(walk(&p));
+        } else {
+            out.push(p);
+        }
+    }
+    out
 }

@@ -1,5 +1,6 @@
 //! The `hearth.worker.v1.Worker` gRPC service over the worker's models and their engines.
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -31,29 +32,62 @@ impl WorkerService {
             state,
             stall: Arc::new(StallWatch {
                 limit: engine_stall,
-                last: Mutex::new((0, Instant::now())),
+                last: Mutex::new(HashMap::new()),
             }),
             loader,
         }
     }
 }
 
-/// Tells a stuck engine from a busy one: the step counter must move while there is work.
+/// Tells a stuck engine from a busy one: each engine's step counter must move while it has
+/// work (one engine per model, so a busy model never hides a stuck one).
 #[derive(Debug)]
 struct StallWatch {
     limit: Duration,
-    /// The step count last seen, and since when it has not moved (or the engine was idle).
-    last: Mutex<(usize, Instant)>,
+    /// Per engine (its model's key): the step count last seen, and since when it has not moved
+    /// (or the engine was idle).
+    last: Mutex<HashMap<String, (usize, Instant)>>,
 }
 
 impl StallWatch {
-    fn stalled(&self, steps: usize, has_work: bool) -> bool {
+    fn stalled(&self, engine: &str, steps: usize, has_work: bool) -> bool {
         let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        if steps != last.0 || !has_work {
-            *last = (steps, Instant::now());
+        let seen = last
+            .entry(engine.to_string())
+            .or_insert((steps, Instant::now()));
+        if steps != seen.0 || !has_work {
+            *seen = (steps, Instant::now());
             return false;
         }
-        last.1.elapsed() >= self.limit
+        seen.1.elapsed() >= self.limit
+    }
+
+    /// Forgets the engines not in `engines` (their models were unloaded).
+    fn keep(&self, engines: &[String]) {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        last.retain(|k, _| engines.contains(k));
+    }
+}
+
+impl WorkerService {
+    /// Whether some model's engine has work and has not finished a step for the limit.
+    fn any_engine_stalled(&self) -> bool {
+        let slots = self.state.models.all();
+        let mut stalled = false;
+        for slot in &slots {
+            let Some(engine) = slot.handle() else {
+                continue;
+            };
+            let s = engine.stats();
+            // Work counts from the moment a request is handed to the model: an engine thread
+            // that hung while idle never takes a new request off its queue, so its own counts
+            // stay at zero.
+            let has_work = s.running + s.waiting > 0 || slot.in_flight() > 0;
+            stalled |= self.stall.stalled(&slot.key(), s.steps, has_work);
+        }
+        self.stall
+            .keep(&slots.iter().map(|s| s.key()).collect::<Vec<_>>());
+        stalled
     }
 }
 
@@ -121,10 +155,7 @@ impl Worker for WorkerService {
             r.cached_sessions = s.cached_sessions as u32;
             r.session_evictions = s.session_evictions as u64;
             r.preemptions = s.preemptions as u64;
-            // Work counts from the moment a stream is open: an engine thread that hung while
-            // idle never takes a new request off its queue, so its own counts stay at zero.
-            let has_work = s.running + s.waiting > 0 || self.state.in_flight() > 0;
-            if self.stall.stalled(s.steps, has_work) {
+            if self.any_engine_stalled() {
                 r.engine_stalled = true;
                 r.ready = false;
             }
@@ -275,17 +306,24 @@ mod tests {
     fn an_engine_is_stalled_only_with_work_and_no_steps_for_the_limit() {
         let w = StallWatch {
             limit: Duration::from_millis(30),
-            last: Mutex::new((0, Instant::now())),
+            last: Mutex::new(HashMap::new()),
         };
-        assert!(!w.stalled(0, true));
+        assert!(!w.stalled("a", 0, true));
+        assert!(!w.stalled("b", 0, true));
         std::thread::sleep(Duration::from_millis(40));
+        assert!(!w.stalled("b", 5, true), "another engine's steps");
         assert!(
-            w.stalled(0, true),
-            "work waiting, no step for longer than the limit"
+            w.stalled("a", 0, true),
+            "work waiting, no step for longer than the limit, whatever the other engine does"
         );
-        assert!(!w.stalled(1, true), "a step was made");
+        assert!(!w.stalled("a", 1, true), "a step was made");
         std::thread::sleep(Duration::from_millis(40));
-        assert!(!w.stalled(1, false), "idle is not stuck");
-        assert!(!w.stalled(1, true), "the clock restarts when work arrives");
+        assert!(!w.stalled("a", 1, false), "idle is not stuck");
+        assert!(
+            !w.stalled("a", 1, true),
+            "the clock restarts when work arrives"
+        );
+        w.keep(&["b".to_string()]);
+        assert!(!w.stalled("a", 1, true), "a forgotten engine starts afresh");
     }
 }
