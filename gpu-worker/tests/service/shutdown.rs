@@ -121,11 +121,19 @@ async fn not_ready_while_loading_and_a_sigterm_then_exits_at_once() {
     let h = health(&mut c).await;
     assert!(!h.ready);
     assert_eq!(h.state, proto::ServingState::Loading as i32);
+    // Info answers while loading: no default model yet, and whatever it lists is loading.
     let info = c
         .info(proto::InfoRequest {})
         .await
-        .expect_err("no info yet");
-    assert_eq!(info.code(), Code::Unavailable);
+        .expect("info while loading")
+        .into_inner();
+    assert_eq!(info.model_id, "", "{info:?}");
+    assert!(
+        info.models
+            .iter()
+            .all(|m| m.state == proto::ModelState::Loading as i32),
+        "{info:?}"
+    );
     let gen = c
         .generate(tokio_stream::iter(Vec::<proto::WorkerRequest>::new()))
         .await
