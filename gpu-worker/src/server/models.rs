@@ -81,10 +81,7 @@ pub struct ModelSlot {
 impl ModelSlot {
     /// `name@version`, or the name of a model given by path.
     pub fn key(&self) -> String {
-        match self.loaded.version.as_str() {
-            "" => self.loaded.model_id.clone(),
-            v => format!("{}@{v}", self.loaded.model_id),
-        }
+        self.loaded.key()
     }
 
     /// Whether `asked` names this model: its key, or its name.
@@ -349,10 +346,7 @@ impl Models {
             None => (device_free, "of device memory".to_string()),
         };
         if wanted > free {
-            let name = match loaded.version.as_str() {
-                "" => loaded.model_id.clone(),
-                v => format!("{}@{v}", loaded.model_id),
-            };
+            let name = loaded.key();
             return Err(Status::resource_exhausted(format!(
                 "the model {name} needs {} ({} of weights and {} of K/V) and {} is free {of} \
                  ({} taken by {} model(s)); unload one, or raise the budget",

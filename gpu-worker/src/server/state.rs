@@ -33,6 +33,16 @@ pub struct Loaded {
     pub pad_id: Option<u32>,
 }
 
+impl Loaded {
+    /// `name@version`, or the name of a model given by path.
+    pub fn key(&self) -> String {
+        match self.version.as_str() {
+            "" => self.model_id.clone(),
+            v => format!("{}@{v}", self.model_id),
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct WorkerState {
     phase: AtomicU8,

@@ -16,6 +16,7 @@ use tonic::Code;
 
 use super::connection::Client;
 use super::health::WorkerSlot;
+use super::models::ModelKey;
 use super::pool::WorkerPool;
 
 /// One model on one worker, as the admin API shows it.
@@ -77,10 +78,11 @@ pub(super) fn model_state(s: i32) -> &'static str {
 }
 
 fn key(m: &proto::ModelStatus) -> String {
-    match m.model_version.as_str() {
-        "" => m.model_id.clone(),
-        v => format!("{}@{v}", m.model_id),
+    ModelKey {
+        id: m.model_id.clone(),
+        version: m.model_version.clone(),
     }
+    .to_string()
 }
 
 fn worker_model(m: &proto::ModelStatus) -> WorkerModel {
@@ -293,9 +295,8 @@ impl WorkerPool {
         let health = client.health(proto::HealthRequest {}).await;
         let info = client.info(proto::InfoRequest {}).await;
         if let (Ok(h), Ok(i)) = (health, info) {
-            let mut st = slot.state();
-            st.info = Some(i.into_inner());
-            st.epoch = h.into_inner().models_epoch;
+            slot.state()
+                .set_info(i.into_inner(), h.into_inner().models_epoch);
         }
     }
 }

@@ -20,12 +20,24 @@ use crate::telemetry;
 pub(super) struct SlotState {
     pub(super) ready: bool,
     pub(super) info: Option<proto::InfoResponse>,
+    /// `info`'s models (see [`reported`]), made once when it arrives: routing reads them for
+    /// every request.
+    pub(super) models: Vec<Reported>,
     /// The worker's `models_epoch` when `info` was fetched: a new one means its models changed.
     pub(super) epoch: u64,
     pub(super) conn: Option<Arc<WorkerConnection>>,
     /// The connection a failing health check took out of service, and since when: requests on
     /// it may still finish if the worker recovers, or are failed over after `stall_timeout`.
     pub(super) suspect: Option<(Instant, Arc<WorkerConnection>)>,
+}
+
+impl SlotState {
+    /// Stores a new `Info`, fetched when the worker's `models_epoch` was `epoch`.
+    pub(super) fn set_info(&mut self, info: proto::InfoResponse, epoch: u64) {
+        self.models = reported(&info);
+        self.info = Some(info);
+        self.epoch = epoch;
+    }
 }
 
 /// A worker as `/readyz` shows it.
@@ -58,12 +70,12 @@ impl WorkerSlot {
         s.conn.clone().filter(|c| s.ready && c.is_open())
     }
 
-    /// Whether this worker reported `model` as the one it serves.
+    /// Whether this worker has `model` ready.
     pub(super) fn serves(&self, model: &ModelKey) -> bool {
         self.state()
-            .info
-            .as_ref()
-            .is_some_and(|i| model.served_by(i))
+            .models
+            .iter()
+            .any(|r| r.key == *model && r.state == proto::ModelState::Ready)
     }
 
     /// Requests it takes from here: its ready models' batches and queues together.
@@ -80,11 +92,9 @@ impl WorkerSlot {
     }
 
     fn sum_ready(&self, f: impl Fn(&Reported) -> u32) -> usize {
-        let st = self.state();
-        let Some(info) = st.info.as_ref() else {
-            return 1;
-        };
-        let n: u32 = reported(info)
+        let n: u32 = self
+            .state()
+            .models
             .iter()
             .filter(|r| r.state == proto::ModelState::Ready)
             .map(f)
@@ -200,9 +210,7 @@ async fn check(
             .await
             .map_err(|s| format!("info failed: {}", s.message()))?
             .into_inner();
-        let mut st = slot.state();
-        st.info = Some(info);
-        st.epoch = health.models_epoch;
+        slot.state().set_info(info, health.models_epoch);
     }
     if !open && health.ready && !health.engine_stalled {
         let conn = WorkerConnection::connect(&slot.addr, config.batch, link)

@@ -77,13 +77,6 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
 }
 
 impl ModelKey {
-    /// Whether the worker that reported `info` has this model ready.
-    pub fn served_by(&self, info: &proto::InfoResponse) -> bool {
-        reported(info)
-            .iter()
-            .any(|r| r.key == *self && r.state == proto::ModelState::Ready)
-    }
-
     /// Whether `asked` names this model: its id (which may hold an `@`, as a file's name can),
     /// or `id@version`.
     pub fn named_by(&self, asked: &str) -> bool {
@@ -137,10 +130,8 @@ impl WorkerPool {
         let mut out: Vec<ServedModel> = Vec::new();
         for slot in &self.slots {
             let up = slot.conn().is_some();
-            let Some(info) = slot.state().info.clone() else {
-                continue;
-            };
-            for r in reported(&info) {
+            let models = slot.state().models.clone();
+            for r in models {
                 add_report(&mut out, r, up);
             }
         }
