@@ -26,6 +26,9 @@ pub struct TinySpec {
     pub seed: u64,
     /// Use the real model's quantization mix (Q5_0, Q8_0, Q4_K, Q6_K) instead of F32.
     pub quantized: bool,
+    /// A vocabulary whose letters have their case swapped (`a`'s id holds `A`): a tokenizer
+    /// that reads every letter differently from the default one, for models with their own.
+    pub swap_case: bool,
 }
 
 impl Default for TinySpec {
@@ -43,6 +46,7 @@ impl Default for TinySpec {
             sliding_window_pattern: 3,
             seed: 7,
             quantized: true,
+            swap_case: false,
         }
     }
 }
@@ -64,9 +68,23 @@ const TINY_CHARS: &str =
 /// tokens (`<0x00>`…`<0xFF>`) for everything else, like Gemma's. Every id decodes, so whatever a
 /// random-weight model generates can be shown.
 pub fn write_tiny_tokenizer(path: &Path, vocab: usize) -> std::io::Result<()> {
+    write_tiny_tokenizer_for(
+        path,
+        &TinySpec {
+            vocab,
+            ..TinySpec::default()
+        },
+    )
+}
+
+/// [`write_tiny_tokenizer`] for the vocabulary of `spec` (its size and [`TinySpec::swap_case`]).
+pub fn write_tiny_tokenizer_for(path: &Path, spec: &TinySpec) -> std::io::Result<()> {
     use serde_json::{json, Map, Value};
     let mut model_vocab = Map::new();
-    for (id, (name, _)) in tiny_vocab(vocab).into_iter().enumerate() {
+    for (id, (name, _)) in tiny_vocab(spec.vocab, spec.swap_case)
+        .into_iter()
+        .enumerate()
+    {
         model_vocab.insert(name, Value::from(id));
     }
     let added: Vec<Value> = TINY_SPECIALS
@@ -114,16 +132,21 @@ const TYPE_BYTE: i32 = 6;
 /// The tiny vocabulary (see [`write_tiny_tokenizer`]): each token's piece and type, by id. The
 /// GGUF and the tokenizer hold the same one, so the worker's vocabulary (constrained decoding)
 /// and the orchestrator's tokenizer agree.
-fn tiny_vocab(vocab: usize) -> Vec<(String, i32)> {
+fn tiny_vocab(vocab: usize, swap_case: bool) -> Vec<(String, i32)> {
     let mut names: Vec<Option<(String, i32)>> = vec![None; vocab];
     for (id, name) in TINY_SPECIALS {
         if let Some(slot) = names.get_mut(id as usize) {
             *slot = Some((name.to_string(), TYPE_CONTROL));
         }
     }
+    let swap = |c: char| match c {
+        'a'..='z' if swap_case => c.to_ascii_uppercase(),
+        'A'..='Z' if swap_case => c.to_ascii_lowercase(),
+        _ => c,
+    };
     let ordinary = TINY_CHARS
         .chars()
-        .map(|c| (String::from(c), TYPE_NORMAL))
+        .map(|c| (String::from(swap(c)), TYPE_NORMAL))
         .chain((0..=255u32).map(|b| (format!("<0x{b:02X}>"), TYPE_BYTE)))
         .chain((0..).map(|i| (format!("<unused{i}>"), TYPE_CONTROL)));
     let free: Vec<usize> = (0..vocab).filter(|&i| names[i].is_none()).collect();
@@ -135,7 +158,7 @@ fn tiny_vocab(vocab: usize) -> Vec<(String, i32)> {
 
 /// The tiny vocabulary's text by id (`▁` as a space; byte and special tokens by their names).
 pub fn tiny_vocab_text(vocab: usize) -> Vec<String> {
-    tiny_vocab(vocab)
+    tiny_vocab(vocab, false)
         .into_iter()
         .map(|(name, _)| name.replace('▁', " "))
         .collect()
@@ -326,7 +349,7 @@ pub fn write_tiny_gguf(path: &Path, spec: &TinySpec) -> candle_core::Result<()> 
         };
         qtensors.push((gname, qt));
     }
-    let (tokens, types): (Vec<Value>, Vec<Value>) = tiny_vocab(spec.vocab)
+    let (tokens, types): (Vec<Value>, Vec<Value>) = tiny_vocab(spec.vocab, spec.swap_case)
         .into_iter()
         .map(|(name, ty)| (Value::String(name), Value::I32(ty)))
         .unzip();

@@ -226,10 +226,11 @@ impl App {
         // changes, and a change recorded before the recorder exists would be lost for good.
         let metrics = crate::telemetry::handle();
         let auth = auth_mode(config.auth, store.as_ref()).await?;
-        let tokenizer = hearth_shared::tokenizer::Tokenizer::from_file(&config.tokenizer)
+        let tokenizers = crate::service::Tokenizers::from_file(&config.tokenizer)
             .with_context(|| "run `make fetch-model` (or pass --tokenizer PATH)")?;
-        let shared_prompts = SharedPrompts::new(&tokenizer, &config.shared_prompts)
-            .context("--shared-prompt: cannot render the prompt with the chat template")?;
+        let shared_prompts =
+            SharedPrompts::new(&tokenizers.default_tokenizer().tok, &config.shared_prompts)
+                .context("--shared-prompt: cannot render the prompt with the chat template")?;
         for (name, tokens) in shared_prompts.summary() {
             tracing::info!(name, tokens, "shared prompt: cached once for every user");
         }
@@ -242,7 +243,7 @@ impl App {
         let chat = Arc::new(ChatService::new(ServiceParts {
             store: store.clone(),
             pool,
-            tokenizer: Arc::new(tokenizer),
+            tokenizers,
             limiter: shared.limiter,
             streams: streams.clone(),
             stop_bus: shared.stop_bus,

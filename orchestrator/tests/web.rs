@@ -54,9 +54,8 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
     let chat = Arc::new(ChatService::new(ServiceParts {
         store: store.clone(),
         pool: WorkerPool::start(&[], Affinity::local(), PoolConfig::default()),
-        tokenizer: Arc::new(
-            hearth_shared::tokenizer::Tokenizer::from_file(&tokenizer).expect("tokenizer"),
-        ),
+        tokenizers: hearth_orchestrator::service::Tokenizers::from_file(&tokenizer)
+            .expect("tokenizer"),
         limiter: Limiter::local(),
         streams: Arc::new(Streams::default()),
         stop_bus: None,

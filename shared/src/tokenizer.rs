@@ -45,8 +45,18 @@ impl Tokenizer {
         if !path.is_file() {
             return Err(load_err("file not found".into()));
         }
+        let bytes = std::fs::read(path).map_err(|e| load_err(e.to_string()))?;
+        Self::from_bytes(&bytes, &path.display().to_string())
+    }
+
+    /// From a `tokenizer.json`'s bytes; `origin` names where they came from in errors.
+    pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Self, TokenizerError> {
+        let load_err = |reason: String| TokenizerError::Load {
+            path: origin.to_string(),
+            reason,
+        };
         let mut inner =
-            tokenizers::Tokenizer::from_file(path).map_err(|e| load_err(e.to_string()))?;
+            tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| load_err(e.to_string()))?;
         // Text is text: a message containing `<end_of_turn>` must not become the control token.
         // The chat template inserts control tokens by id.
         inner.set_encode_special_tokens(true);
@@ -109,4 +119,14 @@ impl Tokenizer {
             .map(|(id, _)| id as u32)
             .collect()
     }
+}
+
+/// The SHA-256 of `bytes` in lowercase hex: how workers and orchestrators name a tokenizer file,
+/// so a tokenizer both hold is never sent.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }

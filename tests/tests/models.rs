@@ -3,7 +3,8 @@
 //! of the model they name (by name: its newest ready version; pinned: that version), on both
 //! APIs, and a session keeps its model; an unknown model is a 404 that lists what is served;
 //! with the newest version's worker gone, the name falls back to the older ready version. A
-//! model fetched from a URL shows its progress in `/v1/models` while it arrives.
+//! model fetched from a URL shows its progress in `/v1/models` while it arrives. A model whose
+//! version holds its own tokenizer is tokenized and read with it, not the orchestrator's.
 
 use std::path::Path;
 
@@ -13,7 +14,7 @@ use hearth_e2e::stack::{
 };
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
 use hearth_orchestrator::storage::SqlStore;
-use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
+use hearth_worker::fixtures::{write_tiny_gguf, write_tiny_tokenizer_for, TinySpec};
 use serde_json::{json, Value};
 
 /// `alpha/1`, `alpha/2` and `beta/1`: three different tiny models.
@@ -333,4 +334,93 @@ async fn a_model_fetched_from_a_url_shows_its_progress_in_v1_models() {
     store.close().await;
     drop(workers);
     let _ = std::fs::remove_dir_all(&assets.dir);
+}
+
+/// `plain/1` (no tokenizer of its own: the orchestrator's, the tiny one) and `swapped/1`: the
+/// same weights, with a vocabulary and `tokenizer.json` whose letters have their case swapped.
+/// The same token ids are `hello` for one and `HELLO` for the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_with_its_own_tokenizer_is_read_and_written_with_it() {
+    let root = std::env::temp_dir().join(format!("hearth-own-tok-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    for (name, swap_case) in [("plain", false), ("swapped", true)] {
+        let dir = root.join(name).join("1");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let spec = TinySpec {
+            seed: 31,
+            swap_case,
+            ..TinySpec::default()
+        };
+        write_tiny_gguf(&dir.join("model.gguf"), &spec).expect("model");
+        if swap_case {
+            write_tiny_tokenizer_for(&dir.join("tokenizer.json"), &spec).expect("tokenizer");
+        }
+    }
+    let s = Stack::from_repository("own-tok", &root, &["plain", "swapped"], &[]).await;
+    let k = s.key("alice").await;
+    // The tiny vocabulary holds one token per letter.
+    let vocab = hearth_worker::fixtures::tiny_vocab_text(TinySpec::default().vocab);
+    let id = |c: char| {
+        vocab
+            .iter()
+            .position(|t| *t == c.to_string())
+            .expect("a letter") as u32
+    };
+    let hello: Vec<u32> = "hello".chars().map(id).collect();
+    let complete = |model: &str, prompt: Value| {
+        json!({"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+               "logprobs": 0})
+    };
+
+    // Token ids read back with each model's tokenizer.
+    for (model, want) in [("plain", "hello"), ("swapped", "HELLO")] {
+        let body = json!({"model": model, "prompt": hello, "echo": true, "max_tokens": 1});
+        let r = post(s.addr(), &k, "/v1/completions", &body).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let text = r.json()["choices"][0]["text"]
+            .as_str()
+            .expect("text")
+            .to_string();
+        assert!(text.starts_with(want), "{model}: {text:?}");
+    }
+
+    // Text written with it: `HELLO` is the same ids for `swapped` as `hello` for `plain`, so the
+    // same weights continue it alike, token for token.
+    let mut ids = vec![hearth_worker::fixtures::BOS];
+    ids.extend(&hello);
+    let mut replies = Vec::new();
+    for (model, prompt) in [
+        ("swapped", json!("HELLO")),
+        ("swapped", json!(ids)),
+        ("plain", json!("hello")),
+        ("swapped", json!("hello")),
+    ] {
+        let r = post(s.addr(), &k, "/v1/completions", &complete(model, prompt)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        replies.push(r.json()["choices"][0]["logprobs"]["token_logprobs"].clone());
+    }
+    // (Within a rounding's reach: a prompt found in the prefix cache is not prefilled in the
+    // same batch shape as a new one.)
+    let close = |a: &Value, b: &Value| {
+        let (a, b) = (
+            a.as_array().expect("logprobs"),
+            b.as_array().expect("logprobs"),
+        );
+        a.len() == b.len()
+            && a.iter().zip(b).all(|(x, y)| {
+                (x.as_f64().expect("number") - y.as_f64().expect("number")).abs() < 1e-3
+            })
+    };
+    assert!(close(&replies[0], &replies[1]), "{replies:?}");
+    assert!(close(&replies[0], &replies[2]), "{replies:?}");
+    // And the prompt's ids matter: `hello` is other ids for `swapped`.
+    assert!(!close(&replies[0], &replies[3]), "{replies:?}");
+
+    // A chat turn on it renders with its tokenizer too, and its reply reads.
+    let body = json!({"model": "swapped", "max_tokens": 3,
+                      "messages": [{"role": "user", "content": "Hi"}]});
+    let r = post(s.addr(), &k, "/v1/chat/completions", &body).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    s.finish().await;
+    let _ = std::fs::remove_dir_all(root);
 }

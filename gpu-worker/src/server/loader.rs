@@ -11,7 +11,7 @@ use tonic::Status;
 
 use super::config::{RunOn, ValidConfig};
 use super::models::{ModelPhase, ModelSlot, Need};
-use super::state::{Loaded, WorkerState};
+use super::state::{Loaded, TokenizerFile, WorkerState};
 use super::ServeError;
 use crate::device;
 use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
@@ -206,7 +206,19 @@ fn describe_model(source: &Source) -> Result<(Loaded, Option<Tokenizer>), ServeE
         },
     };
     let tokenizer = match &source.tokenizer {
-        Some(t) => Some(Tokenizer::from_file(t)?),
+        Some(t) => {
+            let bytes =
+                std::fs::read(t).map_err(|e| hearth_shared::tokenizer::TokenizerError::Load {
+                    path: t.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+            let tok = Tokenizer::from_bytes(&bytes, &t.display().to_string())?;
+            loaded.tokenizer = Some(TokenizerFile {
+                sha256: hearth_shared::tokenizer::sha256_hex(&bytes),
+                bytes: bytes.into(),
+            });
+            Some(tok)
+        }
         None => None,
     };
     if let Some(tok) = &tokenizer {

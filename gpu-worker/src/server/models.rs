@@ -178,6 +178,12 @@ impl ModelSlot {
             error: self.error.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             idle_s: self.idle_for().as_secs_f64(),
             keep_alive_ms: self.keep_alive_ms.load(Ordering::SeqCst),
+            tokenizer_sha256: self
+                .loaded
+                .tokenizer
+                .as_ref()
+                .map(|t| t.sha256.clone())
+                .unwrap_or_default(),
             ..Default::default()
         };
         if let Some(h) = self.handle.get() {

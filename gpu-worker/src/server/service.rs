@@ -18,6 +18,9 @@ use super::state::{Loaded, Phase, WorkerState};
 use super::{status, stream};
 use crate::engine::ModelInfo;
 
+/// `GetTokenizer`'s chunk size: well under gRPC's default 4 MiB message limit.
+const TOKENIZER_CHUNK_BYTES: usize = 1 << 20;
+
 #[derive(Debug, Clone)]
 pub struct WorkerService {
     state: Arc<WorkerState>,
@@ -267,6 +270,35 @@ impl Worker for WorkerService {
         Ok(Response::new(proto::UnloadModelResponse {
             ended: ended as u32,
         }))
+    }
+
+    type GetTokenizerStream =
+        Pin<Box<dyn Stream<Item = Result<proto::TokenizerChunk, Status>> + Send + 'static>>;
+
+    async fn get_tokenizer(
+        &self,
+        request: Request<proto::GetTokenizerRequest>,
+    ) -> Result<Response<Self::GetTokenizerStream>, Status> {
+        let model = request.into_inner().model;
+        let slot = self
+            .state
+            .models
+            .find(&model)
+            .ok_or_else(|| Status::not_found(format!("model: `{model}` is not loaded here")))?;
+        let file = slot.loaded.tokenizer.clone().ok_or_else(|| {
+            Status::not_found(format!(
+                "model: {} has no tokenizer of its own (its version holds no tokenizer.json)",
+                slot.key()
+            ))
+        })?;
+        let chunks = (0..file.bytes.len().div_ceil(TOKENIZER_CHUNK_BYTES)).map(move |i| {
+            let from = i * TOKENIZER_CHUNK_BYTES;
+            let to = (from + TOKENIZER_CHUNK_BYTES).min(file.bytes.len());
+            Ok(proto::TokenizerChunk {
+                data: file.bytes[from..to].to_vec(),
+            })
+        });
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
 }
 

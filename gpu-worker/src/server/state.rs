@@ -31,6 +31,16 @@ pub struct Loaded {
     pub default_params_json: String,
     pub start_of_turn_id: Option<u32>,
     pub pad_id: Option<u32>,
+    /// Its version's own `tokenizer.json` (served by `GetTokenizer`) and the file's SHA-256;
+    /// none for a model without one.
+    pub tokenizer: Option<TokenizerFile>,
+}
+
+/// A tokenizer file as it is on disk, named by its SHA-256.
+#[derive(Clone, Debug)]
+pub struct TokenizerFile {
+    pub sha256: String,
+    pub bytes: Arc<[u8]>,
 }
 
 impl Loaded {

@@ -235,8 +235,8 @@ pub async fn completions(
         (_, false) => None,
         (PromptField::Text(t), true) => Some(t.clone()),
         (PromptField::Texts(v), true) => v.first().cloned(),
-        (PromptField::Tokens(ids), true) => Some(s.chat.decode(ids)),
-        (PromptField::TokenLists(v), true) => v.first().map(|ids| s.chat.decode(ids)),
+        (PromptField::Tokens(ids), true) => Some(s.chat.decode(&target, ids)),
+        (PromptField::TokenLists(v), true) => v.first().map(|ids| s.chat.decode(&target, ids)),
     };
     let lives = s.chat.complete_raw(&caller, turn, &target, n).await?;
     let head = Head {

@@ -44,7 +44,6 @@ use attempt::{request, Attempts, Next};
 #[derive(Debug)]
 pub(crate) struct Generator {
     pub(crate) pool: Arc<WorkerPool>,
-    pub(crate) tokenizer: Arc<Tokenizer>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) streams: Arc<Streams>,
 }
@@ -80,6 +79,8 @@ pub struct Job {
     /// The exact version every worker of the reply must serve (a failover's continuation
     /// too); none while no worker has reported its model.
     pub model: Option<ModelKey>,
+    /// That model's tokenizer, which reads the worker's tokens.
+    pub tokenizer: Arc<Tokenizer>,
     /// How long the model stays loaded once idle, from this request on (ms; negative: for
     /// good).
     pub keep_alive_ms: Option<i64>,
@@ -314,11 +315,11 @@ impl Generator {
         }
         p.last_token = Some(now);
         if job.logprobs.is_some() {
-            live.push(RunEvent::Logprobs(self.logprobs(&t)));
+            live.push(RunEvent::Logprobs(logprobs(&job.tokenizer, &t)));
         }
         for id in t.ids {
             p.generated.push(id);
-            let piece = a.detok.push(&self.tokenizer, id).unwrap_or_default();
+            let piece = a.detok.push(&job.tokenizer, id).unwrap_or_default();
             if piece.is_empty() {
                 continue;
             }
@@ -329,43 +330,6 @@ impl Generator {
             }
         }
         None
-    }
-
-    /// The worker's log-probabilities of `t`'s tokens, with their text.
-    fn logprobs(&self, t: &proto::Tokens) -> Vec<TokenLogprob> {
-        let text = |id: u32| {
-            let token = self.tokenizer.decode(&[id]).unwrap_or_default();
-            let bytes = token.as_bytes().to_vec();
-            (token, bytes)
-        };
-        t.ids
-            .iter()
-            .zip(&t.logprobs)
-            .enumerate()
-            .map(|(i, (&id, &logprob))| {
-                let (token, bytes) = text(id);
-                let top = t.top.get(i).map_or(Vec::new(), |top| {
-                    top.ids
-                        .iter()
-                        .zip(&top.logprobs)
-                        .map(|(&id, &logprob)| {
-                            let (token, bytes) = text(id);
-                            TopLogprob {
-                                token,
-                                logprob,
-                                bytes,
-                            }
-                        })
-                        .collect()
-                });
-                TokenLogprob {
-                    token,
-                    logprob,
-                    bytes,
-                    top_logprobs: top,
-                }
-            })
-            .collect()
     }
 
     /// The worker ended the reply: flush what the detokenizer and stop matcher hold back.
@@ -387,7 +351,7 @@ impl Generator {
                 "the worker ended the reply with an unknown finish reason ({reason})"
             ))));
         };
-        let tail = a.detok.finish(&self.tokenizer).unwrap_or_default();
+        let tail = a.detok.finish(&job.tokenizer).unwrap_or_default();
         let mut rest = a.stops.push(&tail).text;
         rest.push_str(&a.stops.flush());
         self.emit(job, live, p, rest);
@@ -446,4 +410,41 @@ impl Generator {
             }
         }
     }
+}
+
+/// The worker's log-probabilities of `t`'s tokens, with their text.
+fn logprobs(tok: &Tokenizer, t: &proto::Tokens) -> Vec<TokenLogprob> {
+    let text = |id: u32| {
+        let token = tok.decode(&[id]).unwrap_or_default();
+        let bytes = token.as_bytes().to_vec();
+        (token, bytes)
+    };
+    t.ids
+        .iter()
+        .zip(&t.logprobs)
+        .enumerate()
+        .map(|(i, (&id, &logprob))| {
+            let (token, bytes) = text(id);
+            let top = t.top.get(i).map_or(Vec::new(), |top| {
+                top.ids
+                    .iter()
+                    .zip(&top.logprobs)
+                    .map(|(&id, &logprob)| {
+                        let (token, bytes) = text(id);
+                        TopLogprob {
+                            token,
+                            logprob,
+                            bytes,
+                        }
+                    })
+                    .collect()
+            });
+            TokenLogprob {
+                token,
+                logprob,
+                bytes,
+                top_logprobs: top,
+            }
+        })
+        .collect()
 }

@@ -11,12 +11,14 @@ mod error;
 mod models;
 mod session;
 mod shared_prompt;
+mod tokenizers;
 mod turn;
 
 pub use error::ChatError;
 pub use models::{ModelDefaults, Target};
 pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
+pub use tokenizers::{ModelTokenizer, Tokenizers};
 
 pub use turn::{
     check_params, Conversation, GenOptions, NativeTurn, RawPrompt, ToolResult, UserText, ValidTurn,
@@ -29,7 +31,6 @@ use std::time::Duration;
 use hearth_shared::chat::{
     render, ChatError as TemplateError, Message as ChatMessage, Role as ChatRole,
 };
-use hearth_shared::tokenizer::Tokenizer;
 use hearth_shared::SamplingParams;
 
 use crate::auth::{authenticate, AuthError};
@@ -77,7 +78,8 @@ impl Default for ChatLimits {
 pub struct ServiceParts {
     pub store: Arc<dyn Store>,
     pub pool: Arc<WorkerPool>,
-    pub tokenizer: Arc<Tokenizer>,
+    /// The default tokenizer (`--tokenizer`) and the models' own ones.
+    pub tokenizers: Tokenizers,
     pub limiter: Limiter,
     /// Shared with the stop bus's listener and with shutdown, which stops what still runs.
     pub streams: Arc<Streams>,
@@ -97,6 +99,7 @@ pub struct ChatService {
     limits: ChatLimits,
     shared_prompts: SharedPrompts,
     breakers: Arc<breakers::Breakers>,
+    tokenizers: Tokenizers,
     /// One gate per model being loaded on demand, so that one load serves every request
     /// waiting for it.
     loads: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -145,7 +148,6 @@ impl ChatService {
         Self {
             generator: Arc::new(Generator {
                 pool: p.pool,
-                tokenizer: p.tokenizer,
                 store: p.store.clone(),
                 streams: p.streams,
             }),
@@ -155,6 +157,7 @@ impl ChatService {
             limits: p.limits,
             shared_prompts: p.shared_prompts,
             breakers: Arc::default(),
+            tokenizers: p.tokenizers,
             loads: std::sync::Mutex::default(),
         }
     }
@@ -212,6 +215,16 @@ impl ChatService {
     /// worker holds but some worker's repository has is loaded first, on demand (see
     /// [`Self::load_on_demand`]).
     pub async fn target(&self, asked: Option<&str>) -> Result<Target, ChatError> {
+        let mut target = self.served_target(asked).await?;
+        if let Some(m) = &target.model {
+            let pool = &self.generator.pool;
+            target.tokenizer = Some(self.tokenizers.for_model(pool, m).await?);
+        }
+        Ok(target)
+    }
+
+    /// [`Self::target`], without its tokenizer.
+    async fn served_target(&self, asked: Option<&str>) -> Result<Target, ChatError> {
         let model = match self.generator.pool.resolve(asked) {
             Ok(model) => model,
             Err(u) => match (u.loadable.clone(), asked) {
@@ -224,7 +237,10 @@ impl ChatService {
                 return Err(ChatError::ModelLoading(m.key.to_string()));
             }
         }
-        Ok(Target { model })
+        Ok(Target {
+            model,
+            tokenizer: None,
+        })
     }
 
     /// Loads the repository version `spec` (which `asked` names) on the worker with the most
@@ -240,7 +256,10 @@ impl ChatService {
         // Another request may have loaded it while this one waited.
         if let Ok(Some(model)) = pool.resolve(Some(asked)) {
             if model.ready_workers > 0 {
-                return Ok(Target { model: Some(model) });
+                return Ok(Target {
+                    model: Some(model),
+                    tokenizer: None,
+                });
             }
         }
         tracing::info!(model = spec, "loading a model on demand");
@@ -264,6 +283,7 @@ impl ChatService {
         }
         Ok(Target {
             model: pool.resolve(Some(asked))?,
+            tokenizer: None,
         })
     }
 
@@ -271,6 +291,7 @@ impl ChatService {
     pub fn lookup(&self, asked: Option<&str>) -> Result<Target, ChatError> {
         Ok(Target {
             model: self.generator.pool.resolve(asked)?,
+            tokenizer: None,
         })
     }
 
@@ -313,10 +334,18 @@ impl ChatService {
             .await
     }
 
-    /// The text of token ids (a legacy completion's echoed prompt); nothing for ids the
-    /// tokenizer cannot read.
-    pub fn decode(&self, ids: &[u32]) -> String {
-        self.generator.tokenizer.decode(ids).unwrap_or_default()
+    /// The text of token ids for `target`'s model (a legacy completion's echoed prompt);
+    /// nothing for ids its tokenizer cannot read.
+    pub fn decode(&self, target: &Target, ids: &[u32]) -> String {
+        self.tokenizer(target).tok.decode(ids).unwrap_or_default()
+    }
+
+    /// `target`'s tokenizer: its model's own, else the default one.
+    fn tokenizer(&self, target: &Target) -> ModelTokenizer {
+        target
+            .tokenizer
+            .clone()
+            .unwrap_or_else(|| self.tokenizers.default_tokenizer().clone())
     }
 
     // --- Sessions ---
@@ -455,7 +484,8 @@ impl ChatService {
             Some(p) => p.clone(),
             None => target.defaults().with_session(session.params.as_ref()),
         };
-        let dry_breakers = self.dry_breakers(&params).await?;
+        let tokenizer = self.tokenizer(&target);
+        let dry_breakers = self.dry_breakers(&params, &tokenizer).await?;
         let (tenant, model) = (Tenant::user(user_id), target.key().cloned());
         let lease = self
             .generator
@@ -489,6 +519,7 @@ impl ChatService {
             arrived,
             budget,
             model,
+            tokenizer: tokenizer.tok,
             keep_alive_ms: opts.keep_alive_ms(),
             lease: Some(lease),
         };
@@ -580,6 +611,7 @@ impl ChatService {
             max_new_tokens,
             shared_prefix,
             model: target.key().cloned(),
+            tokenizer: self.tokenizer(target),
         };
         self.start_choices(caller, plan, opts, arrived, budget, n)
             .await
@@ -602,7 +634,8 @@ impl ChatService {
         if let Some(n) = max_tokens {
             check_max_tokens(n, target)?;
         }
-        let tok = &self.generator.tokenizer;
+        let tokenizer = self.tokenizer(target);
+        let tok = &tokenizer.tok;
         let prompt = match raw {
             RawPrompt::Text(text) => {
                 let mut ids = vec![tok.bos_id];
@@ -636,6 +669,7 @@ impl ChatService {
             shared_prefix: 0,
             prompt,
             model: target.key().cloned(),
+            tokenizer,
         };
         self.start_choices(caller, plan, opts, arrived, budget, n)
             .await
@@ -673,13 +707,14 @@ impl ChatService {
             max_new_tokens,
             shared_prefix,
             model,
+            tokenizer,
         } = plan;
         let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
         let tenant = Tenant::within(&caller.user.id, opts.end_user());
         let pool = &self.generator.pool;
         let lease = pool.admit_prefix(&tenant, model.as_ref(), &keys).await?;
         let params = opts.params().cloned().unwrap_or_default();
-        let dry_breakers = self.dry_breakers(&params).await?;
+        let dry_breakers = self.dry_breakers(&params, &tokenizer).await?;
         let mut budgets: Vec<Option<Budget>> = match budget {
             Some(b) => b.split(n as usize).into_iter().map(Some).collect(),
             None => (0..n).map(|_| None).collect(),
@@ -704,6 +739,7 @@ impl ChatService {
             arrived,
             budget,
             model: model.clone(),
+            tokenizer: tokenizer.tok.clone(),
             keep_alive_ms: opts.keep_alive_ms(),
             lease: None,
         };
@@ -807,14 +843,15 @@ impl ChatService {
     }
 
     /// The tokens that end a DRY run for `params` (none when DRY is off).
-    async fn dry_breakers(&self, params: &SamplingParams) -> Result<Arc<[u32]>, ChatError> {
+    async fn dry_breakers(
+        &self,
+        params: &SamplingParams,
+        tokenizer: &ModelTokenizer,
+    ) -> Result<Arc<[u32]>, ChatError> {
         if !params.dry_enabled() || params.dry_sequence_breakers.is_empty() {
             return Ok(Arc::from([]));
         }
-        let (tok, wanted) = (
-            self.generator.tokenizer.clone(),
-            params.dry_sequence_breakers.clone(),
-        );
+        let (tok, wanted) = (tokenizer.clone(), params.dry_sequence_breakers.clone());
         let cache = self.breakers.clone();
         tokio::task::spawn_blocking(move || cache.ids(&tok, &wanted))
             .await
@@ -839,17 +876,21 @@ impl ChatService {
         let want = max_tokens.unwrap_or_else(|| self.limits.default_max_tokens.min(ctx as u32 / 2));
         check_max_tokens(want, target)?;
         let reserve = (want as usize).min(ctx / 2);
-        let tokenizer = self.generator.tokenizer.clone();
-        let rendered =
-            tokio::task::spawn_blocking(move || render(&tokenizer, &convo, ctx - reserve))
-                .await
-                .map_err(|e| ChatError::Internal(format!("prompt rendering failed: {e}")))?;
+        let tokenizer = self.tokenizer(target);
+        let default = self.tokenizers.is_default(&tokenizer);
+        let tok = tokenizer.tok;
+        let rendered = tokio::task::spawn_blocking(move || render(&tok, &convo, ctx - reserve))
+            .await
+            .map_err(|e| ChatError::Internal(format!("prompt rendering failed: {e}")))?;
         let prompt = rendered.map_err(|e| match e {
             TemplateError::Tokenizer(e) => ChatError::Internal(e.to_string()),
             other => ChatError::Invalid(other.to_string()),
         })?;
         let room = (ctx - prompt.tokens.len()) as u32;
-        let shared = match self.shared_prompts.leading(&prompt.tokens) {
+        // Shared prompts are rendered with the default tokenizer: a model with its own shares
+        // none.
+        let leading = default.then(|| self.shared_prompts.leading(&prompt.tokens));
+        let shared = match leading.flatten() {
             Some((name, n)) => {
                 tracing::debug!(
                     shared_prompt = name,
@@ -894,6 +935,8 @@ struct Planned {
     shared_prefix: u32,
     /// The exact version every worker of it must serve.
     model: Option<crate::workers::ModelKey>,
+    /// That model's tokenizer.
+    tokenizer: ModelTokenizer,
 }
 
 /// How a prepared native turn is stored once a worker has taken it.

@@ -3,6 +3,7 @@
 
 use hearth_shared::SamplingParams;
 
+use super::tokenizers::ModelTokenizer;
 use super::ChatError;
 use crate::workers::{ModelKey, ServedModel, UnknownModel};
 
@@ -12,6 +13,8 @@ use crate::workers::{ModelKey, ServedModel, UnknownModel};
 pub struct Target {
     /// None while no worker has reported its model: any worker serves the request.
     pub model: Option<ServedModel>,
+    /// The model's own tokenizer, once found; none: the orchestrator's default one.
+    pub tokenizer: Option<ModelTokenizer>,
 }
 
 impl Target {

@@ -1,5 +1,5 @@
-//! Loading and unloading models on the workers (the admin API), and each worker's models as
-//! it reports them.
+//! Loading and unloading models on the workers (the admin API), each worker's models as it
+//! reports them, and fetching a model's own tokenizer from a worker that holds it.
 //!
 //! A load goes to the worker named, else to the ready workers in order of free memory (their
 //! `--memory-budget` less what their models take, else their device's free memory): the first
@@ -76,6 +76,9 @@ pub(super) fn model_state(s: i32) -> &'static str {
         _ => "unknown",
     }
 }
+
+/// Most bytes a tokenizer file may have (Gemma 3's is 33 MB).
+const MAX_TOKENIZER_BYTES: usize = 256 << 20;
 
 fn key(m: &proto::ModelStatus) -> String {
     ModelKey {
@@ -305,4 +308,78 @@ impl WorkerPool {
 /// that the worker cannot load it at all (no repository, not in it).
 fn is_load_failure(s: &tonic::Status) -> bool {
     s.code() == Code::FailedPrecondition && s.message().starts_with("loading ")
+}
+
+impl WorkerPool {
+    /// The tokenizer file of `model` whose SHA-256 is `sha256`, from a ready worker that
+    /// reports the model with it (the next one when one fails), checked against the digest.
+    pub async fn fetch_tokenizer(
+        &self,
+        model: &ModelKey,
+        sha256: &str,
+    ) -> Result<Vec<u8>, AdminError> {
+        let name = model.to_string();
+        let holds = |s: &WorkerSlot| {
+            s.conn().is_some()
+                && s.state().info.as_ref().is_some_and(|i| {
+                    i.models
+                        .iter()
+                        .any(|m| m.tokenizer_sha256 == sha256 && key(m) == name)
+                })
+        };
+        let mut failures = Vec::new();
+        for slot in self.slots.iter().filter(|s| holds(s)) {
+            match self.tokenizer_from(slot, &name, sha256).await {
+                Ok(bytes) => return Ok(bytes),
+                Err(e) => {
+                    tracing::warn!(worker = %slot.addr, model = %name, error = %e, "fetching a model's tokenizer failed");
+                    failures.push(format!("{}: {e}", slot.name));
+                }
+            }
+        }
+        if failures.is_empty() {
+            return Err(AdminError::NoWorker);
+        }
+        Err(AdminError::Failed(format!(
+            "the tokenizer of {name} could not be fetched: {}",
+            failures.join("; ")
+        )))
+    }
+
+    async fn tokenizer_from(
+        &self,
+        slot: &WorkerSlot,
+        model: &str,
+        sha256: &str,
+    ) -> Result<Vec<u8>, String> {
+        let mut client = self.admin_client(slot).await.map_err(|e| e.to_string())?;
+        let req = proto::GetTokenizerRequest {
+            model: model.to_string(),
+        };
+        let mut chunks = client
+            .get_tokenizer(req)
+            .await
+            .map_err(|s| s.message().to_string())?
+            .into_inner();
+        let mut bytes = Vec::new();
+        while let Some(chunk) = chunks
+            .message()
+            .await
+            .map_err(|s| s.message().to_string())?
+        {
+            bytes.extend_from_slice(&chunk.data);
+            if bytes.len() > MAX_TOKENIZER_BYTES {
+                return Err(format!(
+                    "the tokenizer is larger than {MAX_TOKENIZER_BYTES} bytes"
+                ));
+            }
+        }
+        let got = hearth_shared::tokenizer::sha256_hex(&bytes);
+        if got != sha256 {
+            return Err(format!(
+                "the tokenizer sent has SHA-256 {got}, not the {sha256} reported"
+            ));
+        }
+        Ok(bytes)
+    }
 }

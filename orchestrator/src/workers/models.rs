@@ -34,6 +34,8 @@ pub(super) struct Reported {
     pub(super) max_waiting: u32,
     /// While its file is fetched: bytes on disk, and the whole file's (0: not known yet).
     pub(super) fetch: Option<(u64, u64)>,
+    /// Its own tokenizer's SHA-256 (empty: the orchestrator's default tokenizer).
+    pub(super) tokenizer_sha256: String,
 }
 
 /// The models a worker reports: its `models` list, or for a worker that sends none (an older
@@ -55,6 +57,7 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
             max_batch: info.max_batch,
             max_waiting: info.max_waiting,
             fetch: None,
+            tokenizer_sha256: String::new(),
         }];
     }
     info.models
@@ -72,6 +75,7 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
             max_waiting: m.max_waiting,
             fetch: (m.fetched_bytes > 0 || m.fetch_total_bytes > 0)
                 .then_some((m.fetched_bytes, m.fetch_total_bytes)),
+            tokenizer_sha256: m.tokenizer_sha256.clone(),
         })
         .collect()
 }
@@ -111,6 +115,9 @@ pub struct ServedModel {
     pub workers: usize,
     /// While a worker fetches its file: bytes fetched, and the file's size (0: not known yet).
     pub fetch: Option<(u64, u64)>,
+    /// The SHA-256 of its own tokenizer, as its workers report it; empty when it has none of
+    /// its own (the orchestrator's `--tokenizer` serves it).
+    pub tokenizer_sha256: String,
 }
 
 /// A model no worker serves.
@@ -236,12 +243,16 @@ fn add_report(out: &mut Vec<ServedModel>, r: Reported, up: bool) {
                 loading_workers: 0,
                 workers: 0,
                 fetch: None,
+                tokenizer_sha256: String::new(),
             });
             out.len() - 1
         }
     };
     let m = &mut out[i];
     m.workers += 1;
+    if m.tokenizer_sha256.is_empty() {
+        m.tokenizer_sha256 = r.tokenizer_sha256;
+    }
     if r.state == proto::ModelState::Loading {
         m.loading_workers += 1;
         m.fetch = r.fetch.or(m.fetch);
