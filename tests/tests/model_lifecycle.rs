@@ -3,7 +3,8 @@
 //! - the admin API loads and unloads models, and refuses callers without an admin key;
 //! - a load that does not fit the worker's memory budget is refused naming the bytes;
 //! - a request for a repository model no worker holds loads it on demand, evicting the least
-//!   recently used idle model for room, and `keep_alive` unloads an idle model;
+//!   recently used idle model for room (a streamed one is told that the model is loading), and
+//!   `keep_alive` unloads an idle model, on OpenAI requests and native turns alike;
 //! - unloading a model while one of its replies streams lets that reply continue on another
 //!   worker serving the model, whole; another model's stream is unaffected.
 
@@ -208,8 +209,15 @@ async fn one_worker_serves_loads_evicts_and_unloads_models_while_another_streams
     // used idle model (alpha) is evicted for room. The busy one (slow) never is.
     let loads = "hearth_model_loads_on_demand_total";
     let before = metric(s.addr(), loads).await;
-    let r = ask(&s, &k, "beta", json!({})).await;
+    // Streamed, the response starts at once and says that the model is loading.
+    let r = ask(&s, &k, "beta", json!({"stream": true})).await;
     assert_eq!(r.status, 200, "{}", r.text());
+    let body = r.text();
+    let loading = body
+        .find(": loading model beta@1")
+        .expect("a loading comment");
+    assert!(loading < body.find("data: ").expect("chunks"), "{body}");
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
     assert_eq!(metric(s.addr(), loads).await, before + 1.0);
     let held: Vec<String> = worker_models(&s, &admin)
         .await
@@ -226,6 +234,30 @@ async fn one_worker_serves_loads_evicts_and_unloads_models_while_another_streams
     let r = ask(&s, &k, "gamma", json!({"keep_alive": 0})).await;
     assert_eq!(r.status, 200, "{}", r.text());
     wait_listed(&s, &k, &["slow", "beta"]).await;
+    // The same on a native turn: a session of gamma loads it again, and its turn's keep_alive
+    // unloads it once the reply is done.
+    let gsid = new_session_with(s.addr(), &k, &json!({"model": "gamma"})).await;
+    let turns = format!("/v1/sessions/{gsid}/messages");
+    let turn = json!({"content": "Hi", "max_tokens": 3, "stream": false, "keep_alive": 0});
+    let r = post(s.addr(), &k, &turns, &turn).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    wait_listed(&s, &k, &["slow", "beta"]).await;
+    // A streamed turn of the session, whose model is gone now, loads it again: the stream
+    // says so first (`model_loading`, without an id), then brings the reply.
+    let turn = json!({"content": "Hi again", "max_tokens": 3, "keep_alive": 0});
+    let r = post(s.addr(), &k, &turns, &turn).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let body = r.text();
+    assert!(
+        body.starts_with("event: model_loading\ndata: {\"model\":\"gamma@1\""),
+        "{body}"
+    );
+    assert!(body.contains("event: message_end"), "{body}");
+    wait_listed(&s, &k, &["slow", "beta"]).await;
+    let bad = json!({"content": "Hi", "keep_alive": 1e12});
+    let r = post(s.addr(), &k, &turns, &bad).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("keep_alive"), "{}", r.text());
 
     // An unknown model is still a 404, naming what can be asked for.
     let r = ask(&s, &k, "delta", json!({})).await;

@@ -9,7 +9,7 @@ import { api, ApiError } from "@/lib/api";
 import type { Banner } from "@/lib/banner";
 import { chatReducer, initialChat } from "@/lib/chat-state";
 import type { SseEvent } from "@/lib/sse";
-import { consumeStream } from "@/lib/stream";
+import { consumeStream, TurnRefused } from "@/lib/stream";
 import type { Session } from "@/lib/types";
 
 export type Turn =
@@ -59,7 +59,7 @@ export function useReplyStream({
   );
 
   const stream = useCallback(
-    async (id: string, run: Running, first: Response) => {
+    async (id: string, run: Running, first: Response, onRefused?: (e: unknown) => void) => {
       const mine = () => runningRef.current === run;
       try {
         const end = await consumeStream({
@@ -76,7 +76,10 @@ export function useReplyStream({
       } catch (e) {
         if (!mine()) return;
         flush();
-        dispatch({ type: "failed", error: (e as Error).message });
+        if (e instanceof TurnRefused && onRefused) {
+          dispatch({ type: "refused" });
+          onRefused(e);
+        } else dispatch({ type: "failed", error: (e as Error).message });
       } finally {
         if (mine()) {
           runningRef.current = null;
@@ -134,7 +137,7 @@ export function useReplyStream({
         dispatch({ type: "refused" });
         return onRefused(e);
       }
-      await stream(id, run, first);
+      await stream(id, run, first, onRefused);
     },
     [begin, stream],
   );

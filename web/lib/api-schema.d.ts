@@ -729,6 +729,16 @@ export interface components {
             object: string;
             data: components["schemas"]["ModelCard"][];
         };
+        /** @description The native `model_loading` event's data. */
+        ModelLoading: {
+            /** @description `name@version`, being loaded for this request. */
+            model: string;
+            /**
+             * Format: u-int64
+             * @description Seconds this request has waited for it.
+             */
+            waited_s: number;
+        };
         /** @description One version of a model. */
         ModelVersion: {
             /** @description Empty for a model its worker was given by path. */
@@ -815,6 +825,14 @@ export interface components {
             /** @enum {string} */
             event: "error";
             id: string;
+            data: string;
+        } | {
+            /** @enum {string} */
+            event: "model_loading";
+            data: string;
+        } | {
+            /** @enum {string} */
+            event: "error";
             data: string;
         };
         /**
@@ -1124,6 +1142,13 @@ export interface components {
              */
             top_logprobs?: number | null;
             grammar?: null | components["schemas"]["Grammar"];
+            /**
+             * Format: double
+             * @description How long this session's model stays loaded once idle, from this turn on, in seconds
+             *     (Ollama's `keep_alive`): 0 unloads it when the reply is done, a negative value keeps it
+             *     loaded for good; the model's own default when absent. At most a week.
+             */
+            keep_alive?: number | null;
         };
         /** @description A finished reply, as a turn with `"stream": false` answers. */
         TurnReply: components["schemas"]["ReplyEnd"] & {

@@ -7,6 +7,28 @@ import { readSse, SseParser, type SseEvent } from "./sse";
 
 export type StreamEnd = "ended" | "aborted" | "gone";
 
+/**
+ * The turn was refused after its response had started: its session's model had to be loaded
+ * first (the stream said `model_loading` meanwhile), and then the turn could not start. The
+ * stream ends with an `error` event without an id, whose data is the API's error body.
+ */
+export class TurnRefused extends ApiError {}
+
+/** The refusal an id-less `error` event carries. */
+function refusal(data: string): TurnRefused {
+  let message = "the turn was refused";
+  let status = 503;
+  try {
+    const body = JSON.parse(data) as { error?: { message?: unknown; code?: unknown } };
+    if (typeof body.error?.message === "string") message = body.error.message;
+    if (body.error?.code === "model_not_found") status = 404;
+    else if (body.error?.code === "invalid_value") status = 422;
+  } catch {
+    // not JSON: the default message
+  }
+  return new TurnRefused(status, message);
+}
+
 export interface StreamOptions {
   /** The first response (from posting the turn, or a resume after a reload). */
   first: Response;
@@ -44,7 +66,8 @@ function browserOnline(signal: AbortSignal): Promise<void> {
 /**
  * Resolves "ended" after `message_end`/`error`, "aborted" when `signal` aborts, and "gone"
  * when the server no longer has the stream (the reply finished long ago: read the stored
- * message instead). Throws when reconnecting keeps failing.
+ * message instead). Throws when reconnecting keeps failing, and [`TurnRefused`] when the turn
+ * was refused once its model had loaded.
  */
 export async function consumeStream(o: StreamOptions): Promise<StreamEnd> {
   const sleep = o.sleep ?? defaultSleep;
@@ -66,6 +89,7 @@ export async function consumeStream(o: StreamOptions): Promise<StreamEnd> {
           failures = 0;
           o.onReconnecting?.(false);
         }
+        if (ev.event === "error" && !ev.id) throw refusal(ev.data);
         if (ev.id) lastEventId = ev.id;
         o.onEvent(ev);
         if (TERMINAL.has(ev.event)) return "ended";
@@ -73,6 +97,7 @@ export async function consumeStream(o: StreamOptions): Promise<StreamEnd> {
       // The body ended without the reply's last event: the connection was cut.
     } catch (e) {
       if (o.signal.aborted) return "aborted";
+      if (e instanceof TurnRefused) throw e;
       if (e instanceof ApiError) {
         if (e.status === 404) return "gone";
         if (e.status === 401 || e.status === 403) throw e;

@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import { ApiError } from "../lib/api";
 import type { SseEvent } from "../lib/sse";
-import { consumeStream } from "../lib/stream";
+import { consumeStream, TurnRefused } from "../lib/stream";
 
 /** A response whose body delivers these chunks, then ends (or fails, as a cut connection does). */
 function body(chunks: string[], fail = false): Response {
@@ -22,6 +22,31 @@ function body(chunks: string[], fail = false): Response {
 const e = (n: number, event: string, data: string) => `id: m:${n}\nevent: ${event}\ndata: ${data}\n\n`;
 
 describe("consumeStream", () => {
+  it("passes model_loading on and throws the refusal of an error without an id", async () => {
+    const got: string[] = [];
+    let resumed = 0;
+    const refusal = JSON.stringify({
+      error: { message: "the model beta@1 could not be loaded: no room", type: "server_error", code: "unavailable" },
+    });
+    const run = consumeStream({
+      first: body([
+        'event: model_loading\ndata: {"model":"beta@1","waited_s":0}\n\n',
+        `event: error\ndata: ${refusal}\n\n`,
+      ]),
+      resume: async () => {
+        resumed++;
+        return body([]);
+      },
+      onEvent: (ev) => got.push(ev.event),
+      signal: new AbortController().signal,
+      sleep: async () => {},
+    });
+    await expect(run).rejects.toBeInstanceOf(TurnRefused);
+    await expect(run).rejects.toThrow("the model beta@1 could not be loaded: no room");
+    expect(got).toEqual(["model_loading"]);
+    expect(resumed).toBe(0);
+  });
+
   it("reconnects after a cut with the last event id and ends at message_end", async () => {
     const got: SseEvent[] = [];
     const asked: (string | null)[] = [];

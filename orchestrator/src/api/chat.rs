@@ -83,6 +83,11 @@ pub struct TurnBody {
     /// against a JSON Schema, a Lark grammar or a regular expression. An invalid one is a 400.
     #[serde(default)]
     pub grammar: Option<Grammar>,
+    /// How long this session's model stays loaded once idle, from this turn on, in seconds
+    /// (Ollama's `keep_alive`): 0 unloads it when the reply is done, a negative value keeps it
+    /// loaded for good; the model's own default when absent. At most a week.
+    #[serde(default)]
+    pub keep_alive: Option<f64>,
 }
 
 /// A tool's result, posted on a native turn.
@@ -109,6 +114,7 @@ impl TurnBody {
         )?
         .with_logprobs(self.logprobs, self.top_logprobs)?
         .with_grammar(field, grammar)?
+        .with_keep_alive(self.keep_alive)?
         .with_tools(tools))
     }
 
@@ -262,6 +268,30 @@ async fn start(
     turn: ValidTurn<NativeTurn>,
 ) -> Result<Response, ApiError> {
     let stream = turn.stream();
+    if stream {
+        if let Some(model) = s.chat.session_needs_load(caller, session_id).await {
+            // The turn starts in a task of its own: a client that leaves while the model loads
+            // does not cut it between storing the turn and starting its reply.
+            let (st, caller, id) = (s.clone(), caller.clone(), session_id.clone());
+            let started = tokio::spawn(async move {
+                let live = st.chat.start_turn(&caller, &id, turn).await?;
+                let ids = live.ids.clone().ok_or_else(|| {
+                    ApiError::Internal("a native reply without its stored turn".into())
+                })?;
+                Ok::<_, ApiError>(native_events(live, ids, 0, st.options.cancel_on_disconnect))
+            });
+            let events = async move {
+                started
+                    .await
+                    .map_err(|e| ApiError::Internal(format!("starting the turn failed: {e}")))?
+            };
+            return Ok(super::loading::after_load(
+                super::loading::Api::Native,
+                model,
+                events,
+            ));
+        }
+    }
     let live = s.chat.start_turn(caller, session_id, turn).await?;
     respond(s, live, stream, 0).await
 }

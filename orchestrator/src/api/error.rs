@@ -80,6 +80,17 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// The error's JSON body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.error_type().to_string(),
+                code: self.code().to_string(),
+            },
+        }
+    }
+
     pub fn status(&self) -> StatusCode {
         match self {
             Self::Validation(_) => StatusCode::UNPROCESSABLE_ENTITY,
@@ -163,14 +174,7 @@ impl IntoResponse for ApiError {
         if let Self::Internal(detail) = &self {
             tracing::error!(%detail, "internal error");
         }
-        let body = ErrorBody {
-            error: ErrorDetail {
-                message: self.to_string(),
-                kind: self.error_type().to_string(),
-                code: self.code().to_string(),
-            },
-        };
-        let mut response = (status, axum::Json(body)).into_response();
+        let mut response = (status, axum::Json(self.body())).into_response();
         let retry_after = match &self {
             Self::RateLimited(l) => Some(l.retry_after_secs),
             Self::Loading(_) => Some(LOADING_RETRY_AFTER_SECS),

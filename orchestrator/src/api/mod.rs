@@ -13,6 +13,7 @@ mod chat;
 mod completions;
 mod error;
 mod ids;
+pub mod loading;
 mod openai;
 mod openapi;
 mod sessions;

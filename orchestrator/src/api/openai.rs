@@ -421,24 +421,33 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<ChatRequest>,
 ) -> Result<Response, ApiError> {
-    let target = s.chat.target(req.model.as_deref()).await?;
-    let tools = req.tools()?.map(Arc::new);
-    let turn = req.turn(tools.as_deref(), &target.defaults())?;
     let logprobs = req.logprobs == Some(true);
-    let n = req.n.unwrap_or(1);
-    let lives = s.chat.complete(&caller, turn, &target, n).await?;
-    let head = Head {
-        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
-        created: crate::storage::now_ms() / 1000,
-        model: target.name(),
-    };
-    // Dropping these (the client went away) stops the generations.
-    let guards: Vec<StopOnDrop> = lives.iter().cloned().map(StopOnDrop).collect();
     if req.stream {
-        let include_usage = req.stream_options.is_some_and(|o| o.include_usage);
-        let shape = Shape::Chat { tools };
-        return Ok(streamed(head, guards, include_usage, logprobs, shape));
+        let include_usage = req.stream_options.as_ref().is_some_and(|o| o.include_usage);
+        let loading = s.chat.needs_load(req.model.as_deref());
+        if loading.is_some() {
+            // What can be refused before the load is, with its status.
+            let tools = req.tools()?;
+            req.turn(tools.as_ref(), &Default::default())?;
+        }
+        let events = async move {
+            let (head, guards, tools) = start_chat(&s, &caller, &req).await?;
+            let shape = Shape::Chat { tools };
+            Ok(streamed_events(
+                head,
+                guards,
+                include_usage,
+                logprobs,
+                shape,
+            ))
+        };
+        return Ok(match loading {
+            Some(model) => super::loading::after_load(super::loading::Api::OpenAi, model, events),
+            None => super::chat::sse(events.await?),
+        });
     }
+    let (head, guards, tools) = start_chat(&s, &caller, &req).await?;
+    let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
     let shape = Shape::Chat {
         tools: tools.clone(),
     };
@@ -473,6 +482,28 @@ pub async fn completions(
         usage: Usage::of(&outcomes),
     })
     .into_response())
+}
+
+/// Starts a chat completion's choices: its model (loaded first if it must be), its options,
+/// its generations. Dropping the guards (the client went away) stops the generations.
+async fn start_chat(
+    s: &AppState,
+    caller: &Caller,
+    req: &ChatRequest,
+) -> Result<(Head, Vec<StopOnDrop>, Option<Arc<Tools>>), ApiError> {
+    let target = s.chat.target(req.model.as_deref()).await?;
+    let tools = req.tools()?.map(Arc::new);
+    let turn = req.turn(tools.as_deref(), &target.defaults())?;
+    let lives = s
+        .chat
+        .complete(caller, turn, &target, req.n.unwrap_or(1))
+        .await?;
+    let head = Head {
+        id: format!("chatcmpl-{}", uuid::Uuid::new_v4().simple()),
+        created: crate::storage::now_ms() / 1000,
+        model: target.name(),
+    };
+    Ok((head, lives.into_iter().map(StopOnDrop).collect(), tools))
 }
 
 /// A choice of a finished (non-streamed) completion.
@@ -712,7 +743,24 @@ pub(super) fn streamed(
     logprobs: bool,
     shape: Shape,
 ) -> Response {
-    let events = async_stream::stream! {
+    sse(streamed_events(
+        head,
+        guards,
+        include_usage,
+        logprobs,
+        shape,
+    ))
+}
+
+/// [`streamed`]'s events.
+pub(super) fn streamed_events(
+    head: Head,
+    guards: Vec<StopOnDrop>,
+    include_usage: bool,
+    logprobs: bool,
+    shape: Shape,
+) -> impl tokio_stream::Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    async_stream::stream! {
         let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
         let _guards = guards;
         let chunk = |choice: Value| json!({
@@ -762,8 +810,7 @@ pub(super) fn streamed(
             yield data(u);
         }
         yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
-    };
-    sse(events)
+    }
 }
 
 pub(super) fn data(v: Value) -> Result<Event, Infallible> {

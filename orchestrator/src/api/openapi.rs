@@ -46,7 +46,8 @@ use super::chat::{ReplyFailed, TokenText};
         TokenText,
         super::chat::LogprobsEvent,
         super::chat::ReplyEnd,
-        ReplyFailed
+        ReplyFailed,
+        super::loading::ModelLoading
     )),
     modifiers(&CommonAnswers),
     tags(
@@ -83,6 +84,26 @@ impl utoipa::PartialSchema for ReplyEvent {
             alternative("logprobs", "LogprobsEvent"),
             alternative("message_end", "ReplyEnd"),
             alternative("error", "ReplyFailed"),
+            // Before the reply, while its model loads on demand; and a turn refused after
+            // that, once the response has started. Neither has an id.
+            {
+                "type": "object",
+                "description": "`data` is a JSON `ModelLoading`: the session's model is being loaded for this turn",
+                "properties": {
+                    "event": {"type": "string", "enum": ["model_loading"]},
+                    "data": {"type": "string", "contentMediaType": "application/json"},
+                },
+                "required": ["event", "data"],
+            },
+            {
+                "type": "object",
+                "description": "`data` is a JSON `ErrorBody`: the turn was refused once its model had loaded",
+                "properties": {
+                    "event": {"type": "string", "enum": ["error"]},
+                    "data": {"type": "string", "contentMediaType": "application/json"},
+                },
+                "required": ["event", "data"],
+            },
         ]}))
     }
 }

@@ -287,6 +287,21 @@ impl ChatService {
         })
     }
 
+    /// The repository version (`name@version`) that [`Self::target`] would load on demand
+    /// for `asked` before a request could start; none when a worker holds it already (or
+    /// nothing can load it, which `target` refuses).
+    pub fn needs_load(&self, asked: Option<&str>) -> Option<String> {
+        asked?;
+        self.generator.pool.resolve(asked).err()?.loadable
+    }
+
+    /// [`Self::needs_load`] for a turn in the caller's session `id` (none when the session
+    /// cannot be read: the turn itself says why).
+    pub async fn session_needs_load(&self, caller: &Caller, id: &SessionId) -> Option<String> {
+        let session = self.store.get_session(&caller.user.id, id).await.ok()?;
+        self.needs_load(session.model.as_deref())
+    }
+
     /// The model `asked` names, as [`Self::target`] finds it, in any state.
     pub fn lookup(&self, asked: Option<&str>) -> Result<Target, ChatError> {
         Ok(Target {
