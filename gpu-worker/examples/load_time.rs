@@ -1,5 +1,8 @@
-//! Cold-load time and resident memory of a GGUF model, a few times over:
-//! `cargo run --release -p hearth-worker --example load_time [-- PATH]`.
+//! Load time and resident memory of a GGUF model, a few times over, with the process's peak
+//! resident memory (the first load's peak is the one that counts: later loads reuse freed
+//! memory): `cargo run --release -p hearth-worker --example load_time [-- PATH]`. The first
+//! load reads the file from the page cache when it is there; drop the cache first
+//! (`echo 1 > /proc/sys/vm/drop_caches`) for a cold one.
 #![allow(clippy::print_stdout, clippy::unwrap_used)]
 
 fn main() {
@@ -15,8 +18,10 @@ fn main() {
         let m = hearth_worker::model::load_gguf(&path).unwrap();
         let s = t.elapsed().as_secs_f64();
         println!(
-            "load {s:.2} s, rss {} MB",
-            hearth_worker::device::rss_bytes() >> 20
+            "load {s:.2} s, rss {} MB, peak rss {} MB, weights {} MB",
+            hearth_worker::device::rss_bytes() >> 20,
+            hearth_worker::device::peak_rss_bytes() >> 20,
+            m.weights_bytes() >> 20
         );
         drop(m);
     }

@@ -237,6 +237,11 @@ pub fn rss_bytes() -> usize {
     proc_kb("/proc/self/status", "VmRSS:").map_or(0, |kb| kb * 1024)
 }
 
+/// The most resident memory the process has had (the kernel's high-water mark, `VmHWM`).
+pub fn peak_rss_bytes() -> usize {
+    proc_kb("/proc/self/status", "VmHWM:").map_or(0, |kb| kb * 1024)
+}
+
 fn meminfo_total_bytes() -> u64 {
     proc_kb("/proc/meminfo", "MemTotal:").map_or(0, |kb| kb as u64 * 1024)
 }

@@ -25,7 +25,8 @@ mod x86;
 pub use panels::{from_q4_k, from_q6_k, to_five_bit, to_panels, PANEL, QK_K};
 pub use pool::SpinPool;
 pub use q8::{
-    advise_huge_pages, pack_into_arena, quantize_activations, ActQ8, Layout, Q8Matrix, Values, QK,
+    advise_huge_pages, pack_into_arena, quantize_activations, ActQ8, Layout, LayoutError, Q8Matrix,
+    Values, QK,
 };
 
 /// Parallel tasks per thread: a few, so uneven progress between threads evens out.
@@ -87,6 +88,41 @@ pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {
         Isa::Avx2 if fits_five_bits(&m) => to_panels(&m).and_then(|p| to_five_bit(&p)).unwrap_or(m),
         _ => m,
     }
+}
+
+/// A GGUF Q8_0 or Q5_0 matrix (`None` for other formats) in the layout this CPU's kernel reads,
+/// read from the file's bytes where they lie: straight into panels where the panel kernel takes
+/// the format (AVX-512 VNNI; AVX2 for Q5_0's five-bit values), without the row layout in
+/// between, else through it. Either way the same matrix as [`for_this_cpu`] and [`to_five_bit`]
+/// make of [`Q8Matrix::from_q8_0`] or [`Q8Matrix::from_q5_0`].
+pub fn blocks_for_this_cpu(
+    dtype: candle_core::quantized::GgmlDType,
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+) -> Option<Result<Q8Matrix, LayoutError>> {
+    use candle_core::quantized::GgmlDType;
+    let (format, bytes, decode): (&str, usize, q8::Decode) = match dtype {
+        GgmlDType::Q8_0 => ("Q8_0", q8::Q8_0_BYTES, q8::q8_0_block),
+        GgmlDType::Q5_0 => ("Q5_0", q8::Q5_0_BYTES, q8::q5_0_block),
+        _ => return None,
+    };
+    let direct = match cached_isa() {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => true,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => dtype == GgmlDType::Q5_0,
+        Isa::Scalar => false,
+    };
+    let m = if direct {
+        Q8Matrix::check(format, rows, cols, data.len(), bytes)
+            .map(|()| panels::panels_from_blocks(rows, cols, data, bytes, decode))
+    } else if dtype == GgmlDType::Q8_0 {
+        Q8Matrix::from_q8_0(rows, cols, data).map(for_this_cpu)
+    } else {
+        Q8Matrix::from_q5_0(rows, cols, data).map(for_this_cpu)
+    };
+    Some(m.map(|m| to_five_bit(&m).unwrap_or(m)))
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -286,6 +286,58 @@ pub fn to_panels(m: &Q8Matrix) -> Option<Q8Matrix> {
     })
 }
 
+/// GGUF blocks of `block_bytes` each (`decode` gives a block's 32 values and its f16 scale)
+/// straight into the panel layout: what [`to_panels`] makes of the row layout, without that
+/// copy in between. For the 262k-row embedding the row copy was the load's largest allocation.
+pub(super) fn panels_from_blocks(
+    rows: usize,
+    cols: usize,
+    data: &[u8],
+    block_bytes: usize,
+    decode: impl Fn(&[u8], &mut [i8]) -> f32 + Sync,
+) -> Q8Matrix {
+    use rayon::prelude::*;
+    let (k, bpr) = (cols, cols / QK);
+    let panels = rows.div_ceil(PANEL);
+    let mut qs = weight_vec(panels * PANEL * k);
+    qs.resize(panels * PANEL * k, 0i8);
+    let mut scales = weight_vec(panels * PANEL * bpr);
+    scales.resize(panels * PANEL * bpr, f16::ZERO);
+    qs.par_chunks_mut(PANEL * k)
+        .zip(scales.par_chunks_mut(PANEL * bpr))
+        .enumerate()
+        .for_each(|(p, (q, s))| {
+            let mut value = [0i8; QK];
+            for lane in 0..PANEL {
+                let r = p * PANEL + lane;
+                for b in 0..bpr {
+                    let scale = if r < rows {
+                        let at = (r * bpr + b) * block_bytes;
+                        decode(&data[at..at + block_bytes], &mut value)
+                    } else {
+                        value = [0; QK];
+                        0.0
+                    };
+                    s[b * PANEL + lane] = f16::from_f32(scale);
+                    for (g, four) in value.chunks_exact(4).enumerate() {
+                        let at = b * PANEL_BLOCK + g * 4 * PANEL + lane * 4;
+                        for (o, &v) in q[at..at + 4].iter_mut().zip(four) {
+                            *o = (v as u8 ^ 0x80) as i8;
+                        }
+                    }
+                }
+            }
+        });
+    Q8Matrix {
+        rows,
+        cols,
+        qs: Values::owned(qs),
+        scales: Vec::new(),
+        half_scales: scales,
+        layout: Layout::Panels,
+    }
+}
+
 /// Value `c` of row `r`, and its block's scale.
 fn value(m: &Q8Matrix, r: usize, c: usize) -> (i8, f32) {
     let (p, lane, b, i) = (r / PANEL, r % PANEL, c / QK, c % QK);

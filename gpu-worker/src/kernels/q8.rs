@@ -110,6 +110,38 @@ pub enum Layout {
     PanelsQ6K,
 }
 
+/// Bytes of a GGUF Q8_0 block: `f16 d, i8 qs[32]`.
+pub(super) const Q8_0_BYTES: usize = 34;
+/// Bytes of a GGUF Q5_0 block: `f16 d, u8 qh[4], u8 qs[16]`.
+pub(super) const Q5_0_BYTES: usize = 22;
+
+/// Decodes one GGUF block: its 32 values into the slice, its scale returned.
+pub(super) type Decode = fn(&[u8], &mut [i8]) -> f32;
+
+/// A Q8_0 block's values (`-128` read as `-127`) and scale.
+pub(super) fn q8_0_block(b: &[u8], out: &mut [i8]) -> f32 {
+    for (o, &v) in out.iter_mut().zip(&b[2..]) {
+        *o = (v as i8).max(-127);
+    }
+    f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+/// A Q5_0 block's values and scale.
+pub(super) fn q5_0_block(b: &[u8], out: &mut [i8]) -> f32 {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let nib = &b[6..22];
+    for (j, o) in out.iter_mut().enumerate() {
+        let low = if j < 16 {
+            nib[j] & 0x0f
+        } else {
+            nib[j - 16] >> 4
+        };
+        let high = (((qh >> j) & 1) as u8) << 4;
+        *o = ((low | high) as i8) - 16;
+    }
+    f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
 /// A weight matrix of `rows × cols` in 32-value blocks: `qs` holds the values and `scales` one
 /// factor per block, kept apart so SIMD loads of values are contiguous. `layout` says in which
 /// order; every constructor makes [`Layout::Rows`]. Panels keep their scales as f16 in
@@ -135,7 +167,7 @@ pub struct LayoutError {
 }
 
 impl Q8Matrix {
-    fn check(
+    pub(super) fn check(
         format: &'static str,
         rows: usize,
         cols: usize,
@@ -161,31 +193,13 @@ impl Q8Matrix {
     /// From GGUF Q8_0 blocks: `f16 d, i8 qs[32]` (34 bytes). Values stay in `[-127, 127]`, as
     /// the kernels need: GGUF's quantizer never writes `-128`, and one in a file is read as `-127`.
     pub fn from_q8_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
-        Self::from_blocks("Q8_0", rows, cols, data, 34, |b, out| {
-            for (o, &v) in out.iter_mut().zip(&b[2..]) {
-                *o = (v as i8).max(-127);
-            }
-            f16::from_le_bytes([b[0], b[1]]).to_f32()
-        })
+        Self::from_blocks("Q8_0", rows, cols, data, Q8_0_BYTES, q8_0_block)
     }
 
     /// From GGUF Q5_0 blocks: `f16 d, u8 qh[4], u8 qs[16]` (22 bytes); value `j` is the low (`j < 16`)
     /// or high nibble of `qs[j % 16]` with bit `j` of `qh` on top, minus 16.
     pub fn from_q5_0(rows: usize, cols: usize, data: &[u8]) -> Result<Self, LayoutError> {
-        Self::from_blocks("Q5_0", rows, cols, data, 22, |b, out| {
-            let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-            let nib = &b[6..22];
-            for (j, o) in out.iter_mut().enumerate() {
-                let low = if j < 16 {
-                    nib[j] & 0x0f
-                } else {
-                    nib[j - 16] >> 4
-                };
-                let high = (((qh >> j) & 1) as u8) << 4;
-                *o = ((low | high) as i8) - 16;
-            }
-            f16::from_le_bytes([b[0], b[1]]).to_f32()
-        })
+        Self::from_blocks("Q5_0", rows, cols, data, Q5_0_BYTES, q5_0_block)
     }
 
     /// Converts GGUF blocks of `block_bytes` each with `decode` (values out, scale returned), in

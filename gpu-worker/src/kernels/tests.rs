@@ -122,6 +122,64 @@ fn every_isa_matches_candle_for_q8_0_and_q5_0() {
     }
 }
 
+/// A matrix's layout and bytes, to compare two conversions of it.
+fn parts(m: &Q8Matrix) -> (Layout, usize, usize, Vec<i8>, Vec<f32>, Vec<half::f16>) {
+    (
+        m.layout,
+        m.rows,
+        m.cols,
+        m.qs.to_vec(),
+        m.scales.clone(),
+        m.half_scales.clone(),
+    )
+}
+
+#[test]
+fn blocks_go_straight_into_panels_as_through_the_row_layout() {
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q5_0] {
+        // Rows not a multiple of the panel (a padded last panel), and a -128 in a Q8_0 block.
+        for (rows, cols) in [(1, 32), (17, 64), (70, 640)] {
+            let t = Tensor::from_vec(noise(rows * cols, 5), (rows, cols), &Device::Cpu).unwrap();
+            let mut bytes = QTensor::quantize(&t, dtype)
+                .unwrap()
+                .data()
+                .unwrap()
+                .to_vec();
+            if dtype == GgmlDType::Q8_0 {
+                bytes[2] = 0x80;
+            }
+            let rows_layout = match dtype {
+                GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &bytes).unwrap(),
+                _ => Q8Matrix::from_q5_0(rows, cols, &bytes).unwrap(),
+            };
+            let (block, decode) = match dtype {
+                GgmlDType::Q8_0 => (q8::Q8_0_BYTES, q8::q8_0_block as q8::Decode),
+                _ => (q8::Q5_0_BYTES, q8::q5_0_block as q8::Decode),
+            };
+            // Every CPU: the direct panels equal the row layout's panels.
+            let direct = panels::panels_from_blocks(rows, cols, &bytes, block, decode);
+            let through = to_panels(&rows_layout).expect("f16 scales");
+            assert_eq!(parts(&direct), parts(&through), "{dtype:?} {rows}x{cols}");
+            // This CPU: the loader's conversion equals the conversion it replaces.
+            let got = blocks_for_this_cpu(dtype, rows, cols, &bytes)
+                .unwrap()
+                .unwrap();
+            let old = for_this_cpu(rows_layout);
+            let old = to_five_bit(&old).unwrap_or(old);
+            assert_eq!(
+                parts(&got),
+                parts(&old),
+                "{dtype:?} {rows}x{cols} on {:?}",
+                cached_isa()
+            );
+        }
+    }
+    assert!(blocks_for_this_cpu(GgmlDType::Q8_0, 2, 32, &[0u8; 67])
+        .unwrap()
+        .is_err());
+    assert!(blocks_for_this_cpu(GgmlDType::F32, 1, 32, &[0u8; 128]).is_none());
+}
+
 #[test]
 fn batch_rows_are_independent() {
     // Row 2 of a batch equals the same activation computed alone.

@@ -2,8 +2,6 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::BufReader;
-use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -24,18 +22,46 @@ fn io_err(path: &Path, e: impl std::fmt::Display) -> ModelError {
     }
 }
 
+/// A GGUF file mapped into memory: its tensors are read where they lie in the page cache, with
+/// no staging copy, and each one's pages leave the process's resident set once it is converted.
 struct Gguf<'a> {
     path: &'a Path,
-    file: File,
+    map: memmap2::Mmap,
     content: Content,
 }
 
-impl Gguf<'_> {
+impl<'a> Gguf<'a> {
+    fn open(path: &'a Path) -> Result<Self, ModelError> {
+        let file = File::open(path).map_err(|e| io_err(path, e))?;
+        // SAFETY: the map is read-only and private, and lives as long as the slices read from
+        // it. A model file is written once (the repository's versions, the fetch's atomic
+        // rename) and never changed in place while a worker loads it.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(path, e))?;
+        // Read ahead: the tensors are read front to back, each layer's on its own thread.
+        let _ = map.advise(memmap2::Advice::Sequential);
+        let content = Content::read(&mut std::io::Cursor::new(&map[..]))
+            .map_err(|e| io_err(path, format!("not a GGUF file: {e}")))?;
+        Ok(Self { path, map, content })
+    }
+
+    /// Drops `data`'s pages (a range of the map) from the process's resident set once it is
+    /// converted; they stay in the page cache, and a read would fault them back in.
+    fn release(&self, data: &[u8]) {
+        let offset = data.as_ptr() as usize - self.map.as_ptr() as usize;
+        // SAFETY: the map is private and read-only: dropping its pages loses nothing, and any
+        // later read of the range (a neighbour sharing a page) reads the file again.
+        let _ = unsafe {
+            self.map
+                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, data.len())
+        };
+    }
+
     fn has(&self, name: &str) -> bool {
         self.content.tensor_infos.contains_key(name)
     }
 
-    fn raw(&self, name: &str) -> Result<(GgmlDType, usize, usize, Vec<u8>), ModelError> {
+    /// A tensor's type, shape and bytes, in place in the map.
+    fn raw(&self, name: &str) -> Result<(GgmlDType, usize, usize, &[u8]), ModelError> {
         let info = self
             .content
             .tensor_infos
@@ -53,18 +79,27 @@ impl Gguf<'_> {
             }
         };
         let bytes = rows * cols / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-        let mut buf = vec![0u8; bytes];
-        self.file
-            .read_exact_at(&mut buf, self.content.tensor_data_offset + info.offset)
-            .map_err(|e| io_err(self.path, format!("tensor {name}: {e}")))?;
-        Ok((info.ggml_dtype, rows, cols, buf))
+        let start = (self.content.tensor_data_offset + info.offset) as usize;
+        let data = start
+            .checked_add(bytes)
+            .and_then(|end| self.map.get(start..end))
+            .ok_or_else(|| {
+                io_err(
+                    self.path,
+                    format!(
+                        "tensor {name}: its {bytes} bytes lie past the file's end (truncated?)"
+                    ),
+                )
+            })?;
+        Ok((info.ggml_dtype, rows, cols, data))
     }
 
     fn vector(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let (dtype, _, _, data) = self.raw(name)?;
         let qt = candle_core::quantized::QTensor::new(
+            // A copy: candle reads its blocks as typed (aligned) values.
             candle_core::quantized::QStorage::from_data(
-                std::borrow::Cow::Owned(data),
+                std::borrow::Cow::Owned(data.to_vec()),
                 &Device::Cpu,
                 dtype,
             )?,
@@ -83,11 +118,33 @@ impl Gguf<'_> {
 
     fn q8(&self, name: &str) -> Result<Option<Q8Matrix>, ModelError> {
         let (dtype, rows, cols, data) = self.raw(name)?;
-        let m = match dtype {
-            GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &data),
-            GgmlDType::Q5_0 => Q8Matrix::from_q5_0(rows, cols, &data),
+        let converted = self.q8_of(name, dtype, rows, cols, data);
+        if matches!(converted, Ok(Some(_))) {
+            self.release(data);
+        }
+        converted
+    }
+
+    /// [`Self::q8`] of a tensor's bytes.
+    fn q8_of(
+        &self,
+        name: &str,
+        dtype: GgmlDType,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+    ) -> Result<Option<Q8Matrix>, ModelError> {
+        // Q8_0 and Q5_0 go from the file's bytes straight into the kernel's layout; Q5_0's values
+        // fit in 5 bits, and where the panel kernels run they are read so, as the file holds
+        // them (before any stacking, so a Q8_0 neighbour does not widen them).
+        if let Some(m) = kernels::blocks_for_this_cpu(dtype, rows, cols, data) {
+            return m
+                .map(Some)
+                .map_err(|e| ModelError::Shape(format!("{name}: {e}")));
+        }
+        match dtype {
             GgmlDType::Q4K | GgmlDType::Q6K => {
-                return match kernels::k_quant_for_this_cpu(dtype, rows, cols, &data) {
+                match kernels::k_quant_for_this_cpu(dtype, rows, cols, data) {
                     Some(m) => m.map(Some).map_err(|e| {
                         ModelError::Shape(format!(
                             "{name}: {dtype:?} data for a {rows}x{cols} matrix: {e}"
@@ -96,16 +153,8 @@ impl Gguf<'_> {
                     None => Ok(None),
                 }
             }
-            _ => return Ok(None),
-        };
-        // Q5_0's values fit in 5 bits: where the panel kernels run (AVX-512 VNNI or AVX2), they
-        // are read so, as the file holds them (before any stacking, so a Q8_0 neighbour does not
-        // widen them).
-        m.map(|m| {
-            let m = kernels::for_this_cpu(m);
-            Some(kernels::to_five_bit(&m).unwrap_or(m))
-        })
-        .map_err(|e| ModelError::Shape(format!("{name}: {e}")))
+            _ => Ok(None),
+        }
     }
 
     fn linear(&self, name: &str) -> Result<Linear, ModelError> {
@@ -115,9 +164,10 @@ impl Gguf<'_> {
         // Positioned reads (not seek + read), so layers can load on several threads at once.
         let (dtype, rows, cols, data) = self.raw(name)?;
         let qt = QTensor::new(
-            QStorage::from_data(Cow::Owned(data), &Device::Cpu, dtype)?,
+            QStorage::from_data(Cow::Owned(data.to_vec()), &Device::Cpu, dtype)?,
             (rows, cols),
         )?;
+        self.release(data);
         let dense = matches!(dtype, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         if !dense && cols % QK == 0 {
             // Other block formats (Q4_K and Q6_K where no kernel takes them as they are, Q2_K,
@@ -142,18 +192,9 @@ impl Gguf<'_> {
 /// Loads a Gemma GGUF file. The embedding stays in its 8-bit form (tied to the output projection
 /// when the file has no `output.weight`).
 pub fn load_gguf(path: &Path) -> Result<Model, ModelError> {
-    let file = File::open(path).map_err(|e| io_err(path, e))?;
-    let content = {
-        let mut reader = BufReader::new(&file);
-        Content::read(&mut reader).map_err(|e| io_err(path, format!("not a GGUF file: {e}")))?
-    };
-    let config = GemmaConfig::from_gguf(&content)?;
-    let special = special_tokens(&content.metadata);
-    let g = Gguf {
-        path,
-        file,
-        content,
-    };
+    let g = Gguf::open(path)?;
+    let config = GemmaConfig::from_gguf(&g.content)?;
+    let special = special_tokens(&g.content.metadata);
 
     let (embedding, tied) = match g.q8("token_embd.weight")? {
         Some(m) => {
