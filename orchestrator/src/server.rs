@@ -109,6 +109,7 @@ struct Shared {
     limiter: Limiter,
     affinity: Affinity,
     stop_bus: Option<StopBus>,
+    replies: Option<crate::generate::SharedReplies>,
     /// Listens for stop requests from other replicas.
     listener: Option<tokio::task::JoinHandle<()>>,
 }
@@ -120,6 +121,7 @@ impl Shared {
                 limiter: Limiter::local(),
                 affinity: Affinity::local(),
                 stop_bus: None,
+                replies: None,
                 listener: None,
             });
         };
@@ -131,7 +133,9 @@ impl Shared {
         })?;
         let bus = StopBus::new(conn.clone(), url.to_string());
         let listener = bus.clone().listen(streams.clone());
+        let replies = crate::generate::SharedReplies::new(conn.clone(), url)?;
         Ok(Self {
+            replies: Some(replies),
             limiter: Limiter::redis(conn.clone()),
             affinity: Affinity::shared(conn),
             stop_bus: Some(bus),
@@ -249,6 +253,7 @@ impl App {
             stop_bus: shared.stop_bus,
             limits: config.limits.clone(),
             shared_prompts,
+            shared_replies: shared.replies,
         }));
         let state = AppState {
             chat,

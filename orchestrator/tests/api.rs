@@ -39,6 +39,7 @@ async fn start() -> Server {
         stop_bus: None,
         limits: ChatLimits::default(),
         shared_prompts: Default::default(),
+        shared_replies: None,
     }));
     let app = router(AppState {
         chat,

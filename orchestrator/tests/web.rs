@@ -61,6 +61,7 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
         stop_bus: None,
         limits: ChatLimits::default(),
         shared_prompts: Default::default(),
+        shared_replies: None,
     }));
     let app = router(AppState {
         chat,

@@ -1,6 +1,7 @@
 //! Two orchestrator replicas sharing PostgreSQL and Redis, with no load balancer in front: either
-//! serves any session, a stop reaches the replica running the reply, and rate limits hold
-//! across both.
+//! serves any session, a stop reaches the replica running the reply, rate limits hold across
+//! both, and a client that moves to the other replica mid-reply resumes it there with
+//! `Last-Event-ID`, with no gap and no event twice.
 
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
@@ -140,6 +141,98 @@ async fn a_turn_and_a_regenerate_racing_on_two_replicas_lose_nothing() {
         assert_eq!(last["status"], "complete", "round {round}");
         assert_eq!(last["content"], acked["content"], "round {round}");
     }
+    drop(b);
+    s.finish().await;
+}
+
+/// The `<n>` of an event id `<message id>:<n>`.
+fn seq(e: &hearth_e2e::http::Event) -> u64 {
+    let id = e.id.as_deref().expect("an event id");
+    id.rsplit_once(':')
+        .expect("<message>:<n>")
+        .1
+        .parse()
+        .expect("n")
+}
+
+/// A reply streams from A; its client goes away after a few tokens and comes back on B with
+/// `Last-Event-ID`. B, which does not run the reply, serves the rest from Redis as it comes:
+/// every event once, in order, the text whole. Once the reply is over, B replays it whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
+    let redis = redis_url();
+    let extra = ["--redis-url", redis.as_str()];
+    let s = Stack::start_with("replica_resume", &slow_spec(), Db::Postgres, 1, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+    let ready = Req::new("GET", "/readyz").send(b_addr).await;
+    assert_eq!(ready.json()["resume"], "any_replica", "{}", ready.text());
+    let sid = new_session(a, &k).await;
+    let path = format!("/v1/sessions/{sid}/stream");
+
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "Go on", "max_tokens": 40, "ignore_eos": true}))
+        .events(a)
+        .await;
+    let mut head = Vec::new();
+    while head
+        .iter()
+        .filter(|e: &&hearth_e2e::http::Event| e.event == "token")
+        .count()
+        < 5
+    {
+        head.push(sse.next().await.expect("event"));
+    }
+    drop(sse);
+    let last = head.last().and_then(|e| e.id.clone()).expect("an id");
+    let mut moved = Req::new("GET", &path)
+        .key(Some(&k))
+        .header("Last-Event-ID", last.clone())
+        .events(b_addr)
+        .await;
+    assert_eq!(moved.status, 200, "{last}");
+    let rest = moved.rest().await;
+    assert!(
+        rest.len() > 5 && rest.last().is_some_and(|e| e.event == "message_end"),
+        "{rest:?}"
+    );
+    let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
+    let want: Vec<u64> = (1..=seqs.len() as u64).collect();
+    assert_eq!(seqs, want, "every event once, in order");
+    let text = |events: &[hearth_e2e::http::Event]| -> String {
+        events
+            .iter()
+            .filter(|e| e.event == "token")
+            .map(|e| e.json()["text"].as_str().expect("text").to_string())
+            .collect()
+    };
+    let streamed = text(&head) + &text(&rest);
+    let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .send(a)
+        .await
+        .json();
+    assert_eq!(msgs["data"][1]["content"], json!(streamed), "{msgs}");
+    assert_eq!(
+        rest.last().expect("end").json()["usage"]["completion_tokens"],
+        40
+    );
+
+    // Over, it is still resumable on B from its start, whole.
+    let mut again = Req::new("GET", &path).key(Some(&k)).events(b_addr).await;
+    let all = again.rest().await;
+    assert_eq!(all.first().map(|e| e.event.as_str()), Some("message_start"));
+    assert_eq!(text(&all), streamed);
+    // Another user cannot read it.
+    let mallory = s.key("mallory").await;
+    let r = Req::new("GET", &path)
+        .key(Some(&mallory))
+        .send(b_addr)
+        .await;
+    assert_eq!(r.status, 404, "{}", r.text());
     drop(b);
     s.finish().await;
 }

@@ -22,12 +22,14 @@ use tokio_stream::StreamExt;
 use utoipa::ToSchema;
 
 use super::{ApiError, AppState, ValidJson};
-use crate::generate::{Live, Outcome, RunEvent, TurnIds};
+pub use crate::generate::wire::{LogprobsEvent, NativeEvent, ReplyEnd, ReplyFailed, TokenText};
+use crate::generate::{Live, Outcome, TurnIds};
 use crate::ids::{MessageId, SessionId};
 use crate::service::{
-    Caller, GenOptions, NativeTurn, StopOutcome, ToolResult, UserText, ValidTurn, MAX_TOOL_RESULTS,
+    Caller, GenOptions, NativeTurn, ReplySource, StopOutcome, ToolResult, UserText, ValidTurn,
+    MAX_TOOL_RESULTS,
 };
-use crate::storage::{Finish, Message, MessageStatus, ReplyTimings, ReplyUsage, ToolCall};
+use crate::storage::{Message, MessageStatus};
 use crate::tools::{turn_grammar, Tool, ToolChoice, Tools};
 
 /// Options shared by every generation request.
@@ -371,95 +373,6 @@ fn native_events(
     })
 }
 
-/// One event of a native reply's stream, as SSE and the WebSocket send it: its id
-/// (`<message id>:<n>`, what `Last-Event-ID` and `resume` take), its name and its JSON data.
-pub(super) struct NativeEvent {
-    pub(super) id: String,
-    pub(super) name: &'static str,
-    pub(super) data: String,
-}
-
-impl NativeEvent {
-    /// The `n`-th (from 0) event of the reply `ids` names.
-    pub(super) fn new(ids: &TurnIds, n: usize, e: RunEvent) -> Self {
-        let id = format!("{}:{}", ids.message_id, n + 1);
-        let (name, data) = match e {
-            RunEvent::Begin => ("message_start", event_data(ids)),
-            RunEvent::Text(text) => ("token", event_data(&TokenText { text })),
-            RunEvent::Logprobs(content) => ("logprobs", event_data(&LogprobsEvent { content })),
-            RunEvent::End(o) => match o.end.error() {
-                Some(e) => (
-                    "error",
-                    event_data(&ReplyFailed {
-                        error_type: e.kind().to_string(),
-                        message: e.to_string(),
-                        message_id: ids.message_id.clone(),
-                        content: o.content.clone(),
-                    }),
-                ),
-                None => ("message_end", event_data(&ReplyEnd::new(ids, &o))),
-            },
-        };
-        Self { id, name, data }
-    }
-}
-
-/// How a reply ended: the SSE `message_end` event's data.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReplyEnd {
-    #[schema(value_type = String)]
-    pub message_id: MessageId,
-    pub status: MessageStatus,
-    pub finish_reason: Finish,
-    pub usage: ReplyUsage,
-    pub timings: ReplyTimings,
-    /// The worker that finished the reply.
-    #[schema(required = true)]
-    pub worker: Option<String>,
-    /// With `finish_reason` `tool_calls`: the calls the reply makes. Post their results as
-    /// `tool_results` on the next turn.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub tool_calls: Option<Vec<ToolCall>>,
-}
-
-impl ReplyEnd {
-    fn new(ids: &TurnIds, o: &Outcome) -> Self {
-        Self {
-            message_id: ids.message_id.clone(),
-            status: o.end.status(),
-            finish_reason: o.finish_reason(),
-            usage: o.usage,
-            timings: o.timings,
-            worker: o.worker.clone(),
-            tool_calls: o.tool_calls.clone(),
-        }
-    }
-}
-
-/// A reply that ended in an error: the SSE `error` event's data. What it said before the error
-/// is kept.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct ReplyFailed {
-    pub error_type: String,
-    pub message: String,
-    #[schema(value_type = String)]
-    pub message_id: MessageId,
-    pub content: String,
-}
-
-/// The SSE `logprobs` event's data (only for a turn that asked for `logprobs`): the
-/// log-probabilities of the tokens whose text the next `token` events bring.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct LogprobsEvent {
-    pub content: Vec<crate::generate::TokenLogprob>,
-}
-
-/// The SSE `token` event's data.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct TokenText {
-    pub text: String,
-}
-
 /// Why a finished reply failed.
 #[derive(Debug, Serialize, ToSchema)]
 pub struct ReplyError {
@@ -498,10 +411,6 @@ impl TurnReply {
     }
 }
 
-fn event_data<T: Serialize>(v: &T) -> String {
-    serde_json::to_string(v).unwrap_or_default()
-}
-
 /// `GET /v1/sessions/{id}/stream`: the session's running (or just finished) reply, from the
 /// event after `Last-Event-ID` (or from its start).
 #[utoipa::path(get, path = "/v1/sessions/{id}/stream", operation_id = "resumeStream", tag = "generation", params(super::SessionPath,
@@ -516,21 +425,33 @@ pub async fn resume(
     id: SessionId,
     headers: HeaderMap,
 ) -> Result<Response, ApiError> {
-    let live = s.chat.reply_stream(&caller, &id).await?;
+    let last = headers.get("last-event-id").and_then(|v| v.to_str().ok());
+    let live = match s.chat.reply_stream(&caller, &id).await? {
+        ReplySource::Local(live) => live,
+        ReplySource::Shared(reply) => {
+            let from = resume_from(&reply.message_id, last);
+            let events = reply.events(from).await.map_err(|e| {
+                ApiError::Unavailable(format!("the reply's shared stream cannot be read: {e}"))
+            })?;
+            let events = events.ok_or(ApiError::NotFound("stream"))?;
+            return Ok(sse(events.map(|e| {
+                Ok(Event::default().id(e.id).event(e.name).data(e.data))
+            })));
+        }
+    };
     let ids = live
         .ids
         .clone()
         .ok_or_else(|| ApiError::Internal("a session's reply without its stored turn".into()))?;
-    let last = headers.get("last-event-id").and_then(|v| v.to_str().ok());
-    let from = resume_from(&ids, last);
+    let from = resume_from(&ids.message_id, last);
     Ok(sse(native_events(live, ids, from, false)))
 }
 
-/// Where a resumed stream of the reply `ids` names starts: after `last` (`<message id>:<n>`)
+/// Where a resumed stream of the reply `message_id` starts: after `last` (`<message id>:<n>`)
 /// when it is one of its events, else from its start.
-pub(super) fn resume_from(ids: &TurnIds, last: Option<&str>) -> usize {
+pub(super) fn resume_from(message_id: &MessageId, last: Option<&str>) -> usize {
     last.and_then(|v| v.rsplit_once(':'))
-        .filter(|(msg, _)| *msg == ids.message_id.as_str())
+        .filter(|(msg, _)| *msg == message_id.as_str())
         .and_then(|(_, n)| n.parse::<usize>().ok())
         .unwrap_or(0)
 }

@@ -254,7 +254,11 @@ fn foreign_site(req: &Request) -> Option<ApiError> {
 
 async fn ready(State(s): State<AppState>) -> Result<Response, ApiError> {
     let r = s.chat.readiness().await?;
-    let body = serde_json::json!({"ready": r.ready_workers > 0, "workers": r.workers});
+    let body = serde_json::json!({
+        "ready": r.ready_workers > 0,
+        "workers": r.workers,
+        "resume": r.resume,
+    });
     if r.ready_workers == 0 {
         return Ok((StatusCode::SERVICE_UNAVAILABLE, axum::Json(body)).into_response());
     }

@@ -269,11 +269,20 @@ impl Session {
             "resume" => {
                 let last = take_str(&mut fields, "last_event_id")?;
                 no_more(&fields)?;
-                let live = self.s.chat.reply_stream(&self.caller, &self.id).await?;
+                let live = match self.s.chat.reply_stream(&self.caller, &self.id).await? {
+                    crate::service::ReplySource::Local(live) => live,
+                    crate::service::ReplySource::Shared(_) => {
+                        return Err(ApiError::Conflict(
+                            "the reply runs on another replica: resume it with GET \
+                             /v1/sessions/{id}/stream, or on the replica running it"
+                                .into(),
+                        ))
+                    }
+                };
                 let ids = live.ids.clone().ok_or_else(|| {
                     ApiError::Internal("a session's reply without its stored turn".into())
                 })?;
-                let from = resume_from(&ids, last.as_deref());
+                let from = resume_from(&ids.message_id, last.as_deref());
                 self.follow(live, ids, from);
                 Ok(Vec::new())
             }

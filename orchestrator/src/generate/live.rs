@@ -194,6 +194,26 @@ impl Live {
         }
     }
 
+    /// The events from index `from` on, each with its index, once there is at least one;
+    /// none once the log ended before `from`.
+    pub async fn next_batch(&self, from: usize) -> Vec<(usize, RunEvent)> {
+        let mut rx = self.len.subscribe();
+        loop {
+            {
+                let ev = self.events();
+                if ev.len() > from {
+                    return (from..).zip(ev[from..].iter().cloned()).collect();
+                }
+                if matches!(ev.last(), Some(RunEvent::End(_))) {
+                    return Vec::new();
+                }
+            }
+            if rx.changed().await.is_err() {
+                return Vec::new();
+            }
+        }
+    }
+
     /// The last event, once the generation has ended.
     pub async fn outcome(self: &Arc<Self>) -> Option<Outcome> {
         let mut rx = self.len.subscribe();

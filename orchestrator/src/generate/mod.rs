@@ -17,11 +17,14 @@
 mod attempt;
 mod end;
 mod live;
+mod shared;
+pub mod wire;
 
 pub use live::{
     Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TokenLogprob,
     TopLogprob, TurnIds,
 };
+pub use shared::{SharedEvent, SharedReplies, SharedReply};
 
 use std::sync::Arc;
 use std::time::Duration;

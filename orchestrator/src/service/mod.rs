@@ -35,7 +35,9 @@ use hearth_shared::SamplingParams;
 
 use crate::auth::{authenticate, AuthError};
 use crate::bus::StopBus;
-use crate::generate::{Generator, Job, Live, Persistence, Streams, TurnIds};
+use crate::generate::{
+    Generator, Job, Live, Persistence, SharedReplies, SharedReply, Streams, TurnIds,
+};
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::{Budget, Limiter, Quota};
 use crate::storage::{
@@ -88,6 +90,8 @@ pub struct ServiceParts {
     pub limits: ChatLimits,
     /// Operators' system prompts whose prefix cache every user shares.
     pub shared_prompts: SharedPrompts,
+    /// Native replies' events in Redis, so any replica can serve a resume (with Redis).
+    pub shared_replies: Option<SharedReplies>,
 }
 
 #[derive(Debug)]
@@ -100,6 +104,7 @@ pub struct ChatService {
     shared_prompts: SharedPrompts,
     breakers: Arc<breakers::Breakers>,
     tokenizers: Tokenizers,
+    shared_replies: Option<SharedReplies>,
     /// One gate per model being loaded on demand, so that one load serves every request
     /// waiting for it.
     loads: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -127,11 +132,23 @@ pub enum StopOutcome {
     Ended(Box<Message>),
 }
 
+/// Where a session's running (or just finished) reply is read from.
+#[derive(Debug)]
+pub enum ReplySource {
+    /// This replica runs it (or ran it).
+    Local(Arc<Live>),
+    /// Another replica runs it (or ran it): its events come from Redis.
+    Shared(SharedReply),
+}
+
 /// Whether the service can answer, and each worker's state.
 #[derive(Debug)]
 pub struct Readiness {
     pub ready_workers: usize,
     pub workers: Vec<crate::workers::WorkerStatus>,
+    /// Where a reply's stream can be resumed: `any_replica` (Redis holds its events) or
+    /// `this_replica` (without Redis, or while it is down: only the replica running it).
+    pub resume: &'static str,
 }
 
 /// How long a request waits for its model's load on demand before it is answered 503.
@@ -158,6 +175,7 @@ impl ChatService {
             shared_prompts: p.shared_prompts,
             breakers: Arc::default(),
             tokenizers: p.tokenizers,
+            shared_replies: p.shared_replies,
             loads: std::sync::Mutex::default(),
         }
     }
@@ -202,9 +220,18 @@ impl ChatService {
     /// Ready when the database answers and at least one worker is ready.
     pub async fn readiness(&self) -> Result<Readiness, ChatError> {
         self.store.ping().await?;
+        let shared = match &self.shared_replies {
+            Some(s) => s.reachable().await,
+            None => false,
+        };
         Ok(Readiness {
             ready_workers: self.generator.pool.ready_count(),
             workers: self.generator.pool.describe(),
+            resume: if shared {
+                "any_replica"
+            } else {
+                "this_replica"
+            },
         })
     }
 
@@ -544,6 +571,9 @@ impl ChatService {
             g.clone().run(job, running.clone()).await;
             g.streams.expire_later(running);
         });
+        if let Some(shared) = &self.shared_replies {
+            shared.publish(live.clone());
+        }
         Ok(live)
     }
 
@@ -779,17 +809,35 @@ impl ChatService {
         Ok(lives)
     }
 
-    /// The session's running or just-finished reply on this replica, to resume.
+    /// The session's running or just-finished reply, to resume: this replica's, else (with
+    /// Redis) the one another replica runs.
     pub async fn reply_stream(
         &self,
         caller: &Caller,
         id: &SessionId,
-    ) -> Result<Arc<Live>, ChatError> {
+    ) -> Result<ReplySource, ChatError> {
         self.store.get_session(&caller.user.id, id).await?;
-        self.generator
-            .streams
-            .get(id)
-            .ok_or(ChatError::NotFound("stream"))
+        let local = self.generator.streams.get(id);
+        if let Some(live) = local.as_ref().filter(|l| !l.is_finished()) {
+            return Ok(ReplySource::Local(live.clone()));
+        }
+        // A reply finished here may have been followed by one on another replica.
+        let shared = match &self.shared_replies {
+            Some(s) => s.find(id).await,
+            None => None,
+        };
+        let local_id = local
+            .as_ref()
+            .and_then(|l| l.ids.as_ref())
+            .map(|ids| ids.message_id.clone());
+        match (local, shared) {
+            (Some(live), Some(r)) if local_id.as_ref() == Some(&r.message_id) => {
+                Ok(ReplySource::Local(live))
+            }
+            (_, Some(r)) => Ok(ReplySource::Shared(r)),
+            (Some(live), None) => Ok(ReplySource::Local(live)),
+            (None, None) => Err(ChatError::NotFound("stream")),
+        }
     }
 
     /// Stops the session's running reply (on the worker within one engine step) and returns it
