@@ -3,10 +3,14 @@
 //! both, and a client that moves to the other replica mid-reply resumes it there with
 //! `Last-Event-ID`, with no gap and no event twice.
 
+use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
 use hearth_e2e::stack::{new_session, slow_spec, Db, Hearth, Stack};
 use serde_json::json;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::tungstenite::Message;
 
 #[tokio::test]
 async fn two_replicas_share_sessions_stops_and_limits() {
@@ -226,6 +230,47 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
     let all = again.rest().await;
     assert_eq!(all.first().map(|e| e.event.as_str()), Some("message_start"));
     assert_eq!(text(&all), streamed);
+    // And over B's WebSocket, after the third event.
+    let third = all[2].id.clone().expect("an id");
+    let mut req = format!("ws://{b_addr}/v1/sessions/{sid}/ws")
+        .into_client_request()
+        .expect("request");
+    let bearer = format!("Bearer {k}");
+    req.headers_mut().insert(
+        "authorization",
+        HeaderValue::from_str(&bearer).expect("header"),
+    );
+    let (mut ws, _) = tokio_tungstenite::connect_async(req)
+        .await
+        .expect("upgrade");
+    let resume = json!({"type": "resume", "last_event_id": third});
+    ws.send(Message::Text(resume.to_string().into()))
+        .await
+        .expect("send");
+    let mut frames: Vec<serde_json::Value> = Vec::new();
+    while frames.last().is_none_or(|f| f["event"] != "message_end") {
+        let m = tokio::time::timeout(std::time::Duration::from_secs(30), ws.next())
+            .await
+            .expect("a frame within 30 s")
+            .expect("open")
+            .expect("frame");
+        if let Message::Text(t) = m {
+            frames.push(serde_json::from_str(t.as_str()).expect("JSON"));
+        }
+    }
+    let ids: Vec<String> = frames
+        .iter()
+        .map(|f| f["id"].as_str().expect("id").to_string())
+        .collect();
+    let want: Vec<String> = all[3..].iter().map(|e| e.id.clone().expect("id")).collect();
+    assert_eq!(ids, want);
+    let ws_text: String = frames
+        .iter()
+        .filter(|f| f["event"] == "token")
+        .map(|f| f["data"]["text"].as_str().expect("text"))
+        .collect();
+    assert_eq!(text(&all[3..]), ws_text);
+
     // Another user cannot read it.
     let mallory = s.key("mallory").await;
     let r = Req::new("GET", &path)

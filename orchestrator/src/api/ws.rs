@@ -34,9 +34,9 @@ use tokio_stream::{Stream, StreamExt};
 
 use super::chat::{resume_from, NativeEvent, StopResult, TurnBody};
 use super::{bearer, caller_with, ApiError, AppState};
-use crate::generate::{Live, RunEvent, TurnIds};
+use crate::generate::{Live, SharedEvent, TurnIds};
 use crate::ids::{MessageId, SessionId};
-use crate::service::{Caller, NativeTurn};
+use crate::service::{Caller, NativeTurn, ReplySource};
 
 /// Largest message a client may send (a turn's body, as over HTTP).
 pub const MAX_MESSAGE_BYTES: usize = super::MAX_BODY_BYTES;
@@ -99,14 +99,22 @@ async fn socket_caller(s: &AppState, headers: &HeaderMap) -> Result<Caller, ApiE
     caller_with(s, key).await
 }
 
-type Events = Pin<Box<dyn Stream<Item = (usize, RunEvent)> + Send>>;
+/// A reply's events as the socket sends them, from this replica's log or from Redis.
+type Events = Pin<Box<dyn Stream<Item = SharedEvent> + Send>>;
+
+/// The reply a socket forwards: its events, and its live log when this replica runs it (a
+/// socket that closes stops it there with `--cancel-on-disconnect`).
+struct Following {
+    live: Option<Arc<Live>>,
+    events: Events,
+}
 
 /// One open socket: its session, and the reply whose events it forwards.
 struct Session {
     s: AppState,
     caller: Caller,
     id: SessionId,
-    following: Option<(Arc<Live>, TurnIds, Events)>,
+    following: Option<Following>,
 }
 
 /// What the socket's loop does next: send these messages, or close.
@@ -136,11 +144,9 @@ fn refused(e: &ApiError) -> Message {
 }
 
 /// The next event of the reply being followed; never, when none is.
-async fn next_event(
-    following: &mut Option<(Arc<Live>, TurnIds, Events)>,
-) -> Option<(usize, RunEvent)> {
+async fn next_event(following: &mut Option<Following>) -> Option<SharedEvent> {
     match following {
-        Some((_, _, events)) => events.next().await,
+        Some(f) => f.events.next().await,
         None => std::future::pending().await,
     }
 }
@@ -187,7 +193,7 @@ impl Session {
                 }
             }
         }
-        if let Some((live, _, _)) = &self.following {
+        if let Some(live) = self.following.as_ref().and_then(|f| f.live.as_ref()) {
             if self.s.options.cancel_on_disconnect && !live.is_finished() {
                 live.stop();
             }
@@ -195,19 +201,18 @@ impl Session {
     }
 
     /// A reply's event as the socket sends it; the reply is no longer followed after its end.
-    fn forward(&mut self, e: Option<(usize, RunEvent)>) -> Step {
-        let (Some((n, e)), Some((_, ids, _))) = (e, &self.following) else {
+    fn forward(&mut self, e: Option<SharedEvent>) -> Step {
+        let Some(e) = e else {
             self.following = None;
             return Step::Send(Vec::new());
         };
-        let last = matches!(e, RunEvent::End(_));
+        let last = e.is_last();
         // The event's data is JSON already: written in place, not parsed again.
-        let e = NativeEvent::new(ids, n, e);
         let m = Message::Text(
             format!(
-                r#"{{"id":{},"event":"{}","data":{}}}"#,
+                r#"{{"id":{},"event":{},"data":{}}}"#,
                 Value::String(e.id),
-                e.name,
+                Value::String(e.name),
                 e.data
             )
             .into(),
@@ -270,13 +275,20 @@ impl Session {
                 let last = take_str(&mut fields, "last_event_id")?;
                 no_more(&fields)?;
                 let live = match self.s.chat.reply_stream(&self.caller, &self.id).await? {
-                    crate::service::ReplySource::Local(live) => live,
-                    crate::service::ReplySource::Shared(_) => {
-                        return Err(ApiError::Conflict(
-                            "the reply runs on another replica: resume it with GET \
-                             /v1/sessions/{id}/stream, or on the replica running it"
-                                .into(),
-                        ))
+                    ReplySource::Local(live) => live,
+                    ReplySource::Shared(reply) => {
+                        let from = resume_from(&reply.message_id, last.as_deref());
+                        let events = reply.events(from).await.map_err(|e| {
+                            ApiError::Unavailable(format!(
+                                "the reply's shared stream cannot be read: {e}"
+                            ))
+                        })?;
+                        let events = events.ok_or(ApiError::NotFound("stream"))?;
+                        self.following = Some(Following {
+                            live: None,
+                            events: Box::pin(events),
+                        });
+                        return Ok(Vec::new());
                     }
                 };
                 let ids = live.ids.clone().ok_or_else(|| {
@@ -306,8 +318,18 @@ impl Session {
     }
 
     fn follow(&mut self, live: Arc<Live>, ids: TurnIds, from: usize) {
-        let events: Events = Box::pin(live.subscribe(from));
-        self.following = Some((live, ids, events));
+        let events = live.subscribe(from).map(move |(n, e)| {
+            let e = NativeEvent::new(&ids, n, e);
+            SharedEvent {
+                id: e.id,
+                name: e.name.to_string(),
+                data: e.data,
+            }
+        });
+        self.following = Some(Following {
+            live: Some(live),
+            events: Box::pin(events),
+        });
     }
 }
 
