@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -76,6 +76,12 @@ bench-stateless: fetch-model
 ## (the measurement behind the web UI's default DRY multiplier; a few minutes; not in CI).
 bench-loops: fetch-model
 	bash tests/anchor/loops.sh
+
+## What sharing native replies' events through Redis costs per token at 64 streams: this tree's
+## `hearth` against BASE's (default: the commit before), over a scripted worker (needs Redis on
+## this machine; builds BASE in a scratch worktree; minutes; not in CI).
+bench-shared-replies:
+	bash tests/anchor/shared-replies-cost.sh
 
 fmt:
 	$(CARGO) fmt --all

@@ -5,13 +5,14 @@
 //! not run reads that stream: first what it holds after `Last-Event-ID`, then each event as it
 //! is added, until the reply's last one.
 //!
-//! - **Bounded.** A stream keeps at most [`MAX_EVENTS`] entries (about two a token) and
-//!   expires [`LIVE_TTL`] after its last write while the reply runs, [`KEEP_FINISHED`] after it
-//!   ended: what a replica keeps of its own finished replies.
-//! - **No gap.** Events go in batches (whatever arrived since the last write, in one
-//!   `MULTI`/`EXEC`), each with its explicit entry id; a batch that fails is sent again, whole,
-//!   with the next, so the stream never skips an event. A resume that finds the events it needs
-//!   trimmed away is refused (404), as a resume past a replica's own log is.
+//! - **Bounded.** A stream keeps at most [`MAX_EVENTS`] entries (about two a token). Its
+//!   expiry is [`LIVE_TTL`] while the reply runs (renewed every [`REFRESH_EVERY`]) and
+//!   [`KEEP_FINISHED`] once it ended: what a replica keeps of its own finished replies.
+//! - **No gap.** Events go in batches (whatever arrived since the last write; one `MULTI`/`EXEC`
+//!   when that is more than one command), each with its explicit entry id; a batch that fails
+//!   is sent again, whole, with the next, so the stream never skips an event. A resume that
+//!   finds the events it needs trimmed away is refused (404), as a resume past a replica's own
+//!   log is.
 //! - **Redis down.** Publishing waits for Redis to come back; meanwhile, and for any reply
 //!   without Redis, a resume is served by the replica running it only (`/readyz` says so).
 
@@ -33,6 +34,9 @@ pub const MAX_EVENTS: usize = 100_000;
 /// How long a running reply's stream lives after its last write: a reply whose replica died
 /// mid-way leaves nothing behind for longer.
 pub const LIVE_TTL: Duration = Duration::from_secs(600);
+
+/// How often a running reply's expiry and its session's pointer are renewed.
+const REFRESH_EVERY: Duration = Duration::from_secs(10);
 
 /// How long a reader blocks for the next event before it checks again (and how long a stream
 /// may go without an event before its reader gives up, [`QUIET_LIMIT`]).
@@ -103,15 +107,22 @@ impl SharedReplies {
         let (key, pointer) = (stream_key(&ids.message_id), pointer_key(&ids.session_id));
         let mut next = 0;
         let mut failing_since: Option<tokio::time::Instant> = None;
+        let mut refreshed: Option<tokio::time::Instant> = None;
         loop {
             let batch = live.next_batch(next).await;
             let Some(&(last_n, _)) = batch.last() else {
                 return;
             };
             let ended = matches!(batch.last(), Some((_, RunEvent::End(_))));
+            // The expiry and the session's pointer are set with the first batch, renewed now
+            // and then, and set for good with the last.
+            let refresh = ended || refreshed.is_none_or(|t| t.elapsed() >= REFRESH_EVERY);
             let ttl = if ended { KEEP_FINISHED } else { LIVE_TTL };
             let mut pipe = redis::pipe();
-            pipe.atomic();
+            // One command is atomic by itself; several go in one MULTI/EXEC.
+            if batch.len() > 1 || refresh {
+                pipe.atomic();
+            }
             for (n, e) in batch {
                 let e = NativeEvent::new(ids, n, e);
                 pipe.cmd("XADD")
@@ -126,16 +137,18 @@ impl SharedReplies {
                     .arg(e.data)
                     .ignore();
             }
-            pipe.cmd("PEXPIRE")
-                .arg(&key)
-                .arg(ttl.as_millis() as u64)
-                .ignore();
-            pipe.cmd("SET")
-                .arg(&pointer)
-                .arg(ids.message_id.as_str())
-                .arg("PX")
-                .arg(ttl.as_millis() as u64)
-                .ignore();
+            if refresh {
+                pipe.cmd("PEXPIRE")
+                    .arg(&key)
+                    .arg(ttl.as_millis() as u64)
+                    .ignore();
+                pipe.cmd("SET")
+                    .arg(&pointer)
+                    .arg(ids.message_id.as_str())
+                    .arg("PX")
+                    .arg(ttl.as_millis() as u64)
+                    .ignore();
+            }
             if self
                 .redis
                 .pipe::<()>(&pipe, "publishing a reply's events")
@@ -144,6 +157,9 @@ impl SharedReplies {
             {
                 next = last_n + 1;
                 failing_since = None;
+                if refresh {
+                    refreshed = Some(tokio::time::Instant::now());
+                }
                 if ended {
                     return;
                 }

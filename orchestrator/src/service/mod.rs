@@ -325,6 +325,10 @@ impl ChatService {
     /// [`Self::needs_load`] for a turn in the caller's session `id` (none when the session
     /// cannot be read: the turn itself says why).
     pub async fn session_needs_load(&self, caller: &Caller, id: &SessionId) -> Option<String> {
+        // Without a repository nothing loads on demand: no read of the session for it.
+        if self.generator.pool.available().is_empty() {
+            return None;
+        }
         let session = self.store.get_session(&caller.user.id, id).await.ok()?;
         self.needs_load(session.model.as_deref())
     }
