@@ -804,28 +804,28 @@ export interface components {
         ReplyEvent: {
             /** @enum {string} */
             event: "message_start";
-            id: string;
             data: string;
+            id: string;
         } | {
             /** @enum {string} */
             event: "token";
-            id: string;
             data: string;
+            id: string;
         } | {
             /** @enum {string} */
             event: "logprobs";
-            id: string;
             data: string;
+            id: string;
         } | {
             /** @enum {string} */
             event: "message_end";
-            id: string;
             data: string;
+            id: string;
         } | {
             /** @enum {string} */
             event: "error";
-            id: string;
             data: string;
+            id: string;
         } | {
             /** @enum {string} */
             event: "model_loading";

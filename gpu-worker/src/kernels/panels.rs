@@ -240,50 +240,15 @@ fn q4k_parts(m: &Q8Matrix, r: usize, c: usize) -> (u8, f32, f32) {
 /// `m` (row layout) in the panel layout; `None` when a scale is not an f16 value (no constructor
 /// makes one), as the panels could not hold it exactly.
 pub fn to_panels(m: &Q8Matrix) -> Option<Q8Matrix> {
-    use rayon::prelude::*;
     assert_eq!(m.layout, Layout::Rows, "already in panels");
     if m.scales.iter().any(|&d| f16::from_f32(d).to_f32() != d) {
         return None;
     }
     let (k, bpr) = (m.cols, m.cols / QK);
-    let panels = m.rows.div_ceil(PANEL);
-    let mut qs = weight_vec(panels * PANEL * k);
-    qs.resize(panels * PANEL * k, 0i8);
-    let mut scales = weight_vec(panels * PANEL * bpr);
-    scales.resize(panels * PANEL * bpr, f16::ZERO);
-    qs.par_chunks_mut(PANEL * k)
-        .zip(scales.par_chunks_mut(PANEL * bpr))
-        .enumerate()
-        .for_each(|(p, (q, s))| {
-            for lane in 0..PANEL {
-                let r = p * PANEL + lane;
-                for b in 0..bpr {
-                    let (value, scale) = if r < m.rows {
-                        (
-                            &m.qs[r * k + b * QK..r * k + (b + 1) * QK],
-                            m.scales[r * bpr + b],
-                        )
-                    } else {
-                        (&[0i8; QK][..], 0.0)
-                    };
-                    s[b * PANEL + lane] = f16::from_f32(scale);
-                    for (g, four) in value.chunks_exact(4).enumerate() {
-                        let at = b * PANEL_BLOCK + g * 4 * PANEL + lane * 4;
-                        for (o, &v) in q[at..at + 4].iter_mut().zip(four) {
-                            *o = (v as u8 ^ 0x80) as i8;
-                        }
-                    }
-                }
-            }
-        });
-    Some(Q8Matrix {
-        rows: m.rows,
-        cols: m.cols,
-        qs: Values::owned(qs),
-        scales: Vec::new(),
-        half_scales: scales,
-        layout: Layout::Panels,
-    })
+    Some(fill_panels(m.rows, m.cols, |r, b, out| {
+        out.copy_from_slice(&m.qs[r * k + b * QK..r * k + (b + 1) * QK]);
+        m.scales[r * bpr + b]
+    }))
 }
 
 /// GGUF blocks of `block_bytes` each (`decode` gives a block's 32 values and its f16 scale)
@@ -295,6 +260,21 @@ pub(super) fn panels_from_blocks(
     data: &[u8],
     block_bytes: usize,
     decode: impl Fn(&[u8], &mut [i8]) -> f32 + Sync,
+) -> Q8Matrix {
+    let bpr = cols / QK;
+    fill_panels(rows, cols, |r, b, out| {
+        let at = (r * bpr + b) * block_bytes;
+        decode(&data[at..at + block_bytes], out)
+    })
+}
+
+/// An 8-bit panel matrix of `rows × cols` whose block `b` of row `r` is what `block` writes
+/// (its 32 values) and returns (its scale, an f16 value); the last panel's missing rows are
+/// zero weights with zero scales.
+fn fill_panels(
+    rows: usize,
+    cols: usize,
+    block: impl Fn(usize, usize, &mut [i8]) -> f32 + Sync,
 ) -> Q8Matrix {
     use rayon::prelude::*;
     let (k, bpr) = (cols, cols / QK);
@@ -312,8 +292,7 @@ pub(super) fn panels_from_blocks(
                 let r = p * PANEL + lane;
                 for b in 0..bpr {
                     let scale = if r < rows {
-                        let at = (r * bpr + b) * block_bytes;
-                        decode(&data[at..at + block_bytes], &mut value)
+                        block(r, b, &mut value)
                     } else {
                         value = [0; QK];
                         0.0

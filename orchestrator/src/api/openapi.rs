@@ -66,44 +66,35 @@ pub struct ReplyEvent;
 
 impl utoipa::PartialSchema for ReplyEvent {
     fn schema() -> RefOr<Schema> {
-        let alternative = |event: &str, data: &str| {
-            serde_json::json!({
+        // An event with an id (a reply's), or without (around a turn that waits for its model).
+        let event = |event: &str, data: &str, with_id: bool| {
+            let mut e = serde_json::json!({
                 "type": "object",
                 "description": format!("`data` is a JSON `{data}`"),
                 "properties": {
                     "event": {"type": "string", "enum": [event]},
-                    "id": {"type": "string", "pattern": "^[0-9a-f]{32}:[0-9]+$"},
                     "data": {"type": "string", "contentMediaType": "application/json"},
                 },
-                "required": ["event", "id", "data"],
-            })
+                "required": ["event", "data"],
+            });
+            if with_id {
+                e["properties"]["id"] =
+                    serde_json::json!({"type": "string", "pattern": "^[0-9a-f]{32}:[0-9]+$"});
+                e["required"] = serde_json::json!(["event", "id", "data"]);
+            }
+            e
         };
+        let alternative = |name: &str, data: &str| event(name, data, true);
         literal_schema(serde_json::json!({"oneOf": [
             alternative("message_start", "MessageStart"),
             alternative("token", "TokenText"),
             alternative("logprobs", "LogprobsEvent"),
             alternative("message_end", "ReplyEnd"),
             alternative("error", "ReplyFailed"),
-            // Before the reply, while its model loads on demand; and a turn refused after
-            // that, once the response has started. Neither has an id.
-            {
-                "type": "object",
-                "description": "`data` is a JSON `ModelLoading`: the session's model is being loaded for this turn",
-                "properties": {
-                    "event": {"type": "string", "enum": ["model_loading"]},
-                    "data": {"type": "string", "contentMediaType": "application/json"},
-                },
-                "required": ["event", "data"],
-            },
-            {
-                "type": "object",
-                "description": "`data` is a JSON `ErrorBody`: the turn was refused once its model had loaded",
-                "properties": {
-                    "event": {"type": "string", "enum": ["error"]},
-                    "data": {"type": "string", "contentMediaType": "application/json"},
-                },
-                "required": ["event", "data"],
-            },
+            // Before the reply, while the session's model loads on demand; and the turn's
+            // refusal once it has loaded (the response had started). Neither has an id.
+            event("model_loading", "ModelLoading", false),
+            event("error", "ErrorBody", false),
         ]}))
     }
 }
