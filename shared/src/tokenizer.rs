@@ -38,6 +38,11 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     pub fn from_file(path: &Path) -> Result<Self, TokenizerError> {
+        Self::from_file_with_bytes(path).map(|(tok, _)| tok)
+    }
+
+    /// [`Self::from_file`], and the file's bytes (to send it on, or name it by its digest).
+    pub fn from_file_with_bytes(path: &Path) -> Result<(Self, Vec<u8>), TokenizerError> {
         let load_err = |reason: String| TokenizerError::Load {
             path: path.display().to_string(),
             reason,
@@ -46,7 +51,8 @@ impl Tokenizer {
             return Err(load_err("file not found".into()));
         }
         let bytes = std::fs::read(path).map_err(|e| load_err(e.to_string()))?;
-        Self::from_bytes(&bytes, &path.display().to_string())
+        let tok = Self::from_bytes(&bytes, &path.display().to_string())?;
+        Ok((tok, bytes))
     }
 
     /// From a `tokenizer.json`'s bytes; `origin` names where they came from in errors.

@@ -12,13 +12,20 @@ use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::tungstenite::Message;
 
-#[tokio::test]
-async fn two_replicas_share_sessions_stops_and_limits() {
+/// A stack (replica A, one slow worker, PostgreSQL) and a second replica B on the same
+/// database, both with Redis.
+async fn two_replicas(tag: &str) -> (Stack, Hearth) {
     let redis = redis_url();
     let extra = ["--redis-url", redis.as_str()];
-    let s = Stack::start_with("replicas", &slow_spec(), Db::Postgres, 1, &extra).await;
+    let s = Stack::start_with(tag, &slow_spec(), Db::Postgres, 1, &extra).await;
     let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
     b.wait_ready().await;
+    (s, b)
+}
+
+#[tokio::test]
+async fn two_replicas_share_sessions_stops_and_limits() {
+    let (s, b) = two_replicas("replicas").await;
     let (a, b_addr) = (s.addr(), b.addr);
     let k = s.key("alice").await;
 
@@ -164,11 +171,7 @@ fn seq(e: &hearth_e2e::http::Event) -> u64 {
 /// every event once, in order, the text whole. Once the reply is over, B replays it whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
-    let redis = redis_url();
-    let extra = ["--redis-url", redis.as_str()];
-    let s = Stack::start_with("replica_resume", &slow_spec(), Db::Postgres, 1, &extra).await;
-    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
-    b.wait_ready().await;
+    let (s, b) = two_replicas("replica_resume").await;
     let (a, b_addr) = (s.addr(), b.addr);
     let k = s.key("alice").await;
     let ready = Req::new("GET", "/readyz").send(b_addr).await;

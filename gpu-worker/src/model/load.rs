@@ -161,7 +161,6 @@ impl<'a> Gguf<'a> {
         if let Some(m) = self.q8(name)? {
             return Ok(Linear::Q8(Arc::new(m)));
         }
-        // Positioned reads (not seek + read), so layers can load on several threads at once.
         let (dtype, rows, cols, data) = self.raw(name)?;
         let qt = QTensor::new(
             QStorage::from_data(Cow::Owned(data.to_vec()), &Device::Cpu, dtype)?,

@@ -207,12 +207,7 @@ fn describe_model(source: &Source) -> Result<(Loaded, Option<Tokenizer>), ServeE
     };
     let tokenizer = match &source.tokenizer {
         Some(t) => {
-            let bytes =
-                std::fs::read(t).map_err(|e| hearth_shared::tokenizer::TokenizerError::Load {
-                    path: t.display().to_string(),
-                    reason: e.to_string(),
-                })?;
-            let tok = Tokenizer::from_bytes(&bytes, &t.display().to_string())?;
+            let (tok, bytes) = Tokenizer::from_file_with_bytes(t)?;
             loaded.tokenizer = Some(TokenizerFile {
                 sha256: hearth_shared::tokenizer::sha256_hex(&bytes),
                 bytes: bytes.into(),

@@ -368,9 +368,13 @@ fn native_events(
     };
     live.subscribe(from).map(move |(n, e)| {
         let _keep = &guard;
-        let e = NativeEvent::new(&ids, n, e);
-        Ok(Event::default().id(e.id).event(e.name).data(e.data))
+        Ok(sse_event(NativeEvent::new(&ids, n, e)))
     })
+}
+
+/// A native reply's event as Server-Sent Events carry it.
+fn sse_event(e: NativeEvent) -> Event {
+    Event::default().id(e.id).event(e.name).data(e.data)
 }
 
 /// Why a finished reply failed.
@@ -434,9 +438,7 @@ pub async fn resume(
                 ApiError::Unavailable(format!("the reply's shared stream cannot be read: {e}"))
             })?;
             let events = events.ok_or(ApiError::NotFound("stream"))?;
-            return Ok(sse(events.map(|e| {
-                Ok(Event::default().id(e.id).event(e.name).data(e.data))
-            })));
+            return Ok(sse(events.map(|e| Ok(sse_event(e)))));
         }
     };
     let ids = live

@@ -34,7 +34,7 @@ use tokio_stream::{Stream, StreamExt};
 
 use super::chat::{resume_from, NativeEvent, StopResult, TurnBody};
 use super::{bearer, caller_with, ApiError, AppState};
-use crate::generate::{Live, SharedEvent, TurnIds};
+use crate::generate::{Live, TurnIds};
 use crate::ids::{MessageId, SessionId};
 use crate::service::{Caller, NativeTurn, ReplySource};
 
@@ -100,7 +100,7 @@ async fn socket_caller(s: &AppState, headers: &HeaderMap) -> Result<Caller, ApiE
 }
 
 /// A reply's events as the socket sends them, from this replica's log or from Redis.
-type Events = Pin<Box<dyn Stream<Item = SharedEvent> + Send>>;
+type Events = Pin<Box<dyn Stream<Item = NativeEvent> + Send>>;
 
 /// The reply a socket forwards: its events, and its live log when this replica runs it (a
 /// socket that closes stops it there with `--cancel-on-disconnect`).
@@ -139,12 +139,12 @@ fn refused(e: &ApiError) -> Message {
     text(json!({
         "event": "refused",
         "status": e.status().as_u16(),
-        "error": {"message": e.to_string(), "type": e.error_type(), "code": e.code()},
+        "error": e.body().error,
     }))
 }
 
 /// The next event of the reply being followed; never, when none is.
-async fn next_event(following: &mut Option<Following>) -> Option<SharedEvent> {
+async fn next_event(following: &mut Option<Following>) -> Option<NativeEvent> {
     match following {
         Some(f) => f.events.next().await,
         None => std::future::pending().await,
@@ -201,7 +201,7 @@ impl Session {
     }
 
     /// A reply's event as the socket sends it; the reply is no longer followed after its end.
-    fn forward(&mut self, e: Option<SharedEvent>) -> Step {
+    fn forward(&mut self, e: Option<NativeEvent>) -> Step {
         let Some(e) = e else {
             self.following = None;
             return Step::Send(Vec::new());
@@ -212,7 +212,7 @@ impl Session {
             format!(
                 r#"{{"id":{},"event":{},"data":{}}}"#,
                 Value::String(e.id),
-                Value::String(e.name),
+                Value::String(e.name.into_owned()),
                 e.data
             )
             .into(),
@@ -318,14 +318,9 @@ impl Session {
     }
 
     fn follow(&mut self, live: Arc<Live>, ids: TurnIds, from: usize) {
-        let events = live.subscribe(from).map(move |(n, e)| {
-            let e = NativeEvent::new(&ids, n, e);
-            SharedEvent {
-                id: e.id,
-                name: e.name.to_string(),
-                data: e.data,
-            }
-        });
+        let events = live
+            .subscribe(from)
+            .map(move |(n, e)| NativeEvent::new(&ids, n, e));
         self.following = Some(Following {
             live: Some(live),
             events: Box::pin(events),

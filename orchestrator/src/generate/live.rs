@@ -165,30 +165,21 @@ impl Live {
         from: usize,
     ) -> impl tokio_stream::Stream<Item = (usize, RunEvent)> + Send + 'static {
         let live = self.clone();
-        let mut rx = live.len.subscribe();
         async_stream::stream! {
             let mut next = from;
             loop {
-                let (batch, ended) = {
-                    let ev = live.events();
-                    let batch: Vec<RunEvent> =
-                        ev.get(next..).map(<[RunEvent]>::to_vec).unwrap_or_default();
-                    (batch, matches!(ev.last(), Some(RunEvent::End(_))))
-                };
-                // Resumed at or past the end of a finished log: nothing more will come.
-                if batch.is_empty() && ended {
+                // Empty: resumed at or past the end of a finished log, nothing more will come.
+                let batch = live.next_batch(next).await;
+                if batch.is_empty() {
                     return;
                 }
-                for e in batch {
+                for (n, e) in batch {
                     let end = matches!(e, RunEvent::End(_));
-                    yield (next, e);
-                    next += 1;
+                    yield (n, e);
+                    next = n + 1;
                     if end {
                         return;
                     }
-                }
-                if rx.changed().await.is_err() {
-                    return;
                 }
             }
         }

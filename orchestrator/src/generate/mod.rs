@@ -24,7 +24,7 @@ pub use live::{
     Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TokenLogprob,
     TopLogprob, TurnIds,
 };
-pub use shared::{SharedEvent, SharedReplies, SharedReply};
+pub use shared::{SharedReplies, SharedReply};
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -56,21 +56,6 @@ fn pointer_key(session_id: &SessionId) -> String {
     format!("hearth:reply-of:{session_id}")
 }
 
-/// One event of a reply read back from Redis: what a client receives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SharedEvent {
-    pub id: String,
-    pub name: String,
-    pub data: String,
-}
-
-impl SharedEvent {
-    /// The reply's last event.
-    pub fn is_last(&self) -> bool {
-        matches!(self.name.as_str(), "message_end" | "error")
-    }
-}
-
 /// The replies' shared streams, over the orchestrators' Redis.
 #[derive(Debug, Clone)]
 pub struct SharedReplies {
@@ -132,7 +117,7 @@ impl SharedReplies {
                     .arg(MAX_EVENTS)
                     .arg(format!("0-{}", n + 1))
                     .arg("e")
-                    .arg(e.name)
+                    .arg(&*e.name)
                     .arg("d")
                     .arg(e.data)
                     .ignore();
@@ -206,7 +191,7 @@ impl SharedReply {
     pub async fn events(
         self,
         from: usize,
-    ) -> Result<Option<impl Stream<Item = SharedEvent> + Send + 'static>, redis::RedisError> {
+    ) -> Result<Option<impl Stream<Item = NativeEvent> + Send + 'static>, redis::RedisError> {
         let config = redis::AsyncConnectionConfig::new()
             .set_connection_timeout(Duration::from_millis(500))
             .set_response_timeout(BLOCK + Duration::from_secs(2));
@@ -235,9 +220,9 @@ impl SharedReply {
             loop {
                 for (id, mut fields) in entries {
                     let n = id.strip_prefix("0-").unwrap_or_default();
-                    let e = SharedEvent {
+                    let e = NativeEvent {
                         id: format!("{message_id}:{n}"),
-                        name: fields.remove("e").unwrap_or_default(),
+                        name: fields.remove("e").unwrap_or_default().into(),
                         data: fields.remove("d").unwrap_or_default(),
                     };
                     last = id;

@@ -2,6 +2,8 @@
 //! id, name and JSON data. The replica running a reply also publishes them, so that another
 //! replica can serve a resume (see [`super::shared`]).
 
+use std::borrow::Cow;
+
 use serde::Serialize;
 use utoipa::ToSchema;
 
@@ -11,14 +13,20 @@ use crate::storage::{Finish, MessageStatus, ReplyTimings, ReplyUsage, ToolCall};
 
 /// One event of a native reply's stream, as SSE and the WebSocket send it: its id
 /// (`<message id>:<n>`, what `Last-Event-ID` and `resume` take), its name and its JSON data.
-#[derive(Debug)]
+/// Made here from the live log, or read back from Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NativeEvent {
     pub id: String,
-    pub name: &'static str,
+    pub name: Cow<'static, str>,
     pub data: String,
 }
 
 impl NativeEvent {
+    /// The reply's last event.
+    pub fn is_last(&self) -> bool {
+        matches!(&*self.name, "message_end" | "error")
+    }
+
     /// The `n`-th (from 0) event of the reply `ids` names.
     pub fn new(ids: &TurnIds, n: usize, e: RunEvent) -> Self {
         let id = format!("{}:{}", ids.message_id, n + 1);
@@ -39,7 +47,11 @@ impl NativeEvent {
                 None => ("message_end", event_data(&ReplyEnd::new(ids, &o))),
             },
         };
-        Self { id, name, data }
+        Self {
+            id,
+            name: Cow::Borrowed(name),
+            data,
+        }
     }
 }
 

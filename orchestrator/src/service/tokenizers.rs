@@ -51,11 +51,7 @@ impl Tokenizers {
 
     /// With the tokenizer file at `path` as the default.
     pub fn from_file(path: &std::path::Path) -> Result<Self, TokenizerError> {
-        let bytes = std::fs::read(path).map_err(|e| TokenizerError::Load {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        let tok = Tokenizer::from_bytes(&bytes, &path.display().to_string())?;
+        let (tok, bytes) = Tokenizer::from_file_with_bytes(path)?;
         Ok(Self::new(tok, sha256_hex(&bytes)))
     }
 

@@ -321,11 +321,10 @@ impl WorkerPool {
         let name = model.to_string();
         let holds = |s: &WorkerSlot| {
             s.conn().is_some()
-                && s.state().info.as_ref().is_some_and(|i| {
-                    i.models
-                        .iter()
-                        .any(|m| m.tokenizer_sha256 == sha256 && key(m) == name)
-                })
+                && s.state()
+                    .models
+                    .iter()
+                    .any(|r| r.key == *model && r.tokenizer_sha256 == sha256)
         };
         let mut failures = Vec::new();
         for slot in self.slots.iter().filter(|s| holds(s)) {
