@@ -110,8 +110,9 @@ pub struct ServeArgs {
     /// Stop a native-API reply when its client disconnects (default: finish and store it).
     #[arg(long, env = "HEARTH_CANCEL_ON_DISCONNECT")]
     pub cancel_on_disconnect: bool,
-    /// A `streaming` reply not written for this long belongs to an orchestrator that died and
-    /// is marked `error` (checked from start-up on, periodically). Measured on this process's own
+    /// A `streaming` reply not written for this long belongs to an orchestrator that died: with
+    /// Redis one replica takes it over and continues it, else it is marked `error` (checked
+    /// from start-up on, periodically). Measured on this process's own
     /// clock as time without a save, so replicas' clocks need not agree. Live replies are
     /// written at least every 5 s, so with replicas sharing a database keep this well above that.
     #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]

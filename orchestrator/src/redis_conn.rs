@@ -51,6 +51,15 @@ impl Redis {
         self.settle(pipe.query_async(&mut c).await, what)
     }
 
+    pub async fn script<T: FromRedisValue>(
+        &self,
+        run: &redis::ScriptInvocation<'_>,
+        what: &str,
+    ) -> Option<T> {
+        let mut c = self.available()?;
+        self.settle(run.invoke_async(&mut c).await, what)
+    }
+
     fn available(&self) -> Option<ConnectionManager> {
         (self.down_until.load(Ordering::Relaxed) <= now_ms()).then(|| self.conn.clone())
     }

@@ -17,7 +17,7 @@ pub use crate::config::{AuthArg, Config, ServeArgs};
 use crate::generate::Streams;
 use crate::ids::MessageId;
 use crate::limits::{connect_redis, Limiter};
-use crate::service::{ChatService, ServiceParts, SharedPrompts};
+use crate::service::{ChatService, ServiceParts, SharedPrompts, Swept};
 use crate::storage::Store;
 use crate::workers::{Affinity, WorkerPool};
 
@@ -148,17 +148,19 @@ impl Shared {
 /// write on another replica to land. The session is gone from every query at once.
 const PURGE_AFTER: Duration = Duration::from_secs(60);
 
-/// Replies left `streaming` by an orchestrator that died become `error`, keeping their text.
-/// Only stale ones: another replica's live replies are saved at least every few seconds. And
-/// sessions deleted more than [`PURGE_AFTER`] ago are removed with their messages.
+/// Replies left `streaming` by an orchestrator that died are continued here (with Redis: see
+/// [`ChatService::sweep_reply`]), or become `error`, keeping their text. Only stale ones:
+/// another replica's live replies are saved at least every few seconds. And sessions deleted
+/// more than [`PURGE_AFTER`] ago are removed with their messages.
 fn spawn_orphan_sweep(
     store: Arc<dyn Store>,
+    chat: Arc<ChatService>,
     orphan_after: Duration,
 ) -> tokio::task::JoinHandle<()> {
     let mut sweep = OrphanSweep::new(orphan_after);
     tokio::spawn(async move {
         loop {
-            sweep.run(&store).await;
+            sweep.run(&store, &chat).await;
             let before = crate::storage::now_ms() - PURGE_AFTER.as_millis() as i64;
             match store.purge_deleted(before).await {
                 Ok((0, _)) => {}
@@ -240,7 +242,6 @@ impl App {
         }
         let streams = Arc::new(Streams::default());
         let shared = Shared::connect(config.redis_url.as_deref(), &streams).await?;
-        let sweeper = spawn_orphan_sweep(store.clone(), config.orphan_after);
         let database_check = crate::telemetry::database_check_task(store.clone());
         let (pool, local) = start_workers(&config, shared.affinity).await?;
 
@@ -255,6 +256,7 @@ impl App {
             shared_prompts,
             shared_replies: shared.replies,
         }));
+        let sweeper = spawn_orphan_sweep(store.clone(), chat.clone(), config.orphan_after);
         let state = AppState {
             chat,
             auth,
@@ -430,10 +432,12 @@ impl OrphanSweep {
                 seen.insert(id, (at, since));
                 continue;
             }
-            match store.fail_interrupted(&id, at).await {
-                Ok(true) => failed += 1,
-                // Saved since it was read: alive after all; the next sweep sees the new time.
-                Ok(false) => {}
+            match chat.sweep_reply(&id, at).await {
+                Ok(Swept::Failed) => failed += 1,
+                Ok(Swept::TakenOver) => taken += 1,
+                // Saved since it was read (alive after all: the next sweep sees the new time),
+                // or claimed by another replica.
+                Ok(Swept::Alive) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "could not mark an interrupted reply");
                     seen.insert(id, (at, since));

@@ -25,6 +25,7 @@ pub const PROMPT_TOKENS: &str = "hearth_prompt_tokens_total";
 pub const CACHED_PROMPT_TOKENS: &str = "hearth_cached_prompt_tokens_total";
 pub const GENERATED_TOKENS: &str = "hearth_generated_tokens_total";
 pub const WORKER_FAILOVERS: &str = "hearth_worker_failovers_total";
+pub const REPLICA_TAKEOVERS: &str = "hearth_replica_takeovers_total";
 pub const PREEMPTIONS: &str = "hearth_fair_share_preemptions_total";
 pub const WORKERS_READY: &str = "hearth_workers_ready";
 pub const FINISHED: &str = "hearth_requests_finished_total";
@@ -122,6 +123,10 @@ fn describe() {
         "Generations moved to another worker after a worker failed"
     );
     describe_counter!(
+        REPLICA_TAKEOVERS,
+        "Replies continued by this replica after the replica running them stopped"
+    );
+    describe_counter!(
         PREEMPTIONS,
         "Replies that gave their worker's place to a user who held none, and continued later"
     );
@@ -159,6 +164,7 @@ fn describe() {
 fn start_at_zero() {
     counter!(WORKER_FAILOVERS).increment(0);
     counter!(PREEMPTIONS).increment(0);
+    counter!(REPLICA_TAKEOVERS).increment(0);
     counter!(MODEL_LOADS).increment(0);
     for limit in ["requests_per_minute", "tokens_per_day", "stops_per_minute"] {
         counter!(RATE_LIMITED, "limit" => limit).increment(0);

@@ -100,7 +100,7 @@ pub struct InFunctionCall {
 }
 
 /// What the request lets the model do with its tools.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 enum Choice {
     None,
     Auto,
@@ -108,8 +108,9 @@ enum Choice {
     Named(String),
 }
 
-/// A request's tools, checked.
-#[derive(Debug, Clone, PartialEq)]
+/// A request's tools, checked (and, as such, kept with a running reply's job for another
+/// replica: see [`crate::service`]'s takeover).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Tools {
     defs: Vec<FunctionDef>,
     choice: Choice,

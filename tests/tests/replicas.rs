@@ -1,12 +1,13 @@
-//! Two orchestrator replicas sharing PostgreSQL and Redis, with no load balancer in front: either
+//! Orchestrator replicas sharing PostgreSQL and Redis, with no load balancer in front: either
 //! serves any session, a stop reaches the replica running the reply, rate limits hold across
-//! both, and a client that moves to the other replica mid-reply resumes it there with
-//! `Last-Event-ID`, with no gap and no event twice.
+//! both, a client that moves to the other replica mid-reply resumes it there with
+//! `Last-Event-ID`, with no gap and no event twice, and a reply whose replica is killed goes
+//! on on another, the same reply.
 
 use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
-use hearth_e2e::stack::{new_session, slow_spec, Db, Hearth, Stack};
+use hearth_e2e::stack::{metric, new_session, slow_spec, Db, Hearth, Stack};
 use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -282,5 +283,91 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
         .await;
     assert_eq!(r.status, 404, "{}", r.text());
     drop(b);
+    s.finish().await;
+}
+
+/// The text of the `token` events.
+fn streamed_text(events: &[hearth_e2e::http::Event]) -> String {
+    events
+        .iter()
+        .filter(|e| e.event == "token")
+        .map(|e| e.json()["text"].as_str().expect("text").to_string())
+        .collect()
+}
+
+/// Three replicas (A, B, C) and two workers on PostgreSQL and Redis. A greedy reply streams
+/// from A, which is killed (`kill -9`) at its 40th token. Its client comes back on B with
+/// `Last-Event-ID`; B or C finds the reply silent, takes it over and continues it on a worker
+/// from the tokens A published. The client sees every event once, the reply is stored once,
+/// and it is token for token the reply the same request gets uncut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
+    let redis = redis_url();
+    let extra = ["--redis-url", redis.as_str(), "--orphan-after-secs", "1"];
+    let mut s = Stack::start_with("replica_takeover", &slow_spec(), Db::Postgres, 2, &extra).await;
+    let args = Stack::args(&s.assets, &s.db_url, &s.workers, &extra);
+    let (b, c) = (Hearth::spawn(&args), Hearth::spawn(&args));
+    b.wait_ready().await;
+    c.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+    let turn = json!({"content": "A long story, please", "max_tokens": 120, "ignore_eos": true});
+
+    // Uncut, on C.
+    let sid = new_session(c.addr, &k).await;
+    let whole = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&turn)
+        .events(c.addr)
+        .await
+        .rest()
+        .await;
+    assert_eq!(whole.last().map(|e| e.event.as_str()), Some("message_end"));
+    let whole = streamed_text(&whole);
+
+    // Cut: A dies at the 40th token.
+    let sid = new_session(a, &k).await;
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&turn)
+        .events(a)
+        .await;
+    let mut head: Vec<hearth_e2e::http::Event> = Vec::new();
+    while head.iter().filter(|e| e.event == "token").count() < 40 {
+        head.push(sse.next().await.expect("event"));
+    }
+    s.hearth.kill();
+    drop(sse);
+    let last = head.last().and_then(|e| e.id.clone()).expect("an id");
+    let mut moved = Req::new("GET", &format!("/v1/sessions/{sid}/stream"))
+        .key(Some(&k))
+        .header("Last-Event-ID", last.clone())
+        .events(b_addr)
+        .await;
+    assert_eq!(moved.status, 200, "{last}");
+    let rest = moved.rest().await;
+    let end = rest.last().expect("events after the cut");
+    assert_eq!(end.event, "message_end", "{rest:?}");
+    assert_eq!(end.json()["usage"]["completion_tokens"], 120, "{end:?}");
+    let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
+    let want: Vec<u64> = (1..=seqs.len() as u64).collect();
+    assert_eq!(seqs, want, "every event once, in order");
+    let cut = streamed_text(&head) + &streamed_text(&rest);
+    assert_eq!(cut, whole, "the continued reply is the uncut one");
+
+    // Stored once, whole, as done.
+    let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .send(b_addr)
+        .await
+        .json();
+    let data = msgs["data"].as_array().expect("messages");
+    assert_eq!(data.len(), 2, "{msgs}");
+    assert_eq!(data[1]["content"], json!(whole), "{msgs}");
+    assert_eq!(data[1]["status"], "complete", "{msgs}");
+    let takeovers = metric(b_addr, "hearth_replica_takeovers_total").await
+        + metric(c.addr, "hearth_replica_takeovers_total").await;
+    assert_eq!(takeovers, 1.0, "one replica took the reply over");
+    drop((b, c));
     s.finish().await;
 }

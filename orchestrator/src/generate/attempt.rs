@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use hearth_shared::chat::{Detokenizer, StopMatcher};
 use hearth_shared::proto;
+use hearth_shared::tokenizer::Tokenizer;
 use tokio::sync::watch;
 use tokio::time::{Instant, Interval};
 
@@ -56,6 +57,20 @@ impl Attempts {
             }),
             tick,
         }
+    }
+
+    /// Feeds the tokens a reply already has (taken over from another replica) through the
+    /// detokenizer and stop matcher, as they went when they were generated, and returns the
+    /// text they showed. Their held-back state is then as it was there.
+    pub(super) fn replay(&mut self, tok: &Tokenizer, generated: &[u32]) -> String {
+        let mut text = String::new();
+        for &id in generated {
+            let piece = self.detok.push(tok, id).unwrap_or_default();
+            if !piece.is_empty() {
+                text.push_str(&self.stops.push(&piece).text);
+            }
+        }
+        text
     }
 
     /// What a worker's error means for the reply: go on elsewhere, or end it.

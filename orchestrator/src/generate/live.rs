@@ -102,36 +102,89 @@ pub struct TurnIds {
 pub struct Live {
     /// The stored turn a native reply belongs to; `None` for a stateless (OpenAI) one.
     pub ids: Option<TurnIds>,
-    events: Mutex<Vec<RunEvent>>,
+    /// The index of the first event this log holds: 0, or for a reply taken over from a
+    /// replica that died, the events that replica published before (see [`super::takeover`]).
+    base: usize,
+    events: Mutex<Vec<Entry>>,
+    /// Index of the next event (`base` + events held).
     len: watch::Sender<usize>,
     stop: watch::Sender<bool>,
+    /// Another replica took the reply over: this one stops and stores nothing.
+    disowned: std::sync::atomic::AtomicBool,
+}
+
+/// An event, with the generated tokens whose text it is the first to carry (text events only).
+#[derive(Debug)]
+struct Entry {
+    event: RunEvent,
+    tokens: Box<[u32]>,
 }
 
 impl Live {
     pub fn new(ids: Option<TurnIds>) -> Arc<Self> {
+        Self::from_event(ids, 0)
+    }
+
+    /// The log of a reply that goes on from event `base`, the ones before it published by
+    /// the replica that began it.
+    pub fn from_event(ids: Option<TurnIds>, base: usize) -> Arc<Self> {
         Arc::new(Self {
             ids,
+            base,
             events: Mutex::new(Vec::new()),
-            len: watch::Sender::new(0),
+            len: watch::Sender::new(base),
             stop: watch::Sender::new(false),
+            disowned: Default::default(),
         })
     }
 
-    fn events(&self) -> std::sync::MutexGuard<'_, Vec<RunEvent>> {
+    /// The index of the first event held here (0 unless the reply was taken over).
+    pub fn base(&self) -> usize {
+        self.base
+    }
+
+    fn events(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
         self.events.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     pub fn push(&self, e: RunEvent) {
+        self.push_with_tokens(e, Box::new([]));
+    }
+
+    /// Pushes `text` with the generated tokens it is the first text of (what another replica
+    /// needs to continue the reply token for token).
+    pub fn push_text(&self, text: String, tokens: &[u32]) {
+        self.push_with_tokens(RunEvent::Text(text), tokens.into());
+    }
+
+    fn push_with_tokens(&self, event: RunEvent, tokens: Box<[u32]>) {
         let n = {
             let mut ev = self.events();
-            ev.push(e);
-            ev.len()
+            ev.push(Entry { event, tokens });
+            self.base + ev.len()
         };
         self.len.send_replace(n);
     }
 
     pub fn is_finished(&self) -> bool {
-        matches!(self.events().last(), Some(RunEvent::End(_)))
+        matches!(
+            self.events().last(),
+            Some(Entry {
+                event: RunEvent::End(_),
+                ..
+            })
+        )
+    }
+
+    /// Another replica has taken the reply over: stop, and leave the stored reply to it.
+    pub fn disown(&self) {
+        self.disowned
+            .store(true, std::sync::atomic::Ordering::Release);
+        self.stop();
+    }
+
+    pub fn is_disowned(&self) -> bool {
+        self.disowned.load(std::sync::atomic::Ordering::Acquire)
     }
 
     /// Asks the generation to stop; it ends with what it has (`stopped`).
@@ -151,7 +204,7 @@ impl Live {
 
     /// Waits until the reply has made progress past its start: a token, or its end.
     pub async fn first_progress(self: &Arc<Self>) {
-        let mut events = std::pin::pin!(self.subscribe(0));
+        let mut events = std::pin::pin!(self.subscribe(self.base));
         while let Some((_, e)) = tokio_stream::StreamExt::next(&mut events).await {
             if !matches!(e, RunEvent::Begin) {
                 return;
@@ -185,17 +238,32 @@ impl Live {
         }
     }
 
-    /// The events from index `from` on, each with its index, once there is at least one;
-    /// none once the log ended before `from`.
+    /// The events from index `from` on (from [`Live::base`] at the earliest), each with its
+    /// index, once there is at least one; none once the log ended before `from`.
     pub async fn next_batch(&self, from: usize) -> Vec<(usize, RunEvent)> {
+        self.next_entries(from, |e| e.event.clone()).await
+    }
+
+    /// As [`Live::next_batch`], each event with the tokens it is the first text of.
+    pub async fn next_batch_with_tokens(&self, from: usize) -> Vec<(usize, RunEvent, Box<[u32]>)> {
+        self.next_entries(from, |e| (e.event.clone(), e.tokens.clone()))
+            .await
+            .into_iter()
+            .map(|(n, (e, t))| (n, e, t))
+            .collect()
+    }
+
+    async fn next_entries<T>(&self, from: usize, f: impl Fn(&Entry) -> T) -> Vec<(usize, T)> {
+        let from = from.max(self.base);
         let mut rx = self.len.subscribe();
         loop {
             {
                 let ev = self.events();
-                if ev.len() > from {
-                    return (from..).zip(ev[from..].iter().cloned()).collect();
+                let held = from - self.base;
+                if ev.len() > held {
+                    return (from..).zip(ev[held..].iter().map(&f)).collect();
                 }
-                if matches!(ev.last(), Some(RunEvent::End(_))) {
+                if matches!(ev.last().map(|e| &e.event), Some(RunEvent::End(_))) {
                     return Vec::new();
                 }
             }
@@ -209,7 +277,7 @@ impl Live {
     pub async fn outcome(self: &Arc<Self>) -> Option<Outcome> {
         let mut rx = self.len.subscribe();
         loop {
-            if let Some(RunEvent::End(o)) = self.events().last() {
+            if let Some(RunEvent::End(o)) = self.events().last().map(|e| &e.event) {
                 return Some((**o).clone());
             }
             rx.changed().await.ok()?;

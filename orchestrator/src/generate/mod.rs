@@ -24,7 +24,7 @@ pub use live::{
     Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TokenLogprob,
     TopLogprob, TurnIds,
 };
-pub use shared::{SharedReplies, SharedReply};
+pub use shared::{Published, SharedReplies, SharedReply};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -123,6 +123,11 @@ impl Persistence {
 struct Progress {
     text: String,
     generated: Vec<u32>,
+    /// How many of `generated` the streamed text events carry so far (see [`Live::push_text`]).
+    streamed: usize,
+    /// The reply began on another replica (see [`Generator::run_from`]): its first token's
+    /// time is not known here.
+    taken_over: bool,
     cached_tokens: Option<u64>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
@@ -132,19 +137,34 @@ struct Progress {
 impl Generator {
     /// Runs `job` to its end, reporting to `live`; stores the outcome when the job names a
     /// message. Spawn it: it does not depend on anyone listening.
-    pub async fn run(self: Arc<Self>, mut job: Job, live: Arc<Live>) -> Outcome {
+    pub async fn run(self: Arc<Self>, job: Job, live: Arc<Live>) -> Outcome {
+        live.push(RunEvent::Begin);
+        self.run_from(job, live, Vec::new()).await
+    }
+
+    /// Runs `job` on from the tokens another replica generated (and published) before it died:
+    /// `live` goes on after that replica's events, whose text these tokens are.
+    pub async fn run_from(
+        self: Arc<Self>,
+        mut job: Job,
+        live: Arc<Live>,
+        generated: Vec<u32>,
+    ) -> Outcome {
         metrics::gauge!(telemetry::ACTIVE_STREAMS).increment(1.0);
         metrics::gauge!(telemetry::ACTIVE_SESSIONS).set(self.streams.running() as f64);
-        live.push(RunEvent::Begin);
+        let mut a = Attempts::new(&job, &self);
+        let text = a.replay(&job.tokenizer, &generated);
         let mut p = Progress {
-            text: String::new(),
-            generated: Vec::new(),
-            cached_tokens: None,
             first_token: None,
+            streamed: generated.len(),
+            taken_over: !generated.is_empty(),
+            text,
+            generated,
+            cached_tokens: None,
             last_token: None,
             worker: None,
         };
-        let end = self.attempts(&mut job, &live, &mut p).await;
+        let end = self.attempts(&mut job, &live, &mut p, a).await;
         let tool_calls = match (&job.tools, &end) {
             (Some(tools), End::Finished(FinishReason::Stop)) => tools.calls(&p.text),
             _ => None,
@@ -161,12 +181,14 @@ impl Generator {
             timings: ReplyTimings {
                 ttft_ms: p
                     .first_token
+                    .filter(|_| !p.taken_over)
                     .map(|t| t.duration_since(job.arrived).as_millis() as u64),
                 duration_ms: job.arrived.elapsed().as_millis() as u64,
             },
             worker: p.worker,
         };
-        if let Some(id) = job.persistence.message_id() {
+        // Disowned: another replica took the reply over, and stores it.
+        if let Some(id) = job.persistence.message_id().filter(|_| !live.is_disowned()) {
             self.finish(id, &outcome).await;
         }
         if let Some(b) = job.budget.take() {
@@ -194,8 +216,11 @@ impl Generator {
     }
 
     /// Tries workers until the reply ends or none is left.
-    async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress) -> End {
-        let mut a = Attempts::new(job, self);
+    async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress, mut a: Attempts) -> End {
+        // Taken over after a stop string had already shown (its replica died before the end).
+        if a.stops.is_done() {
+            return End::Finished(FinishReason::Stop);
+        }
         loop {
             if live.stop_requested() {
                 return End::Finished(FinishReason::Cancelled);
@@ -385,13 +410,16 @@ impl Generator {
         if p.first_token.is_none() {
             let now = Instant::now();
             p.first_token = Some(now);
-            telemetry::observe(
-                telemetry::TTFT,
-                now.duration_since(job.arrived).as_secs_f64(),
-            );
+            if !p.taken_over {
+                telemetry::observe(
+                    telemetry::TTFT,
+                    now.duration_since(job.arrived).as_secs_f64(),
+                );
+            }
         }
         p.text.push_str(&text);
-        live.push(RunEvent::Text(text));
+        live.push_text(text, &p.generated[p.streamed..]);
+        p.streamed = p.generated.len();
     }
 
     /// Stores the final state, retrying through a short database outage.

@@ -11,6 +11,7 @@ mod error;
 mod models;
 mod session;
 mod shared_prompt;
+mod takeover;
 mod tokenizers;
 mod turn;
 
@@ -18,6 +19,7 @@ pub use error::ChatError;
 pub use models::{ModelDefaults, Target};
 pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
+pub use takeover::{JobRecord, Swept};
 pub use tokenizers::{ModelTokenizer, Tokenizers};
 
 pub use turn::{
@@ -569,6 +571,7 @@ impl ChatService {
             keep_alive_ms: opts.keep_alive_ms(),
             lease: Some(lease),
         };
+        let record = live.ids.as_ref().and_then(|ids| JobRecord::of(&job, ids));
         let g = self.generator.clone();
         let running = live.clone();
         tokio::spawn(async move {
@@ -576,7 +579,7 @@ impl ChatService {
             g.streams.expire_later(running);
         });
         if let Some(shared) = &self.shared_replies {
-            shared.publish(live.clone());
+            shared.publish(live.clone(), record);
         }
         Ok(live)
     }
@@ -823,6 +826,12 @@ impl ChatService {
         self.store.get_session(&caller.user.id, id).await?;
         let local = self.generator.streams.get(id);
         if let Some(live) = local.as_ref().filter(|l| !l.is_finished()) {
+            // Taken over from a replica that died: its first events are in Redis only.
+            if let (Some(shared), Some(ids)) = (&self.shared_replies, &live.ids) {
+                if live.base() > 0 {
+                    return Ok(ReplySource::Shared(shared.reply(&ids.message_id)));
+                }
+            }
             return Ok(ReplySource::Local(live.clone()));
         }
         // A reply finished here may have been followed by one on another replica.

@@ -150,6 +150,15 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     /// keeping its text: only if it is still `streaming` with `updated_at` equal to `seen`, so a
     /// save that landed since (the reply is alive) leaves it alone. Returns whether it changed.
     async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool>;
+    /// Claims a reply left `streaming` by an orchestrator that died, to continue it: as
+    /// [`Store::fail_interrupted`], only while its `updated_at` is `seen`, which becomes a new
+    /// value (returned) that the claimer's later writes renew. Of replicas racing for it, one
+    /// gets it.
+    async fn claim_interrupted(
+        &self,
+        message_id: &MessageId,
+        seen: i64,
+    ) -> StoreResult<Option<i64>>;
     /// Removes for good the sessions deleted before `before_ms`, with their messages: a deleted
     /// chat is not kept. Returns how many sessions and messages went.
     async fn purge_deleted(&self, before_ms: i64) -> StoreResult<(u64, u64)>;

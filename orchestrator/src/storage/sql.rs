@@ -976,6 +976,26 @@ impl Store for SqlStore {
         Ok((sessions, messages))
     }
 
+    async fn claim_interrupted(
+        &self,
+        message_id: &MessageId,
+        seen: i64,
+    ) -> StoreResult<Option<i64>> {
+        // A value other than `seen`, whatever this replica's clock says.
+        let at = now_ms().max(seen + 1);
+        let done = sqlx::query(
+            "UPDATE messages SET updated_at = $1 \
+             WHERE id = $2 AND status = 'streaming' AND updated_at = $3",
+        )
+        .bind(at)
+        .bind(message_id)
+        .bind(seen)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok((done.rows_affected() == 1).then_some(at))
+    }
+
     async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool> {
         let done = sqlx::query(
             "UPDATE messages SET status = 'error', \

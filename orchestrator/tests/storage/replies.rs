@@ -91,6 +91,39 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
             .expect("saved since"),
         "a reply saved after it was seen is left alone"
     );
+    // A replica that claims it to continue it gets a new `updated_at`; of two racing with
+    // the same sighting, one wins; the old sighting can then neither claim nor fail it.
+    assert_eq!(
+        s.claim_interrupted(&t2.assistant.id, seen - 1)
+            .await
+            .expect("claim"),
+        None,
+        "a reply saved after it was seen is not claimed"
+    );
+    let claimed = s
+        .claim_interrupted(&t2.assistant.id, seen)
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert_ne!(claimed, seen);
+    assert_eq!(
+        s.claim_interrupted(&t2.assistant.id, seen)
+            .await
+            .expect("claim"),
+        None,
+        "claimed once"
+    );
+    assert!(!s
+        .fail_interrupted(&t2.assistant.id, seen)
+        .await
+        .expect("claimed since"));
+    let listed = s.streaming_replies().await.expect("streaming");
+    assert!(
+        listed.contains(&(t2.assistant.id.clone(), claimed)),
+        "{listed:?}"
+    );
+    // The claimer cannot continue it after all (say, Redis lost its stream): it fails it.
+    let seen = claimed;
     assert!(s
         .fail_interrupted(&t2.assistant.id, seen)
         .await

@@ -28,6 +28,11 @@ impl StopMatcher {
         }
     }
 
+    /// Whether a stop string has been found.
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+
     pub fn push(&mut self, text: &str) -> Fed {
         if self.done {
             return Fed {
