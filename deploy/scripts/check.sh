@@ -10,7 +10,8 @@
 #   - the Kubernetes base refuses to render without the operator's k8s/base/secrets.env;
 #   - with a throwaway one, both overlays render with kubectl kustomize and validate against
 #     the Kubernetes schemas (kubernetes-validate, strict: unknown fields are errors), and the
-#     orchestrator and the workers read the Secret's worker-token.
+#     orchestrator and the workers read the Secret's worker-token, and the orchestrator finds the
+#     workers through the headless Service's DNS records.
 # Needs docker-compose, promtool (Debian `prometheus`), kubectl, kubernetes-validate (PyPI) and
 # PyYAML for python3 (kubernetes-validate brings it); .ci/run installs them.
 set -euo pipefail
@@ -101,6 +102,9 @@ for overlay in cpu gpu; do
   # The orchestrator Deployment and the worker StatefulSet each read it.
   [[ "$(grep -c 'key: worker-token' "$tmp/$overlay.yaml")" == 2 ]] \
     || { echo "deploy-check: the $overlay overlay does not give orchestrator and worker the worker-token key" >&2; fail=1; }
+  # The orchestrators find the workers through the headless Service's DNS records.
+  grep -q 'HEARTH_WORKERS: dns:hearth-worker\.hearth\.svc\.' "$tmp/$overlay.yaml" \
+    || { echo "deploy-check: the $overlay overlay's orchestrators do not look the workers up in DNS" >&2; fail=1; }
 done
 grep -q 'nvidia.com/gpu: 1' "$tmp/gpu.yaml" || { echo "deploy-check: gpu overlay requests no nvidia.com/gpu" >&2; fail=1; }
 if grep -q 'nvidia.com/gpu: 1' "$tmp/cpu.yaml"; then echo "deploy-check: cpu overlay requests a GPU" >&2; fail=1; fi

@@ -425,8 +425,9 @@ pub fn write_tiny_safetensors(dir: &Path, spec: &TinySpec) -> candle_core::Resul
     Ok(())
 }
 
-/// A `hearth-worker serve` child process on loopback ports the OS chose, for tests and benchmarks
-/// that need the real binary. Killed when dropped.
+/// A `hearth-worker serve` child process on loopback ports the OS chose (or its gRPC service on
+/// an address the test chose), for tests and benchmarks that need the real binary. Killed when
+/// dropped.
 #[derive(Debug)]
 pub struct WorkerProcess {
     pub child: std::process::Child,
@@ -441,13 +442,24 @@ pub struct WorkerProcess {
 impl WorkerProcess {
     /// Starts `bin serve --model model` plus `extra` flags and reads the address line it prints.
     pub fn spawn(bin: &Path, model: &Path, extra: &[&str]) -> std::io::Result<Self> {
+        Self::spawn_at(bin, model, "127.0.0.1:0", extra)
+    }
+
+    /// [`Self::spawn`] with the gRPC service on `listen` (e.g. another loopback address, so that
+    /// several workers share a port as they would on several hosts).
+    pub fn spawn_at(
+        bin: &Path,
+        model: &Path,
+        listen: &str,
+        extra: &[&str],
+    ) -> std::io::Result<Self> {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
         let mut child = Command::new(bin)
             .arg("serve")
             .arg("--model")
             .arg(model)
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .args(["--listen", listen, "--metrics-listen", "127.0.0.1:0"])
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())

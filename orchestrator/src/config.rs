@@ -13,7 +13,7 @@ use hearth_shared::worker_auth::WorkerToken;
 use crate::api::ApiOptions;
 use crate::http_server::HttpLimits;
 use crate::service::{ChatLimits, SharedPromptText};
-use crate::workers::{BatchConfig, PoolConfig};
+use crate::workers::{BatchConfig, Discovery, DnsWorkers, PoolConfig};
 
 const DEFAULT_TOKENIZER: &str = "gemma-3-tokenizer.json";
 
@@ -34,9 +34,19 @@ pub struct ServeArgs {
     /// `--listen`, beside the API].
     #[arg(long, env = "HEARTH_METRICS_LISTEN")]
     pub metrics_listen: Option<SocketAddr>,
-    /// A worker's gRPC address (repeat for several). None: start a local worker.
+    /// A worker's gRPC address (repeat for several), or `dns:NAME:PORT` for a worker at PORT
+    /// on every address (A and AAAA) that NAME resolves to, looked up again while serving.
+    /// None: start a local worker.
     #[arg(long = "worker", env = "HEARTH_WORKERS", value_delimiter = ',')]
     pub workers: Vec<String>,
+    /// How often `--worker dns:` names are looked up again (and at once when a worker stops
+    /// answering).
+    #[arg(long, env = "HEARTH_DNS_REFRESH_SECS", default_value_t = 10)]
+    pub dns_refresh_secs: u64,
+    /// Ask this DNS server (`IP:PORT`, UDP and TCP) for `--worker dns:` names instead of the
+    /// system's resolvers (`/etc/resolv.conf`): for tests and special setups.
+    #[arg(long, env = "HEARTH_DNS_SERVER")]
+    pub dns_server: Option<SocketAddr>,
     /// Whether requests need an API key.
     #[arg(long, env = "HEARTH_AUTH", value_enum, default_value = "none")]
     pub auth: AuthArg,
@@ -153,8 +163,12 @@ pub struct ServeArgs {
 /// Where the workers come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Workers {
-    /// Workers already running, by gRPC address (`host:port`).
-    Remote(Vec<String>),
+    /// Workers already running: by gRPC address (`host:port`), and found by DNS.
+    Remote {
+        addrs: Vec<String>,
+        /// The `--worker dns:NAME:PORT` names, if any, and how they are looked up.
+        dns: Option<Discovery>,
+    },
     /// The quick start: one worker this process starts and stops.
     Local(LocalWorker),
 }
@@ -236,9 +250,6 @@ impl Config {
                 "refusing to serve without auth on a non-loopback address; use --auth keys \
                  (and `hearth keys create --user NAME`) or a 127.0.0.1 address",
             ));
-        }
-        for w in &a.workers {
-            check_worker_addr(w)?;
         }
         if let Some(url) = &a.redis_url {
             check_redis_url(url)?;
@@ -355,8 +366,8 @@ fn workers(
         .map(WorkerToken::new)
         .transpose()
         .map_err(|why| refuse("--worker-token", "(hidden)", why))?;
-    if !a.workers.is_empty() {
-        return Ok((Workers::Remote(a.workers.clone()), token));
+    if let Some(remote) = remote_workers(a)? {
+        return Ok((remote, token));
     }
     let token = match token {
         Some(t) => t,
@@ -371,6 +382,40 @@ fn workers(
         args: a.worker_args.clone(),
     };
     Ok((Workers::Local(local), Some(token)))
+}
+
+/// The `--worker` list, checked: `host:port` addresses and `dns:NAME:PORT` names (with how
+/// they are looked up); `None` without any (the quick start's local worker).
+fn remote_workers(a: &ServeArgs) -> Result<Option<Workers>, ConfigError> {
+    let refresh = at_least("--dns-refresh-secs", a.dns_refresh_secs, 1)?;
+    let (mut addrs, mut names) = (Vec::new(), Vec::new());
+    for w in &a.workers {
+        match DnsWorkers::parse(w) {
+            Some(dns) => names.push(dns.map_err(|why| refuse("--worker", w, why))?),
+            None => {
+                check_worker_addr(w)?;
+                addrs.push(w.clone());
+            }
+        }
+    }
+    if names.is_empty() {
+        if let Some(server) = a.dns_server {
+            return Err(refuse(
+                "--dns-server",
+                server,
+                "is only asked for --worker dns:NAME:PORT workers, and there are none",
+            ));
+        }
+    }
+    if addrs.is_empty() && names.is_empty() {
+        return Ok(None);
+    }
+    let dns = (!names.is_empty()).then(|| Discovery {
+        names,
+        refresh: Duration::from_secs(refresh),
+        server: a.dns_server,
+    });
+    Ok(Some(Workers::Remote { addrs, dns }))
 }
 
 /// Admission, batching and health checks of the worker pool.
@@ -525,9 +570,86 @@ mod tests {
         let c = config(&["--worker", "w0:50051,w1:50051", "--tokenizer", "/t.json"]).expect("ok");
         assert_eq!(
             c.workers,
-            Workers::Remote(vec!["w0:50051".into(), "w1:50051".into()])
+            Workers::Remote {
+                addrs: vec!["w0:50051".into(), "w1:50051".into()],
+                dns: None
+            }
         );
         assert_eq!(c.tokenizer, PathBuf::from("/t.json"));
+    }
+
+    #[test]
+    fn a_dns_worker_that_cannot_be_looked_up_is_refused_by_its_flag() {
+        let cases: &[(&[&str], &str)] = &[
+            (
+                &["--worker", "dns:"],
+                "--worker dns:: expected dns:NAME:PORT",
+            ),
+            (
+                &["--worker", "dns::50051"],
+                "--worker dns::50051: no name to look up (dns:NAME:PORT)",
+            ),
+            (
+                &["--worker", "dns:workers:http"],
+                "--worker dns:workers:http: the port must be a number from 1 to 65535 \
+                 (dns:NAME:PORT)",
+            ),
+            (
+                &["--worker", "dns:workers:0"],
+                "--worker dns:workers:0: the port must be a number from 1 to 65535 \
+                 (dns:NAME:PORT)",
+            ),
+            (
+                &["--worker", "dns:workers:1", "--dns-refresh-secs", "0"],
+                "--dns-refresh-secs 0: must be at least 1",
+            ),
+            (
+                &["--worker", "w0:1", "--dns-server", "127.0.0.1:53"],
+                "--dns-server 127.0.0.1:53: is only asked for --worker dns:NAME:PORT workers, \
+                 and there are none",
+            ),
+        ];
+        for (args, want) in cases {
+            let e = config(args).expect_err(want);
+            assert_eq!(e.to_string(), *want, "{args:?}");
+        }
+    }
+
+    #[test]
+    fn dns_workers_mix_with_fixed_ones_and_carry_their_refresh() {
+        let c = config(&[
+            "--worker",
+            "w0:50051,dns:workers.hearth.svc.cluster.local.:50051",
+            "--worker",
+            "dns:more.test:7",
+            "--dns-refresh-secs",
+            "3",
+            "--dns-server",
+            "127.0.0.1:5353",
+        ])
+        .expect("ok");
+        let name = |n: &str, port| DnsWorkers {
+            name: n.to_string(),
+            port,
+        };
+        let want = Workers::Remote {
+            addrs: vec!["w0:50051".into()],
+            dns: Some(Discovery {
+                names: vec![
+                    name("workers.hearth.svc.cluster.local.", 50051),
+                    name("more.test", 7),
+                ],
+                refresh: Duration::from_secs(3),
+                server: Some("127.0.0.1:5353".parse().expect("addr")),
+            }),
+        };
+        assert_eq!(c.workers, want);
+        let Workers::Remote { dns: Some(d), .. } =
+            config(&["--worker", "dns:w.test:1"]).expect("ok").workers
+        else {
+            panic!("a dns: worker is remote");
+        };
+        assert_eq!((d.refresh, d.server), (Duration::from_secs(10), None));
     }
 
     #[test]

@@ -180,15 +180,19 @@ async fn start_workers(
     config: &Config,
     affinity: Affinity,
 ) -> anyhow::Result<(Arc<WorkerPool>, Option<LocalWorker>)> {
-    let (workers, mut local) = match &config.workers {
-        Workers::Remote(addrs) => (addrs.clone(), None),
+    let (workers, dns, mut local) = match &config.workers {
+        Workers::Remote { addrs, dns } => (addrs.clone(), dns.clone(), None),
         Workers::Local(w) => {
             eprintln!("hearth: starting a local worker (loading the model)…");
             let w = start_local_worker(w).await?;
-            (vec![w.addr.clone()], Some(w))
+            (vec![w.addr.clone()], None, Some(w))
         }
     };
     let pool = WorkerPool::start(&workers, affinity, config.pool.clone());
+    if let Some(dns) = dns {
+        crate::workers::discover(&pool, &workers, dns)
+            .context("--worker dns: cannot read the system's DNS configuration")?;
+    }
     if let Some(w) = &mut local {
         while pool.ready_count() == 0 {
             if let Ok(Some(status)) = w.child.try_wait() {
@@ -412,7 +416,7 @@ impl OrphanSweep {
         }
     }
 
-    async fn run(&mut self, store: &Arc<dyn Store>) {
+    async fn run(&mut self, store: &Arc<dyn Store>, chat: &Arc<ChatService>) {
         let replies = match store.streaming_replies().await {
             Ok(r) => r,
             Err(e) => {
@@ -422,7 +426,7 @@ impl OrphanSweep {
         };
         let now = std::time::Instant::now();
         let mut seen = std::collections::HashMap::with_capacity(replies.len());
-        let mut failed = 0;
+        let (mut failed, mut taken) = (0, 0);
         for (id, at) in replies {
             let since = match self.seen.get(&id) {
                 Some(&(last, since)) if last == at => since,
@@ -449,6 +453,12 @@ impl OrphanSweep {
             tracing::warn!(
                 messages = failed,
                 "replies left streaming by a stopped orchestrator are marked as errors"
+            );
+        }
+        if taken > 0 {
+            tracing::warn!(
+                messages = taken,
+                "replies left streaming by a stopped orchestrator continue here"
             );
         }
     }

@@ -30,7 +30,7 @@ fn token() -> AddToken {
 fn auth() -> WorkerLink {
     WorkerLink {
         auth: token(),
-        ca: None,
+        ..WorkerLink::default()
     }
 }
 
@@ -192,7 +192,7 @@ async fn a_connection_without_the_worker_token_is_refused() {
     let wrong = WorkerToken::new("not-the-stack-token-0123456789").expect("token");
     let link = WorkerLink {
         auth: AddToken::new(Some(&wrong)),
-        ca: None,
+        ..WorkerLink::default()
     };
     let err = WorkerConnection::connect(&w.addr, BatchConfig::default(), &link)
         .await
@@ -223,6 +223,7 @@ async fn a_worker_over_tls_is_checked_against_the_authority() {
     let link = |ca: Option<&std::path::Path>| WorkerLink {
         auth: token(),
         ca: ca.map(|p| std::fs::read(p).expect("CA").into()),
+        server_name: None,
     };
     let verified = link(Some(&ca.ca));
     let channel = verified
@@ -251,9 +252,15 @@ async fn a_worker_over_tls_is_checked_against_the_authority() {
         (4, Ok(proto::FinishReason::Length as i32)),
         "a reply over TLS"
     );
+    // Checked for the name given rather than the address's host (a worker found by DNS).
+    let misnamed = WorkerLink {
+        server_name: Some("workers.hearth.test".into()),
+        ..verified.clone()
+    };
     for (what, l) in [
         ("plain TCP", link(None)),
         ("another authority", link(Some(&other.ca))),
+        ("a name its certificate does not hold", misnamed),
     ] {
         let refused = WorkerConnection::connect(&w.grpc, BatchConfig::default(), &l).await;
         assert!(refused.is_err(), "{what} reached a TLS worker");

@@ -7,7 +7,7 @@
 use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
-use hearth_e2e::stack::{metric, new_session, slow_spec, Db, Hearth, Stack};
+use hearth_e2e::stack::{metric, new_session, slow_spec, token_text, Db, Hearth, Stack};
 use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -167,6 +167,23 @@ fn seq(e: &hearth_e2e::http::Event) -> u64 {
         .expect("n")
 }
 
+/// The rest of session `sid`'s reply from `addr`, after the last of `head` (`Last-Event-ID`).
+async fn resume_after(
+    addr: std::net::SocketAddr,
+    key: &str,
+    sid: &str,
+    head: &[hearth_e2e::http::Event],
+) -> Vec<hearth_e2e::http::Event> {
+    let last = head.last().and_then(|e| e.id.clone()).expect("an id");
+    let mut moved = Req::new("GET", &format!("/v1/sessions/{sid}/stream"))
+        .key(Some(key))
+        .header("Last-Event-ID", last.clone())
+        .events(addr)
+        .await;
+    assert_eq!(moved.status, 200, "{last}");
+    moved.rest().await
+}
+
 /// A reply streams from A; its client goes away after a few tokens and comes back on B with
 /// `Last-Event-ID`. B, which does not run the reply, serves the rest from Redis as it comes:
 /// every event once, in order, the text whole. Once the reply is over, B replays it whole.
@@ -195,14 +212,7 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
         head.push(sse.next().await.expect("event"));
     }
     drop(sse);
-    let last = head.last().and_then(|e| e.id.clone()).expect("an id");
-    let mut moved = Req::new("GET", &path)
-        .key(Some(&k))
-        .header("Last-Event-ID", last.clone())
-        .events(b_addr)
-        .await;
-    assert_eq!(moved.status, 200, "{last}");
-    let rest = moved.rest().await;
+    let rest = resume_after(b_addr, &k, &sid, &head).await;
     assert!(
         rest.len() > 5 && rest.last().is_some_and(|e| e.event == "message_end"),
         "{rest:?}"
@@ -210,13 +220,7 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
     let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
     let want: Vec<u64> = (1..=seqs.len() as u64).collect();
     assert_eq!(seqs, want, "every event once, in order");
-    let text = |events: &[hearth_e2e::http::Event]| -> String {
-        events
-            .iter()
-            .filter(|e| e.event == "token")
-            .map(|e| e.json()["text"].as_str().expect("text").to_string())
-            .collect()
-    };
+    let text = token_text;
     let streamed = text(&head) + &text(&rest);
     let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
         .key(Some(&k))
@@ -286,15 +290,6 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
     s.finish().await;
 }
 
-/// The text of the `token` events.
-fn streamed_text(events: &[hearth_e2e::http::Event]) -> String {
-    events
-        .iter()
-        .filter(|e| e.event == "token")
-        .map(|e| e.json()["text"].as_str().expect("text").to_string())
-        .collect()
-}
-
 /// Three replicas (A, B, C) and two workers on PostgreSQL and Redis. A greedy reply streams
 /// from A, which is killed (`kill -9`) at its 40th token. Its client comes back on B with
 /// `Last-Event-ID`; B or C finds the reply silent, takes it over and continues it on a worker
@@ -323,7 +318,7 @@ async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
         .rest()
         .await;
     assert_eq!(whole.last().map(|e| e.event.as_str()), Some("message_end"));
-    let whole = streamed_text(&whole);
+    let whole = token_text(&whole);
 
     // Cut: A dies at the 40th token.
     let sid = new_session(a, &k).await;
@@ -338,21 +333,14 @@ async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
     }
     s.hearth.kill();
     drop(sse);
-    let last = head.last().and_then(|e| e.id.clone()).expect("an id");
-    let mut moved = Req::new("GET", &format!("/v1/sessions/{sid}/stream"))
-        .key(Some(&k))
-        .header("Last-Event-ID", last.clone())
-        .events(b_addr)
-        .await;
-    assert_eq!(moved.status, 200, "{last}");
-    let rest = moved.rest().await;
+    let rest = resume_after(b_addr, &k, &sid, &head).await;
     let end = rest.last().expect("events after the cut");
     assert_eq!(end.event, "message_end", "{rest:?}");
     assert_eq!(end.json()["usage"]["completion_tokens"], 120, "{end:?}");
     let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
     let want: Vec<u64> = (1..=seqs.len() as u64).collect();
     assert_eq!(seqs, want, "every event once, in order");
-    let cut = streamed_text(&head) + &streamed_text(&rest);
+    let cut = token_text(&head) + &token_text(&rest);
     assert_eq!(cut, whole, "the continued reply is the uncut one");
 
     // Stored once, whole, as done.

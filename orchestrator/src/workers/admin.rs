@@ -17,7 +17,7 @@ use tonic::Code;
 use super::connection::Client;
 use super::health::WorkerSlot;
 use super::models::ModelKey;
-use super::pool::WorkerPool;
+use super::pool::{Slots, WorkerPool};
 
 /// One model on one worker, as the admin API shows it.
 #[derive(Debug, Clone, Serialize, utoipa::ToSchema)]
@@ -113,7 +113,7 @@ fn free_bytes(info: &proto::InfoResponse) -> u64 {
 impl WorkerPool {
     /// Every worker and the models it holds.
     pub fn worker_models(&self) -> Vec<WorkerModels> {
-        self.slots
+        self.slots()
             .iter()
             .map(|s| {
                 let ready = s.conn().is_some();
@@ -130,8 +130,9 @@ impl WorkerPool {
             .collect()
     }
 
-    fn named(&self, worker: &str) -> Result<&WorkerSlot, AdminError> {
-        self.slots
+    /// The worker called `worker` among `slots` (a snapshot the caller holds through its calls).
+    fn named<'a>(slots: &'a Slots, worker: &str) -> Result<&'a WorkerSlot, AdminError> {
+        slots
             .iter()
             .find(|s| s.name == worker)
             .map(|s| &**s)
@@ -141,7 +142,7 @@ impl WorkerPool {
     /// A client for a call that may take long (a load): its own connection, without the health
     /// checks' timeout.
     async fn admin_client(&self, slot: &WorkerSlot) -> Result<Client, AdminError> {
-        let link = self.config.link();
+        let link = slot.link(&self.config);
         let endpoint = link
             .endpoint(&slot.addr)
             .map_err(AdminError::Failed)?
@@ -170,10 +171,10 @@ impl WorkerPool {
                     .any(|a| a == model || a.rsplit_once('@').is_some_and(|(n, _)| n == model))
             })
         };
+        let slots = self.slots();
         let mut candidates: Vec<(&WorkerSlot, (bool, u64))> = match worker {
-            Some(w) => vec![(self.named(w)?, (true, 0))],
-            None => self
-                .slots
+            Some(w) => vec![(Self::named(&slots, w)?, (true, 0))],
+            None => slots
                 .iter()
                 .filter(|s| s.conn().is_some())
                 .map(|s| {
@@ -243,14 +244,10 @@ impl WorkerPool {
                     .any(|m| m.model_id == model || key(m) == model)
             })
         };
+        let slots = self.slots();
         let targets: Vec<&WorkerSlot> = match worker {
-            Some(w) => vec![self.named(w)?],
-            None => self
-                .slots
-                .iter()
-                .map(|s| &**s)
-                .filter(|s| holds(s))
-                .collect(),
+            Some(w) => vec![Self::named(&slots, w)?],
+            None => slots.iter().map(|s| &**s).filter(|s| holds(s)).collect(),
         };
         if targets.is_empty() {
             return Err(AdminError::NotFound(format!(
@@ -327,7 +324,7 @@ impl WorkerPool {
                     .any(|r| r.key == *model && r.tokenizer_sha256 == sha256)
         };
         let mut failures = Vec::new();
-        for slot in self.slots.iter().filter(|s| holds(s)) {
+        for slot in self.slots().iter().filter(|s| holds(s)) {
             match self.tokenizer_from(slot, &name, sha256).await {
                 Ok(bytes) => return Ok(bytes),
                 Err(e) => {

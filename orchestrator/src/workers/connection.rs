@@ -33,20 +33,24 @@ pub struct WorkerLink {
     pub auth: AddToken,
     /// The authority that signed the workers' certificates (PEM); without it, plain TCP.
     pub ca: Option<Arc<[u8]>>,
+    /// The name a worker's certificate must hold; none: the host of its address. A worker
+    /// found by DNS is checked for the name it was found under, not for its IP address.
+    pub server_name: Option<Arc<str>>,
 }
 
 impl WorkerLink {
     /// The endpoint of the worker at `host:port`: `https://`, its certificate checked against
-    /// the authority for `host`, with a CA; `http://` without.
+    /// the authority for `host` (or `server_name`), with a CA; `http://` without.
     pub fn endpoint(&self, addr: &str) -> Result<Endpoint, String> {
         let Some(ca) = &self.ca else {
             return Endpoint::from_shared(format!("http://{addr}")).map_err(|e| e.to_string());
         };
-        let host = addr
-            .rsplit_once(':')
-            .map_or(addr, |(h, _)| h)
-            .trim_start_matches('[')
-            .trim_end_matches(']');
+        let host = self.server_name.as_deref().unwrap_or_else(|| {
+            addr.rsplit_once(':')
+                .map_or(addr, |(h, _)| h)
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+        });
         let tls = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(ca))
             .domain_name(host);

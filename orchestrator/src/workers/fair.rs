@@ -349,7 +349,9 @@ impl WorkerPool {
         let Some(model) = &ask.model else {
             return true;
         };
-        self.slots.iter().any(|s| s.addr == addr && s.serves(model))
+        self.slots()
+            .iter()
+            .any(|s| s.addr == addr && s.serves(model))
     }
 
     fn turn(&self, ticket: u64) -> Turn {

@@ -2,9 +2,10 @@
 //! every `health_interval`, fetches `Info` once, and (re)opens the batched `Generate`
 //! connection. A worker is *ready* when its last health check said so and its connection is
 //! open; a connection that breaks makes it unready at once. A worker that fails its checks for
-//! `stall_timeout` with requests in flight has them failed over.
+//! `stall_timeout` with requests in flight has them failed over, and so does one the pool
+//! removes (it left DNS): its poller then ends.
 
-use std::sync::atomic::AtomicUsize;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,15 +53,59 @@ pub struct WorkerStatus {
 pub struct WorkerSlot {
     pub addr: String,
     /// What clients and stored messages see instead of the address: `worker-<n>`, its place
-    /// in the `--worker` list (the same in every replica started with the same list).
+    /// in the `--worker host:port` list (the same in every replica started with the same
+    /// list), or for a worker found by DNS `worker-` and a hash of its address (the same in
+    /// every replica with the same worker token).
     pub name: String,
     pub(super) state: Mutex<SlotState>,
     pub(super) in_flight: AtomicUsize,
     /// For unary calls (`DropSession`); set by the poller.
     pub(super) client: std::sync::OnceLock<Client>,
+    /// Set when the pool removed the worker: its poller ends, and any connection is closed.
+    retired: AtomicBool,
+    /// The name its certificate must hold (see [`WorkerLink::server_name`]).
+    server_name: Option<Arc<str>>,
 }
 
 impl WorkerSlot {
+    pub(super) fn new(addr: String, name: String, server_name: Option<Arc<str>>) -> Self {
+        Self {
+            addr,
+            name,
+            state: Mutex::new(SlotState::default()),
+            in_flight: AtomicUsize::new(0),
+            client: std::sync::OnceLock::new(),
+            retired: AtomicBool::new(false),
+            server_name,
+        }
+    }
+
+    /// How to reach this worker.
+    pub(super) fn link(&self, config: &PoolConfig) -> WorkerLink {
+        WorkerLink {
+            server_name: self.server_name.clone(),
+            ..config.link()
+        }
+    }
+
+    /// Out of service for good (the pool removed it): closes its connections, so that the
+    /// replies on them fail over with `reason`, and ends its poller at its next round.
+    pub(super) fn retire(&self, reason: &str) {
+        self.retired.store(true, Ordering::SeqCst);
+        self.close(reason);
+    }
+
+    fn close(&self, reason: &str) {
+        let (conn, suspect) = {
+            let mut st = self.state();
+            st.ready = false;
+            (st.conn.take(), st.suspect.take())
+        };
+        for c in conn.into_iter().chain(suspect.map(|(_, c)| c)) {
+            c.abort(reason);
+        }
+    }
+
     pub(super) fn state(&self) -> std::sync::MutexGuard<'_, SlotState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -103,9 +148,10 @@ impl WorkerSlot {
     }
 }
 
-/// Keeps one worker's health, info and connection current while the pool exists.
+/// Keeps one worker's health, info and connection current while the pool exists and the
+/// worker is in it.
 pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot>) {
-    let Some(link) = pool.upgrade().map(|p| p.config.link()) else {
+    let Some(link) = pool.upgrade().map(|p| slot.link(&p.config)) else {
         return;
     };
     let endpoint = match link.endpoint(&slot.addr) {
@@ -119,55 +165,33 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
     };
     let mut client = link.client(endpoint.connect_lazy());
     let _ = slot.client.set(client.clone());
+    // Ready at the end of the last round: a connection that broke between rounds counts too.
+    let mut was_up = false;
     loop {
-        let Some(p) = pool.upgrade() else { return };
+        let Some(p) = pool
+            .upgrade()
+            .filter(|_| !slot.retired.load(Ordering::SeqCst))
+        else {
+            return;
+        };
         let interval = p.config.health_interval;
         let was_ready = slot.conn().is_some();
         let epoch = slot.state().epoch;
-        let outcome = check(&mut client, &slot, &p.config, &link)
-            .await
-            .and_then(|h| {
-                if h.engine_stalled {
-                    // Alive but stuck: its replies will not move, so it counts as failing.
-                    Err("the worker's engine has not finished a step with work waiting".to_string())
-                } else {
-                    Ok(h.ready)
-                }
-            });
-        {
-            let mut st = slot.state();
-            match outcome {
-                Ok(ready) => {
-                    st.ready = ready;
-                    // It answers again: what still runs on the old connection may finish.
-                    st.suspect = None;
-                }
-                Err(e) => {
-                    if st.ready {
-                        tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
-                    } else {
-                        tracing::debug!(worker = %slot.addr, error = %e, "worker unavailable");
-                    }
-                    st.ready = false;
-                    if let Some(conn) = st.conn.take().filter(|c| c.is_open()) {
-                        st.suspect.get_or_insert((Instant::now(), conn));
-                    }
-                    let stalled = st
-                        .suspect
-                        .as_ref()
-                        .is_some_and(|(since, _)| since.elapsed() >= p.config.stall_timeout);
-                    if stalled {
-                        if let Some((since, conn)) = st.suspect.take() {
-                            tracing::warn!(worker = %slot.addr, silent_s = since.elapsed().as_secs_f64(), "worker stalled; failing its replies over");
-                            conn.abort(format!(
-                                "the worker has not answered health checks for {} s",
-                                since.elapsed().as_secs()
-                            ));
-                        }
-                    }
-                }
-            }
+        let checked = check(&mut client, &slot, &p.config, &link).await;
+        if slot.retired.load(Ordering::SeqCst) {
+            // A connection this round opened after the removal closes too.
+            slot.close("the worker was removed from the pool");
+            return;
         }
+        let outcome = checked.and_then(|h| {
+            if h.engine_stalled {
+                // Alive but stuck: its replies will not move, so it counts as failing.
+                Err("the worker's engine has not finished a step with work waiting".to_string())
+            } else {
+                Ok(h.ready)
+            }
+        });
+        record(&slot, outcome, p.config.stall_timeout);
         let ready_now = slot.conn().is_some();
         if slot.state().epoch != epoch {
             // Its models changed: a request waiting for one may go now.
@@ -180,8 +204,49 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
             metrics::gauge!(telemetry::WORKERS_READY).set(p.ready_count() as f64);
             p.room.notify_waiters();
         }
+        if was_up && !ready_now {
+            p.lost.notify_one();
+        }
+        was_up = ready_now;
         drop(p);
         tokio::time::sleep(interval).await;
+    }
+}
+
+/// Stores a health round's outcome: ready or not, or a failure, which takes the connection out
+/// of service and, once the worker has failed for `stall_timeout`, fails its replies over.
+fn record(slot: &WorkerSlot, outcome: Result<bool, String>, stall_timeout: Duration) {
+    let mut st = slot.state();
+    let e = match outcome {
+        Ok(ready) => {
+            st.ready = ready;
+            // It answers again: what still runs on the old connection may finish.
+            st.suspect = None;
+            return;
+        }
+        Err(e) => e,
+    };
+    if st.ready {
+        tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
+    } else {
+        tracing::debug!(worker = %slot.addr, error = %e, "worker unavailable");
+    }
+    st.ready = false;
+    if let Some(conn) = st.conn.take().filter(|c| c.is_open()) {
+        st.suspect.get_or_insert((Instant::now(), conn));
+    }
+    let stalled = st
+        .suspect
+        .as_ref()
+        .is_some_and(|(since, _)| since.elapsed() >= stall_timeout);
+    if stalled {
+        if let Some((since, conn)) = st.suspect.take() {
+            tracing::warn!(worker = %slot.addr, silent_s = since.elapsed().as_secs_f64(), "worker stalled; failing its replies over");
+            conn.abort(format!(
+                "the worker has not answered health checks for {} s",
+                since.elapsed().as_secs()
+            ));
+        }
     }
 }
 

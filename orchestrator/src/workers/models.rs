@@ -135,7 +135,7 @@ impl WorkerPool {
     /// Every model some worker has reported, by id and then newest version first.
     pub fn models(&self) -> Vec<ServedModel> {
         let mut out: Vec<ServedModel> = Vec::new();
-        for slot in &self.slots {
+        for slot in self.slots().iter() {
             let up = slot.conn().is_some();
             let models = slot.state().models.clone();
             for r in models {
@@ -168,7 +168,7 @@ impl WorkerPool {
         };
         let Some(asked) = asked else {
             let first = self
-                .slots
+                .slots()
                 .iter()
                 .find_map(|s| s.state().info.as_ref().map(|i| i.model_id.clone()))
                 .filter(|id| !id.is_empty());
@@ -198,7 +198,7 @@ impl WorkerPool {
     /// Every `name@version` some ready worker's repository holds.
     pub fn available(&self) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
-        for slot in self.slots.iter().filter(|s| s.conn().is_some()) {
+        for slot in self.slots().iter().filter(|s| s.conn().is_some()) {
             if let Some(info) = slot.state().info.as_ref() {
                 for a in &info.available {
                     if !out.contains(a) {

@@ -6,11 +6,15 @@
 //! is overloaded (as many requests in flight from here as its batch holds); otherwise to the
 //! ready worker with the fewest requests in flight.
 //!
+//! The workers are the `--worker` addresses, and those DNS lists (see [`super::discovery`]),
+//! which come and go while the pool runs: routing reads a snapshot of the list, swapped whole
+//! when a worker is added or removed.
+//!
 //! The queue that orders requests when every worker is full is in [`super::fair`], where
 //! sessions' caches are in [`super::affinity`], and each worker's health in [`super::health`].
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use hearth_shared::proto;
@@ -21,7 +25,7 @@ use tokio::time::Instant;
 use super::affinity::{Affinity, PrefixKey};
 use super::connection::{BatchConfig, WorkerConnection, WorkerLink};
 use super::fair::{Fair, Held};
-use super::health::{poll, SlotState, WorkerSlot, WorkerStatus};
+use super::health::{poll, WorkerSlot, WorkerStatus};
 use super::models::ModelKey;
 use super::Lease;
 use super::Tenant;
@@ -54,6 +58,7 @@ impl PoolConfig {
         WorkerLink {
             auth: AddToken::new(self.token.as_ref()),
             ca: self.worker_ca.clone(),
+            server_name: None,
         }
     }
 }
@@ -81,14 +86,22 @@ pub enum PoolError {
     Full,
 }
 
+/// The workers routing chooses among, as one snapshot.
+pub(super) type Slots = Arc<Vec<Arc<WorkerSlot>>>;
+
 #[derive(Debug)]
 pub struct WorkerPool {
-    pub(super) slots: Vec<Arc<WorkerSlot>>,
+    /// Read for every request (an uncontended read lock and a reference count), written only
+    /// when DNS discovery adds or removes a worker.
+    slots: RwLock<Slots>,
     pub(super) affinity: Affinity,
     pub(super) config: PoolConfig,
     /// Woken when a worker gets room or becomes ready, or a waiting request leaves the queue.
     pub(super) room: Notify,
     pub(super) fair: Mutex<Fair>,
+    /// Told when a ready worker stops answering: DNS discovery looks its name up again at once.
+    /// Its own `Arc`, so the discovery task can wait on it without keeping the pool alive.
+    pub(super) lost: Arc<Notify>,
 }
 
 /// What a request asks of the pool: the model it needs (none: any worker, while none has
@@ -110,41 +123,89 @@ pub(super) enum Pick {
 }
 
 impl WorkerPool {
-    /// Starts polling every address; workers join as they become ready.
+    /// Starts polling every address; workers join as they become ready. Each is named
+    /// `worker-<n>` after its place in `addrs`.
     pub fn start(addrs: &[String], affinity: Affinity, config: PoolConfig) -> Arc<Self> {
+        let slots = addrs
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                let name = format!("worker-{}", i + 1);
+                Arc::new(WorkerSlot::new(a.clone(), name, None))
+            })
+            .collect();
         let pool = Arc::new(Self {
-            slots: addrs
-                .iter()
-                .enumerate()
-                .map(|(i, a)| {
-                    Arc::new(WorkerSlot {
-                        addr: a.clone(),
-                        name: format!("worker-{}", i + 1),
-                        state: Mutex::new(SlotState::default()),
-                        in_flight: AtomicUsize::new(0),
-                        client: std::sync::OnceLock::new(),
-                    })
-                })
-                .collect(),
+            slots: RwLock::new(Arc::new(slots)),
             affinity,
             config,
             room: Notify::new(),
             fair: Mutex::new(Fair::default()),
+            lost: Arc::new(Notify::new()),
         });
-        for slot in &pool.slots {
+        for slot in pool.slots().iter() {
             tokio::spawn(poll(Arc::downgrade(&pool), slot.clone()));
         }
         pool
     }
 
-    pub fn ready_count(&self) -> usize {
-        self.slots.iter().filter(|s| s.conn().is_some()).count()
+    /// The workers now.
+    pub(super) fn slots(&self) -> Slots {
+        self.slots.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// One line per worker, for `/readyz`. Public, so it names each worker `worker-<n>` and
-    /// leaves out its address and last error (which can hold addresses); both are logged.
+    /// Adds the worker at `addr`, called `name`, whose certificate (with `--worker-ca`) must
+    /// hold `server_name`, and starts polling it; it takes requests once ready. False (and
+    /// nothing done) if the pool has a worker at `addr` already.
+    pub(super) fn add_worker(
+        self: &Arc<Self>,
+        addr: String,
+        name: String,
+        server_name: Arc<str>,
+    ) -> bool {
+        let slot = Arc::new(WorkerSlot::new(addr, name, Some(server_name)));
+        {
+            let mut slots = self.slots.write().unwrap_or_else(|p| p.into_inner());
+            if slots.iter().any(|s| s.addr == slot.addr) {
+                return false;
+            }
+            let mut next = Vec::clone(&slots);
+            next.push(slot.clone());
+            *slots = Arc::new(next);
+        }
+        tokio::spawn(poll(Arc::downgrade(self), slot));
+        true
+    }
+
+    /// Takes the worker at `addr` out of routing: no request goes to it from now on, and the
+    /// replies running on it fail over to other workers, told `reason`. Its slot goes once the
+    /// last of them has moved. False if the pool has no worker at `addr`.
+    pub(super) fn remove_worker(&self, addr: &str, reason: &str) -> bool {
+        let gone = {
+            let mut slots = self.slots.write().unwrap_or_else(|p| p.into_inner());
+            let Some(i) = slots.iter().position(|s| s.addr == addr) else {
+                return false;
+            };
+            let mut next = Vec::clone(&slots);
+            let gone = next.remove(i);
+            *slots = Arc::new(next);
+            gone
+        };
+        gone.retire(reason);
+        metrics::gauge!(telemetry::WORKERS_READY).set(self.ready_count() as f64);
+        // A queued request that only this worker could take must learn there is none.
+        self.room.notify_waiters();
+        true
+    }
+
+    pub fn ready_count(&self) -> usize {
+        self.slots().iter().filter(|s| s.conn().is_some()).count()
+    }
+
+    /// One line per worker, for `/readyz`. Public, so it names each worker by its public name
+    /// (see [`WorkerSlot::name`]) and leaves out its address and last error (which can hold
+    /// addresses); both are logged.
     pub fn describe(&self) -> Vec<WorkerStatus> {
-        self.slots
+        self.slots()
             .iter()
             .map(|s| {
                 let st = s.state();
@@ -161,7 +222,7 @@ impl WorkerPool {
     /// that are down, or hold nothing for it, are skipped: a restarted worker holds nothing.
     pub async fn drop_session(&self, session: &SessionId) {
         let mut calls = tokio::task::JoinSet::new();
-        for slot in &self.slots {
+        for slot in self.slots().iter() {
             let Some(client) = slot.client.get() else {
                 continue;
             };
@@ -287,8 +348,8 @@ impl WorkerPool {
         ask: &Ask,
     ) -> Result<(Arc<WorkerSlot>, Arc<WorkerConnection>), Pick> {
         let cap = self.config.per_worker_capacity;
-        let candidates: Vec<(&Arc<WorkerSlot>, Arc<WorkerConnection>)> = self
-            .slots
+        let slots = self.slots();
+        let candidates: Vec<(&Arc<WorkerSlot>, Arc<WorkerConnection>)> = slots
             .iter()
             .filter(|s| !ask.exclude.contains(&s.addr))
             .filter(|s| ask.model.as_ref().is_none_or(|m| s.serves(m)))
@@ -347,5 +408,37 @@ impl WorkerPool {
             id,
             yield_signal: signal,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(pool: &WorkerPool) -> Vec<String> {
+        pool.describe().into_iter().map(|w| w.name).collect()
+    }
+
+    #[tokio::test]
+    async fn workers_join_and_leave_the_list_routing_reads() {
+        let fixed = ["127.0.0.1:1".to_string()];
+        let pool = WorkerPool::start(&fixed, Affinity::local(), PoolConfig::default());
+        let found = || ("127.0.0.2:1".to_string(), "worker-x".to_string());
+        let (addr, name) = found();
+        assert!(pool.add_worker(addr, name, "w.test".into()));
+        let (addr, name) = found();
+        assert!(
+            !pool.add_worker(addr, name, "w.test".into()),
+            "one slot an address"
+        );
+        assert_eq!(names(&pool), ["worker-1", "worker-x"]);
+        let before = pool.slots();
+        assert!(pool.remove_worker("127.0.0.2:1", "left DNS"));
+        assert!(!pool.remove_worker("127.0.0.2:1", "left DNS"));
+        assert_eq!(names(&pool), ["worker-1"]);
+        // A request that read the list just before still holds the slot, retired: no
+        // connection to choose.
+        assert_eq!(before.len(), 2);
+        assert!(before[1].conn().is_none());
     }
 }

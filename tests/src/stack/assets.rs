@@ -17,6 +17,26 @@ impl Assets {
     pub fn sqlite_url(&self) -> String {
         format!("sqlite://{}?mode=rwc", self.dir.join("hearth.db").display())
     }
+
+    /// `hearth`'s arguments for a server without keys on this SQLite database and tokenizer,
+    /// its workers checked every 100 ms, then `extra`; no workers (the test adds its own).
+    pub fn open_args(&self, extra: &[&str]) -> Vec<String> {
+        let fixed = [
+            "--database-url",
+            &self.sqlite_url(),
+            "--tokenizer",
+            &path(&self.tokenizer),
+            "--auth",
+            "none",
+            "--health-interval-ms",
+            "100",
+        ]
+        .map(str::to_string);
+        fixed
+            .into_iter()
+            .chain(extra.iter().map(|s| s.to_string()))
+            .collect()
+    }
 }
 
 /// A model big enough that a long reply takes seconds, so a test can act while it streams.

@@ -32,7 +32,8 @@ pub use metrics::{
     worker_metric, DECODED,
 };
 pub use process::{
-    rss_bytes, scripted_worker, signal, spawn_worker, wait_exit, worker_with, Hearth, WORKER_TOKEN,
+    rss_bytes, scripted_worker, signal, spawn_worker, wait_exit, worker_at, worker_with, Hearth,
+    WORKER_TOKEN,
 };
 pub use stream::{finish, fold, read_tokens, token_text, Streamed};
 

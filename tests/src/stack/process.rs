@@ -25,6 +25,15 @@ pub fn worker_with(model: &Path, flags: &[&str]) -> WorkerProcess {
     WorkerProcess::spawn(&worker_bin(), model, &args).expect("start worker")
 }
 
+/// [`worker_with`], its gRPC service on `listen` (`127.0.0.2:0`, or a port another worker has
+/// on another loopback address: workers on several hosts share one).
+pub fn worker_at(model: &Path, listen: &str, flags: &[&str]) -> WorkerProcess {
+    let mut args = vec!["--worker-token", WORKER_TOKEN];
+    args.extend_from_slice(flags);
+    WorkerProcess::spawn_at(&worker_bin(), model, listen, &args)
+        .unwrap_or_else(|e| panic!("start a worker on {listen}: {e}"))
+}
+
 pub fn spawn_worker(a: &Assets) -> WorkerProcess {
     worker_with(&a.model, &WORKER_FLAGS)
 }

@@ -6,8 +6,8 @@ use std::time::{Duration, Instant};
 
 use hearth_e2e::http::Event;
 use hearth_e2e::stack::{
-    assets, finish, history, metric, new_session, path, read_tokens, scripted_worker,
-    serving_worker, signal, stream_turn, token_text, worker_with, Db, Hearth, Stack,
+    assets, finish, history, metric, new_session, read_tokens, scripted_worker, serving_worker,
+    signal, stream_turn, token_text, worker_with, Db, Hearth, Stack,
 };
 use hearth_worker::fixtures::TinySpec;
 use serde_json::json;
@@ -113,22 +113,7 @@ async fn reply_on_an_engine_stuck_after(tag: &str, tokens: u64) {
         ],
     );
     let healthy = scripted_worker(&a.model, 40);
-    let db = a.sqlite_url();
-    let mut args: Vec<String> = [
-        "--database-url",
-        &db,
-        "--tokenizer",
-        &path(&a.tokenizer),
-        "--auth",
-        "none",
-        "--health-interval-ms",
-        "100",
-        "--stall-timeout-secs",
-        "2",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let mut args = a.open_args(&["--stall-timeout-secs", "2"]);
     for w in [&stuck, &healthy] {
         args.extend(["--worker".to_string(), w.grpc.clone()]);
     }
