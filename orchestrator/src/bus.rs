@@ -1,10 +1,14 @@
-//! Stop signals between orchestrator replicas, over Redis pub/sub.
+//! Stop signals between orchestrator replicas, and replies handed over, over Redis pub/sub.
 //!
 //! A reply runs on the replica that accepted it; a `POST …/stop` may arrive at another one. That
 //! replica subscribes to [`ENDED_CHANNEL`], then publishes the session id on [`STOP_CHANNEL`];
 //! every replica listens there and stops its own running reply of that session, if it has one,
 //! and once that reply is stored announces the session id on [`ENDED_CHANNEL`]. The stopping
 //! replica waits for that announcement instead of polling the database.
+//!
+//! A replica that shuts down with replies still running hands them over: it publishes each
+//! reply's message id on [`RELEASE_CHANNEL`], and every other replica's orphan sweep tries at
+//! once to take it over (one wins), instead of waiting for the reply to fall silent.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,12 +16,14 @@ use std::time::Duration;
 use tokio_stream::StreamExt;
 
 use crate::generate::Streams;
-use crate::ids::SessionId;
+use crate::ids::{MessageId, SessionId};
 use crate::limits::Redis;
 
 pub const STOP_CHANNEL: &str = "hearth:stop";
 /// Session ids whose reply a stop ended, published once the reply is stored.
 pub const ENDED_CHANNEL: &str = "hearth:stop:ended";
+/// Message ids of replies a replica that shut down left for another to take over.
+pub const RELEASE_CHANNEL: &str = "hearth:released";
 
 #[derive(Debug, Clone)]
 pub struct StopBus {
@@ -102,12 +108,30 @@ impl StopBus {
         })
     }
 
-    /// Listens for stop signals for as long as the process runs, reconnecting after outages.
-    pub fn listen(self, streams: Arc<Streams>) -> tokio::task::JoinHandle<()> {
+    /// Tells the other replicas that the replies `ids` are theirs to take over now.
+    pub async fn release(&self, ids: &[MessageId]) {
+        for id in ids {
+            let cmd = redis::cmd("PUBLISH")
+                .arg(RELEASE_CHANNEL)
+                .arg(id.as_str())
+                .clone();
+            self.conn
+                .cmd::<i64>(&cmd, "handed-over reply not announced")
+                .await;
+        }
+    }
+
+    /// Listens for stop signals for as long as the process runs, reconnecting after outages,
+    /// and passes the ids of replies handed over on to `released`.
+    pub fn listen(
+        self,
+        streams: Arc<Streams>,
+        released: tokio::sync::mpsc::UnboundedSender<MessageId>,
+    ) -> tokio::task::JoinHandle<()> {
         tokio::spawn(async move {
             let mut failing = false;
             loop {
-                match self.listen_once(&streams).await {
+                match self.listen_once(&streams, &released).await {
                     Err(e) if !failing => {
                         tracing::warn!(error = %e, "redis stop channel lost; reconnecting");
                         failing = true;
@@ -120,18 +144,27 @@ impl StopBus {
         })
     }
 
-    async fn listen_once(&self, streams: &Streams) -> redis::RedisResult<()> {
+    async fn listen_once(
+        &self,
+        streams: &Streams,
+        released: &tokio::sync::mpsc::UnboundedSender<MessageId>,
+    ) -> redis::RedisResult<()> {
         let client = redis::Client::open(self.url.as_str())?;
         let mut pubsub = client.get_async_pubsub().await?;
-        pubsub.subscribe(STOP_CHANNEL).await?;
+        pubsub
+            .subscribe(vec![STOP_CHANNEL, RELEASE_CHANNEL])
+            .await?;
         let mut messages = pubsub.on_message();
         while let Some(msg) = messages.next().await {
+            let payload = msg.get_payload::<String>().ok();
+            if msg.get_channel_name() == RELEASE_CHANNEL {
+                if let Some(id) = payload.as_deref().and_then(MessageId::parse) {
+                    let _ = released.send(id);
+                }
+                continue;
+            }
             // Anything but a session id names no reply.
-            let Some(session_id) = msg
-                .get_payload::<String>()
-                .ok()
-                .and_then(|s| SessionId::parse(&s))
-            else {
+            let Some(session_id) = payload.as_deref().and_then(SessionId::parse) else {
                 continue;
             };
             let Some(live) = streams.get(&session_id).filter(|l| !l.is_finished()) else {

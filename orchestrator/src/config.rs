@@ -155,7 +155,8 @@ pub struct ServeArgs {
     /// limit less 512].
     #[arg(long, env = "HEARTH_MAX_CONNECTIONS")]
     pub max_connections: Option<usize>,
-    /// On SIGTERM, how long running replies may take to finish before they are stopped.
+    /// On SIGTERM, how long running replies may take to finish before they are handed over to
+    /// another replica (with Redis) or stopped.
     #[arg(long, env = "HEARTH_SHUTDOWN_TIMEOUT_SECS", default_value_t = 30)]
     pub shutdown_timeout_secs: u64,
 }

@@ -110,9 +110,14 @@ struct Shared {
     affinity: Affinity,
     stop_bus: Option<StopBus>,
     replies: Option<crate::generate::SharedReplies>,
-    /// Listens for stop requests from other replicas.
+    /// Listens for stop requests from other replicas, and for replies they hand over.
     listener: Option<tokio::task::JoinHandle<()>>,
+    /// The replies handed over, for the orphan sweep.
+    released: Option<Released>,
 }
+
+/// Message ids of replies other replicas handed over as they shut down.
+type Released = tokio::sync::mpsc::UnboundedReceiver<MessageId>;
 
 impl Shared {
     async fn connect(redis_url: Option<&str>, streams: &Arc<Streams>) -> anyhow::Result<Self> {
@@ -123,6 +128,7 @@ impl Shared {
                 stop_bus: None,
                 replies: None,
                 listener: None,
+                released: None,
             });
         };
         let conn = connect_redis(url).await.with_context(|| {
@@ -132,7 +138,8 @@ impl Shared {
             )
         })?;
         let bus = StopBus::new(conn.clone(), url.to_string());
-        let listener = bus.clone().listen(streams.clone());
+        let (released_tx, released) = tokio::sync::mpsc::unbounded_channel();
+        let listener = bus.clone().listen(streams.clone(), released_tx);
         let replies = crate::generate::SharedReplies::new(conn.clone(), url)?;
         Ok(Self {
             replies: Some(replies),
@@ -140,6 +147,7 @@ impl Shared {
             affinity: Affinity::shared(conn),
             stop_bus: Some(bus),
             listener: Some(listener),
+            released: Some(released),
         })
     }
 }
@@ -156,6 +164,7 @@ fn spawn_orphan_sweep(
     store: Arc<dyn Store>,
     chat: Arc<ChatService>,
     orphan_after: Duration,
+    mut released: Option<Released>,
 ) -> tokio::task::JoinHandle<()> {
     let mut sweep = OrphanSweep::new(orphan_after);
     tokio::spawn(async move {
@@ -169,9 +178,42 @@ fn spawn_orphan_sweep(
                 }
                 Err(e) => tracing::warn!(error = %e, "could not purge deleted sessions"),
             }
-            tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250))).await;
+            let pause = tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250)));
+            tokio::pin!(pause);
+            loop {
+                let handed = async {
+                    match released.as_mut() {
+                        Some(rx) => rx.recv().await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    () = &mut pause => break,
+                    Some(id) = handed => take_handed_over(&store, &chat, &id).await,
+                }
+            }
         }
     })
+}
+
+/// Takes over (or leaves to the replica that is quicker) a reply another replica handed over
+/// as it shut down, without waiting for it to fall silent.
+async fn take_handed_over(store: &Arc<dyn Store>, chat: &Arc<ChatService>, id: &MessageId) {
+    let at = match store.streaming_replies().await {
+        Ok(replies) => replies.into_iter().find(|(r, _)| r == id).map(|(_, at)| at),
+        Err(e) => {
+            tracing::warn!(error = %e, "could not read a reply handed over; the sweep finds it later");
+            return;
+        }
+    };
+    let Some(at) = at else { return };
+    match chat.sweep_reply(id, at).await {
+        Ok(Swept::TakenOver) => {
+            tracing::info!(message_id = %id, "continuing a reply another replica handed over");
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "could not take over a reply handed over"),
+    }
 }
 
 /// Connects the configured workers, or starts the quick start's local one and waits until it
@@ -260,7 +302,12 @@ impl App {
             shared_prompts,
             shared_replies: shared.replies,
         }));
-        let sweeper = spawn_orphan_sweep(store.clone(), chat.clone(), config.orphan_after);
+        let sweeper = spawn_orphan_sweep(
+            store.clone(),
+            chat.clone(),
+            config.orphan_after,
+            shared.released,
+        );
         let state = AppState {
             chat,
             auth,
@@ -306,7 +353,8 @@ impl App {
     }
 
     /// Serves until `shutdown` completes; then stops accepting, lets running replies finish
-    /// for the shutdown timeout (and stops those still running, stored as `stopped`), and
+    /// for the shutdown timeout, then hands those still running over to the other replicas
+    /// (with Redis: see [`ChatService::hand_over`]) or stops them (stored as `stopped`), and
     /// stops the background tasks and the local worker.
     pub async fn run(
         self,
@@ -329,12 +377,17 @@ impl App {
         });
         let mut on_signal = signalled.clone();
         let http_shutdown = signalled.clone();
-        // After the grace period, running replies are stopped (and stored as `stopped`).
-        let stopper = tokio::spawn({
-            let streams = streams.clone();
+        // After the grace period, running replies are handed over, or stopped (and stored as
+        // `stopped`).
+        let grace_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut stopper = tokio::spawn({
+            let (streams, chat, grace_over) =
+                (streams.clone(), state.chat.clone(), grace_over.clone());
             async move {
                 let _ = signalled.wait_for(|s| *s).await;
                 tokio::time::sleep(shutdown_timeout).await;
+                grace_over.store(true, std::sync::atomic::Ordering::Release);
+                chat.hand_over().await;
                 streams.stop_all();
             }
         });
@@ -365,6 +418,10 @@ impl App {
         let deadline = tokio::time::Instant::now() + shutdown_timeout + Duration::from_secs(5);
         while streams.running() > 0 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Handing replies over: their last events published and the other replicas told.
+        if grace_over.load(std::sync::atomic::Ordering::Acquire) {
+            let _ = tokio::time::timeout(Duration::from_secs(5), &mut stopper).await;
         }
         stopper.abort();
         for t in tasks {

@@ -1,13 +1,15 @@
 //! Orchestrator replicas sharing PostgreSQL and Redis, with no load balancer in front: either
 //! serves any session, a stop reaches the replica running the reply, rate limits hold across
 //! both, a client that moves to the other replica mid-reply resumes it there with
-//! `Last-Event-ID`, with no gap and no event twice, and a reply whose replica is killed goes
-//! on on another, the same reply.
+//! `Last-Event-ID`, with no gap and no event twice, and a reply whose replica is killed, or shut
+//! down, goes on on another, the same reply.
 
 use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
-use hearth_e2e::stack::{metric, new_session, slow_spec, token_text, Db, Hearth, Stack};
+use hearth_e2e::stack::{
+    metric, new_session, signal, slow_spec, token_text, wait_exit, Db, Hearth, Stack,
+};
 use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -290,72 +292,157 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
     s.finish().await;
 }
 
-/// Three replicas (A, B, C) and two workers on PostgreSQL and Redis. A greedy reply streams
-/// from A, which is killed (`kill -9`) at its 40th token. Its client comes back on B with
-/// `Last-Event-ID`; B or C finds the reply silent, takes it over and continues it on a worker
-/// from the tokens A published. The client sees every event once, the reply is stored once,
-/// and it is token for token the reply the same request gets uncut.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
-    let redis = redis_url();
-    let extra = ["--redis-url", redis.as_str(), "--orphan-after-secs", "1"];
-    let mut s = Stack::start_with("replica_takeover", &slow_spec(), Db::Postgres, 2, &extra).await;
-    let args = Stack::args(&s.assets, &s.db_url, &s.workers, &extra);
-    let (b, c) = (Hearth::spawn(&args), Hearth::spawn(&args));
-    b.wait_ready().await;
-    c.wait_ready().await;
-    let (a, b_addr) = (s.addr(), b.addr);
-    let k = s.key("alice").await;
-    let turn = json!({"content": "A long story, please", "max_tokens": 120, "ignore_eos": true});
+/// The turn of the takeover tests: 120 tokens, whatever the model says.
+fn story_turn() -> serde_json::Value {
+    json!({"content": "A long story, please", "max_tokens": 120, "ignore_eos": true})
+}
 
-    // Uncut, on C.
-    let sid = new_session(c.addr, &k).await;
-    let whole = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(&k))
-        .json(&turn)
-        .events(c.addr)
+/// The text of the story told whole, uncut, by `addr` in a new session.
+async fn whole_story(addr: std::net::SocketAddr, key: &str) -> String {
+    let sid = new_session(addr, key).await;
+    let events = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(key))
+        .json(&story_turn())
+        .events(addr)
         .await
         .rest()
         .await;
-    assert_eq!(whole.last().map(|e| e.event.as_str()), Some("message_end"));
-    let whole = token_text(&whole);
+    assert_eq!(events.last().map(|e| e.event.as_str()), Some("message_end"));
+    token_text(&events)
+}
 
-    // Cut: A dies at the 40th token.
-    let sid = new_session(a, &k).await;
+/// Begins the story in a new session on `addr` and reads it up to its `tokens`-th token: the
+/// session, the stream and the events read.
+async fn begin_story(
+    addr: std::net::SocketAddr,
+    key: &str,
+    tokens: usize,
+) -> (String, hearth_e2e::http::Sse, Vec<hearth_e2e::http::Event>) {
+    let sid = new_session(addr, key).await;
     let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(&k))
-        .json(&turn)
-        .events(a)
+        .key(Some(key))
+        .json(&story_turn())
+        .events(addr)
         .await;
     let mut head: Vec<hearth_e2e::http::Event> = Vec::new();
-    while head.iter().filter(|e| e.event == "token").count() < 40 {
+    while head.iter().filter(|e| e.event == "token").count() < tokens {
         head.push(sse.next().await.expect("event"));
     }
-    s.hearth.kill();
-    drop(sse);
-    let rest = resume_after(b_addr, &k, &sid, &head).await;
+    (sid, sse, head)
+}
+
+/// `head` then `rest` are the whole story: every event once, in order, to its end, the text
+/// `whole`'s.
+fn assert_story_whole(
+    head: &[hearth_e2e::http::Event],
+    rest: &[hearth_e2e::http::Event],
+    whole: &str,
+) {
     let end = rest.last().expect("events after the cut");
     assert_eq!(end.event, "message_end", "{rest:?}");
     assert_eq!(end.json()["usage"]["completion_tokens"], 120, "{end:?}");
-    let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
+    let seqs: Vec<u64> = head.iter().chain(rest).map(seq).collect();
     let want: Vec<u64> = (1..=seqs.len() as u64).collect();
     assert_eq!(seqs, want, "every event once, in order");
-    let cut = token_text(&head) + &token_text(&rest);
+    let cut = token_text(head) + &token_text(rest);
     assert_eq!(cut, whole, "the continued reply is the uncut one");
+}
 
-    // Stored once, whole, as done.
+/// The session holds the question and the story, stored once, whole, complete.
+async fn assert_stored_once(addr: std::net::SocketAddr, key: &str, sid: &str, whole: &str) {
     let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(&k))
-        .send(b_addr)
+        .key(Some(key))
+        .send(addr)
         .await
         .json();
     let data = msgs["data"].as_array().expect("messages");
     assert_eq!(data.len(), 2, "{msgs}");
     assert_eq!(data[1]["content"], json!(whole), "{msgs}");
     assert_eq!(data[1]["status"], "complete", "{msgs}");
+}
+
+/// Three replicas (A, B, C) and two workers on PostgreSQL and Redis. A reply streams from A,
+/// which is killed (`kill -9`) at its 40th token. Its client comes back on B with
+/// `Last-Event-ID`; B or C finds the reply silent, takes it over and continues it on a worker
+/// from the tokens A published. The client sees every event once, the reply is stored once,
+/// and it is token for token the reply the same request gets uncut. The workers are scripted
+/// (a token every 20 ms, echoing the prompt, and continuing a cut reply as a greedy model
+/// does): the reply is still running when A dies, and its text varies token by token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
+    let redis = redis_url();
+    let extra = ["--redis-url", redis.as_str(), "--orphan-after-secs", "1"];
+    let mut s = Stack::scripted("replica_takeover", Db::Postgres, 2, 20, &extra).await;
+    let args = Stack::args(&s.assets, &s.db_url, &s.workers, &extra);
+    let (b, c) = (Hearth::spawn(&args), Hearth::spawn(&args));
+    b.wait_ready().await;
+    c.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+
+    // Uncut, on C.
+    let whole = whole_story(c.addr, &k).await;
+
+    // Cut: A dies at the 40th token.
+    let (sid, sse, head) = begin_story(a, &k, 40).await;
+    s.hearth.kill();
+    drop(sse);
+    let rest = resume_after(b_addr, &k, &sid, &head).await;
+    assert_story_whole(&head, &rest, &whole);
+    assert_stored_once(b_addr, &k, &sid, &whole).await;
     let takeovers = metric(b_addr, "hearth_replica_takeovers_total").await
         + metric(c.addr, "hearth_replica_takeovers_total").await;
     assert_eq!(takeovers, 1.0, "one replica took the reply over");
     drop((b, c));
+    s.finish().await;
+}
+
+/// A replica asked to shut down (SIGTERM) with a reply still running past its shutdown timeout
+/// hands the reply over: its client's stream ends without a last event, the replica exits 0,
+/// and the other replica takes the reply over at once (its orphan sweep would wait ten minutes:
+/// only the hand-over notice can explain the takeover). The client resuming there with
+/// `Last-Event-ID` gets the rest: the uncut reply, stored once. The worker is scripted (a token
+/// every 20 ms, continuing a cut reply as a greedy model does), so the reply outlasts the
+/// one-second shutdown timeout on any machine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_that_shuts_down_hands_its_running_reply_over() {
+    let redis = redis_url();
+    let extra = [
+        "--redis-url",
+        redis.as_str(),
+        "--orphan-after-secs",
+        "600",
+        "--shutdown-timeout-secs",
+        "1",
+    ];
+    let mut s = Stack::scripted("replica_handover", Db::Postgres, 1, 20, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+    let whole = whole_story(b_addr, &k).await;
+
+    let (sid, mut sse, mut head) = begin_story(a, &k, 20).await;
+    let signalled = std::time::Instant::now();
+    signal(&s.hearth.child, libc::SIGTERM);
+    head.extend(sse.rest().await);
+    assert!(
+        head.iter()
+            .all(|e| e.event == "message_start" || e.event == "token"),
+        "no last event on the replica that left: {head:?}"
+    );
+    let status = wait_exit(
+        &mut s.hearth.child,
+        signalled + std::time::Duration::from_secs(30),
+    )
+    .await
+    .expect("the replica exits");
+    assert!(status.success(), "{status:?}");
+
+    let rest = resume_after(b_addr, &k, &sid, &head).await;
+    assert_story_whole(&head, &rest, &whole);
+    assert_stored_once(b_addr, &k, &sid, &whole).await;
+    assert_eq!(metric(b_addr, "hearth_replica_takeovers_total").await, 1.0);
+    drop(b);
     s.finish().await;
 }

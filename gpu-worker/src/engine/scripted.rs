@@ -1,6 +1,7 @@
 //! A scripted engine for load tests of the layers above the worker: no model, every request gets
 //! one token per tick of a timer, echoing its own prompt tokens (so any tokenizer can decode
-//! them), until `max_new_tokens`. It speaks the same commands and events as the real engine, so
+//! them), until `max_new_tokens`. A continuation (a prompt that ends with tokens sampled
+//! before, `sampled_before`) goes on where the reply left off, as a greedy model would. It speaks the same commands and events as the real engine, so
 //! the gRPC service, the orchestrator and their clients are exercised exactly as in production
 //! while the worker's cost per token is fixed and tiny.
 
@@ -16,6 +17,10 @@ use super::{Cancel, Command, EngineEvent, EventSender, SharedStats, Timings, Val
 struct Active {
     id: RequestId,
     prompt: Vec<u32>,
+    /// The prompt's tokens before the reply's own (what is echoed).
+    echoed: usize,
+    /// The reply's tokens before this request's (sampled by an earlier request).
+    before: usize,
     max_new: usize,
     sent: usize,
     arrived: Instant,
@@ -107,8 +112,11 @@ fn admit(active: &mut Vec<Active>, req: ValidRequest, tx: EventSender) {
         queue_ms: 0.0,
     });
     let r = req.inner;
+    let before = (r.sampled_before as usize).min(r.prompt.len().saturating_sub(1));
     active.push(Active {
         id: r.id,
+        echoed: r.prompt.len() - before,
+        before,
         prompt: r.prompt,
         max_new: r.max_new_tokens as usize,
         sent: 0,
@@ -126,7 +134,7 @@ fn tick(active: &mut Vec<Active>) -> u64 {
         if a.tx.is_closed() {
             return false;
         }
-        let id = a.prompt[a.sent % a.prompt.len()];
+        let id = echo(&a.prompt[..a.echoed], a.before + a.sent);
         let _ = a.tx.send(EngineEvent::Token {
             id,
             logprob: 0.0,
@@ -142,4 +150,24 @@ fn tick(active: &mut Vec<Active>) -> u64 {
         true
     });
     sent
+}
+
+/// The reply's `n`-th token (from 0): the prompt's tokens over and over.
+fn echo(prompt: &[u32], n: usize) -> u32 {
+    prompt[n % prompt.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::echo;
+
+    #[test]
+    fn a_continuation_goes_on_as_the_uncut_reply() {
+        let prompt = [1, 2, 3];
+        let uncut: Vec<u32> = (0..7).map(|n| echo(&prompt, n)).collect();
+        assert_eq!(uncut, [1, 2, 3, 1, 2, 3, 1]);
+        // Cut after 5 tokens: the echoed part of the prompt, then the 5 already sent.
+        let rest: Vec<u32> = (5..7).map(|n| echo(&prompt, n)).collect();
+        assert_eq!(rest, uncut[5..]);
+    }
 }

@@ -330,7 +330,14 @@ async fn respond(
         let outcome = live
             .outcome()
             .await
-            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+            .ok_or_else(|| match live.is_disowned() {
+                true => ApiError::Unavailable(format!(
+                "this replica is shutting down; the reply goes on on another one: read message \
+                 {} of session {} when it is done",
+                ids.message_id, ids.session_id
+            )),
+                false => ApiError::Internal("the generation ended without an outcome".into()),
+            })?;
         drop(guard);
         return Ok(Json(TurnReply::new(&ids, &outcome)).into_response());
     }

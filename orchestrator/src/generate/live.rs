@@ -176,7 +176,9 @@ impl Live {
         )
     }
 
-    /// Another replica has taken the reply over: stop, and leave the stored reply to it.
+    /// Another replica has taken the reply over, or this one hands it over as it shuts down:
+    /// stop, and leave the stored reply to the next replica. Its listeners here get no last
+    /// event: their streams just end, and they resume elsewhere.
     pub fn disown(&self) {
         self.disowned
             .store(true, std::sync::atomic::Ordering::Release);
@@ -228,6 +230,9 @@ impl Live {
                 }
                 for (n, e) in batch {
                     let end = matches!(e, RunEvent::End(_));
+                    if end && live.is_disowned() {
+                        return;
+                    }
                     yield (n, e);
                     next = n + 1;
                     if end {
@@ -273,12 +278,13 @@ impl Live {
         }
     }
 
-    /// The last event, once the generation has ended.
+    /// The last event, once the generation has ended; None when it was disowned (the reply
+    /// goes on on another replica).
     pub async fn outcome(self: &Arc<Self>) -> Option<Outcome> {
         let mut rx = self.len.subscribe();
         loop {
             if let Some(RunEvent::End(o)) = self.events().last().map(|e| &e.event) {
-                return Some((**o).clone());
+                return (!self.is_disowned()).then(|| (**o).clone());
             }
             rx.changed().await.ok()?;
         }
@@ -361,6 +367,19 @@ impl Streams {
             .values()
             .filter(|l| l.as_ref().is_none_or(|l| !l.is_finished()))
             .count()
+    }
+
+    /// Disowns every running native reply (a shutdown that hands them to other replicas) and
+    /// returns their message ids.
+    pub fn hand_over_all(&self) -> Vec<MessageId> {
+        let mut handed = Vec::new();
+        for l in self.map().values().flatten() {
+            if let Some(ids) = l.ids.as_ref().filter(|_| !l.is_finished()) {
+                l.disown();
+                handed.push(ids.message_id.clone());
+            }
+        }
+        handed
     }
 
     /// Stops every running reply (shutdown).

@@ -181,6 +181,8 @@ pub struct SharedReplies {
     /// This replica, as owner of the replies it runs: random, new each start.
     replica: Arc<str>,
     publish: Arc<redis::Script>,
+    /// How many replies' events are being published.
+    publishing: Arc<tokio::sync::watch::Sender<usize>>,
 }
 
 /// A reply another replica runs (or ran), found through its session.
@@ -197,6 +199,7 @@ impl SharedReplies {
             client: redis::Client::open(url)?,
             replica: uuid::Uuid::new_v4().simple().to_string().into(),
             publish: Arc::new(redis::Script::new(PUBLISH)),
+            publishing: Arc::new(tokio::sync::watch::Sender::new(0)),
         })
     }
 
@@ -208,7 +211,18 @@ impl SharedReplies {
             return;
         };
         let me = self.clone();
-        tokio::spawn(async move { me.publish_all(&live, &ids, job).await });
+        self.publishing.send_modify(|n| *n += 1);
+        tokio::spawn(async move {
+            me.publish_all(&live, &ids, job).await;
+            me.publishing.send_modify(|n| *n -= 1);
+        });
+    }
+
+    /// Waits, at most `limit`, until every reply this replica publishes has written its last
+    /// event (a shutdown, before it hands its replies over).
+    pub async fn published_all(&self, limit: Duration) {
+        let mut rx = self.publishing.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
     }
 
     async fn publish_all(&self, live: &Arc<Live>, ids: &TurnIds, mut job: Option<String>) {
@@ -216,7 +230,11 @@ impl SharedReplies {
         let mut failing_since: Option<tokio::time::Instant> = None;
         let mut refreshed: Option<tokio::time::Instant> = None;
         loop {
-            let batch = live.next_batch_with_tokens(next).await;
+            let mut batch = live.next_batch_with_tokens(next).await;
+            // A disowned reply's end is not the reply's: the next replica goes on from here.
+            if live.is_disowned() {
+                batch.retain(|(_, e, _)| !matches!(e, RunEvent::End(_)));
+            }
             let Some(&(last_n, _, _)) = batch.last() else {
                 return;
             };

@@ -11,6 +11,11 @@
 //! `Last-Event-ID` sees every event once; a greedy (or seeded) reply stays token for token the
 //! reply it would have been.
 //!
+//! A replica that shuts down (SIGTERM) with replies still running after its shutdown timeout
+//! hands them over the same way ([`ChatService::hand_over`]): it stops them without storing
+//! them and announces them, and the other replicas take them over at once rather than after
+//! `--orphan-after-secs`.
+//!
 //! Without Redis, or when the job or the whole stream is not there (trimmed, expired), the
 //! reply is marked `error`/`interrupted` with its text, as before.
 
@@ -24,6 +29,9 @@ use crate::generate::{Job, Live, Persistence, TurnIds};
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::storage::StoreError;
 use crate::tools::Tools;
+
+/// How long a shutdown waits for the events of the replies it hands over to be published.
+const HAND_OVER_FLUSH: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// What another replica needs to continue a running native reply: its [`Job`], less what is
 /// made again there (tokenizer, DRY breakers, the worker's place, timing).
@@ -156,6 +164,32 @@ impl ChatService {
             g.streams.expire_later(live);
         });
         Ok(Swept::TakenOver)
+    }
+
+    /// At shutdown, with Redis reachable: hands every running native reply over to the other
+    /// replicas (disowned here, not stored: their streams end without a last event and their
+    /// clients resume elsewhere), once their events are all published, and tells the others to
+    /// take them over now. Returns how many; 0 without Redis (they are stopped instead).
+    pub async fn hand_over(&self) -> usize {
+        let Some(shared) = &self.shared_replies else {
+            return 0;
+        };
+        if !shared.reachable().await {
+            return 0;
+        }
+        let handed = self.generator.streams.hand_over_all();
+        if handed.is_empty() {
+            return 0;
+        }
+        shared.published_all(HAND_OVER_FLUSH).await;
+        if let Some(bus) = &self.stop_bus {
+            bus.release(&handed).await;
+        }
+        tracing::info!(
+            replies = handed.len(),
+            "running replies handed over to the other replicas"
+        );
+        handed.len()
     }
 
     async fn fail_reply(&self, id: &MessageId, seen: i64) -> Result<Swept, StoreError> {
