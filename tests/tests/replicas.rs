@@ -446,3 +446,56 @@ async fn a_replica_that_shuts_down_hands_its_running_reply_over() {
     drop(b);
     s.finish().await;
 }
+
+/// A reply whose replica died and that cannot be continued (here: its stream's first event is
+/// gone from Redis, so the tokens it had are not all known) is stored as interrupted with its
+/// text, and a client resuming it on another replica gets that end as an `error` event, next
+/// in the sequence, rather than waiting for events that never come.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_cannot_be_continued_ends_with_an_error_for_its_client() {
+    let redis = redis_url();
+    let extra = ["--redis-url", redis.as_str(), "--orphan-after-secs", "1"];
+    let mut s = Stack::scripted("replica_lost", Db::Postgres, 1, 20, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+    let (sid, sse, head) = begin_story(a, &k, 10).await;
+    let message_id = head[0].json()["message_id"]
+        .as_str()
+        .expect("message_start names the reply")
+        .to_string();
+    let trimmed = std::process::Command::new("redis-cli")
+        .args([
+            "-u",
+            &redis,
+            "XDEL",
+            &format!("hearth:reply:{message_id}"),
+            "0-1",
+        ])
+        .output()
+        .expect("redis-cli");
+    assert_eq!(String::from_utf8_lossy(&trimmed.stdout).trim(), "1");
+    s.hearth.kill();
+    drop(sse);
+
+    let rest = resume_after(b_addr, &k, &sid, &head).await;
+    let end = rest.last().expect("an end");
+    assert_eq!(end.event, "error", "{rest:?}");
+    assert_eq!(end.json()["error_type"], "service_unavailable", "{end:?}");
+    let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
+    let want: Vec<u64> = (1..=seqs.len() as u64).collect();
+    assert_eq!(seqs, want, "every event once, in order");
+    let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .send(b_addr)
+        .await
+        .json();
+    let reply = &msgs["data"][1];
+    assert_eq!(reply["status"], "error", "{msgs}");
+    assert_eq!(reply["finish_reason"], "interrupted", "{msgs}");
+    assert_eq!(end.json()["content"], reply["content"], "{msgs}");
+    assert_eq!(metric(b_addr, "hearth_replica_takeovers_total").await, 0.0);
+    drop(b);
+    s.finish().await;
+}

@@ -322,6 +322,20 @@ impl SharedReplies {
         self.redis.cmd(&cmd, "taking a reply over").await
     }
 
+    /// The index of the next event of a reply's stream (how many it had, trimmed or not); None
+    /// when it has none, or Redis cannot say.
+    pub async fn next_event(&self, message_id: &MessageId) -> Option<usize> {
+        let cmd = redis::cmd("XREVRANGE")
+            .arg(stream_key(message_id))
+            .arg("+")
+            .arg("-")
+            .arg("COUNT")
+            .arg(1)
+            .clone();
+        let top: Entries = self.redis.cmd(&cmd, "reading a reply's last event").await?;
+        top.first().and_then(|(id, _)| entry_number(id))
+    }
+
     /// The job of a running reply, as its replica published it (None once it ended, or when
     /// Redis cannot say).
     pub async fn job(&self, message_id: &MessageId) -> Option<String> {

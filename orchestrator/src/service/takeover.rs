@@ -17,7 +17,8 @@
 //! `--orphan-after-secs`.
 //!
 //! Without Redis, or when the job or the whole stream is not there (trimmed, expired), the
-//! reply is marked `error`/`interrupted` with its text, as before.
+//! reply is marked `error`/`interrupted` with its text, as before; a replica that claimed it
+//! then ends its stream with an `error` event, so that its clients learn it ended.
 
 use std::sync::Arc;
 
@@ -25,9 +26,11 @@ use hearth_shared::{Grammar, SamplingParams};
 use serde::{Deserialize, Serialize};
 
 use super::{ChatError, ChatService};
-use crate::generate::{Job, Live, Persistence, TurnIds};
+use crate::generate::{
+    End, GenerationError, Job, Live, Outcome, Persistence, RunEvent, SharedReplies, TurnIds,
+};
 use crate::ids::{MessageId, SessionId, UserId};
-use crate::storage::StoreError;
+use crate::storage::{ReplyTimings, ReplyUsage, StoreError};
 use crate::tools::Tools;
 
 /// How long a shutdown waits for the events of the replies it hands over to be published.
@@ -134,18 +137,22 @@ impl ChatService {
         }
         let Some(published) = shared.published(id).await else {
             tracing::warn!(message_id = %id, "a reply's stream is not whole in Redis; it cannot be continued");
-            return self.fail_reply(id, at).await;
+            let why = "its events are no longer all in Redis";
+            return self.fail_taken(shared, &user_id, &ids, at, why).await;
         };
         // Finding the model's tokenizer (or loading the model) may take a while: the sweep
         // goes on meanwhile.
         let (me, id) = (self.clone(), id.clone());
         tokio::spawn(async move {
-            let job = match me.resumed_job(record, user_id, &ids).await {
+            let job = match me.resumed_job(record, user_id.clone(), &ids).await {
                 Ok(job) => job,
                 Err(e) => {
                     tracing::warn!(message_id = %id, error = %e, "a reply whose replica died cannot be continued");
-                    if let Err(e) = me.fail_reply(&id, at).await {
-                        tracing::warn!(message_id = %id, error = %e, "could not mark an interrupted reply");
+                    let why = e.to_string();
+                    if let Some(shared) = me.shared_replies.as_ref() {
+                        if let Err(e) = me.fail_taken(shared, &user_id, &ids, at, &why).await {
+                            tracing::warn!(message_id = %id, error = %e, "could not mark an interrupted reply");
+                        }
                     }
                     return;
                 }
@@ -190,6 +197,42 @@ impl ChatService {
             "running replies handed over to the other replicas"
         );
         handed.len()
+    }
+
+    /// Marks a reply this replica claimed, and owns in Redis, interrupted, and ends its stream
+    /// with an `error` event (with the text stored), so that a client resuming it anywhere
+    /// learns that it ended.
+    async fn fail_taken(
+        &self,
+        shared: &SharedReplies,
+        user_id: &UserId,
+        ids: &TurnIds,
+        at: i64,
+        why: &str,
+    ) -> Result<Swept, StoreError> {
+        let id = &ids.message_id;
+        let swept = self.fail_reply(id, at).await?;
+        let next = match swept {
+            Swept::Failed => shared.next_event(id).await,
+            _ => None,
+        };
+        if let Some(n) = next {
+            let stored = self.store.get_message(user_id, &ids.session_id, id).await;
+            let live = Live::from_event(Some(ids.clone()), n);
+            shared.publish(live.clone(), None);
+            live.push(RunEvent::End(Box::new(Outcome {
+                content: stored.map(|m| m.content).unwrap_or_default(),
+                end: End::Failed(GenerationError::Unavailable(format!(
+                    "the replica running this reply stopped, and the reply cannot be \
+                     continued: {why}"
+                ))),
+                tool_calls: None,
+                usage: ReplyUsage::default(),
+                timings: ReplyTimings::default(),
+                worker: None,
+            })));
+        }
+        Ok(swept)
     }
 
     async fn fail_reply(&self, id: &MessageId, seen: i64) -> Result<Swept, StoreError> {
