@@ -421,7 +421,7 @@ impl App {
         }
         // Handing replies over: their last events published and the other replicas told.
         if grace_over.load(std::sync::atomic::Ordering::Acquire) {
-            let _ = tokio::time::timeout(Duration::from_secs(5), &mut stopper).await;
+            let _ = tokio::time::timeout(Duration::from_secs(10), &mut stopper).await;
         }
         stopper.abort();
         for t in tasks {

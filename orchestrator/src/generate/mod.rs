@@ -49,6 +49,8 @@ pub(crate) struct Generator {
     pub(crate) pool: Arc<WorkerPool>,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) streams: Arc<Streams>,
+    /// How many replies' progress savers are running (see [`Generator::saves_done`]).
+    pub(crate) savers: tokio::sync::watch::Sender<usize>,
 }
 
 #[derive(Debug)]
@@ -391,6 +393,8 @@ impl Generator {
     fn progress_saver(&self, message_id: MessageId) -> tokio::sync::watch::Sender<String> {
         let (tx, mut rx) = tokio::sync::watch::channel(String::new());
         let store = self.store.clone();
+        let savers = self.savers.clone();
+        savers.send_modify(|n| *n += 1);
         tokio::spawn(async move {
             while rx.changed().await.is_ok() {
                 let text = rx.borrow_and_update().clone();
@@ -399,8 +403,16 @@ impl Generator {
                     tracing::warn!(error = %e, "could not save reply progress");
                 }
             }
+            savers.send_modify(|n| *n -= 1);
         });
         tx
+    }
+
+    /// Waits, at most `limit`, until no reply's progress is being saved: replies handed over
+    /// at shutdown write nothing more, so the replica taking one over claims it as last saved.
+    pub(crate) async fn saves_done(&self, limit: Duration) {
+        let mut rx = self.savers.subscribe();
+        let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
     }
 
     fn emit(&self, job: &Job, live: &Live, p: &mut Progress, text: String) {

@@ -169,6 +169,7 @@ impl ChatService {
                 pool: p.pool,
                 store: p.store.clone(),
                 streams: p.streams,
+                savers: tokio::sync::watch::Sender::new(0),
             }),
             store: p.store,
             limiter: Arc::new(p.limiter),

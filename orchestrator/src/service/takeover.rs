@@ -188,7 +188,10 @@ impl ChatService {
         if handed.is_empty() {
             return 0;
         }
+        // Nothing may write to them once the others are told: a late save would fail their
+        // claim.
         shared.published_all(HAND_OVER_FLUSH).await;
+        self.generator.saves_done(HAND_OVER_FLUSH).await;
         if let Some(bus) = &self.stop_bus {
             bus.release(&handed).await;
         }
