@@ -146,7 +146,7 @@ fn progress(msg: &str) {
 pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Result<Value> {
     let turns = o.turns as usize;
     o.run_on.check(o.kv_dtype)?;
-    let device = crate::device::select(o.run_on.device)?;
+    let device = o.run_on.select_device()?;
     let rss_before = crate::device::rss_bytes();
     let t = Instant::now();
     let model = crate::server::load_weights(model_path, &o.run_on, &device)?;
@@ -359,7 +359,8 @@ pub fn run_bench(model_path: &std::path::Path, o: &BenchOptions) -> anyhow::Resu
         },
         "forward": model.forward_pass(),
         "dense_gemm_tokens": o.run_on.dense_gemm_tokens,
-        "kernel_isa": format!("{:?}", crate::kernels::detect_isa()),
+        "kernel_isa": format!("{:?}", crate::kernels::kernel_isa()),
+        "amx": crate::kernels::amx().to_string(),
         "compiled_with_avx512": cfg!(target_feature = "avx512f"),
         "compiled_with_avx2": cfg!(target_feature = "avx2"),
         "threads": rayon::current_num_threads(),

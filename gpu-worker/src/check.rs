@@ -89,7 +89,7 @@ fn device_kv(m: &GenericModel, blocks: usize) -> anyhow::Result<DeviceKv> {
 /// Runs the check; the report says whether it passed.
 pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::Result<Value> {
     o.run_on.check(KvDtype::F16)?;
-    let device = crate::device::select(o.run_on.device)?;
+    let device = o.run_on.select_device()?;
     let weights = crate::server::load_weights(model_path, &o.run_on, &device)?;
     let vocab = weights.config().vocab_size;
     let mut prompt = vec![weights.special().0.unwrap_or(2)];
@@ -309,7 +309,7 @@ pub fn check_golden(model_path: &std::path::Path, o: &GoldenOptions) -> anyhow::
     let golden: Value = serde_json::from_slice(
         &std::fs::read(&o.golden).map_err(|e| anyhow::anyhow!("{}: {e}", o.golden.display()))?,
     )?;
-    let device = crate::device::select(o.run_on.device)?;
+    let device = o.run_on.select_device()?;
     let weights = crate::server::load_weights(model_path, &o.run_on, &device)?;
     let vocab = weights.config().vocab_size;
     let report = against_golden(&golden, |all, n| {

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::kernels::{detect_isa, Isa};
+use crate::kernels::{amx, kernel_isa, Isa};
 
 /// Device memory as the worker reports it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -158,7 +158,7 @@ fn cpu() -> Device {
                 .map(|(_, v)| v.trim().to_string())
         })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
-    let isa = match detect_isa() {
+    let isa = match kernel_isa() {
         Isa::Scalar => "scalar",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => "avx2",
@@ -169,7 +169,7 @@ fn cpu() -> Device {
     Device {
         kind: "cpu",
         ordinal: 0,
-        name: format!("{model} ({isa}, {threads} threads)"),
+        name: format!("{model} ({isa}, {threads} threads, AMX {})", amx()),
         compute_capability: None,
         candle: candle_core::Device::Cpu,
     }

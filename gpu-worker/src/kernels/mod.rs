@@ -16,12 +16,14 @@
 //! step reads as many bytes as the file holds; AVX2 keeps 8-bit matrices row-major (its panel
 //! kernel takes values of at most 6 bits), and portable code keeps every matrix so.
 
+mod amx;
 mod panels;
 mod pool;
 mod q8;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 
+pub use amx::{amx, Amx};
 pub use panels::{from_q4_k, from_q6_k, to_five_bit, to_panels, PANEL, QK_K};
 pub use pool::SpinPool;
 pub use q8::{
@@ -62,9 +64,63 @@ pub fn detect_isa() -> Isa {
     Isa::Scalar
 }
 
+/// The kernels the model runs with: chosen once ([`use_kernels`]), else the best here.
+static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+
 fn cached_isa() -> Isa {
-    static ISA: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
     *ISA.get_or_init(detect_isa)
+}
+
+/// The kernels this process runs (what [`use_kernels`] chose, else the best this CPU has).
+pub fn kernel_isa() -> Isa {
+    cached_isa()
+}
+
+/// `--kernels`: which CPU kernels run, for comparing them (`auto`: the best this CPU has).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KernelChoice {
+    #[default]
+    Auto,
+    /// AVX-512 VNNI (panels).
+    Vnni,
+    Avx2,
+    /// Portable code.
+    Scalar,
+}
+
+/// The kernels `choice` names on a CPU whose best is `best`, or why they cannot run there.
+pub fn pick(choice: KernelChoice, best: Isa) -> Result<Isa, String> {
+    #[cfg(target_arch = "x86_64")]
+    let (vnni, avx2) = (
+        (best == Isa::Avx512Vnni).then_some(Isa::Avx512Vnni),
+        (best != Isa::Scalar).then_some(Isa::Avx2),
+    );
+    #[cfg(not(target_arch = "x86_64"))]
+    let (vnni, avx2) = (None, None);
+    let lacks =
+        |what: &str| format!("this CPU lacks {what} (the best kernels it runs are {best:?})");
+    match choice {
+        KernelChoice::Auto => Ok(best),
+        KernelChoice::Scalar => Ok(Isa::Scalar),
+        KernelChoice::Vnni => vnni.ok_or_else(|| lacks("AVX-512 VNNI")),
+        KernelChoice::Avx2 => avx2.ok_or_else(|| lacks("AVX2 and FMA")),
+    }
+}
+
+/// Runs the kernels `choice` names from now on; call it before any model is loaded (the
+/// weights are laid out for the kernels). Also asks for AMX's tile state ([`amx`]) while no
+/// kernel thread exists yet. Returns the kernels chosen.
+pub fn use_kernels(choice: KernelChoice) -> Result<Isa, String> {
+    let isa = pick(choice, detect_isa())?;
+    let amx = amx();
+    let set = *ISA.get_or_init(|| isa);
+    if set != isa {
+        return Err(format!(
+            "the {set:?} kernels already run in this process; {isa:?} cannot replace them"
+        ));
+    }
+    tracing::info!(kernels = ?isa, %amx, "CPU kernels chosen");
+    Ok(isa)
 }
 
 /// Whether AVX-512 F and BW run here: the activation quantizer's and attention's fast paths.

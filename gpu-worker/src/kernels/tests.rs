@@ -603,3 +603,22 @@ fn the_avx512_activation_quantizer_gives_the_portable_blocks_bit_for_bit() {
     }
     assert!(portable.0.contains(&127) && portable.0.contains(&-127));
 }
+
+#[test]
+fn kernels_are_chosen_only_where_the_cpu_runs_them() {
+    use KernelChoice as K;
+    assert_eq!(pick(K::Scalar, Isa::Scalar), Ok(Isa::Scalar));
+    assert_eq!(pick(K::Auto, Isa::Scalar), Ok(Isa::Scalar));
+    #[cfg(target_arch = "x86_64")]
+    {
+        assert_eq!(pick(K::Auto, Isa::Avx512Vnni), Ok(Isa::Avx512Vnni));
+        assert_eq!(pick(K::Vnni, Isa::Avx512Vnni), Ok(Isa::Avx512Vnni));
+        assert_eq!(pick(K::Avx2, Isa::Avx512Vnni), Ok(Isa::Avx2));
+        assert_eq!(pick(K::Scalar, Isa::Avx512Vnni), Ok(Isa::Scalar));
+        assert_eq!(pick(K::Auto, Isa::Avx2), Ok(Isa::Avx2));
+        let e = pick(K::Vnni, Isa::Avx2).expect_err("no VNNI");
+        assert!(e.contains("AVX-512 VNNI") && e.contains("Avx2"), "{e}");
+        let e = pick(K::Avx2, Isa::Scalar).expect_err("no AVX2");
+        assert!(e.contains("AVX2"), "{e}");
+    }
+}

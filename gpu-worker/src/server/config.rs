@@ -179,6 +179,10 @@ pub struct RunOn {
     /// (`false` issues every kernel of every step; for comparing the two).
     #[arg(long, env = "HEARTH_WORKER_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
+    /// Which CPU kernels run the model: `auto` (the best this CPU has), `vnni`, `avx2` or
+    /// `scalar`, for comparing them. One this CPU cannot run is refused.
+    #[arg(long, env = "HEARTH_WORKER_KERNELS", value_enum, default_value_t = crate::kernels::KernelChoice::Auto)]
+    pub kernels: crate::kernels::KernelChoice,
 }
 
 impl RunOn {
@@ -191,6 +195,8 @@ impl RunOn {
                 "`kernels` runs on the CPU only; a CUDA device takes `candle` (or `auto`)",
             ));
         }
+        crate::kernels::pick(self.kernels, crate::kernels::detect_isa())
+            .map_err(|e| invalid("--kernels", e))?;
         let candle = self.forward == ForwardPass::Candle || cuda;
         if candle && kv_dtype == KvDtype::Int8 {
             return Err(invalid(
@@ -207,6 +213,14 @@ impl RunOn {
             )),
             _ => Ok(()),
         }
+    }
+
+    /// Sets the CPU kernels (`--kernels`, checked by [`RunOn::check`]) and opens the device.
+    pub fn select_device(&self) -> Result<crate::device::Device, crate::device::DeviceError> {
+        if let Err(e) = crate::kernels::use_kernels(self.kernels) {
+            tracing::warn!(error = %e, "--kernels not applied");
+        }
+        crate::device::select(self.device)
     }
 
     /// Whether the candle forward pass runs on `device` (a GPU, or `--forward candle`).
@@ -699,6 +713,25 @@ mod tests {
         assert!(c.run_on.cuda_graphs && !options.step_graphs);
         let off = validate(&["--forward", "candle", "--cuda-graphs", "false"]).unwrap();
         assert!(!off.run_on.cuda_graphs);
+    }
+
+    #[test]
+    fn the_kernels_flag_names_kernels_this_cpu_runs() {
+        use crate::kernels::{detect_isa, pick, KernelChoice};
+        let c = validate(&[]).unwrap();
+        assert_eq!(c.run_on.kernels, KernelChoice::Auto);
+        let c = validate(&["--kernels", "scalar"]).unwrap();
+        assert_eq!(c.run_on.kernels, KernelChoice::Scalar);
+        for (flag, choice) in [("vnni", KernelChoice::Vnni), ("avx2", KernelChoice::Avx2)] {
+            let got = validate(&["--kernels", flag]);
+            match pick(choice, detect_isa()) {
+                Ok(_) => assert_eq!(got.unwrap().run_on.kernels, choice),
+                Err(why) => {
+                    let err = got.unwrap_err().to_string();
+                    assert_eq!(err, format!("--kernels: {why}"));
+                }
+            }
+        }
     }
 
     #[test]

@@ -98,7 +98,7 @@ pub struct Worker {
 impl Worker {
     /// Opens the device and binds both listeners; nothing is served yet.
     pub async fn bind(config: ValidConfig) -> Result<Self, ServeError> {
-        let device = device::select(config.run_on.device)?;
+        let device = config.run_on.select_device()?;
         let bind = |addr: SocketAddr| async move {
             TcpListener::bind(addr)
                 .await

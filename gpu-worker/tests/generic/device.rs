@@ -138,6 +138,7 @@ fn check_greedy_compares_a_devices_reply_with_a_cpu_pass() {
             forward: ForwardPass::Candle,
             dense_gemm_tokens: None,
             cuda_graphs: true,
+            kernels: Default::default(),
         },
         prompt_tokens: 24,
         tokens: 32,
