@@ -181,38 +181,51 @@ fn spawn_orphan_sweep(
             let pause = tokio::time::sleep((orphan_after / 2).max(Duration::from_millis(250)));
             tokio::pin!(pause);
             loop {
-                let handed = async {
-                    match released.as_mut() {
-                        Some(rx) => rx.recv().await,
-                        None => std::future::pending().await,
-                    }
-                };
                 tokio::select! {
                     () = &mut pause => break,
-                    Some(id) = handed => take_handed_over(&store, &chat, &id).await,
+                    ids = next_released(&mut released) => take_handed_over(&store, &chat, &ids).await,
                 }
             }
         }
     })
 }
 
-/// Takes over (or leaves to the replica that is quicker) a reply another replica handed over
-/// as it shut down, without waiting for it to fall silent.
-async fn take_handed_over(store: &Arc<dyn Store>, chat: &Arc<ChatService>, id: &MessageId) {
-    let at = match store.streaming_replies().await {
-        Ok(replies) => replies.into_iter().find(|(r, _)| r == id).map(|(_, at)| at),
+/// The replies handed over since the last call: waits for one, then takes every one already
+/// announced (a replica shutting down hands over all of its replies at once). Never resolves
+/// without Redis.
+async fn next_released(released: &mut Option<Released>) -> Vec<MessageId> {
+    let Some(rx) = released.as_mut() else {
+        return std::future::pending().await;
+    };
+    let Some(first) = rx.recv().await else {
+        return std::future::pending().await;
+    };
+    let mut ids = vec![first];
+    while let Ok(id) = rx.try_recv() {
+        ids.push(id);
+    }
+    ids
+}
+
+/// Takes over (or leaves to the replica that is quicker) replies another replica handed over
+/// as it shut down, without waiting for them to fall silent; one read of the streaming
+/// replies for all of them.
+async fn take_handed_over(store: &Arc<dyn Store>, chat: &Arc<ChatService>, ids: &[MessageId]) {
+    let replies = match store.streaming_replies().await {
+        Ok(replies) => replies,
         Err(e) => {
-            tracing::warn!(error = %e, "could not read a reply handed over; the sweep finds it later");
+            tracing::warn!(error = %e, "could not read the replies handed over; the sweep finds them later");
             return;
         }
     };
-    let Some(at) = at else { return };
-    match chat.sweep_reply(id, at).await {
-        Ok(Swept::TakenOver) => {
-            tracing::info!(message_id = %id, "continuing a reply another replica handed over");
+    for (id, at) in replies.iter().filter(|(r, _)| ids.contains(r)) {
+        match chat.sweep_reply(id, *at).await {
+            Ok(Swept::TakenOver) => {
+                tracing::info!(message_id = %id, "continuing a reply another replica handed over");
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "could not take over a reply handed over"),
         }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "could not take over a reply handed over"),
     }
 }
 

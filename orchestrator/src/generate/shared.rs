@@ -134,10 +134,9 @@ fn token_list(tokens: &[u32]) -> String {
 pub struct Published {
     /// How many events: the next one's index.
     pub events: usize,
-    /// The tokens generated so far, whose text the events showed.
+    /// The tokens generated so far, whose text the events showed (the taker replays them to
+    /// get that text back).
     pub tokens: Vec<u32>,
-    /// The text the events showed.
-    pub text: String,
 }
 
 impl Published {
@@ -147,7 +146,6 @@ impl Published {
         let mut p = Self {
             events: 0,
             tokens: Vec::new(),
-            text: String::new(),
         };
         for (id, fields) in entries {
             if entry_number(&id) != Some(p.events + 1) {
@@ -159,13 +157,11 @@ impl Published {
                     p.tokens.push(token.parse().ok()?);
                 }
             }
-            match fields.get("e").map(String::as_str) {
-                Some("token") => {
-                    let data: serde_json::Value = serde_json::from_str(fields.get("d")?).ok()?;
-                    p.text.push_str(data["text"].as_str()?);
-                }
-                Some("message_end" | "error") => return None,
-                _ => {}
+            if matches!(
+                fields.get("e").map(String::as_str),
+                Some("message_end" | "error")
+            ) {
+                return None;
             }
         }
         (p.events > 0).then_some(p)
@@ -486,7 +482,7 @@ mod tests {
     }
 
     #[test]
-    fn a_whole_running_stream_gives_its_tokens_and_text_and_nothing_else_does() {
+    fn a_whole_running_stream_gives_its_tokens_and_nothing_else_does() {
         let start = entry(1, "message_start", "{}", &[]);
         let hello = entry(2, "token", r#"{"text":"Hel"}"#, &[9, 10]);
         let rest = entry(3, "token", r#"{"text":"lo"}"#, &[11]);
@@ -496,7 +492,6 @@ mod tests {
             Published {
                 events: 3,
                 tokens: vec![9, 10, 11],
-                text: "Hello".into(),
             }
         );
         assert_eq!(Published::of(vec![]), None, "nothing published");
