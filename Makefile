@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies flake-hunt fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -82,6 +82,14 @@ bench-loops: fetch-model
 ## this machine; builds BASE in a scratch worktree; minutes; not in CI).
 bench-shared-replies:
 	bash tests/anchor/shared-replies-cost.sh
+
+## Every whole-stack test binary RUNS times (default 20), each run with its own seed, then one line
+## per test that failed at least once, with its count and the seeds to replay it with
+## (HEARTH_TEST_SEED). Run it with the machine busy too: a second `make flake-hunt` beside it.
+## About 4 minutes a run on 2 cores; not in CI.
+RUNS ?= 20
+flake-hunt: fetch-model
+	python3 scripts/flake-hunt.py --runs $(RUNS)
 
 fmt:
 	$(CARGO) fmt --all

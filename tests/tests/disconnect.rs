@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    assert_cancelled_before, new_session, settled_reply, slow_spec, wait_idle, worker_metric, Db,
+    assert_cancelled_before, new_session, settled_reply, slow_spec, wait_idle, wait_metric, Db,
     Stack, DECODED,
 };
 use serde_json::json;
@@ -40,7 +40,10 @@ async fn a_reply_outlives_its_client_unless_the_server_cancels_on_disconnect() {
     assert_eq!(reply["status"], "complete", "{reply}");
     assert_eq!(reply["finish_reason"], "length", "{reply}");
     assert_eq!(reply["completion_tokens"], 60, "{reply}");
-    assert!(worker_metric(&s.workers[0], DECODED).await >= 59.0);
+    // The worker counts a step's tokens once the step is over, maybe after the reply is stored.
+    let metrics = s.workers[0].metrics.parse().expect("metrics address");
+    let decoded = wait_metric(metrics, DECODED, Duration::from_secs(10), |v| v >= 59.0).await;
+    assert!(decoded >= 59.0, "the worker decoded {decoded} tokens");
     s.finish().await;
 
     // --cancel-on-disconnect: the worker stops decoding and the partial reply is kept.

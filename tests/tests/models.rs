@@ -10,7 +10,7 @@ use std::path::Path;
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    assets, new_session_with, path, post, worker_with, Hearth, Stack, DECODED,
+    assets, new_session_with, path, post, wait_idle, worker_with, Hearth, Stack, DECODED,
 };
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
 use hearth_orchestrator::storage::SqlStore;
@@ -67,10 +67,27 @@ async fn served_by_of<F: std::future::Future<Output = ()>>(
 ) -> usize {
     let before = decoded(s, gone).await;
     call.await;
+    // A worker counts a step's tokens once the step is over, which may be after the client
+    // has its reply: wait until some worker's count has moved and every worker is idle, so
+    // that a second worker that decoded for the call would show too.
+    let moved = |after: &[f64]| -> Vec<usize> {
+        (0..before.len())
+            .filter(|&i| after[i] > before[i])
+            .collect()
+    };
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut after = decoded(s, gone).await;
+    while moved(&after).is_empty() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        after = decoded(s, gone).await;
+    }
+    for (i, w) in s.workers.iter().enumerate() {
+        if !gone.contains(&i) {
+            assert_eq!(wait_idle(w).await, 0.0, "worker {i} is still busy");
+        }
+    }
     let after = decoded(s, gone).await;
-    let moved: Vec<usize> = (0..before.len())
-        .filter(|&i| after[i] > before[i])
-        .collect();
+    let moved = moved(&after);
     assert_eq!(
         moved.len(),
         1,
