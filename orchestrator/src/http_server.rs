@@ -147,7 +147,7 @@ async fn connection<S>(
     <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let conn = builder
-        .serve_connection(TokioIo::new(stream), service)
+        .serve_connection(TokioIo::new(Lingering(Some(stream))), service)
         .with_upgrades();
     tokio::pin!(conn);
     let mut stopping = false;
@@ -164,5 +164,96 @@ async fn connection<S>(
                 conn.as_mut().graceful_shutdown();
             }
         }
+    }
+}
+
+/// How long, and for how many bytes at most, a closed connection is still read from.
+const LINGER_FOR: Duration = Duration::from_secs(2);
+const LINGER_BYTES: usize = 16 << 20;
+
+/// A connection that, once the server is done with it, still reads (and discards) what the
+/// client goes on sending for a moment before it closes: a lingering close, as nginx does. A
+/// request answered before its body was read (413: too large; 401) is followed by the rest of
+/// that body; closing with it unread would make the kernel reset the connection, and a client
+/// still writing the body would get the reset instead of the answer.
+struct Lingering(Option<tokio::net::TcpStream>);
+
+impl Lingering {
+    fn stream(&mut self) -> std::io::Result<&mut tokio::net::TcpStream> {
+        self.0
+            .as_mut()
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::NotConnected))
+    }
+}
+
+impl tokio::io::AsyncRead for Lingering {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.stream() {
+            Ok(s) => std::pin::Pin::new(s).poll_read(cx, buf),
+            Err(e) => std::task::Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Lingering {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        match self.stream() {
+            Ok(s) => std::pin::Pin::new(s).poll_write(cx, buf),
+            Err(e) => std::task::Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.stream() {
+            Ok(s) => std::pin::Pin::new(s).poll_flush(cx),
+            Err(e) => std::task::Poll::Ready(Err(e)),
+        }
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        match self.stream() {
+            Ok(s) => std::pin::Pin::new(s).poll_shutdown(cx),
+            Err(e) => std::task::Poll::Ready(Err(e)),
+        }
+    }
+}
+
+impl Drop for Lingering {
+    fn drop(&mut self) {
+        let (Some(mut stream), Ok(rt)) = (self.0.take(), tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        rt.spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            // The answer is out: say so (FIN), then take what still comes, until the client
+            // closes too, or for a moment at most.
+            let _ = stream.shutdown().await;
+            let drain = async {
+                let mut buf = vec![0u8; 16 << 10];
+                let mut read = 0;
+                while read < LINGER_BYTES {
+                    match stream.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => read += n,
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(LINGER_FOR, drain).await;
+        });
     }
 }

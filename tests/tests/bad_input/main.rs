@@ -171,3 +171,38 @@ async fn bad_session_list_queries_get_422() {
 async fn long_headers_and_what_lenient_parsers_take_are_refused_as_json() {
     probe("bad_headers", Family::LongHeaders, 8, true).await;
 }
+
+/// A body too large is answered 413 from its header, before it is read; a client still sending
+/// it, as clients do (the whole body, then the answer), must get that answer and not a reset
+/// connection. Here the body follows its header only once the server has answered.
+#[tokio::test]
+async fn a_body_answered_before_it_is_read_still_gets_its_answer() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = Stack::start("bad_linger", Db::Sqlite, 1, &[]).await;
+    let key = s.key("prober").await;
+    let sid = new_session_with(s.addr(), &key, &json!({})).await;
+    let body = vec![b'x'; 4 * case::BODY_LIMIT];
+    for _ in 0..3 {
+        let mut c = tokio::net::TcpStream::connect(s.addr())
+            .await
+            .expect("connect");
+        let head = format!(
+            "POST /v1/sessions/{sid}/messages HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer \
+             {key}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            s.addr(),
+            body.len()
+        );
+        c.write_all(head.as_bytes()).await.expect("write the header");
+        // The server answers and closes its side meanwhile.
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        c.write_all(&body)
+            .await
+            .expect("the body goes out after the answer");
+        let mut answer = Vec::new();
+        c.read_to_end(&mut answer).await.expect("the answer");
+        let answer = String::from_utf8_lossy(&answer);
+        assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+        assert!(answer.contains("body_too_large"), "{answer}");
+    }
+    s.finish().await;
+}
