@@ -60,6 +60,18 @@ impl Redis {
         self.settle(run.invoke_async(&mut c).await, what)
     }
 
+    /// As [`Redis::script`], tried even while Redis counts as down: for background work that
+    /// retries on its own and must know the moment Redis is back (a reply's publisher, whose
+    /// clients wait for it).
+    pub async fn script_now<T: FromRedisValue>(
+        &self,
+        run: &redis::ScriptInvocation<'_>,
+        what: &str,
+    ) -> Option<T> {
+        let mut c = self.conn.clone();
+        self.settle(run.invoke_async(&mut c).await, what)
+    }
+
     fn available(&self) -> Option<ConnectionManager> {
         (self.down_until.load(Ordering::Relaxed) <= now_ms()).then(|| self.conn.clone())
     }

@@ -94,13 +94,7 @@ async fn start_local_worker(w: &config::LocalWorker) -> anyhow::Result<LocalWork
 async fn auth_mode(arg: AuthArg, store: &dyn Store) -> anyhow::Result<AuthMode> {
     Ok(match arg {
         AuthArg::Keys => AuthMode::Keys,
-        AuthArg::None => {
-            let user = match store.user_by_name(LOCAL_USER).await? {
-                Some(u) => u,
-                None => store.create_user(LOCAL_USER).await?,
-            };
-            AuthMode::Disabled(user)
-        }
+        AuthArg::None => AuthMode::Disabled(store.ensure_user(LOCAL_USER).await?),
     })
 }
 
@@ -218,10 +212,10 @@ async fn take_handed_over(store: &Arc<dyn Store>, chat: &Arc<ChatService>, ids: 
             return;
         }
     };
-    for (id, at) in replies.iter().filter(|(r, _)| ids.contains(r)) {
-        match chat.sweep_reply(id, *at).await {
+    for reply in replies.iter().filter(|r| ids.contains(&r.id)) {
+        match chat.sweep_reply(reply, false).await {
             Ok(Swept::TakenOver) => {
-                tracing::info!(message_id = %id, "continuing a reply another replica handed over");
+                tracing::info!(message_id = %reply.id, "continuing a reply another replica handed over");
             }
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "could not take over a reply handed over"),
@@ -315,6 +309,11 @@ impl App {
             shared_prompts,
             shared_replies: shared.replies,
         }));
+        let heartbeat = crate::generate::heartbeat_task(
+            store.clone(),
+            chat.leases(),
+            crate::generate::heartbeat_every(config.orphan_after),
+        );
         let sweeper = spawn_orphan_sweep(
             store.clone(),
             chat.clone(),
@@ -339,7 +338,7 @@ impl App {
             }
             None => None,
         };
-        let mut tasks = vec![sweeper, database_check];
+        let mut tasks = vec![sweeper, database_check, heartbeat];
         tasks.extend(shared.listener);
         Ok(Self {
             state,
@@ -467,11 +466,13 @@ fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
 
 /// Finds replies left `streaming` by an orchestrator that died, without comparing clocks.
 ///
-/// A live reply is saved every few seconds, and each save writes a new `updated_at`, whatever
-/// the clock of the replica that writes it. So a reply is orphaned when its `updated_at` has not
-/// changed for `orphan_after` of this process's own monotonic time. Comparing the stored time
-/// with this replica's wall clock instead would fail another replica's live replies whenever
-/// the two clocks differ by more than `orphan_after`.
+/// A live reply's owner renews it on a heartbeat, and each renewal writes a new `updated_at`,
+/// whatever the clock of the replica that writes it. So a reply is orphaned when its
+/// `updated_at` has not changed for `orphan_after` of this process's own monotonic time, while
+/// the database could be read: silence it could not have seen (the database was unreachable,
+/// for its owner too) does not count. Comparing the stored time with this replica's wall clock
+/// instead would fail another replica's live replies whenever the two clocks differ by more
+/// than `orphan_after`.
 struct OrphanSweep {
     orphan_after: Duration,
     /// Each streaming reply's `updated_at` when last seen, and since when it has not changed.
@@ -491,30 +492,31 @@ impl OrphanSweep {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!(error = %e, "could not check for interrupted replies");
+                self.seen.clear();
                 return;
             }
         };
         let now = std::time::Instant::now();
         let mut seen = std::collections::HashMap::with_capacity(replies.len());
         let (mut failed, mut taken) = (0, 0);
-        for (id, at) in replies {
-            let since = match self.seen.get(&id) {
-                Some(&(last, since)) if last == at => since,
+        for reply in replies {
+            let since = match self.seen.get(&reply.id) {
+                Some(&(last, since)) if last == reply.updated_at => since,
                 _ => now,
             };
             if now.duration_since(since) < self.orphan_after {
-                seen.insert(id, (at, since));
+                seen.insert(reply.id, (reply.updated_at, since));
                 continue;
             }
-            match chat.sweep_reply(&id, at).await {
+            match chat.sweep_reply(&reply, true).await {
                 Ok(Swept::Failed) => failed += 1,
-                Ok(Swept::TakenOver) => taken += 1,
+                Ok(Swept::TakenOver | Swept::Finished) => taken += 1,
                 // Saved since it was read (alive after all: the next sweep sees the new time),
                 // or claimed by another replica.
                 Ok(Swept::Alive) => {}
                 Err(e) => {
                     tracing::warn!(error = %e, "could not mark an interrupted reply");
-                    seen.insert(id, (at, since));
+                    seen.insert(reply.id, (reply.updated_at, since));
                 }
             }
         }

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{history, new_session, Db, Stack};
 use hearth_orchestrator::storage::{
-    Completion, Finish, MessageStatus, ReplyTimings, ReplyUsage, SessionId, Store,
+    Completion, Finish, MessageStatus, ReplyLease, ReplyTimings, ReplyUsage, SessionId, Store,
 };
 use serde_json::json;
 
@@ -74,10 +74,9 @@ async fn a_five_thousand_message_session_does_not_hold_up_other_users() {
             worker: None,
             tool_calls: None,
         };
-        s.store
-            .finish_message(&t.assistant.id, &reply)
-            .await
-            .expect("reply");
+        let lease = ReplyLease::first(t.assistant.id.clone());
+        let stored = s.store.finish_message(&lease, &reply).await.expect("reply");
+        assert!(stored, "the reply was streaming");
     }
     println!("seeded 5,000 messages in {:?}", seeding.elapsed());
 

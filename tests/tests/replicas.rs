@@ -8,7 +8,7 @@ use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
 use hearth_e2e::stack::{
-    metric, new_session, signal, slow_spec, token_text, wait_exit, Db, Hearth, Stack,
+    metric, new_session, signal, slow_spec, token_text, wait_exit, wait_metric, Db, Hearth, Stack,
 };
 use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -447,12 +447,158 @@ async fn a_replica_that_shuts_down_hands_its_running_reply_over() {
     s.finish().await;
 }
 
-/// A reply whose replica died and that cannot be continued (here: its stream's first event is
-/// gone from Redis, so the tokens it had are not all known) is stored as interrupted with its
-/// text, and a client resuming it on another replica gets that end as an `error` event, next
-/// in the sequence, rather than waiting for events that never come.
+/// A replica that handed a reply over as it shuts down never takes it back: not when it hears
+/// its own hand-over notice, nor when its orphan sweep, still running while the replica waits
+/// for a stateless reply to end, finds the reply silent for longer than `--orphan-after-secs`.
+/// The other replica (asleep meanwhile, SIGSTOP) claims it once, when it wakes, and the reply
+/// goes on there, whole. (A replica that took it back would run it until it exits, leaving it
+/// to be claimed a second time.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reply_that_cannot_be_continued_ends_with_an_error_for_its_client() {
+async fn a_replica_never_takes_back_a_reply_it_handed_over() {
+    let redis = redis_url();
+    let extra = [
+        "--redis-url",
+        redis.as_str(),
+        "--orphan-after-secs",
+        "1",
+        "--shutdown-timeout-secs",
+        "1",
+    ];
+    let mut s = Stack::scripted("replica_handed", Db::Postgres, 1, 20, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let k = s.key("alice").await;
+    // A stateless reply of 6 s keeps A up for a while after it hands the story over.
+    let body = json!({"max_tokens": 300, "ignore_eos": true, "stream": true,
+                      "messages": [{"role": "user", "content": "keep A busy"}]});
+    let mut busy = Req::new("POST", "/v1/chat/completions")
+        .key(Some(&k))
+        .json(&body)
+        .events(a)
+        .await;
+    assert_eq!(busy.status, 200);
+    let busy = tokio::spawn(async move { busy.rest().await });
+    // 600 tokens: 12 s, longer than A stays up.
+    let sid = new_session(a, &k).await;
+    let turn = json!({"content": "A long story, please", "max_tokens": 600, "ignore_eos": true});
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&turn)
+        .events(a)
+        .await;
+    let mut head = vec![sse.next().await.expect("message_start")];
+    signal(&b.child, libc::SIGSTOP);
+    let signalled = std::time::Instant::now();
+    signal(&s.hearth.child, libc::SIGTERM);
+    head.extend(sse.rest().await);
+    let status = wait_exit(
+        &mut s.hearth.child,
+        signalled + std::time::Duration::from_secs(30),
+    )
+    .await
+    .expect("the replica exits");
+    assert!(status.success(), "{status:?}");
+    let lasted = signalled.elapsed();
+    assert!(
+        lasted > std::time::Duration::from_secs(3),
+        "A stayed up a while after it handed the story over ({lasted:?})"
+    );
+    drop(busy);
+    signal(&b.child, libc::SIGCONT);
+
+    let rest = resume_after(b_addr, &k, &sid, &head).await;
+    let end = rest.last().expect("events after the cut");
+    assert_eq!(end.event, "message_end", "{rest:?}");
+    assert_eq!(end.json()["usage"]["completion_tokens"], 600, "{end:?}");
+    let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
+    let want: Vec<u64> = (1..=seqs.len() as u64).collect();
+    assert_eq!(seqs, want, "every event once, in order");
+    let text = token_text(&head) + &token_text(&rest);
+    assert_stored_once(b_addr, &k, &sid, &text).await;
+    // Claimed once, by B.
+    let message_id = head[0].json()["message_id"]
+        .as_str()
+        .expect("id")
+        .to_string();
+    assert_eq!(lease_epoch(&s.db_url, &message_id).await, 1);
+    drop(b);
+    s.finish().await;
+}
+
+/// A reply that gives its worker's place to another user (fair share) and waits to get one
+/// back writes nothing for longer than `--orphan-after-secs`, yet its replica is alive: its
+/// heartbeat keeps the reply its own, and the other replica takes nothing over. Once the place
+/// is free the reply goes on where it began, and its client's text is what is stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_waiting_for_a_place_stays_with_its_live_replica() {
+    let redis = redis_url();
+    let extra = [
+        "--redis-url",
+        redis.as_str(),
+        "--orphan-after-secs",
+        "1",
+        "--worker-capacity",
+        "2",
+    ];
+    let s = Stack::scripted("replica_waiting", Db::Postgres, 1, 20, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, b_addr) = (s.addr(), b.addr);
+    let (alice, bob) = (s.key("alice").await, s.key("bob").await);
+    // Alice's two stories fill A's two places on the worker.
+    let (_, mut first, _) = begin_story(a, &alice, 1).await;
+    let (sid, mut story, mut head) = begin_story(a, &alice, 5).await;
+    // On A, bob holds no place: he takes the place of alice's newest story for his 100 tokens
+    // (2 s at 20 ms), and her story waits meanwhile.
+    let bobs = new_session(a, &bob).await;
+    let r = Req::new("POST", &format!("/v1/sessions/{bobs}/messages"))
+        .key(Some(&bob))
+        .json(
+            &json!({"content": "Me first", "max_tokens": 100, "ignore_eos": true,
+                      "stream": false}),
+        )
+        .send(a)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    head.extend(story.rest().await);
+    first.rest().await;
+    assert_eq!(
+        head.last().map(|e| e.event.as_str()),
+        Some("message_end"),
+        "{head:?}"
+    );
+    assert_eq!(
+        metric(a, "hearth_fair_share_preemptions_total").await,
+        1.0,
+        "alice's reply gave its place to bob"
+    );
+    for addr in [a, b_addr] {
+        assert_eq!(metric(addr, "hearth_replica_takeovers_total").await, 0.0);
+    }
+    let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&alice))
+        .send(b_addr)
+        .await
+        .json();
+    assert_eq!(msgs["data"][1]["status"], "complete", "{msgs}");
+    assert_eq!(
+        msgs["data"][1]["content"],
+        json!(token_text(&head)),
+        "{msgs}"
+    );
+    drop(b);
+    s.finish().await;
+}
+
+/// A reply whose replica is killed while Redis loses its stream (here: its keys deleted, as a
+/// restart without persistence does) goes on from the checkpoint in the database, under a
+/// stream begun again there. A client that has exactly the checkpoint's events resumes it
+/// seamlessly; one ahead of it, or behind, is told so with an `error` event (`stream_lost`) under
+/// the id it already has, never shown other text under ids it has seen. The reply is stored
+/// once, complete: the uncut story.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_whose_stream_is_lost_with_its_replica_goes_on_from_its_checkpoint() {
     let redis = redis_url();
     let extra = ["--redis-url", redis.as_str(), "--orphan-after-secs", "1"];
     let mut s = Stack::scripted("replica_lost", Db::Postgres, 1, 20, &extra).await;
@@ -460,42 +606,84 @@ async fn a_reply_that_cannot_be_continued_ends_with_an_error_for_its_client() {
     b.wait_ready().await;
     let (a, b_addr) = (s.addr(), b.addr);
     let k = s.key("alice").await;
-    let (sid, sse, head) = begin_story(a, &k, 10).await;
+    let whole = whole_story(b_addr, &k).await;
+
+    // 70 tokens: past A's first checkpoint (a second in).
+    let (sid, mut sse, mut head) = begin_story(a, &k, 70).await;
     let message_id = head[0].json()["message_id"]
         .as_str()
         .expect("message_start names the reply")
         .to_string();
-    let trimmed = std::process::Command::new("redis-cli")
-        .args([
-            "-u",
-            &redis,
-            "XDEL",
-            &format!("hearth:reply:{message_id}"),
-            "0-1",
-        ])
+    s.hearth.kill();
+    // Whatever A sent before it died.
+    head.extend(sse.rest().await);
+    let keys = ["reply", "reply-job", "reply-owner"].map(|k| format!("hearth:{k}:{message_id}"));
+    let deleted = std::process::Command::new("redis-cli")
+        .args(["-u", &redis, "DEL"])
+        .args(&keys)
+        .arg(format!("hearth:reply-of:{sid}"))
         .output()
         .expect("redis-cli");
-    assert_eq!(String::from_utf8_lossy(&trimmed.stdout).trim(), "1");
-    s.hearth.kill();
-    drop(sse);
-
-    let rest = resume_after(b_addr, &k, &sid, &head).await;
-    let end = rest.last().expect("an end");
-    assert_eq!(end.event, "error", "{rest:?}");
-    assert_eq!(end.json()["error_type"], "service_unavailable", "{end:?}");
-    let seqs: Vec<u64> = head.iter().chain(&rest).map(seq).collect();
-    let want: Vec<u64> = (1..=seqs.len() as u64).collect();
-    assert_eq!(seqs, want, "every event once, in order");
-    let msgs = Req::new("GET", &format!("/v1/sessions/{sid}/messages"))
-        .key(Some(&k))
-        .send(b_addr)
-        .await
-        .json();
-    let reply = &msgs["data"][1];
-    assert_eq!(reply["status"], "error", "{msgs}");
-    assert_eq!(reply["finish_reason"], "interrupted", "{msgs}");
-    assert_eq!(end.json()["content"], reply["content"], "{msgs}");
-    assert_eq!(metric(b_addr, "hearth_replica_takeovers_total").await, 0.0);
+    assert_eq!(String::from_utf8_lossy(&deleted.stdout).trim(), "4");
+    let takeovers = "hearth_replica_takeovers_total";
+    let wait = std::time::Duration::from_secs(30);
+    assert_eq!(
+        wait_metric(b_addr, takeovers, wait, |v| v == 1.0).await,
+        1.0
+    );
+    // The stream begun again: its first entry follows the checkpoint B went on from.
+    let at = begun_again_after(&redis, &keys[0]).await;
+    assert!(
+        (2..=head.len()).contains(&at),
+        "A's last checkpoint ({at} events) is among what its client was shown ({})",
+        head.len()
+    );
+    let rest = resume_after(b_addr, &k, &sid, &head[..at]).await;
+    assert_story_whole(&head[..at], &rest, &whole);
+    for client in [&head[..at - 1], &head[..(at + 1).min(head.len())]] {
+        if client.len() == at {
+            continue;
+        }
+        let told = resume_after(b_addr, &k, &sid, client).await;
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert_eq!(told[0].event, "error");
+        assert_eq!(told[0].json()["error_type"], "stream_lost", "{told:?}");
+        assert_eq!(told[0].id, client.last().and_then(|e| e.id.clone()));
+    }
+    assert_stored_once(b_addr, &k, &sid, &whole).await;
     drop(b);
     s.finish().await;
+}
+
+/// How many events come before the first entry of the stream at `key`, once it has one, which
+/// must be marked as the start of a stream begun again.
+async fn begun_again_after(redis: &str, key: &str) -> usize {
+    for _ in 0..200 {
+        let out = std::process::Command::new("redis-cli")
+            .args(["-u", redis, "XRANGE", key, "-", "+", "COUNT", "1"])
+            .output()
+            .expect("redis-cli");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let mut lines = text.lines();
+        if let Some(n) = lines.next().and_then(|id| id.strip_prefix("0-")) {
+            assert!(
+                lines.any(|l| l == "r"),
+                "the first entry marks a stream begun again: {text}"
+            );
+            return n.parse::<usize>().expect("an entry number") - 1;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    panic!("the stream was never begun again");
+}
+
+/// The stored reply's lease epoch: how many times a replica claimed it.
+async fn lease_epoch(db_url: &str, message_id: &str) -> i64 {
+    use sqlx::Connection;
+    let mut db = sqlx::PgConnection::connect(db_url).await.expect("database");
+    sqlx::query_scalar("SELECT lease_epoch FROM messages WHERE id = $1")
+        .bind(message_id)
+        .fetch_one(&mut db)
+        .await
+        .expect("the reply")
 }

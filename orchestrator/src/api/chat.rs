@@ -441,9 +441,7 @@ pub async fn resume(
         ReplySource::Local(live) => live,
         ReplySource::Shared(reply) => {
             let from = resume_from(&reply.message_id, last);
-            let events = reply.events(from).await.map_err(|e| {
-                ApiError::Unavailable(format!("the reply's shared stream cannot be read: {e}"))
-            })?;
+            let events = s.chat.shared_events(&caller, &id, reply, from).await?;
             let events = events.ok_or(ApiError::NotFound("stream"))?;
             return Ok(sse(events.map(|e| Ok(sse_event(e)))));
         }

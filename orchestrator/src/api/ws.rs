@@ -278,11 +278,11 @@ impl Session {
                     ReplySource::Local(live) => live,
                     ReplySource::Shared(reply) => {
                         let from = resume_from(&reply.message_id, last.as_deref());
-                        let events = reply.events(from).await.map_err(|e| {
-                            ApiError::Unavailable(format!(
-                                "the reply's shared stream cannot be read: {e}"
-                            ))
-                        })?;
+                        let events = self
+                            .s
+                            .chat
+                            .shared_events(&self.caller, &self.id, reply, from)
+                            .await?;
                         let events = events.ok_or(ApiError::NotFound("stream"))?;
                         self.following = Some(Following {
                             live: None,

@@ -8,15 +8,15 @@ use hearth_shared::chat::{Detokenizer, StopMatcher};
 use hearth_shared::proto;
 use hearth_shared::tokenizer::Tokenizer;
 use tokio::sync::watch;
-use tokio::time::{Instant, Interval};
+use tokio::time::Interval;
 
 use super::{End, GenerationError, Generator, Job, Progress};
+use crate::storage::Checkpoint;
 use crate::telemetry;
 
-/// How often a streaming reply's text is saved, and the longest a streaming message goes
-/// without a write (so a reply whose orchestrator died can be told from a slow one).
+/// How often a streaming reply's text is saved (when it changed). That it is alive is the
+/// heartbeat's to say (see [`super::leases`]).
 const SAVE_EVERY: Duration = Duration::from_secs(1);
-const HEARTBEAT_EVERY: Duration = Duration::from_secs(5);
 
 /// Where one worker's stream left the reply.
 pub(super) enum Next {
@@ -50,10 +50,9 @@ impl Attempts {
             failed: Vec::new(),
             busy: false,
             preempted: false,
-            saver: job.persistence.message_id().map(|id| Saver {
-                tx: gen.progress_saver(id.clone()),
-                saved_len: 0,
-                saved_at: Instant::now(),
+            saver: job.persistence.lease().map(|lease| Saver {
+                tx: gen.progress_saver(lease.clone(), job.persistence.record()),
+                saved_events: 0,
             }),
             tick,
         }
@@ -99,19 +98,17 @@ impl Attempts {
     }
 }
 
-/// Hands a streaming reply's text to the background saver when it changed, or as a heartbeat.
+/// Hands a streaming reply's checkpoint to the background saver when it moved on.
 pub(super) struct Saver {
-    tx: watch::Sender<String>,
-    saved_len: usize,
-    saved_at: Instant,
+    tx: watch::Sender<Checkpoint>,
+    saved_events: u64,
 }
 
 impl Saver {
-    pub(super) fn save(&mut self, text: &str) {
-        if text.len() != self.saved_len || self.saved_at.elapsed() >= HEARTBEAT_EVERY {
-            self.tx.send_replace(text.to_string());
-            self.saved_len = text.len();
-            self.saved_at = Instant::now();
+    pub(super) fn save(&mut self, cp: Checkpoint) {
+        if cp.events != self.saved_events {
+            self.saved_events = cp.events;
+            self.tx.send_replace(cp);
         }
     }
 }

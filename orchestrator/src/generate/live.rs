@@ -106,11 +106,28 @@ pub struct Live {
     /// replica that died, the events that replica published before (see [`super::takeover`]).
     base: usize,
     events: Mutex<Vec<Entry>>,
-    /// Index of the next event (`base` + events held).
+    /// Moves whenever listeners may see more: the index of the next event (`base` + events
+    /// held), sent again when a gate opens.
     len: watch::Sender<usize>,
     stop: watch::Sender<bool>,
     /// Another replica took the reply over: this one stops and stores nothing.
     disowned: std::sync::atomic::AtomicBool,
+    gate: Mutex<Gate>,
+}
+
+/// What this replica's listeners may see of the log so far. A native reply shared through
+/// Redis is shown only as far as its shared stream holds it: the stream is what every replica
+/// serves and what a replica taking the reply over continues, so no client is ever shown an
+/// event that another replica could later tell differently. And a reply's last event is shown
+/// only once its outcome is stored (or the reply was disowned), so a client that reads the
+/// history on seeing it finds the reply as it ended.
+#[derive(Debug)]
+struct Gate {
+    /// Events before this index are in the shared stream; `None`: not gated by it (no Redis,
+    /// or Redis has been unreachable too long for clients to wait).
+    published: Option<usize>,
+    /// The generation is done with the log: its outcome stored, or the reply disowned.
+    settled: bool,
 }
 
 /// An event, with the generated tokens whose text it is the first to carry (text events only).
@@ -121,13 +138,24 @@ struct Entry {
 }
 
 impl Live {
+    /// A log that shows each event as it comes (a stateless reply, or one without Redis).
     pub fn new(ids: Option<TurnIds>) -> Arc<Self> {
-        Self::from_event(ids, 0)
+        Self::with_gate(ids, 0, None)
     }
 
-    /// The log of a reply that goes on from event `base`, the ones before it published by
-    /// the replica that began it.
+    /// The log of a native reply shared through Redis, from event `base` (events before it
+    /// were published by the replica that began the reply): its events are shown here once
+    /// published (see [`Live::published`]).
+    pub fn shared(ids: TurnIds, base: usize) -> Arc<Self> {
+        Self::with_gate(Some(ids), base, Some(base))
+    }
+
+    /// The log of a reply that goes on from event `base`, not shared through Redis.
     pub fn from_event(ids: Option<TurnIds>, base: usize) -> Arc<Self> {
+        Self::with_gate(ids, base, None)
+    }
+
+    fn with_gate(ids: Option<TurnIds>, base: usize, published: Option<usize>) -> Arc<Self> {
         Arc::new(Self {
             ids,
             base,
@@ -135,6 +163,10 @@ impl Live {
             len: watch::Sender::new(base),
             stop: watch::Sender::new(false),
             disowned: Default::default(),
+            gate: Mutex::new(Gate {
+                published,
+                settled: false,
+            }),
         })
     }
 
@@ -143,8 +175,41 @@ impl Live {
         self.base
     }
 
+    /// The index the next event pushed will have.
+    pub fn next_index(&self) -> usize {
+        self.base + self.events().len()
+    }
+
+    /// The events listeners may have been shown so far (as far as published, when the reply
+    /// is shared): the index of the next one, and the text and tokens those from `base` carry.
+    pub fn shown_so_far(&self) -> (usize, String, Vec<u32>) {
+        let ev = self.events();
+        let n = match self.gate().published {
+            Some(p) => ev.len().min(p.saturating_sub(self.base)),
+            None => ev.len(),
+        };
+        let (mut text, mut tokens) = (String::new(), Vec::new());
+        for e in &ev[..n] {
+            if let RunEvent::Text(t) = &e.event {
+                text.push_str(t);
+            }
+            tokens.extend_from_slice(&e.tokens);
+        }
+        (self.base + n, text, tokens)
+    }
+
     fn events(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
         self.events.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn gate(&self) -> std::sync::MutexGuard<'_, Gate> {
+        self.gate.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes every listener to look again (an event was pushed, or a gate opened).
+    fn wake(&self) {
+        let n = self.base + self.events().len();
+        self.len.send_replace(n);
     }
 
     pub fn push(&self, e: RunEvent) {
@@ -158,22 +223,62 @@ impl Live {
     }
 
     fn push_with_tokens(&self, event: RunEvent, tokens: Box<[u32]>) {
-        let n = {
-            let mut ev = self.events();
-            ev.push(Entry { event, tokens });
-            self.base + ev.len()
-        };
-        self.len.send_replace(n);
+        self.events().push(Entry { event, tokens });
+        self.wake();
     }
 
+    /// The events before `upto` are in the reply's shared stream.
+    pub fn published(&self, upto: usize) {
+        {
+            let mut g = self.gate();
+            if let Some(p) = &mut g.published {
+                *p = (*p).max(upto);
+            }
+        }
+        self.wake();
+    }
+
+    /// Waits, at most `limit`, until every event pushed so far is in the shared stream (at
+    /// once when the reply is not shared, or no longer is, or was disowned).
+    pub async fn wait_published(&self, limit: Duration) {
+        let all = self.next_index();
+        let mut rx = self.len.subscribe();
+        let done = || self.is_disowned() || self.gate().published.is_none_or(|p| p >= all);
+        let _ = tokio::time::timeout(limit, async {
+            while !done() {
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        })
+        .await;
+    }
+
+    /// Shows every event as it comes from now on: the shared stream cannot be written (Redis
+    /// is unreachable), and clients are not made to wait for it any longer.
+    pub fn unshared(&self) {
+        self.gate().published = None;
+        self.wake();
+    }
+
+    /// The generation is done with the log: its outcome is stored, or it stored nothing
+    /// (disowned, or nothing to store). Its last event may be shown now.
+    pub fn settle(&self) {
+        self.gate().settled = true;
+        self.wake();
+    }
+
+    /// Whether the reply has ended here: its last event is in the log and shown.
     pub fn is_finished(&self) -> bool {
-        matches!(
-            self.events().last(),
-            Some(Entry {
-                event: RunEvent::End(_),
-                ..
-            })
-        )
+        let settled = self.gate().settled;
+        settled
+            && matches!(
+                self.events().last(),
+                Some(Entry {
+                    event: RunEvent::End(_),
+                    ..
+                })
+            )
     }
 
     /// Another replica has taken the reply over, or this one hands it over as it shuts down:
@@ -183,6 +288,7 @@ impl Live {
         self.disowned
             .store(true, std::sync::atomic::Ordering::Release);
         self.stop();
+        self.wake();
     }
 
     pub fn is_disowned(&self) -> bool {
@@ -214,7 +320,8 @@ impl Live {
         }
     }
 
-    /// The events from index `from` on (0-based), each with its index, ending after `End`.
+    /// The events from index `from` on (0-based), each with its index, ending after `End`, as
+    /// far as they may be shown (see [`Gate`]). A disowned reply's stream just ends.
     pub fn subscribe(
         self: &Arc<Self>,
         from: usize,
@@ -224,15 +331,12 @@ impl Live {
             let mut next = from;
             loop {
                 // Empty: resumed at or past the end of a finished log, nothing more will come.
-                let batch = live.next_batch(next).await;
+                let batch = live.next_entries(next, true, |e| e.event.clone()).await;
                 if batch.is_empty() {
                     return;
                 }
                 for (n, e) in batch {
                     let end = matches!(e, RunEvent::End(_));
-                    if end && live.is_disowned() {
-                        return;
-                    }
                     yield (n, e);
                     next = n + 1;
                     if end {
@@ -243,32 +347,57 @@ impl Live {
         }
     }
 
-    /// The events from index `from` on (from [`Live::base`] at the earliest), each with its
-    /// index, once there is at least one; none once the log ended before `from`.
-    pub async fn next_batch(&self, from: usize) -> Vec<(usize, RunEvent)> {
-        self.next_entries(from, |e| e.event.clone()).await
-    }
-
-    /// As [`Live::next_batch`], each event with the tokens it is the first text of.
+    /// The events from index `from` on (from [`Live::base`] at the earliest), each with the
+    /// tokens it is the first text of, once there is at least one, whether shown yet or not:
+    /// what the replica publishes. None once the log ended before `from`.
     pub async fn next_batch_with_tokens(&self, from: usize) -> Vec<(usize, RunEvent, Box<[u32]>)> {
-        self.next_entries(from, |e| (e.event.clone(), e.tokens.clone()))
+        self.next_entries(from, false, |e| (e.event.clone(), e.tokens.clone()))
             .await
             .into_iter()
             .map(|(n, (e, t))| (n, e, t))
             .collect()
     }
 
-    async fn next_entries<T>(&self, from: usize, f: impl Fn(&Entry) -> T) -> Vec<(usize, T)> {
+    /// How many events (from `base`) listeners may see now, and whether the log is over for
+    /// them (its last event among those, or the reply disowned).
+    fn shown(&self, ev: &[Entry]) -> (usize, bool) {
+        let g = self.gate();
+        let mut n = ev.len();
+        if let Some(p) = g.published {
+            n = n.min(p.saturating_sub(self.base));
+        }
+        let ends = matches!(ev.get(..n).and_then(<[Entry]>::last), Some(e) if matches!(e.event, RunEvent::End(_)));
+        if ends && !g.settled {
+            n -= 1;
+        }
+        let over = self.is_disowned() || (ends && g.settled);
+        (n, over)
+    }
+
+    async fn next_entries<T>(
+        &self,
+        from: usize,
+        gated: bool,
+        f: impl Fn(&Entry) -> T,
+    ) -> Vec<(usize, T)> {
         let from = from.max(self.base);
         let mut rx = self.len.subscribe();
         loop {
             {
                 let ev = self.events();
+                let (n, over) = if gated {
+                    let (n, over) = self.shown(&ev);
+                    // A disowned reply's listeners see nothing more here.
+                    (if self.is_disowned() { 0 } else { n }, over)
+                } else {
+                    let ended = matches!(ev.last().map(|e| &e.event), Some(RunEvent::End(_)));
+                    (ev.len(), ended)
+                };
                 let held = from - self.base;
-                if ev.len() > held {
-                    return (from..).zip(ev[held..].iter().map(&f)).collect();
+                if n > held {
+                    return (from..).zip(ev[held..n].iter().map(&f)).collect();
                 }
-                if matches!(ev.last().map(|e| &e.event), Some(RunEvent::End(_))) {
+                if over {
                     return Vec::new();
                 }
             }
@@ -278,13 +407,18 @@ impl Live {
         }
     }
 
-    /// The last event, once the generation has ended; None when it was disowned (the reply
-    /// goes on on another replica).
+    /// The last event, once the generation is done with the log (its outcome stored); None
+    /// when it was disowned (the reply goes on on another replica).
     pub async fn outcome(self: &Arc<Self>) -> Option<Outcome> {
         let mut rx = self.len.subscribe();
         loop {
-            if let Some(RunEvent::End(o)) = self.events().last().map(|e| &e.event) {
-                return (!self.is_disowned()).then(|| (**o).clone());
+            if self.is_finished() {
+                if let Some(RunEvent::End(o)) = self.events().last().map(|e| &e.event) {
+                    return (!self.is_disowned()).then(|| (**o).clone());
+                }
+            }
+            if self.is_disowned() && self.gate().settled {
+                return None;
             }
             rx.changed().await.ok()?;
         }
@@ -429,6 +563,7 @@ mod tests {
             timings: ReplyTimings::default(),
             worker: None,
         })));
+        live.settle();
         live
     }
 
@@ -446,5 +581,98 @@ mod tests {
         assert_eq!(collect(&live, 2).await, vec![2]);
         assert_eq!(collect(&live, 3).await, Vec::<usize>::new());
         assert_eq!(collect(&live, 1000).await, Vec::<usize>::new());
+    }
+
+    fn end() -> RunEvent {
+        RunEvent::End(Box::new(Outcome {
+            content: "ab".into(),
+            end: End::Finished(FinishReason::Stop),
+            tool_calls: None,
+            usage: ReplyUsage::default(),
+            timings: ReplyTimings::default(),
+            worker: None,
+        }))
+    }
+
+    /// The indices a listener from `from` has been shown within 100 ms.
+    async fn shown(live: &Arc<Live>, from: usize) -> Vec<usize> {
+        let mut s = std::pin::pin!(live.subscribe(from).map(|(n, _)| n));
+        let mut got = Vec::new();
+        while let Ok(Some(n)) = tokio::time::timeout(Duration::from_millis(100), s.next()).await {
+            got.push(n);
+        }
+        got
+    }
+
+    fn ids() -> TurnIds {
+        TurnIds {
+            session_id: SessionId::random(),
+            user_message_id: None,
+            message_id: MessageId::random(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_shared_reply_shows_only_what_is_published_and_its_end_once_stored() {
+        let live = Live::shared(ids(), 0);
+        live.push(RunEvent::Begin);
+        live.push_text("a".into(), &[7]);
+        assert_eq!(
+            shown(&live, 0).await,
+            Vec::<usize>::new(),
+            "nothing published"
+        );
+        live.published(1);
+        assert_eq!(shown(&live, 0).await, vec![0]);
+        live.push_text("b".into(), &[8]);
+        live.push(end());
+        live.published(4);
+        assert!(!live.is_finished(), "the end is not stored yet");
+        assert_eq!(
+            shown(&live, 0).await,
+            vec![0, 1, 2],
+            "the end waits for the store"
+        );
+        let outcome = live.clone();
+        let outcome = tokio::spawn(async move { outcome.outcome().await });
+        live.settle();
+        assert_eq!(shown(&live, 1).await, vec![1, 2, 3]);
+        assert!(live.is_finished());
+        let o = outcome.await.expect("task").expect("an outcome");
+        assert_eq!(o.content, "ab");
+
+        // Redis unreachable for too long: everything is shown as it comes.
+        let live = Live::shared(ids(), 5);
+        live.push_text("c".into(), &[9]);
+        assert_eq!(shown(&live, 5).await, Vec::<usize>::new());
+        live.unshared();
+        assert_eq!(shown(&live, 5).await, vec![5]);
+    }
+
+    #[tokio::test]
+    async fn a_disowned_reply_shows_nothing_more_and_has_no_outcome_here() {
+        let live = Live::shared(ids(), 0);
+        live.push(RunEvent::Begin);
+        live.push_text("a".into(), &[7]);
+        live.published(1);
+        let listener = live.clone();
+        let seen = tokio::spawn(async move {
+            listener
+                .subscribe(0)
+                .map(|(n, _)| n)
+                .collect::<Vec<_>>()
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        live.disown();
+        live.push(end());
+        live.published(3);
+        live.settle();
+        let seen = tokio::time::timeout(Duration::from_secs(2), seen)
+            .await
+            .expect("the listener's stream ended")
+            .expect("task");
+        assert_eq!(seen, vec![0], "only what was shown before");
+        assert_eq!(live.outcome().await, None);
     }
 }

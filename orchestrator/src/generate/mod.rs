@@ -16,15 +16,18 @@
 
 mod attempt;
 mod end;
+mod leases;
 mod live;
 mod shared;
 pub mod wire;
 
+pub use leases::Leases;
+pub(crate) use leases::{heartbeat_every, heartbeat_task};
 pub use live::{
     Busy, End, GenerationError, Live, Outcome, Reservation, RunEvent, Streams, TokenLogprob,
     TopLogprob, TurnIds,
 };
-pub use shared::{Published, SharedReplies, SharedReply};
+pub use shared::{Before, Published, SharedReplies, SharedReply, StreamState};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -36,7 +39,7 @@ use tokio::time::Instant;
 
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::Budget;
-use crate::storage::{ReplyTimings, ReplyUsage, Store, StoreError};
+use crate::storage::{Checkpoint, ReplyLease, ReplyTimings, ReplyUsage, Store, StoreError};
 use crate::telemetry;
 use crate::tools::Tools;
 use crate::workers::{Generation, Lease, ModelKey, PoolError, Tenant, WorkerPool};
@@ -51,6 +54,8 @@ pub(crate) struct Generator {
     pub(crate) streams: Arc<Streams>,
     /// How many replies' progress savers are running (see [`Generator::saves_done`]).
     pub(crate) savers: tokio::sync::watch::Sender<usize>,
+    /// The leases of the stored replies running here, renewed by the heartbeat.
+    pub(crate) leases: Arc<Leases>,
 }
 
 #[derive(Debug)]
@@ -97,10 +102,13 @@ pub struct Job {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Persistence {
     /// A native turn: the worker keeps `session_id`'s KV cache between turns, and the reply is
-    /// saved to the stored assistant message `message_id` as it streams and when it ends.
+    /// saved to its stored assistant message as it streams and when it ends, under `lease`.
     Stored {
         session_id: SessionId,
-        message_id: MessageId,
+        lease: ReplyLease,
+        /// What another replica needs to take the reply over (the service's `JobRecord`, as
+        /// JSON), saved with the reply; None when it is saved already (a reply taken over).
+        record: Option<String>,
     },
     /// An OpenAI request: nothing is stored, and the worker caches by prefix only.
     Stateless,
@@ -114,9 +122,20 @@ impl Persistence {
         }
     }
 
-    pub(super) fn message_id(&self) -> Option<&MessageId> {
+    pub(crate) fn message_id(&self) -> Option<&MessageId> {
+        self.lease().map(|l| &l.message_id)
+    }
+
+    fn record(&self) -> Option<String> {
         match self {
-            Self::Stored { message_id, .. } => Some(message_id),
+            Self::Stored { record, .. } => record.clone(),
+            Self::Stateless => None,
+        }
+    }
+
+    pub(crate) fn lease(&self) -> Option<&ReplyLease> {
+        match self {
+            Self::Stored { lease, .. } => Some(lease),
             Self::Stateless => None,
         }
     }
@@ -134,6 +153,24 @@ struct Progress {
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     worker: Option<String>,
+    /// The text and tokens of the events before this replica's log (another replica's,
+    /// taken over), which every checkpoint begins with.
+    before: (String, Vec<u32>),
+}
+
+impl Progress {
+    /// How far the reply's clients may have got: the events shown so far, their text and
+    /// tokens. A replica that continues the reply from this checkpoint (its stream lost) can
+    /// go on seamlessly for a client that has exactly these events.
+    fn checkpoint(&self, live: &Live) -> Checkpoint {
+        let (events, text, tokens) = live.shown_so_far();
+        let (before_text, before_tokens) = &self.before;
+        Checkpoint {
+            content: before_text.clone() + &text,
+            tokens: [before_tokens.as_slice(), &tokens].concat(),
+            events: events as u64,
+        }
+    }
 }
 
 impl Generator {
@@ -154,12 +191,16 @@ impl Generator {
     ) -> Outcome {
         metrics::gauge!(telemetry::ACTIVE_STREAMS).increment(1.0);
         metrics::gauge!(telemetry::ACTIVE_SESSIONS).set(self.streams.running() as f64);
+        if let Some(lease) = job.persistence.lease() {
+            self.leases.hold(lease, &live);
+        }
         let mut a = Attempts::new(&job, &self);
         let text = a.replay(&job.tokenizer, &generated);
         let mut p = Progress {
             first_token: None,
             streamed: generated.len(),
             taken_over: !generated.is_empty(),
+            before: (text.clone(), generated.clone()),
             text,
             generated,
             cached_tokens: None,
@@ -189,10 +230,6 @@ impl Generator {
             },
             worker: p.worker,
         };
-        // Disowned: another replica took the reply over, and stores it.
-        if let Some(id) = job.persistence.message_id().filter(|_| !live.is_disowned()) {
-            self.finish(id, &outcome).await;
-        }
         if let Some(b) = job.budget.take() {
             b.settle(outcome.usage.completion_tokens).await;
         }
@@ -212,6 +249,10 @@ impl Generator {
             decode: p.first_token.map(|t| t.elapsed()),
         });
         live.push(RunEvent::End(Box::new(outcome.clone())));
+        if let Some(lease) = job.persistence.lease() {
+            self.store_end(lease, &live, &outcome).await;
+        }
+        live.settle();
         metrics::gauge!(telemetry::ACTIVE_STREAMS).decrement(1.0);
         metrics::gauge!(telemetry::ACTIVE_SESSIONS).set(self.streams.running() as f64);
         outcome
@@ -301,7 +342,7 @@ impl Generator {
                 }
                 _ = a.tick.tick() => {
                     if let Some(saver) = &mut a.saver {
-                        saver.save(&p.text);
+                        saver.save(p.checkpoint(live));
                     }
                     continue;
                 }
@@ -388,20 +429,37 @@ impl Generator {
         Next::End(End::Finished(finish))
     }
 
-    /// Saves a reply's text in the background, latest first: a slow or unreachable database
-    /// delays the saved copy, never the tokens. Ends when the sender is dropped.
-    fn progress_saver(&self, message_id: MessageId) -> tokio::sync::watch::Sender<String> {
-        let (tx, mut rx) = tokio::sync::watch::channel(String::new());
-        let store = self.store.clone();
+    /// Saves a reply's job, then its checkpoints in the background, latest first: a slow or
+    /// unreachable database delays the saved copy, never the tokens. A write refused because
+    /// another replica holds the reply now disowns it here. Ends when the sender is dropped.
+    fn progress_saver(
+        &self,
+        lease: ReplyLease,
+        job: Option<String>,
+    ) -> tokio::sync::watch::Sender<Checkpoint> {
+        let (tx, mut rx) = tokio::sync::watch::channel(Checkpoint::default());
+        let (store, leases) = (self.store.clone(), self.leases.clone());
         let savers = self.savers.clone();
         savers.send_modify(|n| *n += 1);
         tokio::spawn(async move {
-            while rx.changed().await.is_ok() {
-                let text = rx.borrow_and_update().clone();
-                // Only a `streaming` message is touched, so a late save never undoes the end.
-                if let Err(e) = store.save_progress(&message_id, &text).await {
-                    tracing::warn!(error = %e, "could not save reply progress");
+            let owned = |r: Result<bool, StoreError>, what: &str| match r {
+                Ok(false) => {
+                    leases.lost(std::slice::from_ref(&lease.message_id));
+                    false
                 }
+                Ok(true) => true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not save a reply's {what}");
+                    true
+                }
+            };
+            let mut go_on = match job {
+                Some(j) => owned(store.save_job(&lease, &j).await, "job"),
+                None => true,
+            };
+            while go_on && rx.changed().await.is_ok() {
+                let cp = rx.borrow_and_update().clone();
+                go_on = owned(store.save_progress(&lease, &cp).await, "progress");
             }
             savers.send_modify(|n| *n -= 1);
         });
@@ -434,26 +492,48 @@ impl Generator {
         p.streamed = p.generated.len();
     }
 
-    /// Stores the final state, retrying through a short database outage.
-    async fn finish(&self, message_id: &MessageId, o: &Outcome) {
+    /// Stores how a reply ended, once its shared stream holds the end too: whoever finishes a
+    /// reply stores what its clients were shown. Disowns the reply here when its lease is gone
+    /// (another replica continues it, from the stream).
+    async fn store_end(&self, lease: &ReplyLease, live: &Live, o: &Outcome) {
+        if !live.is_disowned() {
+            live.wait_published(END_PUBLISH_WAIT).await;
+        }
+        self.leases.finishing(&lease.message_id);
+        if !live.is_disowned() && !self.finish(lease, o).await {
+            tracing::warn!(message_id = %lease.message_id, "another replica took this reply over before its end was stored");
+            live.disown();
+        }
+        self.leases.release(&lease.message_id);
+    }
+
+    /// Stores the final state, retrying through a short database outage. False when the lease
+    /// no longer holds the reply.
+    async fn finish(&self, lease: &ReplyLease, o: &Outcome) -> bool {
         let done = o.completion();
         let mut wait = Duration::from_millis(250);
         for attempt in 1..=8 {
-            match self.store.finish_message(message_id, &done).await {
-                Ok(()) => return,
+            match self.store.finish_message(lease, &done).await {
+                Ok(owned) => return owned,
                 Err(StoreError::Unavailable(e)) if attempt < 8 => {
                     tracing::warn!(error = %e, attempt, "database unavailable; retrying the reply's final write");
                     tokio::time::sleep(wait).await;
                     wait = (wait * 2).min(Duration::from_secs(5));
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, %message_id, "the reply's final state was not stored; it will be marked interrupted");
-                    return;
+                    let message_id = &lease.message_id;
+                    tracing::error!(error = %e, %message_id, "the reply's final state was not stored; it will be taken over or marked interrupted");
+                    return true;
                 }
             }
         }
+        true
     }
 }
+
+/// Longest a reply's end waits to be in its shared stream before it is stored anyway (the
+/// publisher gives up on Redis sooner: see [`shared`]).
+const END_PUBLISH_WAIT: Duration = Duration::from_secs(90);
 
 /// The worker's log-probabilities of `t`'s tokens, with their text.
 fn logprobs(tok: &Tokenizer, t: &proto::Tokens) -> Vec<TokenLogprob> {

@@ -1,27 +1,39 @@
 //! Native replies any replica can serve a resume of, and take over. The replica running a
-//! reply publishes its events, as clients receive them, to a Redis stream of their own
-//! (`hearth:reply:<message id>`, entry `0-<n>` for the event `<message id>:<n>`; a text event
-//! also carries, as `t`, the tokens it is the first text of), and points the session at it
-//! (`hearth:reply-of:<session id>`). A replica asked to resume a session whose reply it does
-//! not run reads that stream: first what it holds after `Last-Event-ID`, then each event as it
-//! is added, until the reply's last one.
+//! reply publishes its events to a Redis stream of their own (`hearth:reply:<message id>`,
+//! entry `0-<n>` for the event `<message id>:<n>`; a text event also carries, as `t`, the tokens
+//! it is the first text of), and points the session at it (`hearth:reply-of:<session id>`). A
+//! replica asked to resume a session whose reply it does not run reads that stream: first what
+//! it holds after `Last-Event-ID`, then each event as it is added, until the reply's last one.
 //!
+//! - **The stream is the truth.** Until a reply ends, its stream is what its clients were
+//!   shown: the replica running it shows its own clients an event only once the event is in
+//!   the stream (see [`Live`]'s gate), a replica taking the reply over continues after the
+//!   stream's last event, and the reply's last event carries its stored record (`c`), so
+//!   whoever stores the end stores what the stream says.
 //! - **Bounded.** A stream keeps at most [`MAX_EVENTS`] entries (about two a token). Its
 //!   expiry is [`LIVE_TTL`] while the reply runs (renewed every [`REFRESH_EVERY`]) and
 //!   [`KEEP_FINISHED`] once it ended: what a replica keeps of its own finished replies.
 //! - **No gap.** Events go in batches (whatever arrived since the last write), each with its
 //!   explicit entry id, through one script ([`PUBLISH`]) that skips what the stream already
 //!   holds; a batch that fails is sent again, whole, with the next, so the stream never skips
-//!   an event or holds one twice. A resume that finds the events it needs trimmed away is
-//!   refused (404), as a resume past a replica's own log is.
-//! - **One owner.** The script writes only for the replica that owns the reply
-//!   (`hearth:reply-owner:<message id>`): the one that began it, until another takes it over
-//!   after it died (see [`crate::service`]'s takeover). A replica that finds itself no longer
-//!   the owner stops the reply and stores nothing. With the first events goes the reply's job
-//!   (`hearth:reply-job:<message id>`), which the taker continues; it is deleted at the end.
-//! - **Redis down.** Publishing waits for Redis to come back; meanwhile, and for any reply
-//!   without Redis, a resume is served by the replica running it only (`/readyz` says so),
-//!   and a reply whose replica dies cannot be taken over.
+//!   an event or holds one twice.
+//! - **Fenced.** The script writes only for the reply's owner: the replica holding its lease
+//!   at the highest epoch (`hearth:reply-owner:<message id>`, see
+//!   [`crate::storage::ReplyLease`]). A replica that takes a reply over raises the owner to its
+//!   new epoch ([`TAKE`]) before it reads the stream, so it continues from everything the old
+//!   owner wrote, and the old owner, should it be alive after all, writes nothing more: it
+//!   finds itself stale and stops the reply (disowned). With the first events goes the reply's
+//!   job (`hearth:reply-job:<message id>`), which the taker continues; it is deleted at the end.
+//! - **Redis restarted.** A stream that vanished under its owner (the script finds it shorter
+//!   than what the owner wrote) is written again, whole, from the owner's own log. If the
+//!   owner is gone too, the taker continues from the checkpoint the database holds, and begins
+//!   the stream again after it, its first entry marked (`r`, with the tokens before it): a
+//!   client whose events are then ahead of, or behind, that point gets an `error` event
+//!   (`stream_lost`), never other text under ids it has seen.
+//! - **Redis down.** Publishing waits for Redis, and the reply's clients wait with it, for
+//!   [`UNGATE_AFTER`] at most; then they are shown events without it. Meanwhile, and for any
+//!   reply without Redis, a resume is served by the replica running it only (`/readyz` says
+//!   so).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -34,6 +46,7 @@ use super::wire::NativeEvent;
 use super::{Live, RunEvent, TurnIds};
 use crate::ids::{MessageId, SessionId};
 use crate::limits::Redis;
+use crate::storage::{decode_tokens, encode_tokens, Completion, ReplyLease};
 
 /// Most events one reply's stream keeps.
 pub const MAX_EVENTS: usize = 100_000;
@@ -50,9 +63,11 @@ const REFRESH_EVERY: Duration = Duration::from_secs(10);
 const BLOCK: Duration = Duration::from_secs(2);
 const QUIET_LIMIT: Duration = Duration::from_secs(120);
 
-/// How long a failed publish waits before it is tried again, and how long a finished reply's
+/// How long a failed publish waits before it is tried again, how long the reply's clients
+/// wait for Redis before they are shown events without it, and how long a finished reply's
 /// events are tried for in all.
-const RETRY_EVERY: Duration = Duration::from_millis(500);
+const RETRY_EVERY: Duration = Duration::from_millis(250);
+pub const UNGATE_AFTER: Duration = Duration::from_secs(10);
 const GIVE_UP_AFTER: Duration = Duration::from_secs(60);
 
 fn stream_key(message_id: &MessageId) -> String {
@@ -63,7 +78,7 @@ fn pointer_key(session_id: &SessionId) -> String {
     format!("hearth:reply-of:{session_id}")
 }
 
-/// The replica that runs the reply (its [`SharedReplies::replica`] token).
+/// The epoch of the lease whose holder may write the reply's stream.
 fn owner_key(message_id: &MessageId) -> String {
     format!("hearth:reply-owner:{message_id}")
 }
@@ -73,21 +88,30 @@ fn job_key(message_id: &MessageId) -> String {
     format!("hearth:reply-job:{message_id}")
 }
 
-/// [`PUBLISH`]'s answer when the events went in.
+/// [`PUBLISH`]'s answers: the events went in; another replica owns the reply now; the stream
+/// holds less than its owner wrote (Redis lost it).
 const OWNED: i64 = 1;
+const STALE: i64 = 0;
+const LOST: i64 = 2;
 
-/// Adds a batch of a reply's events to its stream, unless another replica owns the reply now
-/// (then 0). Entries the stream already holds (a batch sent again after a lost answer) are
-/// skipped, so a stream never holds an event twice or out of order. KEYS: stream, session
-/// pointer, owner, job. ARGV: owner token, TTL (ms), most events, message id, job (or empty),
-/// refresh (1/0), ended (1/0), then each event's entry number, name, data and tokens.
+/// Adds a batch of a reply's events to its stream for the lease at epoch `ARGV[1]`, unless a
+/// higher epoch owns the reply (then 0), or the stream has lost events its owner wrote (then
+/// 2: the batch begins after entries the stream does not hold, and does not begin the stream).
+/// Entries the stream already holds (a batch sent again after a lost answer) are skipped, so a
+/// stream never holds an event twice or out of order. KEYS: stream, session pointer, owner,
+/// job. ARGV: epoch, TTL (ms), most events, message id, job (or empty), refresh (1/0), ended
+/// (1/0), the stream's first entry number, then per event: entry number, name, data, tokens,
+/// `r` (the tokens before a stream begun again, prefixed `=`; or empty), `c` (or empty).
 const PUBLISH: &str = r"
-local owner = redis.call('GET', KEYS[3])
-if owner and owner ~= ARGV[1] then return 0 end
+local epoch = tonumber(ARGV[1])
+local owner = tonumber(redis.call('GET', KEYS[3]) or '-1') or 0
+if owner > epoch then return 0 end
 local top = 0
 local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 if #last > 0 then top = tonumber(string.sub(last[1][1], 3)) end
-for i = 8, #ARGV, 4 do
+local first = tonumber(ARGV[9])
+if first > top + 1 and not (top == 0 and first == tonumber(ARGV[8])) then return 2 end
+for i = 9, #ARGV, 6 do
   local n = tonumber(ARGV[i])
   if n > top then
     local entry = {'XADD', KEYS[1], 'MAXLEN', '~', ARGV[3], '0-' .. n, 'e', ARGV[i + 1], 'd', ARGV[i + 2]}
@@ -95,11 +119,19 @@ for i = 8, #ARGV, 4 do
       table.insert(entry, 't')
       table.insert(entry, ARGV[i + 3])
     end
+    if ARGV[i + 4] ~= '' then
+      table.insert(entry, 'r')
+      table.insert(entry, string.sub(ARGV[i + 4], 2))
+    end
+    if ARGV[i + 5] ~= '' then
+      table.insert(entry, 'c')
+      table.insert(entry, ARGV[i + 5])
+    end
     redis.call(unpack(entry))
   end
 end
 if ARGV[5] ~= '' then redis.call('SET', KEYS[4], ARGV[5], 'PX', ARGV[2]) end
-if ARGV[6] == '1' or not owner then
+if ARGV[6] == '1' or owner < epoch then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[2])
   redis.call('SET', KEYS[3], ARGV[1], 'PX', ARGV[2])
@@ -112,21 +144,38 @@ end
 return 1
 ";
 
+/// Makes the lease at epoch `ARGV[1]` the reply's owner unless a higher one is already (then
+/// 0); with `ARGV[3]` = 1, also empties the stream (the taker begins it
+/// again). KEYS: owner, stream. ARGV: epoch, TTL (ms), reset (1/0).
+const TAKE: &str = r"
+local owner = tonumber(redis.call('GET', KEYS[1]) or '-1') or 0
+if owner > tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if ARGV[3] == '1' then redis.call('DEL', KEYS[2]) end
+return 1
+";
+
 /// The `n` of an entry id `0-<n>`.
 fn entry_number(id: &str) -> Option<usize> {
     id.strip_prefix("0-")?.parse().ok()
 }
 
-/// Token ids as a stream entry's `t` field: decimal, space-separated.
-fn token_list(tokens: &[u32]) -> String {
-    let mut s = String::with_capacity(tokens.len() * 6);
-    for (i, t) in tokens.iter().enumerate() {
-        if i > 0 {
-            s.push(' ');
-        }
-        s.push_str(&t.to_string());
-    }
-    s
+/// `XRANGE`'s and `XREAD`'s entries: id and fields.
+type Entries = Vec<(String, HashMap<String, String>)>;
+
+/// What a reply's stream holds before the events of this replica's own log: what it writes
+/// again, first, if Redis loses the stream.
+#[derive(Debug, Clone, Default)]
+pub enum Before {
+    /// Nothing: this replica began the reply.
+    #[default]
+    Nothing,
+    /// The entries another replica published, as this one read them when it took the reply
+    /// over.
+    Entries(Entries),
+    /// The stream was lost with the replica that ran the reply; this one begins it again at
+    /// its first event, marked, with the tokens generated before it.
+    Lost(Vec<u32>),
 }
 
 /// A running reply's events as its stream holds them, for a replica that takes it over.
@@ -137,34 +186,53 @@ pub struct Published {
     /// The tokens generated so far, whose text the events showed (the taker replays them to
     /// get that text back).
     pub tokens: Vec<u32>,
+    /// The entries themselves, which the taker writes again if Redis loses the stream.
+    pub entries: Entries,
 }
 
-impl Published {
-    /// None unless the entries are `0-1`, `0-2`, … in order, their tokens well formed, and
-    /// the reply not over.
+/// What a reply's stream says, for a replica that claimed the reply.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StreamState {
+    /// The reply runs: continue it after these events.
+    Running(Published),
+    /// The reply ended, and this is how: store it.
+    Ended(Completion),
+}
+
+impl StreamState {
+    /// None unless the entries are whole (from `0-1`, or from a stream begun again, in order),
+    /// their tokens well formed, and an end carries its record.
     fn of(entries: Entries) -> Option<Self> {
-        let mut p = Self {
+        let mut p = Published {
             events: 0,
             tokens: Vec::new(),
+            entries: Vec::with_capacity(entries.len()),
         };
         for (id, fields) in entries {
-            if entry_number(&id) != Some(p.events + 1) {
-                return None;
-            }
-            p.events += 1;
-            if let Some(t) = fields.get("t") {
-                for token in t.split_ascii_whitespace() {
-                    p.tokens.push(token.parse().ok()?);
+            let n = entry_number(&id)?;
+            match (p.entries.is_empty(), fields.get("r")) {
+                (true, Some(before)) => {
+                    p.events = n - 1;
+                    p.tokens = decode_tokens(before)?;
                 }
+                (false, Some(_)) => return None,
+                (_, None) if n != p.events + 1 => return None,
+                _ => {}
+            }
+            p.events = n;
+            if let Some(t) = fields.get("t") {
+                p.tokens.extend(decode_tokens(t)?);
             }
             if matches!(
                 fields.get("e").map(String::as_str),
                 Some("message_end" | "error")
             ) {
-                return None;
+                let done = serde_json::from_str(fields.get("c")?).ok()?;
+                return Some(Self::Ended(done));
             }
+            p.entries.push((id, fields));
         }
-        (p.events > 0).then_some(p)
+        (p.events > 0).then_some(Self::Running(p))
     }
 }
 
@@ -174,9 +242,8 @@ pub struct SharedReplies {
     redis: Redis,
     /// For readers: a blocking read takes a connection of its own.
     client: redis::Client,
-    /// This replica, as owner of the replies it runs: random, new each start.
-    replica: Arc<str>,
     publish: Arc<redis::Script>,
+    take: Arc<redis::Script>,
     /// How many replies' events are being published.
     publishing: Arc<tokio::sync::watch::Sender<usize>>,
 }
@@ -188,28 +255,54 @@ pub struct SharedReply {
     client: redis::Client,
 }
 
+/// One reply's publishing: what it writes, for which lease.
+struct Publisher {
+    live: Arc<Live>,
+    ids: TurnIds,
+    epoch: i64,
+    /// What another replica needs to take the reply over; written with the first batch, and
+    /// again with a stream written again.
+    job: Option<String>,
+    before: Before,
+}
+
 impl SharedReplies {
     pub fn new(redis: Redis, url: &str) -> Result<Self, redis::RedisError> {
         Ok(Self {
             redis,
             client: redis::Client::open(url)?,
-            replica: uuid::Uuid::new_v4().simple().to_string().into(),
             publish: Arc::new(redis::Script::new(PUBLISH)),
+            take: Arc::new(redis::Script::new(TAKE)),
             publishing: Arc::new(tokio::sync::watch::Sender::new(0)),
         })
     }
 
-    /// Publishes `live`'s events (a native reply's) as they come, until its last one, while
-    /// this replica owns the reply. `job` (the first publish only) is what another replica
-    /// needs to take the reply over (see [`crate::service`]'s takeover).
-    pub fn publish(&self, live: Arc<Live>, job: Option<String>) {
+    /// Publishes `live`'s events (a native reply's, held under `lease`) as they come, until
+    /// its last one, while the lease owns the reply, and marks them published in `live` as
+    /// they go in. `job` is what another replica needs to take the reply over (see
+    /// [`crate::service`]'s takeover); `before`, what the stream holds before `live`'s first
+    /// event.
+    pub fn publish(
+        &self,
+        live: Arc<Live>,
+        lease: &ReplyLease,
+        job: Option<String>,
+        before: Before,
+    ) {
         let Some(ids) = live.ids.clone() else {
             return;
         };
         let me = self.clone();
+        let mut p = Publisher {
+            live,
+            ids,
+            epoch: lease.epoch,
+            job,
+            before,
+        };
         self.publishing.send_modify(|n| *n += 1);
         tokio::spawn(async move {
-            me.publish_all(&live, &ids, job).await;
+            me.publish_all(&mut p).await;
             me.publishing.send_modify(|n| *n -= 1);
         });
     }
@@ -221,14 +314,18 @@ impl SharedReplies {
         let _ = tokio::time::timeout(limit, rx.wait_for(|n| *n == 0)).await;
     }
 
-    async fn publish_all(&self, live: &Arc<Live>, ids: &TurnIds, mut job: Option<String>) {
-        let mut next = live.base();
+    async fn publish_all(&self, p: &mut Publisher) {
+        let base = p.live.base();
+        let mut next = base;
+        // Whether the next batch writes the stream from its start (the first, or after Redis
+        // lost it): then it carries what comes before this replica's events, and the job.
+        let mut from_start = true;
         let mut failing_since: Option<tokio::time::Instant> = None;
         let mut refreshed: Option<tokio::time::Instant> = None;
         loop {
-            let mut batch = live.next_batch_with_tokens(next).await;
+            let mut batch = p.live.next_batch_with_tokens(next).await;
             // A disowned reply's end is not the reply's: the next replica goes on from here.
-            if live.is_disowned() {
+            if p.live.is_disowned() {
                 batch.retain(|(_, e, _)| !matches!(e, RunEvent::End(_)));
             }
             let Some(&(last_n, _, _)) = batch.last() else {
@@ -237,17 +334,19 @@ impl SharedReplies {
             let ended = matches!(batch.last(), Some((_, RunEvent::End(_), _)));
             // The expiries and the session's pointer are set with the first batch, renewed now
             // and then, and set for good with the last.
-            let refresh = ended || refreshed.is_none_or(|t| t.elapsed() >= REFRESH_EVERY);
-            let run = self.batch(ids, batch, job.as_deref(), refresh, ended);
+            let refresh =
+                ended || from_start || refreshed.is_none_or(|t| t.elapsed() >= REFRESH_EVERY);
+            let run = self.batch(p, batch, from_start, refresh, ended);
             match self
                 .redis
-                .script::<i64>(&run, "publishing a reply's events")
+                .script_now::<i64>(&run, "publishing a reply's events")
                 .await
             {
                 Some(OWNED) => {
+                    p.live.published(last_n + 1);
                     next = last_n + 1;
                     failing_since = None;
-                    job = None;
+                    from_start = false;
                     if refresh {
                         refreshed = Some(tokio::time::Instant::now());
                     }
@@ -256,17 +355,26 @@ impl SharedReplies {
                     }
                     continue;
                 }
-                Some(_) => {
-                    tracing::warn!(message_id = %ids.message_id, "another replica took this reply over; stopping it here");
-                    live.disown();
+                Some(STALE) => {
+                    tracing::warn!(message_id = %p.ids.message_id, "another replica took this reply over; stopping it here");
+                    p.live.disown();
                     return;
                 }
-                None => {}
+                Some(LOST) => {
+                    tracing::warn!(message_id = %p.ids.message_id, "the reply's stream was lost in Redis; writing it again");
+                    next = base;
+                    from_start = true;
+                    continue;
+                }
+                _ => {}
             }
             // Not written: the same events go again, with whatever comes meanwhile.
             let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
+            if since.elapsed() > UNGATE_AFTER {
+                p.live.unshared();
+            }
             if ended && since.elapsed() > GIVE_UP_AFTER {
-                tracing::warn!(message_id = %ids.message_id, "a reply's events could not be shared: only its own replica resumes it");
+                tracing::warn!(message_id = %p.ids.message_id, "a reply's events could not be shared: only its own replica resumes it");
                 return;
             }
             tokio::time::sleep(RETRY_EVERY).await;
@@ -274,48 +382,82 @@ impl SharedReplies {
     }
 
     /// One call of [`PUBLISH`]: the events (entry `0-<n + 1>` for event `n`, with the tokens a
-    /// text event is the first to carry), the job when it is new, and the expiries.
+    /// text event is the first to carry, and its record with the end), preceded by what the
+    /// stream holds before them when it is written from its start; the job then too; and the
+    /// expiries.
     fn batch<'a>(
         &'a self,
-        ids: &TurnIds,
+        p: &Publisher,
         batch: Vec<(usize, RunEvent, Box<[u32]>)>,
-        job: Option<&str>,
+        from_start: bool,
         refresh: bool,
         ended: bool,
     ) -> redis::ScriptInvocation<'a> {
         let ttl = if ended { KEEP_FINISHED } else { LIVE_TTL };
+        let ids = &p.ids;
         let id = &ids.message_id;
+        let base = p.live.base();
+        let origin = match &p.before {
+            Before::Lost(_) => base + 1,
+            Before::Nothing | Before::Entries(_) => 1,
+        };
+        let job = p.job.as_deref().filter(|_| from_start).unwrap_or_default();
         let mut run = self.publish.prepare_invoke();
         run.key(stream_key(id))
             .key(pointer_key(&ids.session_id))
             .key(owner_key(id))
             .key(job_key(id))
-            .arg(&*self.replica)
+            .arg(p.epoch)
             .arg(ttl.as_millis() as u64)
             .arg(MAX_EVENTS)
             .arg(id.as_str())
-            .arg(job.unwrap_or_default())
+            .arg(job)
             .arg(u8::from(refresh))
-            .arg(u8::from(ended));
+            .arg(u8::from(ended))
+            .arg(origin);
+        if let (true, Before::Entries(entries)) = (from_start, &p.before) {
+            for (entry, fields) in entries {
+                let field = |k: &str| fields.get(k).cloned().unwrap_or_default();
+                run.arg(entry_number(entry).unwrap_or_default())
+                    .arg(field("e"))
+                    .arg(field("d"))
+                    .arg(field("t"))
+                    .arg(fields.get("r").map(|r| format!("={r}")).unwrap_or_default())
+                    .arg("");
+            }
+        }
         for (n, e, tokens) in batch {
+            let record = match &e {
+                RunEvent::End(o) => serde_json::to_string(&o.completion()).unwrap_or_default(),
+                _ => String::new(),
+            };
+            let restart = match &p.before {
+                Before::Lost(before) if n == base => format!("={}", encode_tokens(before)),
+                _ => String::new(),
+            };
             let e = NativeEvent::new(ids, n, e);
             run.arg(n + 1)
                 .arg(&*e.name)
                 .arg(e.data)
-                .arg(token_list(&tokens));
+                .arg(encode_tokens(&tokens))
+                .arg(restart)
+                .arg(record);
         }
         run
     }
 
-    /// Makes this replica the reply's owner: the replica that ran it can publish no more.
-    pub async fn take(&self, message_id: &MessageId) -> Option<()> {
-        let cmd = redis::cmd("SET")
-            .arg(owner_key(message_id))
-            .arg(&*self.replica)
-            .arg("PX")
+    /// Makes `lease` the reply's owner in Redis, after which the replica that held it before
+    /// can publish no more; with `reset`, empties the reply's stream too (it is begun again).
+    /// None when Redis cannot say, or when a more recent lease owns the reply.
+    pub async fn take(&self, lease: &ReplyLease, reset: bool) -> Option<()> {
+        let mut run = self.take.prepare_invoke();
+        run.key(owner_key(&lease.message_id))
+            .key(stream_key(&lease.message_id))
+            .arg(lease.epoch)
             .arg(LIVE_TTL.as_millis() as u64)
-            .clone();
-        self.redis.cmd(&cmd, "taking a reply over").await
+            .arg(u8::from(reset));
+        let taken: i64 = self.redis.script(&run, "taking a reply over").await?;
+        (taken == 1).then_some(())
     }
 
     /// The index of the next event of a reply's stream (how many it had, trimmed or not); None
@@ -339,16 +481,16 @@ impl SharedReplies {
         self.redis.cmd(&cmd, "reading a reply's job").await?
     }
 
-    /// Every event of a reply's stream, whole from its first: how many, and the tokens their
-    /// text is. None when the stream is gone, trimmed or broken, or Redis cannot say.
-    pub async fn published(&self, message_id: &MessageId) -> Option<Published> {
+    /// What a reply's stream says, read whole. None when the stream is gone, trimmed or
+    /// broken, or Redis cannot say.
+    pub async fn read(&self, message_id: &MessageId) -> Option<StreamState> {
         let cmd = redis::cmd("XRANGE")
             .arg(stream_key(message_id))
             .arg("-")
             .arg("+")
             .clone();
         let entries: Entries = self.redis.cmd(&cmd, "reading a reply's events").await?;
-        Published::of(entries)
+        StreamState::of(entries)
     }
 
     /// The reply the session's stream points at, when Redis has one (None: no such reply, or
@@ -377,15 +519,13 @@ impl SharedReplies {
     }
 }
 
-/// `XRANGE`'s and `XREAD`'s entries: id and fields.
-type Entries = Vec<(String, HashMap<String, String>)>;
-
 impl SharedReply {
     /// The events after the first `from` (0-based), then each as it comes, until the reply's
     /// last. None when the stream is gone or no longer holds event `from + 1` (trimmed: the
-    /// client reads the stored message instead). The client may hold events the stream has not
-    /// (yet) got: its replica sent them before publishing them, then died; the replica that
-    /// took the reply over sends them again, the same, and they are skipped here.
+    /// client reads the stored message instead). A stream begun again by a replica that took
+    /// the reply over without it (Redis lost it) serves only a client that has exactly the
+    /// events before its first: any other gets one `error` event (`stream_lost`), as does a
+    /// reader that finds the stream begun again under it.
     pub async fn events(
         self,
         from: usize,
@@ -398,41 +538,35 @@ impl SharedReply {
             .get_multiplexed_async_connection_with_config(&config)
             .await?;
         let key = stream_key(&self.message_id);
-        let oldest: Entries = redis::cmd("XRANGE")
-            .arg(&key)
-            .arg("-")
-            .arg("+")
-            .arg("COUNT")
-            .arg(1)
-            .query_async(&mut conn)
-            .await?;
-        let held = oldest
-            .first()
-            .and_then(|(id, _)| entry_number(id))
-            .is_some_and(|n| n <= from + 1);
-        if !held {
-            return Ok(None);
-        }
-        let first: Entries = redis::cmd("XRANGE")
-            .arg(&key)
-            .arg(format!("0-{}", from + 1))
-            .arg("+")
-            .query_async(&mut conn)
-            .await?;
+        let (lost, first) = match start(&mut conn, &key, from).await? {
+            Start::Missing => return Ok(None),
+            Start::Lost => (true, Vec::new()),
+            Start::At(first) => (false, first),
+        };
         let message_id = self.message_id.clone();
         Ok(Some(async_stream::stream! {
-            let mut last = format!("0-{from}");
+            if lost {
+                yield stream_lost(&message_id, from);
+                return;
+            }
+            let mut last = from;
             let mut entries = first;
             let mut quiet = tokio::time::Instant::now();
             loop {
                 for (id, mut fields) in entries {
-                    let n = id.strip_prefix("0-").unwrap_or_default();
+                    let n = entry_number(&id).unwrap_or_default();
+                    // Begun again under this reader, elsewhere than where it is: what it
+                    // showed is not what the stream now goes on from.
+                    if n != last + 1 {
+                        yield stream_lost(&message_id, last);
+                        return;
+                    }
                     let e = NativeEvent {
                         id: format!("{message_id}:{n}"),
                         name: fields.remove("e").unwrap_or_default().into(),
                         data: fields.remove("d").unwrap_or_default(),
                     };
-                    last = id;
+                    last = n;
                     quiet = tokio::time::Instant::now();
                     let end = e.is_last();
                     yield e;
@@ -448,7 +582,7 @@ impl SharedReply {
                     .arg(BLOCK.as_millis() as u64)
                     .arg("STREAMS")
                     .arg(&key)
-                    .arg(&last)
+                    .arg(format!("0-{last}"))
                     .query_async(&mut conn)
                     .await;
                 entries = match read {
@@ -461,9 +595,95 @@ impl SharedReply {
     }
 }
 
+/// Where a reader after the first `from` events of a stream begins.
+enum Start {
+    /// The stream is gone, or no longer holds event `from + 1`.
+    Missing,
+    /// The stream was begun again after another number of events than the reader has.
+    Lost,
+    /// These entries, from event `from + 1` on.
+    At(Entries),
+}
+
+async fn start(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+    from: usize,
+) -> redis::RedisResult<Start> {
+    let oldest: Entries = redis::cmd("XRANGE")
+        .arg(key)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(conn)
+        .await?;
+    // Empty: a replica that just took the reply over (its stream lost) writes its first
+    // event soon.
+    let oldest = match oldest.is_empty() {
+        true => first_entry(conn, key).await?,
+        false => oldest,
+    };
+    let Some((id, fields)) = oldest.first() else {
+        return Ok(Start::Missing);
+    };
+    let origin = entry_number(id).unwrap_or(usize::MAX);
+    if fields.contains_key("r") && origin != from + 1 {
+        return Ok(Start::Lost);
+    }
+    if origin > from + 1 {
+        return Ok(Start::Missing);
+    }
+    let first = redis::cmd("XRANGE")
+        .arg(key)
+        .arg(format!("0-{}", from + 1))
+        .arg("+")
+        .query_async(conn)
+        .await?;
+    Ok(Start::At(first))
+}
+
+/// The stream's first entry, waited for (at most [`BLOCK`]) while there is none.
+async fn first_entry(
+    conn: &mut redis::aio::MultiplexedConnection,
+    key: &str,
+) -> redis::RedisResult<Entries> {
+    let read: Option<Vec<(String, Entries)>> = redis::cmd("XREAD")
+        .arg("COUNT")
+        .arg(1)
+        .arg("BLOCK")
+        .arg(BLOCK.as_millis() as u64)
+        .arg("STREAMS")
+        .arg(key)
+        .arg("0-0")
+        .query_async(conn)
+        .await?;
+    Ok(read.into_iter().flatten().flat_map(|(_, e)| e).collect())
+}
+
+/// The event a client gets when the stream cannot show it the rest of the reply as it was
+/// shown so far (see [`SharedReply::events`]): the reply goes on, and is stored; the client
+/// reads it from the session's messages. Its id repeats the client's last.
+fn stream_lost(message_id: &MessageId, last: usize) -> NativeEvent {
+    let data = serde_json::json!({
+        "error_type": super::wire::STREAM_LOST,
+        "message": "the replica running this reply stopped and its shared stream was lost: \
+                    the rest of the reply cannot be shown here as it was begun; it goes on and \
+                    is stored, so read it from the session's messages",
+        "message_id": message_id,
+        "content": "",
+    });
+    NativeEvent {
+        id: format!("{message_id}:{last}"),
+        name: "error".into(),
+        data: data.to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::storage::{Finish, MessageStatus, ReplyTimings, ReplyUsage};
 
     fn entry(
         n: usize,
@@ -476,45 +696,92 @@ mod tests {
             ("d".to_string(), data.to_string()),
         ]);
         if !tokens.is_empty() {
-            fields.insert("t".into(), token_list(tokens));
+            fields.insert("t".into(), encode_tokens(tokens));
         }
         (format!("0-{n}"), fields)
     }
 
+    fn running(s: Option<StreamState>) -> Option<(usize, Vec<u32>)> {
+        match s? {
+            StreamState::Running(p) => Some((p.events, p.tokens)),
+            StreamState::Ended(_) => None,
+        }
+    }
+
     #[test]
-    fn a_whole_running_stream_gives_its_tokens_and_nothing_else_does() {
+    fn a_whole_running_stream_gives_its_tokens_and_an_ended_one_its_record() {
         let start = entry(1, "message_start", "{}", &[]);
         let hello = entry(2, "token", r#"{"text":"Hel"}"#, &[9, 10]);
         let rest = entry(3, "token", r#"{"text":"lo"}"#, &[11]);
-        let p = Published::of(vec![start.clone(), hello.clone(), rest.clone()]).expect("whole");
+        let whole = vec![start.clone(), hello.clone(), rest.clone()];
+        let Some(StreamState::Running(p)) = StreamState::of(whole.clone()) else {
+            panic!("a running stream");
+        };
+        assert_eq!((p.events, p.tokens), (3, vec![9, 10, 11]));
+        assert_eq!(p.entries, whole, "kept, to be written again");
+        assert_eq!(StreamState::of(vec![]), None, "nothing published");
         assert_eq!(
-            p,
-            Published {
-                events: 3,
-                tokens: vec![9, 10, 11],
-            }
-        );
-        assert_eq!(Published::of(vec![]), None, "nothing published");
-        assert_eq!(
-            Published::of(vec![hello.clone(), rest.clone()]),
+            StreamState::of(vec![hello.clone(), rest.clone()]),
             None,
             "trimmed: its first event is gone"
         );
         assert_eq!(
-            Published::of(vec![start.clone(), rest.clone()]),
+            StreamState::of(vec![start.clone(), rest.clone()]),
             None,
             "a gap"
         );
-        let end = entry(4, "message_end", "{}", &[]);
-        assert_eq!(
-            Published::of(vec![start.clone(), hello.clone(), rest.clone(), end]),
-            None,
-            "over: nothing to take over"
-        );
-        let mut bad = hello;
+        let mut bad = hello.clone();
         bad.1.insert("t".into(), "9 x".into());
-        assert_eq!(Published::of(vec![start, bad]), None, "a malformed token");
-        assert_eq!(token_list(&[]), "");
-        assert_eq!(token_list(&[7, 262_143]), "7 262143");
+        assert_eq!(
+            StreamState::of(vec![start.clone(), bad]),
+            None,
+            "a malformed token"
+        );
+
+        // Ended: its record says how, and is what gets stored.
+        let done = Completion {
+            content: "Hello".into(),
+            status: MessageStatus::Complete,
+            finish_reason: Finish::Stop,
+            usage: ReplyUsage::default(),
+            timings: ReplyTimings::default(),
+            worker: Some("w1".into()),
+            tool_calls: None,
+        };
+        let mut end = entry(4, "message_end", "{}", &[]);
+        let mut ended = whole.clone();
+        ended.push(end.clone());
+        assert_eq!(
+            StreamState::of(ended.clone()),
+            None,
+            "an end without its record"
+        );
+        end.1
+            .insert("c".into(), serde_json::to_string(&done).expect("json"));
+        ended.pop();
+        ended.push(end);
+        assert_eq!(StreamState::of(ended), Some(StreamState::Ended(done)));
+    }
+
+    #[test]
+    fn a_stream_begun_again_goes_on_from_the_tokens_its_first_entry_carries() {
+        let mut first = entry(7, "token", r#"{"text":"lo"}"#, &[11]);
+        first.1.insert("r".into(), encode_tokens(&[9, 10]));
+        let next = entry(8, "token", r#"{"text":"!"}"#, &[12]);
+        assert_eq!(
+            running(StreamState::of(vec![first.clone(), next.clone()])),
+            Some((8, vec![9, 10, 11, 12]))
+        );
+        assert_eq!(
+            running(StreamState::of(vec![
+                entry(1, "message_start", "{}", &[]),
+                first
+            ])),
+            None,
+            "begun again in the middle"
+        );
+        assert_eq!(encode_tokens(&[]), "");
+        assert_eq!(encode_tokens(&[7, 262_143]), "7 262143");
+        assert_eq!(decode_tokens("7 262143"), Some(vec![7, 262_143]));
     }
 }

@@ -11,6 +11,10 @@ use super::{Outcome, RunEvent, TurnIds};
 use crate::ids::MessageId;
 use crate::storage::{Finish, MessageStatus, ReplyTimings, ReplyUsage, ToolCall};
 
+/// The `error_type` of the event a resuming client gets when the reply's shared stream cannot
+/// show it the rest as it was begun (see [`super::shared`]).
+pub const STREAM_LOST: &str = "stream_lost";
+
 /// One event of a native reply's stream, as SSE and the WebSocket send it: its id
 /// (`<message id>:<n>`, what `Last-Event-ID` and `resume` take), its name and its JSON data.
 /// Made here from the live log, or read back from Redis.
@@ -25,6 +29,12 @@ impl NativeEvent {
     /// The reply's last event.
     pub fn is_last(&self) -> bool {
         matches!(&*self.name, "message_end" | "error")
+    }
+
+    /// The last event of a reply that ended (not a reader's own `stream_lost`: that reply
+    /// goes on).
+    pub fn ends_reply(&self) -> bool {
+        self.is_last() && !(self.name == "error" && self.data.contains(STREAM_LOST))
     }
 
     /// The `n`-th (from 0) event of the reply `ids` names.

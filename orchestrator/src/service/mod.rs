@@ -34,16 +34,20 @@ use hearth_shared::chat::{
     render, ChatError as TemplateError, Message as ChatMessage, Role as ChatRole,
 };
 use hearth_shared::SamplingParams;
+use tokio_stream::{Stream, StreamExt};
 
 use crate::auth::{authenticate, AuthError};
 use crate::bus::StopBus;
+use crate::generate::wire::NativeEvent;
 use crate::generate::{
-    Generator, Job, Live, Persistence, SharedReplies, SharedReply, Streams, TurnIds,
+    Before, Generator, Job, Leases, Live, Persistence, Reservation, SharedReplies, SharedReply,
+    Streams, TurnIds,
 };
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::{Budget, Limiter, Quota};
 use crate::storage::{
-    Message, MessageStatus, NewToolResult, Role, Session, SessionPatch, SessionQuery, Store, User,
+    Message, MessageStatus, NewToolResult, ReplyLease, Role, Session, SessionPatch, SessionQuery,
+    Store, User,
 };
 use crate::tools::{result_text, Tools};
 use crate::workers::{Tenant, WorkerPool};
@@ -107,6 +111,8 @@ pub struct ChatService {
     breakers: Arc<breakers::Breakers>,
     tokenizers: Tokenizers,
     shared_replies: Option<SharedReplies>,
+    /// Replies this replica handed over as it shut down: it never claims them back.
+    handed: std::sync::Mutex<std::collections::HashSet<MessageId>>,
     /// One gate per model being loaded on demand, so that one load serves every request
     /// waiting for it.
     loads: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -170,6 +176,7 @@ impl ChatService {
                 store: p.store.clone(),
                 streams: p.streams,
                 savers: tokio::sync::watch::Sender::new(0),
+                leases: Arc::default(),
             }),
             store: p.store,
             limiter: Arc::new(p.limiter),
@@ -179,8 +186,14 @@ impl ChatService {
             breakers: Arc::default(),
             tokenizers: p.tokenizers,
             shared_replies: p.shared_replies,
+            handed: std::sync::Mutex::default(),
             loads: std::sync::Mutex::default(),
         }
+    }
+
+    /// The leases of the replies running here, for the server's heartbeat to renew.
+    pub(crate) fn leases(&self) -> Arc<Leases> {
+        self.generator.leases.clone()
     }
 
     // --- Who is asking ---
@@ -536,23 +549,23 @@ impl ChatService {
         let tokenizer = self.tokenizer(&target);
         let dry_breakers = self.dry_breakers(&params, &tokenizer).await?;
         let (tenant, model) = (Tenant::user(user_id), target.key().cloned());
-        let lease = self
+        let place = self
             .generator
             .pool
             .admit(&tenant, model.as_ref(), Some(session_id), &[])
             .await?;
         let (user_message_id, message_id) = self.store_turn(user_id, session_id, store).await?;
-        let live = Live::new(Some(TurnIds {
+        let ids = TurnIds {
             session_id: session_id.clone(),
             user_message_id,
             message_id: message_id.clone(),
-        }));
-        reservation.fill(&live);
+        };
         let job = Job {
             user_id: user_id.clone(),
             persistence: Persistence::Stored {
                 session_id: session_id.clone(),
-                message_id,
+                lease: ReplyLease::first(message_id),
+                record: None,
             },
             prompt,
             shared_prefix,
@@ -570,19 +583,36 @@ impl ChatService {
             model,
             tokenizer: tokenizer.tok,
             keep_alive_ms: opts.keep_alive_ms(),
-            lease: Some(lease),
+            lease: Some(place),
         };
-        let record = live.ids.as_ref().and_then(|ids| JobRecord::of(&job, ids));
+        Ok(self.launch(ids, job, reservation))
+    }
+
+    /// Starts a stored turn's generation: its log in the session's place, its job saved with
+    /// it (and with its shared stream, with Redis), for another replica to take it over.
+    fn launch(&self, ids: TurnIds, mut job: Job, reservation: Reservation) -> Arc<Live> {
+        let record = JobRecord::of(&job, &ids);
+        let live = match &self.shared_replies {
+            Some(_) => Live::shared(ids, 0),
+            None => Live::new(Some(ids)),
+        };
+        reservation.fill(&live);
+        if let Persistence::Stored {
+            record: r, lease, ..
+        } = &mut job.persistence
+        {
+            r.clone_from(&record);
+            if let Some(shared) = &self.shared_replies {
+                shared.publish(live.clone(), lease, record, Before::Nothing);
+            }
+        }
         let g = self.generator.clone();
         let running = live.clone();
         tokio::spawn(async move {
             g.clone().run(job, running.clone()).await;
             g.streams.expire_later(running);
         });
-        if let Some(shared) = &self.shared_replies {
-            shared.publish(live.clone(), record);
-        }
-        Ok(live)
+        live
     }
 
     /// Whether the session holds room for the turn: its new messages, and its new text.
@@ -826,14 +856,17 @@ impl ChatService {
     ) -> Result<ReplySource, ChatError> {
         self.store.get_session(&caller.user.id, id).await?;
         let local = self.generator.streams.get(id);
-        if let Some(live) = local.as_ref().filter(|l| !l.is_finished()) {
-            // Taken over from a replica that died: its first events are in Redis only.
+        if let Some(live) = &local {
+            // Taken over from a replica that died: its first events are in Redis only, and
+            // only the stream knows what a client that has fewer than them may be shown.
             if let (Some(shared), Some(ids)) = (&self.shared_replies, &live.ids) {
                 if live.base() > 0 {
                     return Ok(ReplySource::Shared(shared.reply(&ids.message_id)));
                 }
             }
-            return Ok(ReplySource::Local(live.clone()));
+            if !live.is_finished() {
+                return Ok(ReplySource::Local(live.clone()));
+            }
         }
         // A reply finished here may have been followed by one on another replica.
         let shared = match &self.shared_replies {
@@ -852,6 +885,38 @@ impl ChatService {
             (Some(live), None) => Ok(ReplySource::Local(live)),
             (None, None) => Err(ChatError::NotFound("stream")),
         }
+    }
+
+    /// The events of a reply another replica runs (or ran), from its shared stream, after the
+    /// first `from`; None when the stream no longer holds them. The last event comes once the
+    /// reply is stored (its replica publishes the end before it stores it, so that whoever
+    /// stores the end stores what clients were shown), so a client that reads the history on
+    /// seeing it finds the reply as it ended.
+    pub async fn shared_events(
+        &self,
+        caller: &Caller,
+        session_id: &SessionId,
+        reply: SharedReply,
+        from: usize,
+    ) -> Result<Option<impl Stream<Item = NativeEvent> + Send + 'static>, ChatError> {
+        let message_id = reply.message_id.clone();
+        let events = reply.events(from).await.map_err(|e| {
+            ChatError::Unavailable(format!("the reply's shared stream cannot be read: {e}"))
+        })?;
+        let Some(events) = events else {
+            return Ok(None);
+        };
+        let store = self.store.clone();
+        let (user, session) = (caller.user.id.clone(), session_id.clone());
+        Ok(Some(async_stream::stream! {
+            let mut events = std::pin::pin!(events);
+            while let Some(e) = events.next().await {
+                if e.ends_reply() {
+                    wait_stored(&*store, &user, &session, &message_id).await;
+                }
+                yield e;
+            }
+        }))
     }
 
     /// Stops the session's running reply (on the worker within one engine step) and returns it
@@ -985,6 +1050,18 @@ impl ChatService {
 /// Refuses a reply length (a turn's, or a session's default) of zero or more than the
 /// target model's context can hold, before anything is charged or stored. Until a worker has
 /// reported its context, the bound is [`MAX_SESSION_MAX_TOKENS`].
+/// Waits, at most [`STOP_WAIT`], until the reply is no longer `streaming` in the database.
+async fn wait_stored(store: &dyn Store, user: &UserId, session: &SessionId, id: &MessageId) {
+    let deadline = tokio::time::Instant::now() + STOP_WAIT;
+    while tokio::time::Instant::now() < deadline {
+        match store.get_message(user, session, id).await {
+            Ok(m) if m.status == MessageStatus::Streaming => {}
+            _ => return,
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn check_max_tokens(n: u32, target: &Target) -> Result<u32, ChatError> {
     let ctx = target.context_length();
     let limit = ctx.map_or(MAX_SESSION_MAX_TOKENS, |ctx| {

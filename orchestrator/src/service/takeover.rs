@@ -1,24 +1,29 @@
-//! Replies that survive their replica. A replica that begins a native reply publishes, with its
-//! first events, the reply's job (prompt tokens, sampling, model, limits: a [`JobRecord`]), and
-//! each text event carries the tokens it is the first text of (see [`crate::generate`]'s
-//! shared streams). When the replica dies, the orphan sweep of another one finds the reply
-//! silent and claims it with a compare-and-set on its `updated_at` (no clocks compared: see
-//! [`crate::server`]'s sweep); only one replica wins. The winner makes itself the reply's
-//! owner in Redis, after which the dead replica (should it be alive after all) can publish no
-//! more and stops, then reads the stream, and sends a worker the prompt plus the tokens
-//! published so far, as worker failover does. It goes on publishing to the same stream from
-//! the next event, and stores the reply. A client that reconnects anywhere with
-//! `Last-Event-ID` sees every event once; a greedy (or seeded) reply stays token for token the
-//! reply it would have been.
+//! Replies that survive their replica. A replica that begins a native reply saves, with it,
+//! the reply's job (prompt tokens, sampling, model, limits: a [`JobRecord`]), in the database
+//! and with the first events of its shared stream, where each text event carries the tokens it
+//! is the first text of (see [`crate::generate`]'s shared streams). When the replica dies, its
+//! heartbeat stops; the orphan sweep of another one finds the reply silent and claims it: a
+//! compare-and-set on its lease's epoch and `updated_at` (no clocks compared: see
+//! [`crate::server`]'s sweep), which one replica wins and which fences the dead one's writes
+//! out. The winner makes its lease the owner of the stream in Redis, then reads the stream:
+//!
+//! - still running: it sends a worker the prompt plus the tokens published so far, as worker
+//!   failover does, goes on publishing from the next event, and stores the reply. A client
+//!   that reconnects anywhere with `Last-Event-ID` sees every event once, and what it was
+//!   shown is what is stored;
+//! - ended (the dead replica published the end but did not store it): it stores the end the
+//!   stream carries;
+//! - lost (Redis restarted meanwhile): it continues from the checkpoint the database holds and
+//!   begins the stream again there (clients ahead of it are told, see the shared streams).
 //!
 //! A replica that shuts down (SIGTERM) with replies still running after its shutdown timeout
 //! hands them over the same way ([`ChatService::hand_over`]): it stops them without storing
 //! them and announces them, and the other replicas take them over at once rather than after
-//! `--orphan-after-secs`.
+//! `--orphan-after-secs`. It never claims them back itself.
 //!
-//! Without Redis, or when the job or the whole stream is not there (trimmed, expired), the
-//! reply is marked `error`/`interrupted` with its text, as before; a replica that claimed it
-//! then ends its stream with an `error` event, so that its clients learn it ended.
+//! Without Redis, or when no job was saved, the reply is marked `error`/`interrupted` with its
+//! text, as before; a replica that claimed it then ends its stream with an `error` event, so
+//! that its clients learn it ended.
 
 use std::sync::Arc;
 
@@ -27,10 +32,11 @@ use serde::{Deserialize, Serialize};
 
 use super::{ChatError, ChatService};
 use crate::generate::{
-    End, GenerationError, Job, Live, Outcome, Persistence, RunEvent, SharedReplies, TurnIds,
+    Before, End, GenerationError, Job, Live, Outcome, Persistence, RunEvent, SharedReplies,
+    StreamState, TurnIds,
 };
 use crate::ids::{MessageId, SessionId, UserId};
-use crate::storage::{ReplyTimings, ReplyUsage, StoreError};
+use crate::storage::{ReplyLease, ReplyTimings, ReplyUsage, StoreError, StreamingReply};
 use crate::tools::Tools;
 
 /// How long a shutdown waits for the events of the replies it hands over to be published.
@@ -101,76 +107,151 @@ impl JobRecord {
 /// What the orphan sweep did with a silent reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Swept {
-    /// It was saved since it was seen, or another replica claimed it first, or it runs here.
+    /// It was saved since it was seen, or another replica claimed it first, or it runs here
+    /// (or this replica handed it over).
     Alive,
     /// This replica continues it.
     TakenOver,
+    /// Its stream had ended: this replica stored the end.
+    Finished,
     /// It could not be continued: it is stored as `error` / `interrupted`, with its text.
     Failed,
 }
 
+/// Where a reply taken over goes on from.
+struct Resume {
+    /// The events clients may have seen: the taker's log begins after them.
+    events: usize,
+    tokens: Vec<u32>,
+    before: Before,
+}
+
 impl ChatService {
-    /// Takes over a reply left `streaming` (its `updated_at` unchanged at `seen`) by a
-    /// replica that died, or marks it interrupted when it cannot be continued.
+    /// Takes over a reply left `streaming` as `seen` by a replica that died (`silent`: its
+    /// `updated_at` stood still) or handed it over, or marks it interrupted when it cannot be
+    /// continued.
     pub async fn sweep_reply(
         self: &Arc<Self>,
-        id: &MessageId,
-        seen: i64,
+        seen: &StreamingReply,
+        silent: bool,
     ) -> Result<Swept, StoreError> {
+        let id = &seen.id;
+        if self.handed_over(id) {
+            return Ok(Swept::Alive);
+        }
         let Some(shared) = &self.shared_replies else {
-            return self.fail_reply(id, seen).await;
+            return self.claim_and_fail(seen, silent).await;
         };
-        let job = shared.job(id).await;
+        let job = match shared.job(id).await {
+            Some(job) => Some(job),
+            None => self.store.saved_reply(id).await?.and_then(|r| r.job),
+        };
         let Some((record, user_id, ids)) = job.as_deref().and_then(|j| parse(j, id)) else {
-            return self.fail_reply(id, seen).await;
+            return self.claim_and_fail(seen, silent).await;
         };
         // A reply of a session running here is this replica's own: a slow database held its
-        // saves back.
+        // heartbeat back.
         let Ok(reservation) = self.generator.streams.reserve(&ids.session_id) else {
             return Ok(Swept::Alive);
         };
-        let Some(at) = self.store.claim_interrupted(id, seen).await? else {
+        let Some(lease) = self.store.claim_reply(seen, silent).await? else {
             return Ok(Swept::Alive);
         };
-        if shared.take(id).await.is_none() {
-            return self.fail_reply(id, at).await;
+        // Unless the stream is this lease's, a later sweep tries again (this claim renewed
+        // the reply's `updated_at`, and nothing renews it after).
+        if shared.take(&lease, false).await.is_none() {
+            return Ok(Swept::Alive);
         }
-        let Some(published) = shared.published(id).await else {
-            tracing::warn!(message_id = %id, "a reply's stream is not whole in Redis; it cannot be continued");
-            let why = "its events are no longer all in Redis";
-            return self.fail_taken(shared, &user_id, &ids, at, why).await;
+        let resume = match shared.read(id).await {
+            Some(StreamState::Ended(done)) => {
+                return Ok(match self.store.finish_message(&lease, &done).await? {
+                    true => Swept::Finished,
+                    false => Swept::Alive,
+                });
+            }
+            Some(StreamState::Running(p)) => Resume {
+                events: p.events,
+                tokens: p.tokens,
+                before: Before::Entries(p.entries),
+            },
+            None => match self.resume_from_checkpoint(shared, &lease).await? {
+                Some(r) => r,
+                None => {
+                    let why = "its events are no longer in Redis, and no checkpoint was saved";
+                    return self.fail_taken(shared, &user_id, &ids, &lease, why).await;
+                }
+            },
         };
         // Finding the model's tokenizer (or loading the model) may take a while: the sweep
         // goes on meanwhile.
-        let (me, id) = (self.clone(), id.clone());
+        let me = self.clone();
         tokio::spawn(async move {
-            let job = match me.resumed_job(record, user_id.clone(), &ids).await {
-                Ok(job) => job,
-                Err(e) => {
-                    tracing::warn!(message_id = %id, error = %e, "a reply whose replica died cannot be continued");
-                    let why = e.to_string();
-                    if let Some(shared) = me.shared_replies.as_ref() {
-                        if let Err(e) = me.fail_taken(shared, &user_id, &ids, at, &why).await {
-                            tracing::warn!(message_id = %id, error = %e, "could not mark an interrupted reply");
-                        }
-                    }
-                    return;
-                }
-            };
-            tracing::info!(message_id = %id, events = published.events, tokens = published.tokens.len(), "continuing a reply whose replica stopped");
-            metrics::counter!(crate::telemetry::REPLICA_TAKEOVERS).increment(1);
-            let live = Live::from_event(Some(ids), published.events);
-            reservation.fill(&live);
-            if let Some(shared) = &me.shared_replies {
-                shared.publish(live.clone(), None);
-            }
-            let g = me.generator.clone();
-            g.clone()
-                .run_from(job, live.clone(), published.tokens)
+            me.continue_reply(record, user_id, ids, lease, resume, reservation)
                 .await;
-            g.streams.expire_later(live);
         });
         Ok(Swept::TakenOver)
+    }
+
+    /// The stream was lost (Redis restarted) with the replica that ran the reply: the reply
+    /// goes on from the checkpoint its owner saved last, in a stream begun again there. None
+    /// when there is none.
+    async fn resume_from_checkpoint(
+        &self,
+        shared: &SharedReplies,
+        lease: &ReplyLease,
+    ) -> Result<Option<Resume>, StoreError> {
+        let Some(saved) = self.store.saved_reply(&lease.message_id).await? else {
+            return Ok(None);
+        };
+        if saved.checkpoint.events == 0 || shared.take(lease, true).await.is_none() {
+            return Ok(None);
+        }
+        tracing::warn!(message_id = %lease.message_id, events = saved.checkpoint.events, "a reply's stream was lost in Redis; continuing it from its checkpoint");
+        let tokens = saved.checkpoint.tokens;
+        Ok(Some(Resume {
+            events: saved.checkpoint.events as usize,
+            before: Before::Lost(tokens.clone()),
+            tokens,
+        }))
+    }
+
+    /// Runs a reply taken over, on from `resume`.
+    async fn continue_reply(
+        self: Arc<Self>,
+        record: JobRecord,
+        user_id: UserId,
+        ids: TurnIds,
+        lease: ReplyLease,
+        resume: Resume,
+        reservation: crate::generate::Reservation,
+    ) {
+        let id = ids.message_id.clone();
+        let job = match self
+            .resumed_job(record, user_id.clone(), &ids, &lease)
+            .await
+        {
+            Ok(job) => job,
+            Err(e) => {
+                tracing::warn!(message_id = %id, error = %e, "a reply whose replica died cannot be continued");
+                if let Some(shared) = self.shared_replies.as_ref() {
+                    let why = e.to_string();
+                    if let Err(e) = self.fail_taken(shared, &user_id, &ids, &lease, &why).await {
+                        tracing::warn!(message_id = %id, error = %e, "could not mark an interrupted reply");
+                    }
+                }
+                return;
+            }
+        };
+        tracing::info!(message_id = %id, epoch = lease.epoch, events = resume.events, tokens = resume.tokens.len(), "continuing a reply whose replica stopped");
+        metrics::counter!(crate::telemetry::REPLICA_TAKEOVERS).increment(1);
+        let live = Live::shared(ids, resume.events);
+        reservation.fill(&live);
+        if let Some(shared) = &self.shared_replies {
+            shared.publish(live.clone(), &lease, None, resume.before);
+        }
+        let g = self.generator.clone();
+        g.clone().run_from(job, live.clone(), resume.tokens).await;
+        g.streams.expire_later(live);
     }
 
     /// At shutdown, with Redis reachable: hands every running native reply over to the other
@@ -188,8 +269,12 @@ impl ChatService {
         if handed.is_empty() {
             return 0;
         }
-        // Nothing may write to them once the others are told: a late save would fail their
-        // claim.
+        self.handed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(handed.iter().cloned());
+        // Nothing may write to them once the others are told: their claim needs the epoch
+        // they read.
         shared.published_all(HAND_OVER_FLUSH).await;
         self.generator.saves_done(HAND_OVER_FLUSH).await;
         if let Some(bus) = &self.stop_bus {
@@ -202,6 +287,14 @@ impl ChatService {
         handed.len()
     }
 
+    /// Whether this replica handed the reply over (it never claims it back).
+    fn handed_over(&self, id: &MessageId) -> bool {
+        self.handed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(id)
+    }
+
     /// Marks a reply this replica claimed, and owns in Redis, interrupted, and ends its stream
     /// with an `error` event (with the text stored), so that a client resuming it anywhere
     /// learns that it ended.
@@ -210,19 +303,17 @@ impl ChatService {
         shared: &SharedReplies,
         user_id: &UserId,
         ids: &TurnIds,
-        at: i64,
+        lease: &ReplyLease,
         why: &str,
     ) -> Result<Swept, StoreError> {
         let id = &ids.message_id;
-        let swept = self.fail_reply(id, at).await?;
-        let next = match swept {
-            Swept::Failed => shared.next_event(id).await,
-            _ => None,
-        };
-        if let Some(n) = next {
+        if !self.store.fail_interrupted(lease).await? {
+            return Ok(Swept::Alive);
+        }
+        if let Some(n) = shared.next_event(id).await {
             let stored = self.store.get_message(user_id, &ids.session_id, id).await;
             let live = Live::from_event(Some(ids.clone()), n);
-            shared.publish(live.clone(), None);
+            shared.publish(live.clone(), lease, None, Before::Nothing);
             live.push(RunEvent::End(Box::new(Outcome {
                 content: stored.map(|m| m.content).unwrap_or_default(),
                 end: End::Failed(GenerationError::Unavailable(format!(
@@ -234,12 +325,22 @@ impl ChatService {
                 timings: ReplyTimings::default(),
                 worker: None,
             })));
+            live.settle();
         }
-        Ok(swept)
+        Ok(Swept::Failed)
     }
 
-    async fn fail_reply(&self, id: &MessageId, seen: i64) -> Result<Swept, StoreError> {
-        Ok(match self.store.fail_interrupted(id, seen).await? {
+    /// Without Redis (or without the reply's job), a silent reply cannot be continued: it is
+    /// claimed, so that its replica can store nothing more, and marked interrupted.
+    async fn claim_and_fail(
+        &self,
+        seen: &StreamingReply,
+        silent: bool,
+    ) -> Result<Swept, StoreError> {
+        let Some(lease) = self.store.claim_reply(seen, silent).await? else {
+            return Ok(Swept::Alive);
+        };
+        Ok(match self.store.fail_interrupted(&lease).await? {
             true => Swept::Failed,
             false => Swept::Alive,
         })
@@ -252,6 +353,7 @@ impl ChatService {
         r: JobRecord,
         user_id: UserId,
         ids: &TurnIds,
+        lease: &ReplyLease,
     ) -> Result<Job, ChatError> {
         let target = self.target(r.model.as_deref()).await?;
         let tokenizer = self.tokenizer(&target);
@@ -260,7 +362,8 @@ impl ChatService {
             user_id,
             persistence: Persistence::Stored {
                 session_id: ids.session_id.clone(),
-                message_id: ids.message_id.clone(),
+                lease: lease.clone(),
+                record: None,
             },
             prompt: r.prompt,
             shared_prefix: r.shared_prefix,

@@ -47,6 +47,9 @@ pub trait Store: Send + Sync + std::fmt::Debug {
     async fn ping(&self) -> StoreResult<()>;
 
     async fn create_user(&self, name: &str) -> StoreResult<User>;
+    /// The user `name`, created unless it exists: several replicas starting at once all get
+    /// the same user.
+    async fn ensure_user(&self, name: &str) -> StoreResult<User>;
     async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>>;
 
     async fn insert_api_key(&self, key: NewApiKey) -> StoreResult<ApiKey>;
@@ -139,26 +142,37 @@ pub trait Store: Send + Sync + std::fmt::Debug {
         message_id: &MessageId,
         content: &str,
     ) -> StoreResult<Turn>;
-    /// The reply so far, while it streams.
-    async fn save_progress(&self, message_id: &MessageId, content: &str) -> StoreResult<()>;
-    /// The reply's final state.
-    async fn finish_message(&self, message_id: &MessageId, done: &Completion) -> StoreResult<()>;
-    /// Every reply in `streaming` state: its id and its `updated_at` as last written, by
-    /// whichever replica's clock (the orphan sweep compares it only with itself).
-    async fn streaming_replies(&self) -> StoreResult<Vec<(MessageId, i64)>>;
-    /// A reply left `streaming` by an orchestrator that died becomes `error` / `interrupted`,
-    /// keeping its text: only if it is still `streaming` with `updated_at` equal to `seen`, so a
-    /// save that landed since (the reply is alive) leaves it alone. Returns whether it changed.
-    async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool>;
-    /// Claims a reply left `streaming` by an orchestrator that died, to continue it: as
-    /// [`Store::fail_interrupted`], only while its `updated_at` is `seen`, which becomes a new
-    /// value (returned) that the claimer's later writes renew. Of replicas racing for it, one
-    /// gets it.
-    async fn claim_interrupted(
+    /// The job that makes a streaming reply, for a replica that takes it over (see the
+    /// service's takeover). False when `lease` no longer holds the reply (another replica
+    /// claimed it, or it ended).
+    async fn save_job(&self, lease: &ReplyLease, job: &str) -> StoreResult<bool>;
+    /// The reply so far, while it streams, with how far it got (its checkpoint). False when
+    /// `lease` no longer holds it: nothing is written.
+    async fn save_progress(&self, lease: &ReplyLease, checkpoint: &Checkpoint)
+        -> StoreResult<bool>;
+    /// The owner's heartbeat: a new `updated_at` for each reply it still holds, whatever the
+    /// reply is doing. Returns the ids of the replies `leases` no longer hold.
+    async fn renew_leases(&self, leases: &[ReplyLease]) -> StoreResult<Vec<MessageId>>;
+    /// The reply's final state; its checkpoint is cleared. False when `lease` no longer holds
+    /// the reply: nothing is written.
+    async fn finish_message(&self, lease: &ReplyLease, done: &Completion) -> StoreResult<bool>;
+    /// Every reply in `streaming` state, with its last write's time and its lease's epoch.
+    async fn streaming_replies(&self) -> StoreResult<Vec<StreamingReply>>;
+    /// Claims a streaming reply for this replica: its epoch grows by one, and the previous
+    /// owner can write it no more. Only while the reply is as `seen` (its epoch; and, when
+    /// `silent`, its `updated_at`: no write landed since, so its owner is gone), so of replicas
+    /// racing for it one wins. The new lease, or None.
+    async fn claim_reply(
         &self,
-        message_id: &MessageId,
-        seen: i64,
-    ) -> StoreResult<Option<i64>>;
+        seen: &StreamingReply,
+        silent: bool,
+    ) -> StoreResult<Option<ReplyLease>>;
+    /// A reply that cannot be continued becomes `error` / `interrupted`, keeping its text: only
+    /// while `lease` holds it. Returns whether it changed.
+    async fn fail_interrupted(&self, lease: &ReplyLease) -> StoreResult<bool>;
+    /// A streaming reply's checkpoint and job; None once it ended (or if there is no such
+    /// reply).
+    async fn saved_reply(&self, message_id: &MessageId) -> StoreResult<Option<SavedReply>>;
     /// Removes for good the sessions deleted before `before_ms`, with their messages: a deleted
     /// chat is not kept. Returns how many sessions and messages went.
     async fn purge_deleted(&self, before_ms: i64) -> StoreResult<(u64, u64)>;

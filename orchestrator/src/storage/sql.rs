@@ -70,6 +70,22 @@ fn conflict(what: &'static str) -> impl Fn(sqlx::Error) -> StoreError {
     }
 }
 
+/// `updated_at` set to the time bound at `$n`, or one past its stored value when that is not
+/// earlier: every write of a streaming reply changes it, which is how the orphan sweep tells a
+/// live reply from a silent one (whatever the writers' clocks say).
+fn bump(n: usize) -> String {
+    format!("updated_at = CASE WHEN updated_at < ${n} THEN ${n} ELSE updated_at + 1 END")
+}
+
+/// The streaming reply whose id is bound at `$n`, while its lease's epoch is the one at
+/// `$n + 1`.
+fn held_by(n: usize) -> String {
+    format!(
+        "id = ${n} AND lease_epoch = ${} AND status = 'streaming'",
+        n + 1
+    )
+}
+
 impl SqlStore {
     /// Connects (`postgres://…` or `sqlite:…`; a SQLite file is created if missing) and applies
     /// the migrations for that database.
@@ -467,6 +483,22 @@ impl Store for SqlStore {
             .await
             .map_err(conflict("user"))?;
         Ok(user)
+    }
+
+    async fn ensure_user(&self, name: &str) -> StoreResult<User> {
+        sqlx::query(
+            "INSERT INTO users (id, name, created_at) VALUES ($1, $2, $3) \
+             ON CONFLICT (name) DO NOTHING",
+        )
+        .bind(UserId::random())
+        .bind(name)
+        .bind(now_ms())
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        self.user_by_name(name)
+            .await?
+            .ok_or_else(|| StoreError::Internal(format!("user {name} was not created")))
     }
 
     async fn user_by_name(&self, name: &str) -> StoreResult<Option<User>> {
@@ -894,25 +926,85 @@ impl Store for SqlStore {
         Ok((written, reply))
     }
 
-    async fn save_progress(&self, message_id: &MessageId, content: &str) -> StoreResult<()> {
-        sqlx::query(
-            "UPDATE messages SET content = $1, updated_at = $2 \
-             WHERE id = $3 AND status = 'streaming'",
-        )
-        .bind(content)
+    async fn save_job(&self, lease: &ReplyLease, job: &str) -> StoreResult<bool> {
+        let done = sqlx::query(&format!(
+            "UPDATE messages SET reply_job = $1, {} WHERE {}",
+            bump(2),
+            held_by(3)
+        ))
+        .bind(job)
         .bind(now_ms())
-        .bind(message_id)
+        .bind(&lease.message_id)
+        .bind(lease.epoch)
         .execute(&self.pool)
         .await
         .map_err(db_err)?;
-        Ok(())
+        Ok(done.rows_affected() == 1)
     }
 
-    async fn finish_message(&self, message_id: &MessageId, d: &Completion) -> StoreResult<()> {
+    async fn save_progress(&self, lease: &ReplyLease, cp: &Checkpoint) -> StoreResult<bool> {
+        let done = sqlx::query(&format!(
+            "UPDATE messages SET content = $1, reply_tokens = $2, reply_events = $3, {} \
+             WHERE {}",
+            bump(4),
+            held_by(5)
+        ))
+        .bind(&cp.content)
+        .bind(encode_tokens(&cp.tokens))
+        .bind(cp.events as i64)
+        .bind(now_ms())
+        .bind(&lease.message_id)
+        .bind(lease.epoch)
+        .execute(&self.pool)
+        .await
+        .map_err(db_err)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn renew_leases(&self, leases: &[ReplyLease]) -> StoreResult<Vec<MessageId>> {
+        let mut lost = Vec::new();
+        // A few hundred per statement keeps within every driver's limit on bound values.
+        for chunk in leases.chunks(200) {
+            let held: Vec<String> = (0..chunk.len())
+                .map(|i| format!("(id = ${} AND lease_epoch = ${})", 2 * i + 2, 2 * i + 3))
+                .collect();
+            let sql = format!(
+                "UPDATE messages SET {} WHERE status = 'streaming' AND ({}) \
+                 RETURNING id, lease_epoch",
+                bump(1),
+                held.join(" OR ")
+            );
+            let mut q = sqlx::query(&sql).bind(now_ms());
+            for l in chunk {
+                q = q.bind(&l.message_id).bind(l.epoch);
+            }
+            let rows = q.fetch_all(&self.pool).await.map_err(db_err)?;
+            let renewed: Vec<(String, i64)> = rows
+                .iter()
+                .map(|r| Ok((r.try_get("id")?, r.try_get("lease_epoch")?)))
+                .collect::<Result<_, sqlx::Error>>()
+                .map_err(db_err)?;
+            lost.extend(
+                chunk
+                    .iter()
+                    .filter(|l| {
+                        !renewed
+                            .iter()
+                            .any(|(id, e)| id == l.message_id.as_str() && *e == l.epoch)
+                    })
+                    .map(|l| l.message_id.clone()),
+            );
+        }
+        Ok(lost)
+    }
+
+    async fn finish_message(&self, lease: &ReplyLease, d: &Completion) -> StoreResult<bool> {
         let done = sqlx::query(
             "UPDATE messages SET content = $1, status = $2, finish_reason = $3, \
              prompt_tokens = $4, cached_tokens = $5, completion_tokens = $6, ttft_ms = $7, \
-             duration_ms = $8, worker = $9, tool_calls = $10, updated_at = $11 WHERE id = $12",
+             duration_ms = $8, worker = $9, tool_calls = $10, updated_at = $11, \
+             reply_job = NULL, reply_tokens = NULL, reply_events = NULL \
+             WHERE id = $12 AND status = 'streaming' AND lease_epoch = $13",
         )
         .bind(&d.content)
         .bind(d.status.as_str())
@@ -929,31 +1021,31 @@ impl Store for SqlStore {
                 .map(|c| serde_json::to_string(c).unwrap_or_default()),
         )
         .bind(now_ms())
-        .bind(message_id)
+        .bind(&lease.message_id)
+        .bind(lease.epoch)
         .execute(&self.pool)
         .await
         .map_err(db_err)?;
-        if done.rows_affected() == 0 {
-            return Err(StoreError::NotFound("message"));
-        }
-        Ok(())
+        Ok(done.rows_affected() == 1)
     }
 
-    async fn streaming_replies(&self) -> StoreResult<Vec<(MessageId, i64)>> {
-        let rows = sqlx::query("SELECT id, updated_at FROM messages WHERE status = 'streaming'")
-            .fetch_all(&self.pool)
-            .await
-            .map_err(db_err)?;
+    async fn streaming_replies(&self) -> StoreResult<Vec<StreamingReply>> {
+        let rows = sqlx::query(
+            "SELECT id, updated_at, lease_epoch FROM messages WHERE status = 'streaming'",
+        )
+        .fetch_all(&self.pool)
+        .await
+        .map_err(db_err)?;
         rows.iter()
             .map(|r| {
-                Ok((
-                    r.try_get("id").map_err(db_err)?,
-                    r.try_get("updated_at").map_err(db_err)?,
-                ))
+                Ok(StreamingReply {
+                    id: r.try_get("id").map_err(db_err)?,
+                    updated_at: r.try_get("updated_at").map_err(db_err)?,
+                    epoch: r.try_get("lease_epoch").map_err(db_err)?,
+                })
             })
             .collect()
     }
-
     async fn purge_deleted(&self, before_ms: i64) -> StoreResult<(u64, u64)> {
         let mut tx = self.pool.begin().await.map_err(db_err)?;
         let messages = sqlx::query(
@@ -976,38 +1068,78 @@ impl Store for SqlStore {
         Ok((sessions, messages))
     }
 
-    async fn claim_interrupted(
+    async fn claim_reply(
         &self,
-        message_id: &MessageId,
-        seen: i64,
-    ) -> StoreResult<Option<i64>> {
-        // A value other than `seen`, whatever this replica's clock says.
-        let at = now_ms().max(seen + 1);
-        let done = sqlx::query(
-            "UPDATE messages SET updated_at = $1 \
-             WHERE id = $2 AND status = 'streaming' AND updated_at = $3",
-        )
-        .bind(at)
-        .bind(message_id)
-        .bind(seen)
-        .execute(&self.pool)
-        .await
-        .map_err(db_err)?;
-        Ok((done.rows_affected() == 1).then_some(at))
+        seen: &StreamingReply,
+        silent: bool,
+    ) -> StoreResult<Option<ReplyLease>> {
+        let sql = format!(
+            "UPDATE messages SET lease_epoch = lease_epoch + 1, {} WHERE {}{} \
+             RETURNING lease_epoch",
+            bump(1),
+            held_by(2),
+            if silent { " AND updated_at = $4" } else { "" }
+        );
+        let mut q = sqlx::query(&sql)
+            .bind(now_ms())
+            .bind(&seen.id)
+            .bind(seen.epoch);
+        if silent {
+            q = q.bind(seen.updated_at);
+        }
+        let row = q.fetch_optional(&self.pool).await.map_err(db_err)?;
+        row.map(|r| {
+            Ok(ReplyLease {
+                message_id: seen.id.clone(),
+                epoch: r.try_get("lease_epoch").map_err(db_err)?,
+            })
+        })
+        .transpose()
     }
 
-    async fn fail_interrupted(&self, message_id: &MessageId, seen: i64) -> StoreResult<bool> {
-        let done = sqlx::query(
+    async fn fail_interrupted(&self, lease: &ReplyLease) -> StoreResult<bool> {
+        let done = sqlx::query(&format!(
             "UPDATE messages SET status = 'error', \
-             finish_reason = COALESCE(finish_reason, 'interrupted'), updated_at = $1 \
-             WHERE id = $2 AND status = 'streaming' AND updated_at = $3",
-        )
+             finish_reason = COALESCE(finish_reason, 'interrupted'), \
+             reply_job = NULL, reply_tokens = NULL, reply_events = NULL, {} WHERE {}",
+            bump(1),
+            held_by(2)
+        ))
         .bind(now_ms())
-        .bind(message_id)
-        .bind(seen)
+        .bind(&lease.message_id)
+        .bind(lease.epoch)
         .execute(&self.pool)
         .await
         .map_err(db_err)?;
         Ok(done.rows_affected() == 1)
+    }
+
+    async fn saved_reply(&self, message_id: &MessageId) -> StoreResult<Option<SavedReply>> {
+        let row = sqlx::query(
+            "SELECT content, reply_job, reply_tokens, reply_events FROM messages \
+             WHERE id = $1 AND status = 'streaming'",
+        )
+        .bind(message_id)
+        .fetch_optional(&self.pool)
+        .await
+        .map_err(db_err)?;
+        let Some(r) = row else {
+            return Ok(None);
+        };
+        let tokens: Option<String> = r.try_get("reply_tokens").map_err(db_err)?;
+        let tokens = match tokens.as_deref() {
+            None => Vec::new(),
+            Some(t) => decode_tokens(t)
+                .ok_or_else(|| StoreError::Internal("stored reply tokens are malformed".into()))?,
+        };
+        let events: Option<i64> = r.try_get("reply_events").map_err(db_err)?;
+        Ok(Some(SavedReply {
+            checkpoint: Checkpoint {
+                content: r.try_get("content").map_err(db_err)?,
+                tokens,
+                events: events.map_or(0, |e| e.max(0) as u64),
+            },
+            job: r.try_get("reply_job").map_err(db_err)?,
+        }))
     }
 }

@@ -221,7 +221,7 @@ pub struct Turn {
 }
 
 /// What a reply used, in tokens.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReplyUsage {
     pub prompt_tokens: u64,
     /// Prompt tokens the worker already held in its cache.
@@ -230,7 +230,7 @@ pub struct ReplyUsage {
 }
 
 /// A reply's timings, in milliseconds from the request's arrival.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct ReplyTimings {
     /// Until the first token (`null` when none came).
     #[schema(required = true)]
@@ -238,8 +238,9 @@ pub struct ReplyTimings {
     pub duration_ms: u64,
 }
 
-/// A reply's final state, as stored.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A reply's final state, as stored (and, as JSON, with the last event of the reply's shared
+/// stream: a replica that finds the stream ended stores this).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Completion {
     pub content: String,
     pub status: MessageStatus,
@@ -250,6 +251,72 @@ pub struct Completion {
     pub worker: Option<String>,
     /// The calls the reply makes, when it is nothing but calls of the turn's tools.
     pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// The right to write a streaming reply: the replica that began it holds epoch 0, and each
+/// claim by another replica makes the next one. Every write of the reply names its lease and
+/// holds only while the reply is still streaming at that epoch (a fencing token), so a replica
+/// that lost the reply, alive after all, changes nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ReplyLease {
+    pub message_id: MessageId,
+    pub epoch: i64,
+}
+
+impl ReplyLease {
+    /// The lease of a reply its replica has just begun.
+    pub fn first(message_id: MessageId) -> Self {
+        Self {
+            message_id,
+            epoch: 0,
+        }
+    }
+}
+
+/// A reply in `streaming` state, as the orphan sweep sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StreamingReply {
+    pub id: MessageId,
+    /// Its last write (a save or its owner's heartbeat), by whichever replica's clock: the
+    /// sweep compares it only with itself.
+    pub updated_at: i64,
+    pub epoch: i64,
+}
+
+/// How far a streaming reply has got, saved with its text: the generated tokens whose text the
+/// saved content is, and how many of the reply's events (its stream's ids) carried them. A
+/// replica that takes the reply over without its Redis stream continues from here.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Checkpoint {
+    pub content: String,
+    pub tokens: Vec<u32>,
+    pub events: u64,
+}
+
+/// What the database holds of a streaming reply for a replica that takes it over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SavedReply {
+    pub checkpoint: Checkpoint,
+    /// The job that makes the reply (see the service's takeover), once its owner saved it.
+    pub job: Option<String>,
+}
+
+/// Token ids as text (stored with a checkpoint, and carried by a shared stream's events):
+/// decimal, space-separated.
+pub fn encode_tokens(tokens: &[u32]) -> String {
+    let mut s = String::with_capacity(tokens.len() * 6);
+    for (i, t) in tokens.iter().enumerate() {
+        if i > 0 {
+            s.push(' ');
+        }
+        s.push_str(&t.to_string());
+    }
+    s
+}
+
+/// The token ids of [`encode_tokens`]' text; None when it is malformed.
+pub fn decode_tokens(s: &str) -> Option<Vec<u32>> {
+    s.split_ascii_whitespace().map(|t| t.parse().ok()).collect()
 }
 
 /// Milliseconds since the Unix epoch.

@@ -13,6 +13,19 @@ pub(crate) async fn users_and_keys_suite(s: &SqlStore) {
         Some(alice.clone())
     );
     assert_eq!(s.user_by_name("nobody").await.expect("lookup"), None);
+    // Replicas starting at once all get the one local user.
+    assert_eq!(s.ensure_user("alice").await.expect("ensure"), alice);
+    let starting: Vec<_> = (0..8)
+        .map(|_| {
+            let s = s.clone();
+            tokio::spawn(async move { s.ensure_user("local").await })
+        })
+        .collect();
+    let mut locals = Vec::new();
+    for t in starting {
+        locals.push(t.await.expect("task").expect("ensure"));
+    }
+    assert!(locals.iter().all(|u| *u == locals[0]), "{locals:?}");
 
     let key = s
         .insert_api_key(NewApiKey {

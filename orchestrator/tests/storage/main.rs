@@ -11,9 +11,9 @@ mod races;
 mod replies;
 
 use hearth_orchestrator::storage::{
-    Completion, Finish, FunctionCall, KeyId, MessageId, MessageStatus, NewApiKey, NewSession,
-    NewToolResult, ReplyTimings, ReplyUsage, Role, SessionId, SessionPatch, SessionQuery, SqlStore,
-    Store, StoreError, ToolCall, UserId,
+    Checkpoint, Completion, Finish, FunctionCall, KeyId, MessageId, MessageStatus, NewApiKey,
+    NewSession, NewToolResult, ReplyLease, ReplyTimings, ReplyUsage, Role, SessionId, SessionPatch,
+    SessionQuery, SqlStore, Store, StoreError, StreamingReply, ToolCall, UserId,
 };
 
 use hearth_e2e::pg::PgDatabase;
@@ -92,6 +92,26 @@ async fn a_bad_database_url_is_a_clear_error() {
         .await
         .expect_err("nothing listens on port 1");
     assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+}
+
+/// Ends the reply `id` (begun by this replica: its first lease) as `done`.
+pub(crate) async fn finish(s: &SqlStore, id: &MessageId, done: &Completion) {
+    let owned = s
+        .finish_message(&ReplyLease::first(id.clone()), done)
+        .await
+        .expect("finish");
+    assert!(owned, "the reply was still streaming under its first lease");
+}
+
+/// Saves the reply `id`'s text so far (its first lease; a checkpoint of no tokens).
+pub(crate) async fn progress(s: &SqlStore, id: &MessageId, text: &str) -> bool {
+    let cp = Checkpoint {
+        content: text.into(),
+        ..Checkpoint::default()
+    };
+    s.save_progress(&ReplyLease::first(id.clone()), &cp)
+        .await
+        .expect("progress")
 }
 
 /// A finished reply, for building history.

@@ -44,9 +44,7 @@ pub(crate) async fn concurrency_suite(s: &SqlStore) {
         }));
     }
     for k in 0..20 {
-        s.save_progress(&streaming.assistant.id, &"x".repeat(k))
-            .await
-            .expect("progress");
+        assert!(progress(s, &streaming.assistant.id, &"x".repeat(k)).await);
     }
     let mut written = std::collections::HashMap::<SessionId, usize>::new();
     for t in tasks {
@@ -67,9 +65,7 @@ pub(crate) async fn concurrency_suite(s: &SqlStore) {
     let msgs = s.list_messages(&u, &one).await.expect("messages");
     let seqs: Vec<i64> = msgs.iter().map(|m| m.seq).collect();
     assert_eq!(seqs, vec![1, 2]);
-    s.finish_message(&msgs[1].id, &complete("ok"))
-        .await
-        .expect("finish");
+    finish(s, &msgs[1].id, &complete("ok")).await;
     let next = s.begin_turn(&u, &one, "next").await.expect("next turn");
     assert_eq!((next.user.seq, next.assistant.seq), (3, 4));
 }

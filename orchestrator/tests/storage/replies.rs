@@ -17,9 +17,7 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
         "the last message is the newest one"
     );
     assert_eq!(t1.assistant.status, MessageStatus::Streaming);
-    s.save_progress(&t1.assistant.id, "Hi")
-        .await
-        .expect("progress");
+    assert!(progress(s, &t1.assistant.id, "Hi").await);
     let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
     assert_eq!(msgs[1].content, "Hi");
     let done = Completion {
@@ -38,13 +36,14 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
         worker: Some("127.0.0.1:50051".into()),
         tool_calls: None,
     };
-    s.finish_message(&t1.assistant.id, &done)
+    finish(s, &t1.assistant.id, &done).await;
+    // Progress after the end changes nothing, and says so; so does a second end.
+    assert!(!progress(s, &t1.assistant.id, "late").await);
+    let first = ReplyLease::first(t1.assistant.id.clone());
+    assert!(!s
+        .finish_message(&first, &complete("again"))
         .await
-        .expect("finish");
-    // Progress after the end changes nothing.
-    s.save_progress(&t1.assistant.id, "late")
-        .await
-        .expect("late progress");
+        .expect("finish"));
     let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
     assert_eq!(msgs.len(), 2);
     assert_eq!(
@@ -68,82 +67,12 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
     );
     assert_eq!(a.worker.as_deref(), Some("127.0.0.1:50051"));
 
-    // A second turn left streaming by a crash is marked error at the next start-up, text kept.
     let t2 = s
         .begin_turn(&u, &sess.id, "And then?")
         .await
         .expect("turn 2");
     assert_eq!(t2.user.seq, 3);
-    s.save_progress(&t2.assistant.id, "Partial ans")
-        .await
-        .expect("progress");
-    // The sweep lists it with the time of its last save, and fails it only if no save has
-    // landed since (a save in between means a live orchestrator: left alone).
-    let streaming = s.streaming_replies().await.expect("streaming");
-    let seen = streaming
-        .iter()
-        .find(|(id, _)| *id == t2.assistant.id)
-        .map(|&(_, at)| at)
-        .expect("the reply is listed as streaming");
-    assert!(
-        !s.fail_interrupted(&t2.assistant.id, seen - 1)
-            .await
-            .expect("saved since"),
-        "a reply saved after it was seen is left alone"
-    );
-    // A replica that claims it to continue it gets a new `updated_at`; of two racing with
-    // the same sighting, one wins; the old sighting can then neither claim nor fail it.
-    assert_eq!(
-        s.claim_interrupted(&t2.assistant.id, seen - 1)
-            .await
-            .expect("claim"),
-        None,
-        "a reply saved after it was seen is not claimed"
-    );
-    let claimed = s
-        .claim_interrupted(&t2.assistant.id, seen)
-        .await
-        .expect("claim")
-        .expect("claimed");
-    assert_ne!(claimed, seen);
-    assert_eq!(
-        s.claim_interrupted(&t2.assistant.id, seen)
-            .await
-            .expect("claim"),
-        None,
-        "claimed once"
-    );
-    assert!(!s
-        .fail_interrupted(&t2.assistant.id, seen)
-        .await
-        .expect("claimed since"));
-    let listed = s.streaming_replies().await.expect("streaming");
-    assert!(
-        listed.contains(&(t2.assistant.id.clone(), claimed)),
-        "{listed:?}"
-    );
-    // The claimer cannot continue it after all (say, Redis lost its stream): it fails it.
-    let seen = claimed;
-    assert!(s
-        .fail_interrupted(&t2.assistant.id, seen)
-        .await
-        .expect("recover"));
-    let msgs = s.list_messages(&u, &sess.id).await.expect("messages");
-    assert_eq!(msgs[3].status, MessageStatus::Error);
-    assert_eq!(msgs[3].content, "Partial ans");
-    assert_eq!(msgs[3].finish_reason, Some(Finish::Interrupted));
-    assert!(
-        !s.streaming_replies()
-            .await
-            .expect("streaming")
-            .iter()
-            .any(|(id, _)| *id == t2.assistant.id),
-        "nothing left streaming"
-    );
-    assert!(!s
-        .fail_interrupted(&t2.assistant.id, seen)
-        .await
-        .expect("already failed"));
+    leases_suite(s, &u, &sess.id, &t2.assistant.id).await;
 
     // Regenerate: the last reply is replaced by a new placeholder at the same place.
     let again = s
@@ -171,7 +100,7 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
         s.list_messages(&u, &sess.id).await.expect("messages").len(),
         4
     );
-    s.finish_message(&again.id, &done).await.expect("finish");
+    finish(s, &again.id, &done).await;
 
     // Unicode and a long message survive the round trip.
     let text = "Zürich 東京 🙂 ".repeat(2000);
@@ -182,9 +111,113 @@ pub(crate) async fn turns_suite(s: &SqlStore) {
         Some(&text)
     );
     assert_eq!(
-        s.finish_message(&MessageId::random(), &done).await,
-        Err(StoreError::NotFound("message"))
+        s.finish_message(&ReplyLease::first(MessageId::random()), &done)
+            .await,
+        Ok(false),
+        "no such reply"
     );
+}
+
+/// The reply `id`, streaming, is saved with its checkpoint and job, kept alive by its owner's
+/// heartbeat, claimed by another replica (one of two racing wins), after which the first
+/// owner can write nothing, and finally failed by the claimer: error, interrupted, its text
+/// kept.
+async fn leases_suite(s: &SqlStore, u: &UserId, sid: &SessionId, id: &MessageId) {
+    let owner = ReplyLease::first(id.clone());
+    assert!(s.save_job(&owner, "{\"job\":1}").await.expect("job"));
+    let cp = Checkpoint {
+        content: "Partial ans".into(),
+        tokens: vec![9, 10, 262_143],
+        events: 4,
+    };
+    assert!(s.save_progress(&owner, &cp).await.expect("progress"));
+    let saved = s.saved_reply(id).await.expect("saved").expect("streaming");
+    assert_eq!(saved.checkpoint, cp);
+    assert_eq!(saved.job.as_deref(), Some("{\"job\":1}"));
+    assert_eq!(
+        s.saved_reply(&MessageId::random()).await.expect("none"),
+        None
+    );
+
+    // The sweep lists it with the time of its last write and its epoch.
+    let listed = |all: Vec<StreamingReply>| all.into_iter().find(|r| r.id == *id);
+    let seen = listed(s.streaming_replies().await.expect("streaming")).expect("listed");
+    assert_eq!(seen.epoch, 0);
+    // The heartbeat writes a new `updated_at` however fast it beats: a claim that saw the
+    // reply before it finds it alive.
+    assert_eq!(
+        s.renew_leases(std::slice::from_ref(&owner))
+            .await
+            .expect("renew"),
+        vec![]
+    );
+    assert_eq!(s.claim_reply(&seen, true).await.expect("claim"), None);
+    let seen = listed(s.streaming_replies().await.expect("streaming")).expect("listed");
+    // Of two replicas racing with the same sighting, one wins, with the next epoch.
+    let claimed = s
+        .claim_reply(&seen, true)
+        .await
+        .expect("claim")
+        .expect("claimed");
+    assert_eq!(
+        claimed,
+        ReplyLease {
+            message_id: id.clone(),
+            epoch: 1
+        }
+    );
+    assert_eq!(s.claim_reply(&seen, true).await.expect("claim"), None);
+    assert_eq!(
+        s.claim_reply(&seen, false).await.expect("claim"),
+        None,
+        "its epoch moved on"
+    );
+
+    // The first owner, alive after all, can write nothing: not its heartbeat, its progress,
+    // its job, its end, nor a failure.
+    assert_eq!(
+        s.renew_leases(&[owner.clone(), claimed.clone()])
+            .await
+            .expect("renew"),
+        vec![id.clone()]
+    );
+    let late = Checkpoint {
+        content: "Partial answer that the old owner saw".into(),
+        ..cp.clone()
+    };
+    assert!(!s.save_progress(&owner, &late).await.expect("fenced"));
+    assert!(!s.save_job(&owner, "{}").await.expect("fenced"));
+    assert!(!s
+        .finish_message(&owner, &complete("stale"))
+        .await
+        .expect("fenced"));
+    assert!(!s.fail_interrupted(&owner).await.expect("fenced"));
+    let msgs = s.list_messages(u, sid).await.expect("messages");
+    assert_eq!(msgs[3].content, "Partial ans");
+    assert_eq!(msgs[3].status, MessageStatus::Streaming);
+
+    // A handed-over reply is claimed by its epoch alone (its `updated_at` may move meanwhile).
+    let seen = listed(s.streaming_replies().await.expect("streaming")).expect("listed");
+    assert!(s.save_progress(&claimed, &cp).await.expect("progress"));
+    let handed = s
+        .claim_reply(&seen, false)
+        .await
+        .expect("claim")
+        .expect("claimed by its epoch");
+    assert_eq!(handed.epoch, 2);
+
+    // The claimer cannot continue it after all: it fails it, text kept.
+    assert!(s.fail_interrupted(&handed).await.expect("fail"));
+    let msgs = s.list_messages(u, sid).await.expect("messages");
+    assert_eq!(msgs[3].status, MessageStatus::Error);
+    assert_eq!(msgs[3].content, "Partial ans");
+    assert_eq!(msgs[3].finish_reason, Some(Finish::Interrupted));
+    assert_eq!(
+        listed(s.streaming_replies().await.expect("streaming")),
+        None
+    );
+    assert_eq!(s.saved_reply(id).await.expect("saved"), None, "over");
+    assert!(!s.fail_interrupted(&handed).await.expect("already failed"));
 }
 
 pub(crate) async fn edit_suite(s: &SqlStore) {
@@ -197,9 +230,7 @@ pub(crate) async fn edit_suite(s: &SqlStore) {
     let mut turns = Vec::new();
     for (q, a) in [("one?", "One."), ("two?", "Two."), ("three?", "Three.")] {
         let t = s.begin_turn(&u, &sess.id, q).await.expect("turn");
-        s.finish_message(&t.assistant.id, &complete(a))
-            .await
-            .expect("finish");
+        finish(s, &t.assistant.id, &complete(a)).await;
         turns.push(t);
     }
     let before = s.list_messages(&u, &sess.id).await.expect("messages");
@@ -282,9 +313,7 @@ pub(crate) async fn edit_suite(s: &SqlStore) {
 
     // The first message: one user message and its new placeholder remain; a turn after that
     // continues the sequence.
-    s.finish_message(&edited.assistant.id, &complete("Two again."))
-        .await
-        .expect("finish");
+    finish(s, &edited.assistant.id, &complete("Two again.")).await;
     let first = s
         .begin_edit(&u, &sess.id, &turns[0].user.id, "Zürich 東京 🙂")
         .await
@@ -303,9 +332,7 @@ pub(crate) async fn edit_suite(s: &SqlStore) {
         Err(StoreError::ReplyRunning),
         "no edit while the edited turn's reply streams"
     );
-    s.finish_message(&first.assistant.id, &complete("Done."))
-        .await
-        .expect("finish");
+    finish(s, &first.assistant.id, &complete("Done.")).await;
     let next = s.begin_turn(&u, &sess.id, "more").await.expect("turn");
     assert_eq!(next.user.seq, 3);
 }
@@ -320,9 +347,7 @@ pub(crate) async fn purge_suite(s: &SqlStore) {
         };
         let id = s.create_session(&u, new).await.expect("session").id;
         let t = s.begin_turn(&u, &id, "hello").await.expect("turn");
-        s.finish_message(&t.assistant.id, &complete("hi"))
-            .await
-            .expect("finish");
+        finish(s, &t.assistant.id, &complete("hi")).await;
         ids.push(id);
     }
     s.delete_session(&u, &ids[0]).await.expect("delete");
@@ -367,9 +392,7 @@ pub(crate) async fn tools_suite(s: &SqlStore) {
         tool_calls: Some(calls.clone()),
         ..complete(text)
     };
-    s.finish_message(&t.assistant.id, &done)
-        .await
-        .expect("finish");
+    finish(s, &t.assistant.id, &done).await;
     let results = [
         NewToolResult {
             tool_call_id: "call_a".into(),
