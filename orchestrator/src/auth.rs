@@ -5,6 +5,9 @@
 //! recognise and that finds the candidate rows; the hash is then compared in constant time. A
 //! revoked or expired key is refused like an unknown one.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -67,10 +70,7 @@ pub async fn issue_key(
     user_name: &str,
     options: KeyOptions,
 ) -> Result<IssuedKey, StoreError> {
-    let user = match store.user_by_name(user_name).await? {
-        Some(u) => u,
-        None => store.create_user(user_name).await?,
-    };
+    let user = store.ensure_user(user_name).await?;
     let key = format!("hk_{}", random_hex64());
     let record = store
         .insert_api_key(NewApiKey {
@@ -108,6 +108,59 @@ pub async fn authenticate(store: &dyn Store, presented: &str) -> Result<Caller, 
         }
     }
     Err(AuthError::InvalidKey)
+}
+
+/// Checks of presented keys, one database lookup for all the requests that present the same
+/// key at the same moment: a client that opens a thousand streams at once costs one query, not
+/// a thousand queued on the connection pool (where the last would time out). A lookup is shared
+/// only while it runs (and never past [`JOIN_WINDOW`]), so a revoked key is refused by the
+/// next request that comes after.
+#[derive(Debug, Default)]
+pub struct KeyChecks {
+    inflight: std::sync::Mutex<HashMap<String, Arc<Lookup>>>,
+}
+
+/// Longest a lookup is joined by requests that come after it began.
+const JOIN_WINDOW: std::time::Duration = std::time::Duration::from_secs(1);
+
+#[derive(Debug)]
+struct Lookup {
+    began: std::time::Instant,
+    result: tokio::sync::OnceCell<Result<Caller, AuthError>>,
+}
+
+impl KeyChecks {
+    /// As [`authenticate`], sharing a lookup in flight for the same key.
+    pub async fn authenticate(
+        &self,
+        store: &dyn Store,
+        presented: &str,
+    ) -> Result<Caller, AuthError> {
+        let hash = hash_key(presented);
+        let lookup = {
+            let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+            inflight.retain(|_, l| l.began.elapsed() < JOIN_WINDOW);
+            inflight
+                .entry(hash.clone())
+                .or_insert_with(|| {
+                    Arc::new(Lookup {
+                        began: std::time::Instant::now(),
+                        result: tokio::sync::OnceCell::new(),
+                    })
+                })
+                .clone()
+        };
+        let result = lookup
+            .result
+            .get_or_init(|| authenticate(store, presented))
+            .await
+            .clone();
+        let mut inflight = self.inflight.lock().unwrap_or_else(|p| p.into_inner());
+        if inflight.get(&hash).is_some_and(|l| Arc::ptr_eq(l, &lookup)) {
+            inflight.remove(&hash);
+        }
+        result
+    }
 }
 
 #[cfg(test)]

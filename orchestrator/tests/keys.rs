@@ -125,3 +125,51 @@ async fn created_keys_authenticate_until_revoked_and_wrong_keys_never_do() {
     store.close().await;
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// A thousand requests presenting one key at once all get its owner, from shared lookups;
+/// what is shared is only a lookup in flight, so the key, once revoked, is refused by the next
+/// request, and a wrong key presented beside a good one shares nothing with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_checks_of_one_key_share_a_lookup_and_never_outlive_a_revocation() {
+    use hearth_orchestrator::auth::KeyChecks;
+    use hearth_orchestrator::storage::{now_ms, Store};
+    use std::sync::Arc;
+    let dir = std::env::temp_dir().join(format!(
+        "hearth-keychecks-{}-{}",
+        std::process::id(),
+        uuid::Uuid::new_v4().simple()
+    ));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let url = format!("sqlite://{}?mode=rwc", dir.join("hearth.db").display());
+    let store = Arc::new(SqlStore::connect(&url).await.expect("store"));
+    let issued = issue_key(store.as_ref(), "alice", KeyOptions::default())
+        .await
+        .expect("key");
+    let checks = Arc::new(KeyChecks::default());
+    let mut tasks = Vec::new();
+    for i in 0..1000 {
+        let (checks, store, key) = (checks.clone(), store.clone(), issued.key.clone());
+        let wrong = format!("hk_{}", "0".repeat(64));
+        tasks.push(tokio::spawn(async move {
+            let presented = if i % 100 == 7 { wrong } else { key };
+            checks.authenticate(store.as_ref(), &presented).await
+        }));
+    }
+    for (i, t) in tasks.into_iter().enumerate() {
+        let r = t.await.expect("task");
+        if i % 100 == 7 {
+            assert_eq!(r, Err(AuthError::InvalidKey));
+        } else {
+            assert_eq!(r.expect("alice").user.name, "alice");
+        }
+    }
+    store
+        .revoke_api_key(&issued.record.id, now_ms())
+        .await
+        .expect("revoke");
+    assert_eq!(
+        checks.authenticate(store.as_ref(), &issued.key).await,
+        Err(AuthError::InvalidKey)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -259,6 +259,18 @@ impl Sse {
         })
     }
 
+    /// The rest of the body as text: what a response that is not a stream says (an error).
+    pub async fn body(&mut self) -> String {
+        let mut all = std::mem::take(&mut self.buf);
+        while !self.done {
+            match self.read().await {
+                Some(b) => all.extend(b),
+                None => self.done = true,
+            }
+        }
+        String::from_utf8_lossy(&all).into_owned()
+    }
+
     /// Every remaining event.
     pub async fn rest(&mut self) -> Vec<Event> {
         let mut out = Vec::new();

@@ -63,7 +63,10 @@ async fn thousand_concurrent_streams_complete_with_bounded_memory() {
                     .json(&body)
                     .events(addr)
                     .await;
-                assert_eq!(sse.status, 200);
+                if sse.status != 200 {
+                    let status = sse.status;
+                    panic!("{status}: {}", sse.body().await);
+                }
                 let mut gaps = Vec::new();
                 let mut last: Option<Instant> = None;
                 let mut usage = Value::Null;

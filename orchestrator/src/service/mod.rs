@@ -36,7 +36,7 @@ use hearth_shared::chat::{
 use hearth_shared::SamplingParams;
 use tokio_stream::{Stream, StreamExt};
 
-use crate::auth::{authenticate, AuthError};
+use crate::auth::{AuthError, KeyChecks};
 use crate::bus::StopBus;
 use crate::generate::wire::NativeEvent;
 use crate::generate::{
@@ -113,6 +113,7 @@ pub struct ChatService {
     shared_replies: Option<SharedReplies>,
     /// Replies this replica handed over as it shut down: it never claims them back.
     handed: std::sync::Mutex<std::collections::HashSet<MessageId>>,
+    key_checks: KeyChecks,
     /// One gate per model being loaded on demand, so that one load serves every request
     /// waiting for it.
     loads: std::sync::Mutex<std::collections::HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
@@ -187,6 +188,7 @@ impl ChatService {
             tokenizers: p.tokenizers,
             shared_replies: p.shared_replies,
             handed: std::sync::Mutex::default(),
+            key_checks: KeyChecks::default(),
             loads: std::sync::Mutex::default(),
         }
     }
@@ -213,7 +215,11 @@ impl ChatService {
 
     /// The owner of an API key, with the key's limits (the server's where it has none).
     pub async fn key_caller(&self, token: &str) -> Result<Caller, ChatError> {
-        match authenticate(self.store.as_ref(), token).await {
+        match self
+            .key_checks
+            .authenticate(self.store.as_ref(), token)
+            .await
+        {
             Ok(c) => Ok(Caller {
                 admin: c.key.admin,
                 quota: Quota {
