@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies flake-hunt fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies flake-hunt chaos fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -82,6 +82,17 @@ bench-loops: fetch-model
 ## this machine; builds BASE in a scratch worktree; minutes; not in CI).
 bench-shared-replies:
 	bash tests/anchor/shared-replies-cost.sh
+
+## A seeded chaos run of the whole stack (tests/src/chaos): 3 replicas, 2 workers with the real
+## model, PostgreSQL and Redis of its own; 12 clients of 6 greedy turns of 300 tokens, while
+## kill -9, SIGSTOP, network cuts and restarts of Redis and PostgreSQL strike every 3 s; then the
+## history checker. CHAOS_RUNS runs in a row (default 3); HEARTH_CHAOS_SEED replays one; reports
+## and logs under target/chaos. Several minutes a run on 2 cores; not in CI (make test runs a
+## short one).
+CHAOS_RUNS ?= 3
+chaos: fetch-model
+	$(CARGO) build -p hearth-orchestrator -p hearth-worker -p hearth-e2e --bins
+	./target/debug/hearth-chaos --runs $(CHAOS_RUNS) $(CHAOS_ARGS)
 
 ## Every whole-stack test binary RUNS times (default 20), each run with its own seed, then one line
 ## per test that failed at least once, with its count and the seeds to replay it with

@@ -453,6 +453,27 @@ impl WorkerProcess {
         listen: &str,
         extra: &[&str],
     ) -> std::io::Result<Self> {
+        Self::spawn_with(bin, model, listen, extra, std::process::Stdio::inherit())
+    }
+
+    /// [`Self::spawn_at`], its log (stderr) written to `log`.
+    pub fn spawn_logged(
+        bin: &Path,
+        model: &Path,
+        listen: &str,
+        extra: &[&str],
+        log: std::fs::File,
+    ) -> std::io::Result<Self> {
+        Self::spawn_with(bin, model, listen, extra, log.into())
+    }
+
+    fn spawn_with(
+        bin: &Path,
+        model: &Path,
+        listen: &str,
+        extra: &[&str],
+        stderr: std::process::Stdio,
+    ) -> std::io::Result<Self> {
         use std::io::BufRead;
         use std::process::{Command, Stdio};
         let mut child = Command::new(bin)
@@ -464,6 +485,7 @@ impl WorkerProcess {
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
+            .stderr(stderr)
             .spawn()?;
         let mut stdout = std::io::BufReader::new(
             child

@@ -86,7 +86,18 @@ impl<'a> Req<'a> {
     }
 
     async fn open(&self, addr: SocketAddr) -> (BufReader<TcpStream>, u16, Vec<(String, String)>) {
-        let mut c = TcpStream::connect(addr).await.expect("connect");
+        self.try_open(addr)
+            .await
+            .unwrap_or_else(|e| panic!("{} {} at {addr}: {e}", self.method, self.path))
+    }
+
+    /// Sends the request and reads the answer's status line and headers; an error for a
+    /// connection that fails (for the tests that break servers on purpose).
+    async fn try_open(
+        &self,
+        addr: SocketAddr,
+    ) -> std::io::Result<(BufReader<TcpStream>, u16, Vec<(String, String)>)> {
+        let mut c = TcpStream::connect(addr).await?;
         let mut head = format!(
             "{} {} HTTP/1.1\r\nConnection: close\r\n",
             self.method, self.path
@@ -112,22 +123,24 @@ impl<'a> Req<'a> {
             );
         }
         head += "\r\n";
-        c.write_all(head.as_bytes()).await.expect("write");
+        c.write_all(head.as_bytes()).await?;
         if let Some(b) = &self.body {
-            c.write_all(b).await.expect("write body");
+            c.write_all(b).await?;
         }
         let mut r = BufReader::new(c);
         let mut line = String::new();
-        r.read_line(&mut line).await.expect("status line");
+        r.read_line(&mut line).await?;
         let status = line
             .split_whitespace()
             .nth(1)
             .and_then(|s| s.parse().ok())
-            .unwrap_or_else(|| panic!("no status in `{line}`"));
+            .ok_or_else(|| std::io::Error::other(format!("no status in `{line}`")))?;
         let mut headers = Vec::new();
         loop {
             line.clear();
-            r.read_line(&mut line).await.expect("header");
+            if r.read_line(&mut line).await? == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
             let l = line.trim_end();
             if l.is_empty() {
                 break;
@@ -136,7 +149,37 @@ impl<'a> Req<'a> {
                 headers.push((k.trim().to_string(), v.trim().to_string()));
             }
         }
-        (r, status, headers)
+        Ok((r, status, headers))
+    }
+
+    /// The response as an event stream, or the error of a connection that failed.
+    pub async fn try_events(&self, addr: SocketAddr) -> std::io::Result<Sse> {
+        let (r, status, headers) = self.try_open(addr).await?;
+        let chunked = header(&headers, "transfer-encoding").is_some_and(|v| v.contains("chunked"));
+        Ok(Sse {
+            r,
+            chunked,
+            status,
+            headers,
+            buf: Vec::new(),
+            done: false,
+        })
+    }
+
+    /// The whole response, or the error of a connection that failed; at most `within`.
+    pub async fn try_send(&self, addr: SocketAddr, within: Duration) -> std::io::Result<Reply> {
+        let fut = async {
+            let mut sse = self.try_events(addr).await?;
+            let body = sse.body().await;
+            Ok(Reply {
+                status: sse.status,
+                headers: std::mem::take(&mut sse.headers),
+                body: body.into_bytes(),
+            })
+        };
+        tokio::time::timeout(within, fut)
+            .await
+            .unwrap_or_else(|_| Err(std::io::ErrorKind::TimedOut.into()))
     }
 
     /// The whole response.
