@@ -192,7 +192,9 @@ async fn a_body_answered_before_it_is_read_still_gets_its_answer() {
             s.addr(),
             body.len()
         );
-        c.write_all(head.as_bytes()).await.expect("write the header");
+        c.write_all(head.as_bytes())
+            .await
+            .expect("write the header");
         // The server answers and closes its side meanwhile.
         tokio::time::sleep(std::time::Duration::from_millis(300)).await;
         c.write_all(&body)
