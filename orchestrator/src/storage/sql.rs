@@ -121,6 +121,19 @@ impl SqlStore {
         Ok(Self { pool, backend })
     }
 
+    /// `BEGIN`, on a task of its own. A caller cancelled while PostgreSQL has not yet answered
+    /// its `BEGIN` (a client gone while the database is slow) would leave the connection in
+    /// a transaction that sqlx does not roll back (launchbadge/sqlx#4393): back in the pool,
+    /// the next borrower's writes would land in it uncommitted, and vanish. Run to its end,
+    /// the transaction is rolled back when it is dropped, whoever drops it.
+    async fn begin(&self) -> StoreResult<sqlx::Transaction<'static, sqlx::Any>> {
+        let pool = self.pool.clone();
+        tokio::spawn(async move { pool.begin().await })
+            .await
+            .map_err(|e| StoreError::Internal(format!("beginning a transaction: {e}")))?
+            .map_err(db_err)
+    }
+
     pub async fn close(&self) {
         self.pool.close().await;
     }
@@ -134,7 +147,7 @@ impl SqlStore {
         rewrite: Rewrite<'_>,
         messages: &[NewMessage<'_>],
     ) -> StoreResult<Vec<Message>> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         let now = now_ms();
         Self::claim(&mut tx, user_id, session_id, now).await?;
         // One reply per session across every replica: the session row is locked now, so of two
@@ -683,7 +696,7 @@ impl Store for SqlStore {
         session_id: &SessionId,
         patch: SessionPatch,
     ) -> StoreResult<Session> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         Self::claim(&mut tx, user_id, session_id, now_ms()).await?;
         if let Some(title) = &patch.title {
             sqlx::query("UPDATE sessions SET title = $1, title_lower = $2 WHERE id = $3")
@@ -761,7 +774,7 @@ impl Store for SqlStore {
         before: Option<i64>,
         limit: u32,
     ) -> StoreResult<Vec<Message>> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         Self::owned(&mut *tx, user_id, session_id).await?;
         let sql = format!(
             "SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 AND seq < $2 \
@@ -788,7 +801,7 @@ impl Store for SqlStore {
         user_id: &UserId,
         session_id: &SessionId,
     ) -> StoreResult<Vec<Message>> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         Self::owned(&mut *tx, user_id, session_id).await?;
         let sql =
             format!("SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 ORDER BY seq");
@@ -806,7 +819,7 @@ impl Store for SqlStore {
         user_id: &UserId,
         session_id: &SessionId,
     ) -> StoreResult<Option<Message>> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         Self::owned(&mut *tx, user_id, session_id).await?;
         let sql = format!(
             "SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 ORDER BY seq DESC LIMIT 1"
@@ -826,7 +839,7 @@ impl Store for SqlStore {
         session_id: &SessionId,
         message_id: &MessageId,
     ) -> StoreResult<Message> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         Self::owned(&mut *tx, user_id, session_id).await?;
         let sql =
             format!("SELECT {MESSAGE_COLUMNS} FROM messages WHERE session_id = $1 AND id = $2");
@@ -1047,7 +1060,7 @@ impl Store for SqlStore {
             .collect()
     }
     async fn purge_deleted(&self, before_ms: i64) -> StoreResult<(u64, u64)> {
-        let mut tx = self.pool.begin().await.map_err(db_err)?;
+        let mut tx = self.begin().await?;
         let messages = sqlx::query(
             "DELETE FROM messages WHERE session_id IN \
              (SELECT id FROM sessions WHERE deleted_at IS NOT NULL AND deleted_at < $1)",

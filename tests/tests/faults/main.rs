@@ -1,5 +1,6 @@
 //! Faults around a running stack: PostgreSQL stopped in the middle of a streaming reply and
-//! brought back ([`database_outage`]), Redis gone ([`redis_outage`]), and SIGTERM on the
+//! brought back ([`database_outage`]), a transaction's caller gone while PostgreSQL was slow to
+//! begin it ([`cancelled_begin`]), Redis gone ([`redis_outage`]), and SIGTERM on the
 //! orchestrator while 50 replies stream ([`sigterm`]). Each ends with every stored history
 //! whole ([`check_history`]).
 //!
@@ -8,6 +9,7 @@
 //! outage test is a private server on a free port (`hearth_e2e::pg::PgServer`); Redis is a
 //! private `redis-server` on a free port.
 
+mod cancelled_begin;
 mod database_outage;
 mod redis_outage;
 mod sigterm;
