@@ -1,7 +1,8 @@
 //! Each worker as the pool knows it, and the poller that keeps it current: it calls `Health`
 //! every `health_interval`, fetches `Info` once, and (re)opens the batched `Generate`
 //! connection. A worker is *ready* when its last health check said so and its connection is
-//! open; a connection that breaks makes it unready at once. A worker that fails its checks for
+//! open; a connection that breaks makes it unready at once, checks that fail do after three in
+//! a row. A worker that fails its checks for
 //! `stall_timeout` with requests in flight has them failed over, and so does one the pool
 //! removes (it left DNS): its poller then ends.
 
@@ -30,7 +31,14 @@ pub(super) struct SlotState {
     /// The connection a failing health check took out of service, and since when: requests on
     /// it may still finish if the worker recovers, or are failed over after `stall_timeout`.
     pub(super) suspect: Option<(Instant, Arc<WorkerConnection>)>,
+    /// Health checks failed in a row (see [`FAILURES_TO_UNREADY`]).
+    pub(super) failures: u32,
 }
+
+/// Health checks that must fail in a row before a worker whose connection is still open is
+/// taken out of service: a worker that answers one check late (its machine busy) keeps serving.
+/// A broken connection takes it out at once.
+const FAILURES_TO_UNREADY: u32 = 3;
 
 impl SlotState {
     /// Stores a new `Info`, fetched when the worker's `models_epoch` was `epoch`.
@@ -183,6 +191,7 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
             slot.close("the worker was removed from the pool");
             return;
         }
+        let stuck = checked.as_ref().is_ok_and(|h| h.engine_stalled);
         let outcome = checked.and_then(|h| {
             if h.engine_stalled {
                 // Alive but stuck: its replies will not move, so it counts as failing.
@@ -191,7 +200,7 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
                 Ok(h.ready)
             }
         });
-        record(&slot, outcome, p.config.stall_timeout);
+        record(&slot, outcome, stuck, p.config.stall_timeout);
         let ready_now = slot.conn().is_some();
         if slot.state().epoch != epoch {
             // Its models changed: a request waiting for one may go now.
@@ -213,19 +222,27 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
     }
 }
 
-/// Stores a health round's outcome: ready or not, or a failure, which takes the connection out
-/// of service and, once the worker has failed for `stall_timeout`, fails its replies over.
-fn record(slot: &WorkerSlot, outcome: Result<bool, String>, stall_timeout: Duration) {
+/// Stores a health round's outcome: ready or not, or a failure, which (a worker that says its
+/// engine is `stuck` at once, else the [`FAILURES_TO_UNREADY`]th in a row) takes the connection
+/// out of service and, once the worker has failed for `stall_timeout`, fails its replies over.
+fn record(slot: &WorkerSlot, outcome: Result<bool, String>, stuck: bool, stall_timeout: Duration) {
     let mut st = slot.state();
     let e = match outcome {
         Ok(ready) => {
             st.ready = ready;
+            st.failures = 0;
             // It answers again: what still runs on the old connection may finish.
             st.suspect = None;
             return;
         }
         Err(e) => e,
     };
+    st.failures += 1;
+    let open = st.conn.as_ref().is_some_and(|c| c.is_open());
+    if st.ready && open && !stuck && st.failures < FAILURES_TO_UNREADY {
+        tracing::debug!(worker = %slot.addr, error = %e, failures = st.failures, "a health check failed");
+        return;
+    }
     if st.ready {
         tracing::warn!(worker = %slot.addr, error = %e, "worker unavailable");
     } else {
