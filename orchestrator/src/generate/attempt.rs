@@ -13,6 +13,7 @@ use tokio::time::Interval;
 use super::{End, GenerationError, Generator, Job, Progress};
 use crate::storage::Checkpoint;
 use crate::telemetry;
+use crate::workers::{Excluded, Lease};
 
 /// How often a streaming reply's text is saved (when it changed). That it is alive is the
 /// heartbeat's to say (see [`super::leases`]).
@@ -30,8 +31,8 @@ pub(super) enum Next {
 pub(super) struct Attempts {
     pub(super) detok: Detokenizer,
     pub(super) stops: StopMatcher,
-    /// Workers this reply will not go to again.
-    pub(super) failed: Vec<String>,
+    /// Workers this reply will not go to again (on the connection it failed on).
+    pub(super) failed: Vec<Excluded>,
     /// One of `failed` was only full.
     pub(super) busy: bool,
     /// The last worker's place went to another user's request (see `Lease::yielded`).
@@ -73,17 +74,18 @@ impl Attempts {
     }
 
     /// What a worker's error means for the reply: go on elsewhere, or end it.
-    pub(super) fn fault(&mut self, addr: &str, e: proto::Error, generated: usize) -> Next {
+    pub(super) fn fault(&mut self, lease: &Lease, e: proto::Error, generated: usize) -> Next {
+        let addr = lease.addr();
         match Fault::of(e.code) {
             Fault::Failover => {
                 tracing::warn!(worker = %addr, error = %e.message, generated, "worker failed mid-request; moving on");
                 metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
-                self.failed.push(addr.to_string());
+                self.failed.push(lease.excluded());
                 Next::Retry
             }
             Fault::Busy => {
                 tracing::debug!(worker = %addr, error = %e.message, "worker full; trying another");
-                self.failed.push(addr.to_string());
+                self.failed.push(lease.excluded());
                 self.busy = true;
                 Next::Retry
             }

@@ -283,7 +283,7 @@ impl Generator {
                 Ok(g) => g,
                 Err(e) => {
                     tracing::warn!(worker = %lease.addr(), error = %e, "worker refused the request");
-                    a.failed.push(lease.addr().to_string());
+                    a.failed.push(lease.excluded());
                     continue;
                 }
             };
@@ -300,9 +300,13 @@ impl Generator {
     async fn admit(&self, job: &Job, live: &Live, a: &mut Attempts) -> Result<Lease, End> {
         let user = Tenant::within(&job.user_id, job.end_user.as_deref());
         let (session, model) = (job.persistence.session_id(), job.model.as_ref());
+        // Every admission here is of a reply already under way (a new turn's first place is
+        // taken before it starts), but for a stateless choice beyond the first: it goes ahead
+        // of its user's new requests, and waits for a worker to come back.
+        let under_way = a.preempted || !a.failed.is_empty() || job.persistence.lease().is_some();
         let admitted = tokio::select! {
-            l = self.pool.readmit(&user, model, session, &a.failed), if a.preempted => l,
-            l = self.pool.admit(&user, model, session, &a.failed), if !a.preempted => l,
+            l = self.pool.readmit(&user, model, session, &a.failed), if under_way => l,
+            l = self.pool.admit(&user, model, session, &a.failed), if !under_way => l,
             () = live.stopped() => return Err(End::Finished(FinishReason::Cancelled)),
         };
         a.preempted = false;
@@ -356,9 +360,9 @@ impl Generator {
                 }
                 Some(Kind::Tokens(t)) => self.tokens(job, live, p, a, t),
                 Some(Kind::Finished(f)) => Some(self.finished(job, live, p, a, lease, f.reason)),
-                Some(Kind::Error(e)) => Some(a.fault(lease.addr(), e, p.generated.len())),
+                Some(Kind::Error(e)) => Some(a.fault(lease, e, p.generated.len())),
                 None => {
-                    a.failed.push(lease.addr().to_string());
+                    a.failed.push(lease.excluded());
                     Some(Next::Retry)
                 }
             };

@@ -39,6 +39,9 @@ use crate::ids::{MessageId, SessionId, UserId};
 use crate::storage::{ReplyLease, ReplyTimings, ReplyUsage, StoreError, StreamingReply};
 use crate::tools::Tools;
 
+/// How long a replica that took a reply over tries to find a worker for its model.
+const TAKEOVER_PATIENCE: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// How long a shutdown waits for the events of the replies it hands over to be published.
 const HAND_OVER_FLUSH: std::time::Duration = std::time::Duration::from_secs(3);
 
@@ -226,12 +229,17 @@ impl ChatService {
         reservation: crate::generate::Reservation,
     ) {
         let id = ids.message_id.clone();
-        let job = match self
-            .resumed_job(record, user_id.clone(), &ids, &lease)
-            .await
-        {
+        // Held from now on: finding a worker for the model may take a while (every worker may
+        // be restarting), and the reply must not fall silent meanwhile.
+        let live = Live::shared(ids.clone(), resume.events);
+        self.generator.leases.hold(&lease, &live);
+        let job = match self.patiently(&record, &user_id, &ids, &lease, &live).await {
             Ok(job) => job,
             Err(e) => {
+                self.generator.leases.release(&id);
+                if live.is_disowned() {
+                    return;
+                }
                 tracing::warn!(message_id = %id, error = %e, "a reply whose replica died cannot be continued");
                 if let Some(shared) = self.shared_replies.as_ref() {
                     let why = e.to_string();
@@ -244,7 +252,6 @@ impl ChatService {
         };
         tracing::info!(message_id = %id, epoch = lease.epoch, events = resume.events, tokens = resume.tokens.len(), "continuing a reply whose replica stopped");
         metrics::counter!(crate::telemetry::REPLICA_TAKEOVERS).increment(1);
-        let live = Live::shared(ids, resume.events);
         reservation.fill(&live);
         if let Some(shared) = &self.shared_replies {
             shared.publish(live.clone(), &lease, None, resume.before);
@@ -252,6 +259,31 @@ impl ChatService {
         let g = self.generator.clone();
         g.clone().run_from(job, live.clone(), resume.tokens).await;
         g.streams.expire_later(live);
+    }
+
+    /// The job again ([`Self::resumed_job`]), tried for [`TAKEOVER_PATIENCE`] while it cannot
+    /// be made (no worker serves the model now: they may all be restarting), unless the reply
+    /// is lost meanwhile.
+    async fn patiently(
+        &self,
+        record: &JobRecord,
+        user_id: &UserId,
+        ids: &TurnIds,
+        lease: &ReplyLease,
+        live: &Live,
+    ) -> Result<Job, ChatError> {
+        let deadline = tokio::time::Instant::now() + TAKEOVER_PATIENCE;
+        loop {
+            let tried = self
+                .resumed_job(record.clone(), user_id.clone(), ids, lease)
+                .await;
+            match tried {
+                Err(_) if !live.is_disowned() && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                }
+                done => return done,
+            }
+        }
     }
 
     /// At shutdown, with Redis reachable: hands every running native reply over to the other

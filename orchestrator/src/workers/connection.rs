@@ -103,6 +103,8 @@ const COMMAND_QUEUE: usize = 4096;
 #[derive(Debug)]
 pub struct WorkerConnection {
     addr: String,
+    /// This connection among every one this process opened (see [`WorkerConnection::serial`]).
+    serial: u64,
     tx: mpsc::Sender<Submit>,
     cancels: mpsc::UnboundedSender<u64>,
     next_id: AtomicU64,
@@ -147,7 +149,19 @@ impl Drop for Generation {
     }
 }
 
+/// A number for each connection opened, never reused.
+fn next_serial() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl WorkerConnection {
+    /// Which connection this is: a worker reached again (after it restarted) is on another
+    /// one, so a reply that failed on the first may go to it.
+    pub fn serial(&self) -> u64 {
+        self.serial
+    }
+
     /// Connects and opens the stream.
     pub async fn connect(
         addr: &str,
@@ -189,6 +203,7 @@ impl WorkerConnection {
         ));
         Ok(Self {
             addr: addr.to_string(),
+            serial: next_serial(),
             tx,
             cancels,
             next_id: AtomicU64::new(1),
@@ -382,6 +397,7 @@ mod tests {
         let (cancels, cancel_rx) = mpsc::unbounded_channel();
         let conn = WorkerConnection {
             addr: "w".into(),
+            serial: next_serial(),
             tx,
             cancels,
             next_id: AtomicU64::new(1),

@@ -26,6 +26,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -238,6 +239,10 @@ enum Turn {
     Bumped,
 }
 
+/// How long a reply under way (preempted, failed over, taken over) waits for a worker to be
+/// ready when none is (all restarting, say) before it fails.
+const NO_WORKER_PATIENCE: Duration = Duration::from_secs(60);
+
 impl WorkerPool {
     pub(super) async fn wait_for_room(
         self: &Arc<Self>,
@@ -250,6 +255,7 @@ impl WorkerPool {
             return Err(PoolError::Full);
         };
         let deadline = Instant::now() + self.config.queue_timeout;
+        let patience = Instant::now() + NO_WORKER_PATIENCE;
         loop {
             let notified = self.room.notified();
             tokio::pin!(notified);
@@ -259,12 +265,16 @@ impl WorkerPool {
                 Turn::Behind => {}
                 Turn::Next => match self.pick(user, &ask) {
                     Pick::Got(l) => return Ok(l),
-                    Pick::NoneReady => return Err(PoolError::NoWorker),
+                    Pick::NoneReady if !ask.resumed || Instant::now() >= patience => {
+                        return Err(PoolError::NoWorker)
+                    }
+                    Pick::NoneReady => {}
                     Pick::Full => self.preempt_for(&user.user, &ask),
                 },
             }
             if ask.resumed {
-                notified.await;
+                // Looked at again now and then too: a worker's coming back is one notice.
+                let _ = tokio::time::timeout(Duration::from_secs(1), notified).await;
             } else if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(PoolError::Full);
             }
@@ -309,7 +319,7 @@ impl WorkerPool {
         let newest = fair.leases.iter_mut().rev().find(|l| {
             l.tenant.user == victim
                 && !l.yielding
-                && !ask.exclude.contains(&l.addr)
+                && !ask.exclude.iter().any(|e| e.addr == l.addr)
                 && self.usable(&l.addr, ask)
         });
         if let Some(l) = newest {
@@ -587,7 +597,10 @@ mod tests {
             &p,
             &tenant("bob"),
             &Ask {
-                exclude: vec!["w1".to_string()],
+                exclude: vec![crate::workers::Excluded {
+                    addr: "w1".into(),
+                    serial: 0,
+                }],
                 ..Ask::default()
             },
         )
@@ -595,7 +608,10 @@ mod tests {
         p.preempt_for(
             &user("bob"),
             &Ask {
-                exclude: vec!["w1".to_string()],
+                exclude: vec![crate::workers::Excluded {
+                    addr: "w1".into(),
+                    serial: 0,
+                }],
                 ..Ask::default()
             },
         );

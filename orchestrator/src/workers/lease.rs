@@ -27,6 +27,14 @@ impl Lease {
         &self.slot.addr
     }
 
+    /// This worker on this connection, for a reply that failed here to skip.
+    pub fn excluded(&self) -> super::Excluded {
+        super::Excluded {
+            addr: self.slot.addr.clone(),
+            serial: self.conn.serial(),
+        }
+    }
+
     /// The worker's public name (see [`WorkerSlot::name`]).
     pub fn name(&self) -> &str {
         &self.slot.name

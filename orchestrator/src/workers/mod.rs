@@ -22,4 +22,4 @@ pub use fair::Tenant;
 pub use health::WorkerStatus;
 pub use lease::Lease;
 pub use models::{ModelKey, ServedModel, UnknownModel};
-pub use pool::{PoolConfig, PoolError, WorkerPool};
+pub use pool::{Excluded, PoolConfig, PoolError, WorkerPool};

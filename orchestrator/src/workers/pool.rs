@@ -106,13 +106,30 @@ pub struct WorkerPool {
 
 /// What a request asks of the pool: the model it needs (none: any worker, while none has
 /// reported its model), the worker it would rather have, workers to skip, and whether it is a
-/// preempted reply waiting to continue.
+/// reply under way (preempted, failed over or taken over) waiting to continue.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(super) struct Ask {
     pub(super) model: Option<ModelKey>,
     pub(super) preferred: Option<String>,
-    pub(super) exclude: Vec<String>,
+    pub(super) exclude: Vec<Excluded>,
     pub(super) resumed: bool,
+}
+
+/// A worker a reply will not go to again, on the connection it failed on: the same worker
+/// reached again (restarted) is another chance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Excluded {
+    pub addr: String,
+    pub serial: u64,
+}
+
+impl Ask {
+    /// Whether the worker at `addr`, on the connection `serial`, is one to skip.
+    pub(super) fn skips(&self, addr: &str, serial: u64) -> bool {
+        self.exclude
+            .iter()
+            .any(|e| e.addr == addr && e.serial == serial)
+    }
 }
 
 pub(super) enum Pick {
@@ -271,7 +288,7 @@ impl WorkerPool {
         user: &Tenant,
         model: Option<&ModelKey>,
         session: Option<&SessionId>,
-        exclude: &[String],
+        exclude: &[Excluded],
     ) -> Result<Lease, PoolError> {
         let preferred = self.session_worker(session).await;
         let ask = Ask {
@@ -297,7 +314,7 @@ impl WorkerPool {
         user: &Tenant,
         model: Option<&ModelKey>,
         session: Option<&SessionId>,
-        exclude: &[String],
+        exclude: &[Excluded],
     ) -> Result<Lease, PoolError> {
         let ask = Ask {
             model: model.cloned(),
@@ -334,8 +351,9 @@ impl WorkerPool {
             true => self.wait_for_room(user, ask).await?,
             false => match self.pick(user, &ask) {
                 Pick::Got(l) => l,
-                Pick::NoneReady => return Err(PoolError::NoWorker),
-                Pick::Full => self.wait_for_room(user, ask).await?,
+                // A reply under way waits for a worker to come back (see `wait_for_room`).
+                Pick::NoneReady if !ask.resumed => return Err(PoolError::NoWorker),
+                Pick::NoneReady | Pick::Full => self.wait_for_room(user, ask).await?,
             },
         };
         telemetry::observe(telemetry::QUEUE_WAIT, started.elapsed().as_secs_f64());
@@ -351,9 +369,9 @@ impl WorkerPool {
         let slots = self.slots();
         let candidates: Vec<(&Arc<WorkerSlot>, Arc<WorkerConnection>)> = slots
             .iter()
-            .filter(|s| !ask.exclude.contains(&s.addr))
             .filter(|s| ask.model.as_ref().is_none_or(|m| s.serves(m)))
             .filter_map(|s| s.conn().map(|c| (s, c)))
+            .filter(|(s, c)| !ask.skips(&s.addr, c.serial()))
             .collect();
         if candidates.is_empty() {
             return Err(Pick::NoneReady);
