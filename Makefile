@@ -88,11 +88,11 @@ bench-shared-replies:
 ## kill -9, SIGSTOP, network cuts and restarts of Redis and PostgreSQL strike every 3 s; then the
 ## history checker. CHAOS_RUNS runs in a row (default 3); HEARTH_CHAOS_SEED replays one; reports
 ## and logs under target/chaos. Several minutes a run on 2 cores; not in CI (make test runs a
-## short one).
+## short one). Release builds, as a deployment runs.
 CHAOS_RUNS ?= 3
 chaos: fetch-model
-	$(CARGO) build -p hearth-orchestrator -p hearth-worker -p hearth-e2e --bins
-	./target/debug/hearth-chaos --runs $(CHAOS_RUNS) $(CHAOS_ARGS)
+	$(CARGO) build --release -p hearth-orchestrator -p hearth-worker -p hearth-e2e --bins
+	./target/release/hearth-chaos --runs $(CHAOS_RUNS) $(CHAOS_ARGS)
 
 ## Every whole-stack test binary RUNS times (default 20), each run with its own seed, then one line
 ## per test that failed at least once, with its count and the seeds to replay it with

@@ -3,16 +3,18 @@
 
 use std::path::{Path, PathBuf};
 
-/// `target/<profile>/<name>`, next to the running test's directory; `cargo test --workspace`
-/// builds every binary there. Refuses a binary older than the sources it is built from (a
-/// `cargo test -p hearth-e2e` after an edit elsewhere would otherwise test yesterday's code).
+/// `target/<profile>/<name>`: next to the running test's directory (`target/<profile>/deps`), or
+/// to the running binary (`hearth-chaos`); `cargo test --workspace` builds every binary there.
+/// Refuses a binary older than the sources it is built from (a `cargo test -p hearth-e2e` after
+/// an edit elsewhere would otherwise test yesterday's code).
 fn sibling_bin(name: &str, package: &str, sources: &[&str]) -> PathBuf {
     let exe = std::env::current_exe().expect("test path");
-    let bin = exe
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join(name))
-        .expect("target dir");
+    let dir = exe.parent().expect("target dir");
+    let dir = match dir.file_name() {
+        Some(d) if d == "deps" => dir.parent().expect("target dir"),
+        _ => dir,
+    };
+    let bin = dir.join(name);
     assert!(
         bin.is_file(),
         "{} is missing: run `cargo build -p {package}` (or `make test`)",
