@@ -19,19 +19,23 @@
 #   4. `hearth-worker bench` on each shape: prefill 512, single-stream decode, batched decode at
 #      16 and 64 streams (GPU utilisation sampled during the 64-stream run);
 #   5. llama-bench (pp512, tg128) and llama-batched-bench (1, 16, 64 streams) on the same files;
-#   6. `hearth-worker check-greedy` on the first shape: the device's greedy tokens against the
-#      CPU kernels, within a stated tolerance;
-#   7. one JSON file (gpu-bench-<gpu>.json, per shape `prefill_512_ratio`, `decode_1_ratio`,
+#   6. variants, while llama.cpp builds: `--dense-gemm-tokens 16`, single-stream decode without
+#      CUDA graphs; and, where the host has Nsight Compute, every kernel's time in the first
+#      shape's decode at 1 and 64 streams (profile-<shape>-<streams>.txt);
+#   7. `hearth-worker check-greedy` on the first shape: the device's greedy tokens and logits
+#      against the CPU pass, within stated tolerances;
+#   8. one JSON file (gpu-bench-<gpu>.json, per shape `prefill_512_ratio`, `decode_1_ratio`,
 #      `decode_64_ratio`: Hearth over llama.cpp, beside the raw figures) and a summary table.
 # --real-model FILE (the real Gemma 3 270M Q4_K_M, carried in chunks of at most 60 MiB) adds
 # `hearth-worker check-golden`: the device's picks against llama.cpp's greedy tokens on it.
 # --budget-s stops starting new shapes once that many seconds have passed (default 480);
-# --kv-budget-mb sizes the worker's K/V (default 8192 on a GPU, 512 on a CPU).
+# --kv-budget-mb sizes the worker's K/V (default 8192 on a GPU, 512 on a CPU); --profile-only
+# runs steps 1, 3 and the profile alone (no llama.cpp).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 device=cuda:0 shapes="gemma-3-270m,gemma-3-1b,gemma-3-4b" bundle="" bin="" forward=auto kv_mb=""
-llama_src="" llama_build="" llama_bin="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128 real=""
+profile_only=0 llama_src="" llama_build="" llama_bin="" out="${OUT:-target/gpu-bench}" budget=480 decode_tokens=128 real=""
 while (($#)); do
   case "$1" in
     --device) device="$2"; shift 2 ;;
@@ -47,6 +51,7 @@ while (($#)); do
     --decode-tokens) decode_tokens="$2"; shift 2 ;;
     --kv-budget-mb) kv_mb="$2"; shift 2 ;;
     --real-model) real="$2"; shift 2 ;;
+    --profile-only) profile_only=1; shift ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "gpu-bench: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
@@ -79,7 +84,7 @@ if [[ -n "$bundle" ]]; then
   fi
 fi
 [[ -x "$bin" ]] || { echo "gpu-bench: no worker binary (--bin or --bundle)" >&2; exit 2; }
-if [[ -z "$llama_bin" ]]; then
+if [[ -z "$llama_bin" ]] && ((!profile_only)); then
   [[ -d "$llama_src" ]] || { echo "gpu-bench: no llama.cpp (--llama-bin, --llama-src or --bundle)" >&2; exit 2; }
   command -v cmake >/dev/null || { echo "gpu-bench: cmake is missing (apt-get install cmake)" >&2; exit 2; }
 fi
@@ -112,7 +117,9 @@ log "worker: $("$bin" --version), libraries: $(grep -oE '(libcu[a-z]*|libcurand)
 lscpu >"$out/lscpu.txt" 2>&1 || true
 
 # --- 2. llama.cpp, in the background ---------------------------------------------------------
-if [[ -n "$llama_bin" ]]; then
+if ((profile_only)); then
+  :
+elif [[ -n "$llama_bin" ]]; then
   # Built ahead of time (scripts/gpu-pack.sh --llama): its libraries sit beside the binaries.
   export LD_LIBRARY_PATH="$llama_bin${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "0 ahead of time" >"$work/llama-build.done"
@@ -122,6 +129,17 @@ else
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF -DBUILD_SHARED_LIBS=OFF)
   if ((gpu)); then
     cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=$arch" -DGGML_NATIVE=OFF)
+    # The host's toolkit: nvcc on the PATH, else the usual install, else a Python environment's
+    # CUDA wheels (nvidia/cu13 holds nvcc, headers and cuBLAS there).
+    nvcc="$(command -v nvcc || true)"
+    for c in /usr/local/cuda/bin/nvcc $(python3 -c 'import glob, site; print(" ".join(glob.glob(site.getsitepackages()[0] + "/nvidia/cu*/bin/nvcc")))' 2>/dev/null); do
+      [[ -z "$nvcc" && -x "$c" ]] && nvcc="$c"
+    done
+    if [[ -n "$nvcc" ]]; then
+      root="$(cd "$(dirname "$nvcc")/.." && pwd)"
+      cmake_flags+=("-DCMAKE_CUDA_COMPILER=$nvcc" "-DCUDAToolkit_ROOT=$root")
+      log "llama.cpp: toolkit $root ($("$nvcc" --version | sed -n 's/.*release \([0-9.]*\).*/\1/p'))"
+    fi
   else
     cmake_flags+=(-DGGML_NATIVE=ON)
     # On a host with AMX, -march=native builds ggml's AMX kernels, and they die with an illegal
@@ -157,47 +175,106 @@ log "models: ${shape_list[*]} ($(du -ch "$work"/*.gguf | tail -1 | cut -f1))"
 bench=(bench --device "$device" --forward "$forward" --sessions 1 --turns 1 --warm-tokens 0
   --disk-tokens 0 --interference-streams 0 --spec-tokens 0 --batch-tokens "$decode_tokens"
   --kv-budget-mb "$kv_mb")
+# --- 4b. a kernel profile -------------------------------------------------------------------------
+# Nsight Compute, where the host has it: every kernel's time on the GPU (warm caches) in a
+# single-stream and a 64-stream decode of shape $1, summed by kernel (scripts/gpu-profile-summary.py).
+profile() {
+  local s="$1" ncu
+  ncu="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1 || true)"
+  ((gpu)) && [[ -n "$ncu" ]] || return 0
+  # The bench's prefill and single-stream runs come first: with 64 streams they are kept short
+  # and skipped, so the kernels counted are mostly the 64-stream steps'.
+  local c decode skip
+  for c in 1 64; do
+    decode=$( ((c == 1)) && echo 16 || echo 2) skip=$( ((c == 1)) && echo 0 || echo 1500)
+    timeout 70 "$ncu" --clock-control none --cache-control none --metrics gpu__time_duration.sum --csv \
+      --page raw --launch-skip "$skip" --launch-count 6000 "$bin" "${bench[@]}" --grammar-streams \
+      --model "$work/$s.gguf" --prefill-tokens 16 --decode-tokens "$decode" --concurrency "$c" \
+      >"$work/ncu-$c.csv" 2>"$out/ncu-$s-$c.log" ||
+      log "ncu ($c streams): rc $? (its log: $(tail -2 "$out/ncu-$s-$c.log"))"
+    python3 scripts/gpu-profile-summary.py "$work/ncu-$c.csv" >"$out/profile-$s-$c.txt" 2>&1 || true
+    log "profile of $s, $c streams: $(head -1 "$out/profile-$s-$c.txt")"
+  done
+}
+
+# One variant of Hearth on shape $1, tagged $2 in the file names ("" for the default), with the
+# worker's extra flags after: prefill 512, single-stream decode and 16 streams in one run; 64
+# streams in another, with the GPU's utilisation sampled every 100 ms meanwhile.
+hearth_variant() {
+  local s="$1" tag="$2"
+  shift 2
+  # The constrained-decoding runs once per shape, with the default.
+  local grammar=()
+  [[ -n "$tag" ]] && grammar=(--grammar-streams)
+  if ! "$bin" "${bench[@]}" "$@" "${grammar[@]}" --model "$work/$s.gguf" --prefill-tokens 512 --decode-tokens "$decode_tokens" \
+    --concurrency 1,16 >"$out/hearth-$s$tag.json" 2>"$out/hearth-$s$tag.log"; then
+    log "hearth: $s$tag failed; the end of its log:"
+    tail -15 "$out/hearth-$s$tag.log" >&2
+    return 1
+  fi
+  local sampler=""
+  if ((gpu)); then
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 \
+      >"$out/util-$s$tag.csv" 2>/dev/null &
+    sampler=$!
+  fi
+  "$bin" "${bench[@]}" "$@" --grammar-streams --model "$work/$s.gguf" --prefill-tokens 16 --decode-tokens 2 \
+    --concurrency 64 >"$out/hearth-$s$tag-64.json" 2>"$out/hearth-$s$tag-64.log" ||
+    { log "hearth: $s$tag at 64 streams failed: $(tail -5 "$out/hearth-$s$tag-64.log")"; echo '{"batched_decode": []}' >"$out/hearth-$s$tag-64.json"; }
+  [[ -n "$sampler" ]] && kill "$sampler" 2>/dev/null || true
+}
+if ((profile_only)); then
+  profile "${shape_list[0]}"
+  exit 0
+fi
 done_shapes=()
 for s in "${shape_list[@]}"; do
   if ((SECONDS - start > budget)); then
     log "hearth: $s skipped (past the ${budget}s budget)"
     continue
   fi
-  "$bin" "${bench[@]}" --model "$work/$s.gguf" --prefill-tokens 512 --decode-tokens "$decode_tokens" \
-    --concurrency 1,16 >"$out/hearth-$s.json" 2>"$out/hearth-$s.log"
-  # The 64-stream run on its own, with the GPU's utilisation sampled every 100 ms meanwhile.
-  sampler=""
-  if ((gpu)); then
-    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 100 \
-      >"$out/util-$s.csv" 2>/dev/null &
-    sampler=$!
-  fi
-  "$bin" "${bench[@]}" --model "$work/$s.gguf" --prefill-tokens 16 --decode-tokens 2 \
-    --concurrency 64 >"$out/hearth-$s-64.json" 2>"$out/hearth-$s-64.log"
-  [[ -n "$sampler" ]] && kill "$sampler" 2>/dev/null || true
+  hearth_variant "$s" "" || continue
   done_shapes+=("$s")
   log "hearth: $s done"
 done
+# Variants, measured while llama.cpp builds: the layers' products through dequantized f16 copies
+# (cuBLAS) from 16 tokens a step, and single-stream decode without CUDA graphs.
+for s in "${done_shapes[@]}"; do
+  ((SECONDS - start > budget)) && break
+  hearth_variant "$s" -dense16 --dense-gemm-tokens 16 || true
+  "$bin" "${bench[@]}" --cuda-graphs false --grammar-streams --model "$work/$s.gguf" --prefill-tokens 16 \
+    --decode-tokens "$decode_tokens" --concurrency 1 >"$out/hearth-$s-nographs.json" 2>"$out/hearth-$s-nographs.log" ||
+    rm -f "$out/hearth-$s-nographs.json"
+  log "hearth: $s variants done"
+done
+
+((${#done_shapes[@]})) && profile "${done_shapes[0]}"
 
 # --- 5. llama.cpp ------------------------------------------------------------------------------
 log "llama.cpp: waiting for the build"
 while [[ ! -f "$work/llama-build.done" ]]; do sleep 1; done
 read -r rc how <"$work/llama-build.done"
+llama_shapes=("${done_shapes[@]}")
 if ((rc != 0)); then
+  # Hearth's figures are still worth the run: the report carries them without ratios.
   log "llama.cpp: the build failed ($how; tail of $out/llama-build.log):"
   tail -20 "$out/llama-build.log" >&2
-  exit 1
+  echo "failed ($how)" >"$out/llama-build.txt"
+  llama_shapes=()
+else
+  echo "$how" >"$out/llama-build.txt"
+  log "llama.cpp: built $how"
 fi
-echo "$how" >"$out/llama-build.txt"
-log "llama.cpp: built $how"
 lb="$llama_bin"
 ngl=(); ((gpu)) && ngl=(-ngl 99)
-for s in "${done_shapes[@]}"; do
+for s in "${llama_shapes[@]}"; do
   "$lb/llama-bench" -m "$work/$s.gguf" -p 512 -n "$decode_tokens" -r 3 "${ngl[@]}" -o json \
-    >"$out/llama-bench-$s.json" 2>"$out/llama-bench-$s.log"
+    >"$out/llama-bench-$s.json" 2>"$out/llama-bench-$s.log" ||
+    { log "llama-bench failed on $s: $(tail -3 "$out/llama-bench-$s.log")"; rm -f "$out/llama-bench-$s.json"; }
   "$lb/llama-batched-bench" -m "$work/$s.gguf" -c $((64 * (16 + decode_tokens) + 256)) -b 2048 \
     -ub 512 -npp 16 -ntg "$decode_tokens" -npl 1,16,64 "${ngl[@]}" --output-format jsonl \
-    >"$out/llama-batched-$s.jsonl" 2>"$out/llama-batched-$s.log"
+    >"$out/llama-batched-$s.jsonl" 2>"$out/llama-batched-$s.log" ||
+    log "llama-batched-bench failed on $s: $(tail -3 "$out/llama-batched-$s.log")"
   log "llama.cpp: $s done"
 done
 
@@ -227,11 +304,15 @@ report = {"gpu": name, "device": device, "check_greedy": load("check-greedy.json
 rows = []
 for s in shapes:
     h, h64 = load(f"hearth-{s}.json"), load(f"hearth-{s}-64.json")
-    lb = load(f"llama-bench-{s}.json")
-    pp = next(t["avg_ts"] for t in lb if t["n_prompt"] > 0)
-    tg = next(t["avg_ts"] for t in lb if t["n_gen"] > 0)
-    batched = [json.loads(l) for l in open(os.path.join(out, f"llama-batched-{s}.jsonl")) if l.startswith("{")]
-    lbb = {b["pl"]: b["speed_tg"] for b in batched}
+    pp = tg = None
+    lbb = {}
+    if exists(f"llama-bench-{s}.json") and os.path.getsize(os.path.join(out, f"llama-bench-{s}.json")):
+        lb = load(f"llama-bench-{s}.json")
+        pp = next(t["avg_ts"] for t in lb if t["n_prompt"] > 0)
+        tg = next(t["avg_ts"] for t in lb if t["n_gen"] > 0)
+    if exists(f"llama-batched-{s}.jsonl"):
+        batched = [json.loads(l) for l in open(os.path.join(out, f"llama-batched-{s}.jsonl")) if l.startswith("{")]
+        lbb = {b["pl"]: b["speed_tg"] for b in batched}
     hb = {b["concurrency"]: b["decode_phase_tok_s"] for b in h["batched_decode"] + h64["batched_decode"]}
     util = []
     if os.path.exists(os.path.join(out, f"util-{s}.csv")):
@@ -244,9 +325,22 @@ for s in shapes:
         "gpu_utilisation_64_streams": {"mean_pct": statistics.mean(util) if util else None,
                                        "max_pct": max(util) if util else None, "samples": len(util)},
     }
-    r["prefill_512_ratio"] = round(r["hearth"]["prefill_512_tok_s"] / pp, 3)
-    r["decode_1_ratio"] = round(r["hearth"]["decode_1_tok_s"] / tg, 3)
+    r["prefill_512_ratio"] = round(r["hearth"]["prefill_512_tok_s"] / pp, 3) if pp else None
+    r["decode_1_ratio"] = round(r["hearth"]["decode_1_tok_s"] / tg, 3) if tg else None
     r["decode_64_ratio"] = round(hb[64] / lbb[64], 3) if hb.get(64) and lbb.get(64) else None
+    ratio = lambda a, b: round(a / b, 3) if a and b else None
+    variants = {}
+    if exists(f"hearth-{s}-dense16.json") and exists(f"hearth-{s}-dense16-64.json"):
+        d, d64 = load(f"hearth-{s}-dense16.json"), load(f"hearth-{s}-dense16-64.json")
+        db = {b["concurrency"]: b["decode_phase_tok_s"] for b in d["batched_decode"] + d64["batched_decode"]}
+        variants["dense_gemm_16"] = {
+            "prefill_512_tok_s": d["prefill"]["tok_s"], "decode_1_tok_s": d["decode_single_stream_tok_s"],
+            "decode_16_tok_s": db.get(16), "decode_64_tok_s": db.get(64),
+            "prefill_512_ratio": ratio(d["prefill"]["tok_s"], pp), "decode_64_ratio": ratio(db.get(64), lbb.get(64))}
+    if exists(f"hearth-{s}-nographs.json"):
+        n = load(f"hearth-{s}-nographs.json")["decode_single_stream_tok_s"]
+        variants["no_cuda_graphs"] = {"decode_1_tok_s": n, "decode_1_ratio": ratio(n, tg)}
+    r["variants"] = variants
     report["shapes"][s] = r
     rows.append((s, r))
 path = os.path.join(out, f"gpu-bench-{slug}.json")
@@ -261,6 +355,9 @@ for s, r in rows:
     print(f"| {s} | {fmt(h['prefill_512_tok_s'])} / {fmt(l['pp512_tok_s'])} | {r['prefill_512_ratio']} "
           f"| {fmt(h['decode_1_tok_s'])} / {fmt(l['tg_tok_s'])} | {r['decode_1_ratio']} "
           f"| {fmt(h['decode_64_tok_s'])} / {fmt(d64)} | {r['decode_64_ratio']} | {fmt(u['mean_pct'])}% |")
+for s, r in rows:
+    for v, fig in r["variants"].items():
+        print(f"{s} {v}: " + ", ".join(f"{k} {x:.3g}" if isinstance(x, float) else f"{k} {x}" for k, x in fig.items()))
 print(f"\nwrote {path}")
 PY
 log "done"

@@ -63,8 +63,8 @@ pub struct BenchOptions {
     #[arg(long, env = "HEARTH_KV_BUDGET_MB", default_value_t = 4096)]
     pub kv_budget_mb: usize,
     /// Concurrent sequences of the constrained-decoding and DRY runs (each against the same
-    /// number of free ones); empty skips them.
-    #[arg(long, default_value = "1,16", value_delimiter = ',')]
+    /// number of free ones); `--grammar-streams` with no value skips them.
+    #[arg(long, default_value = "1,16", value_delimiter = ',', num_args = 0..)]
     pub grammar_streams: Vec<usize>,
     /// Draft tokens of the speculation runs (the engine's `--spec-tokens`); 0 skips them. The
     /// other measurements run without speculation, like llama-bench.
