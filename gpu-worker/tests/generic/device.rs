@@ -131,7 +131,7 @@ fn check_greedy_compares_a_devices_reply_with_a_cpu_pass() {
     use hearth_worker::server::config::{ForwardPass, RunOn};
     let path = temp_dir("check-greedy").join("tiny.gguf");
     gen_model::write(Like::Tiny, &path, 2).unwrap();
-    let options = |reference, tolerance| CheckOptions {
+    let options = |reference, tolerance, spread_tolerance| CheckOptions {
         model: None,
         run_on: RunOn {
             device: DeviceSpec::Cpu,
@@ -144,17 +144,25 @@ fn check_greedy_compares_a_devices_reply_with_a_cpu_pass() {
         tokens: 32,
         reference,
         tolerance,
+        spread_tolerance,
     };
-    let same = check_greedy(&path, &options(Reference::Candle, None)).unwrap();
+    let same = check_greedy(&path, &options(Reference::Candle, 1.0, 0.25)).unwrap();
     assert_eq!(same["pass"], true, "{same}");
     assert_eq!(same["same_argmax"], 32, "{same}");
     assert_eq!(same["worst_gap_logits"], 0.0, "{same}");
+    assert_eq!(same["device_logits"]["worst_rms_over_std"], 0.0, "{same}");
     let distinct: std::collections::HashSet<_> = same["reply"].as_array().unwrap().iter().collect();
     assert!(distinct.len() >= 8, "a degenerate reply: {same}");
-    let kernels = check_greedy(&path, &options(Reference::Kernels, None)).unwrap();
+    let kernels = check_greedy(&path, &options(Reference::Kernels, 1.0, 0.25)).unwrap();
     assert_eq!(kernels["pass"], true, "{kernels}");
     let gap = kernels["worst_gap_logits"].as_f64().unwrap();
     assert!(gap > 0.0, "{kernels}");
-    let strict = check_greedy(&path, &options(Reference::Kernels, Some(0.0))).unwrap();
+    let spread = kernels["device_logits"]["worst_rms_over_std"]
+        .as_f64()
+        .unwrap();
+    assert!(spread > 0.0 && spread < 0.25, "{kernels}");
+    let strict = check_greedy(&path, &options(Reference::Kernels, 0.0, 0.25)).unwrap();
+    assert_eq!(strict["pass"], false, "{strict}");
+    let strict = check_greedy(&path, &options(Reference::Kernels, 1.0, spread / 2.0)).unwrap();
     assert_eq!(strict["pass"], false, "{strict}");
 }
