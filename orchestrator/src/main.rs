@@ -6,8 +6,8 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use hearth_orchestrator::auth::{hash_key, issue_key, KeyOptions, PREFIX_LEN};
-use hearth_orchestrator::server::{serve, Config, ServeArgs};
-use hearth_orchestrator::storage::{now_ms, SqlStore, Store};
+use hearth_orchestrator::server::{patiently, serve, Config, ServeArgs};
+use hearth_orchestrator::storage::{now_ms, SqlStore, Store, StoreError};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -186,5 +186,7 @@ async fn open_store(db: &DbArgs) -> anyhow::Result<SqlStore> {
             )
         }
     };
-    Ok(SqlStore::connect(&url).await?)
+    // PostgreSQL restarting or not up yet is waited for; a wrong URL or password is not.
+    let transient = |e: &StoreError| matches!(e, StoreError::Unavailable(_));
+    Ok(patiently("the database", transient, || SqlStore::connect(&url)).await?)
 }

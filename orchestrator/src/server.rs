@@ -110,6 +110,33 @@ struct Shared {
     released: Option<Released>,
 }
 
+/// How long start-up waits for PostgreSQL or Redis that do not answer yet (a restart, a
+/// deployment that starts everything at once) before it gives up.
+pub const STARTUP_PATIENCE: Duration = Duration::from_secs(30);
+
+/// `attempt` until it succeeds, fails with an error `transient` does not accept, or
+/// [`STARTUP_PATIENCE`] has passed; each transient failure is logged with `what` it waits for.
+pub async fn patiently<T, E, Fut>(
+    what: &str,
+    transient: impl Fn(&E) -> bool,
+    mut attempt: impl FnMut() -> Fut,
+) -> Result<T, E>
+where
+    E: std::fmt::Display,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let deadline = tokio::time::Instant::now() + STARTUP_PATIENCE;
+    loop {
+        match attempt().await {
+            Err(e) if transient(&e) && tokio::time::Instant::now() < deadline => {
+                tracing::warn!(error = %e, "{what} does not answer yet; trying again");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+            done => return done,
+        }
+    }
+}
+
 /// Message ids of replies other replicas handed over as they shut down.
 type Released = tokio::sync::mpsc::UnboundedReceiver<MessageId>;
 
@@ -125,7 +152,15 @@ impl Shared {
                 released: None,
             });
         };
-        let conn = connect_redis(url).await.with_context(|| {
+        // A URL that does not parse fails at once; an unreachable server (restarting, not up
+        // yet) is waited for.
+        let conn = patiently(
+            "Redis",
+            |e: &redis::RedisError| e.kind() != redis::ErrorKind::InvalidClientConfig,
+            || connect_redis(url),
+        )
+        .await
+        .with_context(|| {
             format!(
                 "--redis-url {}: cannot connect",
                 crate::config::redact_url(url)

@@ -136,3 +136,32 @@ async fn with_redis_down_chat_keeps_working_limits_lapse_and_stop_still_works() 
     }
     s.finish().await;
 }
+
+/// A replica started while Redis is down (restarting, or not up yet in a deployment that starts
+/// everything at once) waits for it, then shares its limits through it, rather than exiting.
+#[tokio::test]
+async fn a_replica_started_while_redis_is_down_waits_for_it() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    redis.kill();
+    // A thread of its own: starting the stack blocks this test's thread until hearth listens.
+    let back = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(3));
+        redis.resume();
+        redis
+    });
+    let s = Stack::start_full(
+        "redislate",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &["--scripted-token-ms", "20"],
+        &["--redis-url", &url],
+    )
+    .await;
+    let _redis = back.join().expect("redis back");
+    let limited = s.limited_key("carol", 2).await;
+    let statuses = until_limited(s.addr(), &limited, 6).await;
+    assert_eq!(statuses.last(), Some(&429), "{statuses:?}");
+    s.finish().await;
+}
