@@ -159,18 +159,12 @@ pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::R
         Reference::Kernels => {
             let cpu = crate::model::load_gguf(model_path)?;
             let mut kv = host_kv(&cpu, blocks.len());
-            let logits = step(&mut |chunk, row| {
-                Ok(cpu.forward(&[chunk], &mut kv, row, &mut Vec::new())?)
-            })?;
-            logits
+            step(&mut |chunk, row| Ok(cpu.forward(&[chunk], &mut kv, row, &mut Vec::new())?))?
         }
         Reference::Candle => {
             let cpu = GenericModel::load_gguf(model_path, &Device::Cpu, LoadOptions::default())?;
             let mut kv = device_kv(&cpu, blocks.len())?;
-            let logits = step(&mut |chunk, row| {
-                Ok(cpu.forward(&[chunk], &mut kv, row, &mut Vec::new())?)
-            })?;
-            logits
+            step(&mut |chunk, row| Ok(cpu.forward(&[chunk], &mut kv, row, &mut Vec::new())?))?
         }
     };
     // The device's own logits over the same steps, unbatched and without graphs: how far they
