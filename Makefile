@@ -84,12 +84,14 @@ bench-shared-replies:
 	bash tests/anchor/shared-replies-cost.sh
 
 ## A seeded chaos run of the whole stack (tests/src/chaos): 3 replicas, 2 workers with the real
-## model, PostgreSQL and Redis of its own; 12 clients of 6 greedy turns of 300 tokens, while
+## model, PostgreSQL and Redis of its own; 12 clients of 10 greedy turns of 300 tokens (enough
+## for 40 faults or more with release builds), while
 ## kill -9, SIGSTOP, network cuts and restarts of Redis and PostgreSQL strike every 3 s; then the
 ## history checker. CHAOS_RUNS runs in a row (default 3); HEARTH_CHAOS_SEED replays one; reports
 ## and logs under target/chaos. Several minutes a run on 2 cores; not in CI (make test runs a
 ## short one). Release builds, as a deployment runs.
 CHAOS_RUNS ?= 3
+CHAOS_ARGS ?= --turns 10
 chaos: fetch-model
 	$(CARGO) build --release -p hearth-orchestrator -p hearth-worker -p hearth-e2e --bins
 	./target/release/hearth-chaos --runs $(CHAOS_RUNS) $(CHAOS_ARGS)

@@ -137,14 +137,24 @@ fn check_stored(v: &mut Verdict, at: &str, turn: &TurnLog, messages: &Stored) {
     };
     if !same {
         v.differ += 1;
+        let at_char = text
+            .chars()
+            .zip(shown.chars())
+            .take_while(|(a, b)| a == b)
+            .count();
+        // The 20 characters on each side of the first difference, in each.
+        let around = |s: &str| -> String {
+            s.chars()
+                .skip(at_char.saturating_sub(20))
+                .take(40)
+                .collect()
+        };
         v.notes.push(format!(
-            "{at}: stored {} characters, client shown {} (first difference at {})",
+            "{at}: stored {} characters, client shown {} (first difference at {at_char}: stored {:?}, shown {:?})",
             text.chars().count(),
             shown.chars().count(),
-            text.chars()
-                .zip(shown.chars())
-                .take_while(|(a, b)| a == b)
-                .count()
+            around(text),
+            around(&shown),
         ));
     }
 }

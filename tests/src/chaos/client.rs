@@ -181,6 +181,15 @@ impl Client {
         }
         while log.ending.is_none() && Instant::now() < deadline {
             self.pause().await;
+            // A stream that broke before its first event: which reply is this turn's comes from
+            // the history first, or the session's stream could serve the previous turn's reply,
+            // still there, as if it were this one.
+            if log.message_id.is_none() {
+                log.message_id = self.stored(sid, &log.content).await;
+                if log.message_id.is_none() {
+                    continue;
+                }
+            }
             self.resume(sid, &mut log).await;
         }
         log.ending.get_or_insert(Ending::GaveUp);
