@@ -107,27 +107,7 @@ pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::R
             .take(o.prompt_tokens.saturating_sub(1))
             .map(|s| (1000 + s % (vocab as u64 / 2)) as u32),
     );
-    let engine = Engine::start(
-        weights.clone(),
-        EngineConfig {
-            kv_budget_bytes: 256 << 20,
-            spec_tokens: 0,
-            ..Default::default()
-        },
-    )?;
-    let mut request = GenerateRequest::new(1, prompt.clone(), o.tokens);
-    request.ignore_eos = true;
-    let mut events = engine.handle().submit(request)?;
-    let mut reply = Vec::new();
-    while let Some(e) = events.blocking_recv() {
-        match e {
-            EngineEvent::Token { id, .. } => reply.push(id),
-            EngineEvent::Error(e) => anyhow::bail!("the device's generation failed: {e}"),
-            EngineEvent::Finished { .. } => break,
-            EngineEvent::Started { .. } => {}
-        }
-    }
-    drop(engine);
+    let reply = generate(&weights, &prompt, o.tokens)?;
 
     // The reference over prompt + reply, in the device's steps: the prompt in one, then each
     // reply token but the last in its own (a step's shape picks candle's kernels, and with them
@@ -174,29 +154,16 @@ pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::R
     let own =
         step(&mut |chunk, row| Ok(on_device.forward(&[chunk], &mut kv, row, &mut Vec::new())?))?;
     let (spread, worst_spread) = logit_spread(&logits, &own, vocab);
-    let mut same = 0;
-    let mut identical_prefix = None;
-    let mut worst = 0f32;
-    let mut gaps = Vec::with_capacity(reply.len());
-    for (j, (row, &tok)) in logits.chunks_exact(vocab).zip(&reply).enumerate() {
-        let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let gap = best - row[tok as usize];
-        worst = worst.max(gap);
-        gaps.push((gap * 1000.0).round() / 1000.0);
-        if row[tok as usize] == best {
-            same += 1;
-        } else if identical_prefix.is_none() {
-            identical_prefix = Some(j);
-        }
-    }
+    let picks = Picks::of(&logits, &reply, vocab);
+    let worst = picks.worst;
     Ok(json!({
         "model": model_path.display().to_string(),
         "device": { "kind": device.kind, "name": device.name },
         "forward": weights.forward_pass(),
         "prompt_tokens": prompt.len(),
         "tokens": reply.len(),
-        "identical_prefix": identical_prefix.unwrap_or(reply.len()),
-        "same_argmax": same,
+        "identical_prefix": picks.identical_prefix.unwrap_or(reply.len()),
+        "same_argmax": picks.same,
         "worst_gap_logits": worst,
         "reference": format!("{:?}", o.reference).to_lowercase(),
         "tolerance_logits": o.tolerance,
@@ -204,10 +171,73 @@ pub fn check_greedy(model_path: &std::path::Path, o: &CheckOptions) -> anyhow::R
         "pass": reply.len() == o.tokens as usize
             && worst <= o.tolerance
             && worst_spread <= o.spread_tolerance,
-        "gaps_logits": gaps,
+        "gaps_logits": picks.gaps,
         "device_logits": spread,
         "reply": reply,
     }))
+}
+
+/// The device's greedy reply to `prompt`, through the engine.
+fn generate(
+    weights: &crate::engine::Weights,
+    prompt: &[u32],
+    tokens: u32,
+) -> anyhow::Result<Vec<u32>> {
+    let engine = Engine::start(
+        weights.clone(),
+        EngineConfig {
+            kv_budget_bytes: 256 << 20,
+            spec_tokens: 0,
+            ..Default::default()
+        },
+    )?;
+    let mut request = GenerateRequest::new(1, prompt.to_vec(), tokens);
+    request.ignore_eos = true;
+    let mut events = engine.handle().submit(request)?;
+    let mut reply = Vec::new();
+    while let Some(e) = events.blocking_recv() {
+        match e {
+            EngineEvent::Token { id, .. } => reply.push(id),
+            EngineEvent::Error(e) => anyhow::bail!("the device's generation failed: {e}"),
+            EngineEvent::Finished { .. } => break,
+            EngineEvent::Started { .. } => {}
+        }
+    }
+    Ok(reply)
+}
+
+/// The device's picks against the reference's logits at each position.
+struct Picks {
+    /// Picks that are the reference's best.
+    same: usize,
+    /// The first position where they are not.
+    identical_prefix: Option<usize>,
+    /// How far below the reference's best each pick is, in logits (to 0.001).
+    gaps: Vec<f32>,
+    worst: f32,
+}
+
+impl Picks {
+    fn of(logits: &[f32], reply: &[u32], vocab: usize) -> Self {
+        let mut p = Self {
+            same: 0,
+            identical_prefix: None,
+            gaps: Vec::with_capacity(reply.len()),
+            worst: 0.0,
+        };
+        for (j, (row, &tok)) in logits.chunks_exact(vocab).zip(reply).enumerate() {
+            let best = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let gap = best - row[tok as usize];
+            p.worst = p.worst.max(gap);
+            p.gaps.push((gap * 1000.0).round() / 1000.0);
+            if row[tok as usize] == best {
+                p.same += 1;
+            } else if p.identical_prefix.is_none() {
+                p.identical_prefix = Some(j);
+            }
+        }
+        p
+    }
 }
 
 /// The device's logits against the reference's, position by position: the root-mean-square and
