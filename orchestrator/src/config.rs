@@ -120,12 +120,12 @@ pub struct ServeArgs {
     /// Stop a native-API reply when its client disconnects (default: finish and store it).
     #[arg(long, env = "HEARTH_CANCEL_ON_DISCONNECT")]
     pub cancel_on_disconnect: bool,
-    /// A `streaming` reply not written for this long belongs to an orchestrator that died: with
-    /// Redis one replica takes it over and continues it, else it is marked `error` (checked
-    /// from start-up on, periodically). Measured on this process's own
-    /// clock as time without a save, so replicas' clocks need not agree. Live replies are
-    /// written at least every 5 s, so with replicas sharing a database keep this well above that.
-    #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 30)]
+    /// A `streaming` reply whose lease was not renewed for this long belongs to an orchestrator
+    /// that died or stalled: with Redis one replica takes it over and continues it, else it is
+    /// marked `error` (checked from start-up on, periodically). Measured on this process's own
+    /// clock, so replicas' clocks need not agree. The owner renews every third of it; a
+    /// taken-over owner that was alive after all writes nothing more (the lease is fenced).
+    #[arg(long, env = "HEARTH_ORPHAN_AFTER_SECS", default_value_t = 5)]
     pub orphan_after_secs: u64,
     /// The statically exported web UI (`make run` builds it) served at `/`.
     #[arg(long, env = "HEARTH_WEB_DIR", default_value = crate::api::DEFAULT_WEB_DIR)]
