@@ -10,7 +10,7 @@ use std::path::Path;
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
-    assets, new_session_with, path, post, wait_idle, worker_with, Hearth, Stack, DECODED,
+    assets, new_session_with, path, post, wait_idle, worker_with, Hearth, Stack, DECODED, PREFILLED,
 };
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
 use hearth_orchestrator::storage::SqlStore;
@@ -33,9 +33,11 @@ fn repository(root: &Path) {
     }
 }
 
-/// Tokens each worker has decoded so far (0 for the workers in `gone`, which were killed). A
-/// worker exports the counter from its first decoded token on: until then it is 0.
-async fn decoded(s: &Stack, gone: &[usize]) -> Vec<f64> {
+/// Tokens each worker has run through its model so far, prompt and decoded (0 for the workers in
+/// `gone`, which were killed). Decoded tokens alone would not do: a tiny model may end its reply
+/// on its first token (sampled at the prompt's last position), and then nothing is decoded. A
+/// worker exports each counter from its first step on: until then it is 0.
+async fn computed(s: &Stack, gone: &[usize]) -> Vec<f64> {
     let mut out = Vec::new();
     for (i, w) in s.workers.iter().enumerate() {
         if gone.contains(&i) {
@@ -46,16 +48,17 @@ async fn decoded(s: &Stack, gone: &[usize]) -> Vec<f64> {
             .send(w.metrics.parse().expect("metrics address"))
             .await
             .text();
-        let n = page
-            .lines()
-            .find_map(|l| l.strip_prefix(DECODED)?.strip_prefix(' '))
-            .map_or(0.0, |v| v.trim().parse().expect("a number"));
-        out.push(n);
+        let read = |name: &str| {
+            page.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+                .map_or(0.0, |v| v.trim().parse::<f64>().expect("a number"))
+        };
+        out.push(read(PREFILLED) + read(DECODED));
     }
     out
 }
 
-/// Runs `call` and returns the index of the one worker that decoded tokens for it.
+/// Runs `call` and returns the index of the one worker that ran tokens for it.
 async fn served_by<F: std::future::Future<Output = ()>>(s: &Stack, call: F) -> usize {
     served_by_of(s, &[], call).await
 }
@@ -65,7 +68,7 @@ async fn served_by_of<F: std::future::Future<Output = ()>>(
     gone: &[usize],
     call: F,
 ) -> usize {
-    let before = decoded(s, gone).await;
+    let before = computed(s, gone).await;
     call.await;
     // A worker counts a step's tokens once the step is over, which may be after the client
     // has its reply: wait until some worker's count has moved and every worker is idle, so
@@ -76,22 +79,22 @@ async fn served_by_of<F: std::future::Future<Output = ()>>(
             .collect()
     };
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
-    let mut after = decoded(s, gone).await;
+    let mut after = computed(s, gone).await;
     while moved(&after).is_empty() && tokio::time::Instant::now() < deadline {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        after = decoded(s, gone).await;
+        after = computed(s, gone).await;
     }
     for (i, w) in s.workers.iter().enumerate() {
         if !gone.contains(&i) {
             assert_eq!(wait_idle(w).await, 0.0, "worker {i} is still busy");
         }
     }
-    let after = decoded(s, gone).await;
+    let after = computed(s, gone).await;
     let moved = moved(&after);
     assert_eq!(
         moved.len(),
         1,
-        "exactly one worker decoded: {before:?} -> {after:?}"
+        "exactly one worker ran tokens: {before:?} -> {after:?}"
     );
     moved[0]
 }

@@ -12,6 +12,11 @@ use crate::http::Req;
 /// Tokens the worker's engine has decoded, over every request.
 pub const DECODED: &str = "hearth_worker_decode_tokens_total";
 
+/// Prompt tokens the worker's engine has run through the model, over every request. A request
+/// always moves this counter or [`DECODED`] (a one-token prompt chunk counts as a decode), even
+/// when its first token ends the reply and nothing more is decoded.
+pub const PREFILLED: &str = "hearth_worker_prefill_tokens_total";
+
 /// The value of the unlabelled metric `name` on the `/metrics` page at `addr` (a worker's
 /// metrics address or an orchestrator's). Panics when the page does not export it, so a
 /// renamed metric fails the test instead of reading as 0.

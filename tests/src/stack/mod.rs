@@ -29,7 +29,7 @@ pub use assets::{assets, assets_with, path, slow_spec, Assets};
 pub use bins::{bench_bin, hearth_bin, stack_bin, worker_bin};
 pub use metrics::{
     assert_cancelled_before, metric, serving_worker, wait_idle, wait_metric, worker_in_flight,
-    worker_metric, DECODED,
+    worker_metric, DECODED, PREFILLED,
 };
 pub use process::{
     rss_bytes, scripted_worker, signal, spawn_worker, wait_exit, worker_at, worker_with, Hearth,
