@@ -24,11 +24,27 @@ use reqwest::StatusCode;
 use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// Where a model file comes from: an HTTP(S) URL, and the sha256 its bytes must have.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where a model file comes from: an HTTP(S) URL, and the sha256 its bytes must have. Its
+/// `Debug` shows the URL as [`shown`] does: a configuration printed whole leaks no secret.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Source {
     url: reqwest::Url,
     sha256: Option<String>,
+}
+
+impl std::fmt::Debug for Source {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Source")
+            .field("url", &shown(&self.url))
+            .field("sha256", &self.sha256)
+            .finish()
+    }
+}
+
+/// What an HTTP client's error says, without the URL it carries (credentials and a signed
+/// query included).
+fn reason(e: reqwest::Error) -> String {
+    e.without_url().to_string()
 }
 
 /// Whether `s` names a model by URL (`http://` or `https://`) rather than by path.
@@ -40,10 +56,13 @@ impl Source {
     /// `url` (http or https) and, if given, the file's sha256 as 64 hex digits.
     pub fn parse(url: &str, sha256: Option<&str>) -> Result<Self, FetchError> {
         let bad = |why: String| FetchError::BadSource(why);
-        let url = reqwest::Url::parse(url).map_err(|e| bad(format!("{url}: not a URL: {e}")))?;
+        // The text is not shown back: a URL that does not parse may still hold a secret.
+        let url = reqwest::Url::parse(url)
+            .map_err(|e| bad(format!("the model URL does not parse: {e}")))?;
         if !matches!(url.scheme(), "http" | "https") {
             return Err(bad(format!(
-                "{url}: only http and https URLs can be fetched"
+                "{}: only http and https URLs can be fetched",
+                shown(&url)
             )));
         }
         let sha256 = sha256
@@ -399,7 +418,7 @@ impl Fetcher {
                 }
             }
         }
-        let resp = req.send().await.map_err(|e| TryEnd::Again(e.to_string()))?;
+        let resp = req.send().await.map_err(|e| TryEnd::Again(reason(e)))?;
         let total = match resp.status() {
             StatusCode::PARTIAL_CONTENT => {
                 let (start, total) = content_range(&resp).unwrap_or((u64::MAX, None));
@@ -492,7 +511,7 @@ impl Fetcher {
                     }
                 }
                 Ok(None) => break None,
-                Err(e) => break Some(e.to_string()),
+                Err(e) => break Some(reason(e)),
             }
         };
         // What arrived stays on disk for the next try, even when the connection was cut.

@@ -594,6 +594,51 @@ fn urls_are_shown_without_credentials_or_signatures() {
     assert!(s.starts_with("https://host/m.gguf"), "{s}");
 }
 
+/// A worker given a model URL with credentials and a signed query, whose server cannot be
+/// reached (every try fails; the HTTP client's errors carry the URL) and whose other fetch is
+/// cut halfway: nothing the worker prints, at the most verbose log level, holds a secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_log_or_error_shows_a_model_urls_secrets() {
+    let bin = Path::new(env!("CARGO_BIN_EXE_hearth-worker"));
+    let models = cache_dir("secrets");
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let body = file_bytes(256 << 10);
+    let cut = Behaviour {
+        cut_first_at: Some(64 << 10),
+        etag: Some("\"v1\"".into()),
+        ..Behaviour::default()
+    };
+    let server = Server::start(body, cut).await;
+    for addr in [closed, server.addr] {
+        let url = format!("http://alice:pa55word@{addr}/models/m.gguf?X-Amz-Signature=s1gnature");
+        // Blocking here is fine: the test server runs on the runtime's worker threads.
+        let out = std::process::Command::new(bin)
+            .args(["serve", "--model", &url, "--model-sha256", &sha(b"x")])
+            .arg("--models-dir")
+            .arg(&models)
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "trace")
+            .output()
+            .expect("run");
+        assert!(!out.status.success(), "the fetch cannot succeed");
+        let printed = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The worker did try (and say so), so the lines checked are the ones at stake.
+        assert!(printed.contains("model download interrupted"), "{printed}");
+        for secret in ["alice", "pa55word", "s1gnature"] {
+            let leaks: Vec<&str> = printed.lines().filter(|l| l.contains(secret)).collect();
+            assert!(leaks.is_empty(), "{secret} printed: {leaks:#?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(models);
+}
+
 /// Every file under `dir`.
 fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
     let mut out = Vec::new();
