@@ -240,6 +240,23 @@ async fn a_client_that_moves_to_another_replica_resumes_the_reply_there() {
     let all = again.rest().await;
     assert_eq!(all.first().map(|e| e.event.as_str()), Some("message_start"));
     assert_eq!(text(&all), streamed);
+    // An event number past any reply's names none of its events: from its start again (it
+    // once overflowed counting the next event, a panic).
+    let any_id = all.last().and_then(|e| e.id.clone()).expect("an id");
+    let msg_id = any_id
+        .rsplit_once(':')
+        .expect("<message>:<n>")
+        .0
+        .to_string();
+    for n in [u64::MAX.to_string(), (1u64 << 32).to_string()] {
+        let mut far = Req::new("GET", &path)
+            .key(Some(&k))
+            .header("Last-Event-ID", format!("{msg_id}:{n}"))
+            .events(b_addr)
+            .await;
+        assert_eq!(far.status, 200, "{n}");
+        assert_eq!(text(&far.rest().await), streamed, "{n}");
+    }
     // And over B's WebSocket, after the third event.
     let third = all[2].id.clone().expect("an id");
     let mut req = format!("ws://{b_addr}/v1/sessions/{sid}/ws")

@@ -455,13 +455,18 @@ pub async fn resume(
 }
 
 /// Where a resumed stream of the reply `message_id` starts: after `last` (`<message id>:<n>`)
-/// when it is one of its events, else from its start.
+/// when it is one of its events, else from its start. No reply has [`MAX_EVENT`] events: a
+/// number past it names none of them.
 pub(super) fn resume_from(message_id: &MessageId, last: Option<&str>) -> usize {
     last.and_then(|v| v.rsplit_once(':'))
         .filter(|(msg, _)| *msg == message_id.as_str())
         .and_then(|(_, n)| n.parse::<usize>().ok())
+        .filter(|&n| n <= MAX_EVENT)
         .unwrap_or(0)
 }
+
+/// The largest event number a resumed stream takes (a reply has about one event per token).
+const MAX_EVENT: usize = u32::MAX as usize;
 
 /// What a stop did.
 #[derive(Debug, Serialize, ToSchema)]

@@ -557,7 +557,7 @@ impl SharedReply {
                     let n = entry_number(&id).unwrap_or_default();
                     // Begun again under this reader, elsewhere than where it is: what it
                     // showed is not what the stream now goes on from.
-                    if n != last + 1 {
+                    if last.checked_add(1) != Some(n) {
                         yield stream_lost(&message_id, last);
                         return;
                     }
@@ -628,15 +628,19 @@ async fn start(
         return Ok(Start::Missing);
     };
     let origin = entry_number(id).unwrap_or(usize::MAX);
-    if fields.contains_key("r") && origin != from + 1 {
+    // A reader's count comes from its client: no stream holds an event past `usize::MAX`.
+    let Some(next) = from.checked_add(1) else {
+        return Ok(Start::Missing);
+    };
+    if fields.contains_key("r") && origin != next {
         return Ok(Start::Lost);
     }
-    if origin > from + 1 {
+    if origin > next {
         return Ok(Start::Missing);
     }
     let first = redis::cmd("XRANGE")
         .arg(key)
-        .arg(format!("0-{}", from + 1))
+        .arg(format!("0-{next}"))
         .arg("+")
         .query_async(conn)
         .await?;
