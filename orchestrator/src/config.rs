@@ -144,10 +144,26 @@ pub struct ServeArgs {
     /// `session_full`.
     #[arg(long, env = "HEARTH_MAX_SESSION_BYTES", default_value_t = 16 << 20)]
     pub max_session_bytes: usize,
+    /// Longest stay an ordinary key's `keep_alive` may give a model once idle; it may never
+    /// shorten one or unload it (admin keys may). Negative `keep_alive` means this long.
+    #[arg(long, env = "HEARTH_MAX_KEEP_ALIVE_SECS", default_value_t = 3600)]
+    pub max_keep_alive_secs: u32,
+    /// Loads on demand one ordinary key may start in an hour (a request for a repository model
+    /// no worker holds); one more is answered 429 with `Retry-After`. Each also counts as a
+    /// request of the key's rate limit. Admin keys' loads are not counted.
+    #[arg(long, env = "HEARTH_MAX_LOADS_PER_HOUR", default_value_t = 20)]
+    pub max_loads_per_hour: u32,
     /// A client has this long from opening a connection (or from the last reply on a kept-alive
     /// one) to the end of a request's header.
     #[arg(long, env = "HEARTH_HEADER_TIMEOUT_SECS", default_value_t = 10)]
     pub header_timeout_secs: u64,
+    /// WebSockets one API key may hold open at once; one more is answered 429.
+    #[arg(long, env = "HEARTH_MAX_SOCKETS_PER_KEY", default_value_t = 32)]
+    pub max_sockets_per_key: usize,
+    /// A WebSocket message not written within this long (its client stopped reading) closes
+    /// the socket with 1008 and frees its place.
+    #[arg(long, env = "HEARTH_SOCKET_WRITE_TIMEOUT_SECS", default_value_t = 30)]
+    pub socket_write_timeout_secs: u64,
     /// A request's body must arrive within this long of its header, or it is answered 408.
     #[arg(long, env = "HEARTH_BODY_TIMEOUT_SECS", default_value_t = 30)]
     pub body_timeout_secs: u64,
@@ -291,6 +307,12 @@ impl Config {
                 cancel_on_disconnect: a.cancel_on_disconnect,
                 web_dir: a.web_dir,
                 body_timeout: secs(at_least("--body-timeout-secs", a.body_timeout_secs, 1)?),
+                max_sockets_per_key: at_least("--max-sockets-per-key", a.max_sockets_per_key, 1)?,
+                socket_write_timeout: secs(at_least(
+                    "--socket-write-timeout-secs",
+                    a.socket_write_timeout_secs,
+                    1,
+                )?),
             },
             http: HttpLimits {
                 header_timeout: secs(at_least("--header-timeout-secs", a.header_timeout_secs, 1)?),
@@ -463,6 +485,8 @@ fn chat_limits(a: &ServeArgs) -> Result<ChatLimits, ConfigError> {
             2,
         )?,
         max_session_bytes: at_least("--max-session-bytes", a.max_session_bytes, 1024)?,
+        max_keep_alive_ms: i64::from(a.max_keep_alive_secs) * 1000,
+        max_loads_per_hour: i64::from(a.max_loads_per_hour),
     })
 }
 

@@ -69,6 +69,7 @@ impl std::fmt::Debug for Clock {
 }
 
 const MINUTE_MS: i64 = 60_000;
+const HOUR_MS: i64 = 3_600_000;
 const UNENFORCED: &str = "rate limits are not enforced";
 const DAY_MS: i64 = 86_400_000;
 
@@ -171,6 +172,35 @@ impl Limiter {
                 what: format!("more than {STOPS_PER_MINUTE} stops in this minute"),
                 retry_after_secs: retry_after(MINUTE_MS, now),
             });
+        }
+        Ok(())
+    }
+
+    /// Counts a load on demand: one request against the per-minute limit, and one load against
+    /// `per_hour` (`--max-loads-per-hour`) in the current UTC hour.
+    pub async fn admit_load(&self, q: &Quota, per_hour: i64) -> Result<(), Limited> {
+        let now = self.clock.now();
+        let key = format!("hearth:rl:load:{}:{}", q.bucket, now / HOUR_MS);
+        if self.add(&key, 1, 7200).await > per_hour {
+            self.add(&key, -1, 7200).await;
+            crate::telemetry::count_rate_limited("loads_per_hour");
+            return Err(Limited {
+                what: format!(
+                    "this key started {per_hour} model loads in this hour, the most it may \
+                     (--max-loads-per-hour); ask for a model that is loaded"
+                ),
+                retry_after_secs: retry_after(HOUR_MS, now),
+            });
+        }
+        if let Some(limit) = q.requests_per_minute {
+            if self.add(&minute_key(&q.bucket, now), 1, 120).await > limit {
+                self.add(&key, -1, 7200).await;
+                crate::telemetry::count_rate_limited("requests_per_minute");
+                return Err(Limited {
+                    what: format!("more than {limit} requests in this minute"),
+                    retry_after_secs: retry_after(MINUTE_MS, now),
+                });
+            }
         }
         Ok(())
     }
@@ -394,6 +424,34 @@ mod tests {
         // The next minute starts a new count.
         t.store(MINUTE_START + 60_000, std::sync::atomic::Ordering::SeqCst);
         assert!(l.admit_stop(&q).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn loads_are_limited_per_key_and_hour_and_count_as_requests() {
+        // 10:17 of the hour: 43 minutes left in it.
+        let (clock, t) = fixed(MINUTE_START);
+        let l = Limiter::local_with(clock);
+        let q = quota(Some(3), None);
+        assert!(l.admit_load(&q, 2).await.is_ok());
+        assert!(l.admit_load(&q, 2).await.is_ok());
+        let e = l.admit_load(&q, 2).await.expect_err("a third load");
+        assert!(e.what.contains("--max-loads-per-hour"), "{e}");
+        assert_eq!(e.retry_after_secs, 43 * 60, "{e:?}");
+        // Each load was a request of the minute too: one more request fills it.
+        let l = Arc::new(l);
+        assert!(l.admit(&q, 1).await.is_ok());
+        assert!(l.admit(&q, 1).await.is_err(), "3 requests in the minute");
+        // A refused load took nothing: the next hour, and the next minute, have room again.
+        t.store(
+            MINUTE_START + 43 * 60_000,
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        assert!(l.admit_load(&q, 2).await.is_ok());
+        let other = Quota {
+            bucket: "k2".into(),
+            ..q.clone()
+        };
+        assert!(l.admit_load(&other, 2).await.is_ok(), "its own count");
     }
 
     #[tokio::test]

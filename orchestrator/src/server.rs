@@ -363,7 +363,7 @@ impl App {
             body_bytes: Arc::new(tokio::sync::Semaphore::new(
                 crate::api::MAX_BODY_BYTES_IN_FLIGHT,
             )),
-            sockets: Arc::new(tokio::sync::Semaphore::new(crate::api::ws::MAX_SOCKETS)),
+            sockets: Arc::default(),
         };
         let listener = bind(config.listen)
             .with_context(|| format!("--listen {}: cannot bind", config.listen))?;

@@ -49,9 +49,7 @@ async fn start() -> Server {
         body_bytes: Arc::new(tokio::sync::Semaphore::new(
             hearth_orchestrator::api::MAX_BODY_BYTES_IN_FLIGHT,
         )),
-        sockets: Arc::new(tokio::sync::Semaphore::new(
-            hearth_orchestrator::api::ws::MAX_SOCKETS,
-        )),
+        sockets: Arc::default(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

@@ -74,9 +74,7 @@ async fn start(export: impl FnOnce(&Path)) -> Server {
         body_bytes: Arc::new(tokio::sync::Semaphore::new(
             hearth_orchestrator::api::MAX_BODY_BYTES_IN_FLIGHT,
         )),
-        sockets: Arc::new(tokio::sync::Semaphore::new(
-            hearth_orchestrator::api::ws::MAX_SOCKETS,
-        )),
+        sockets: Arc::default(),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await

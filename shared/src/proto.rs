@@ -8,6 +8,10 @@ mod generated {
 
 pub use generated::*;
 
+/// The metadata key of a worker's refusal that may be retried later (a load whose room only
+/// models used too recently could make): whole seconds to wait.
+pub const RETRY_AFTER_KEY: &str = "hearth-retry-after-secs";
+
 // The domain types under other names: the generated module has its own `FinishReason` and
 // `SamplingParams`, which must stay the ones this module exports.
 use crate::{FinishReason as DomainFinish, SamplingParams as DomainSampling};

@@ -4,7 +4,8 @@
 //! - a load that does not fit the worker's memory budget is refused naming the bytes;
 //! - a request for a repository model no worker holds loads it on demand, evicting the least
 //!   recently used idle model for room (a streamed one is told that the model is loading), and
-//!   `keep_alive` unloads an idle model, on OpenAI requests and native turns alike;
+//!   an admin key's `keep_alive` unloads an idle model, on OpenAI requests and native turns
+//!   alike; an ordinary key's only lengthens a model's stay, up to `--max-keep-alive-secs`;
 //! - unloading a model while one of its replies streams lets that reply continue on another
 //!   worker serving the model, whole; another model's stream is unaffected.
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{
     finish, history, metric, new_session_with, post, read_tokens, serving_worker, slow_spec,
-    stream_turn, token_text, Stack,
+    stream_turn, token_text, Stack, WORKER_TOKEN,
 };
 use hearth_orchestrator::auth::KeyOptions;
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
@@ -137,6 +138,25 @@ async fn worker_models(s: &Stack, admin: &str) -> Vec<(String, String)> {
         .collect()
 }
 
+/// The keep-alive (ms; negative: for good) the stack's first worker holds for `model`
+/// (`name@version`) now, asked of the worker itself: a request's `keep_alive` is applied as the
+/// request starts, so once its reply is in, this shows it.
+async fn worker_keep_alive(s: &Stack, model: &str) -> i64 {
+    use hearth_shared::proto::{worker_client::WorkerClient, InfoRequest};
+    let url = format!("http://{}", s.workers[0].grpc);
+    let mut c = WorkerClient::connect(url).await.expect("connect");
+    let mut req = tonic::Request::new(InfoRequest {});
+    let bearer = format!("Bearer {WORKER_TOKEN}").parse().expect("header");
+    req.metadata_mut().insert("authorization", bearer);
+    let info = c.info(req).await.expect("info").into_inner();
+    let m = info
+        .models
+        .iter()
+        .find(|m| format!("{}@{}", m.model_id, m.model_version) == model)
+        .unwrap_or_else(|| panic!("the worker holds no {model}: {:?}", info.models));
+    m.keep_alive_ms
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_worker_serves_loads_evicts_and_unloads_models_while_another_streams() {
     let (root, tiny) = repository("lifecycle");
@@ -145,7 +165,14 @@ async fn one_worker_serves_loads_evicts_and_unloads_models_while_another_streams
     let kv = 64u64 << 20;
     let budget = (slow + kv + 2 * (tiny + kv) + tiny + kv / 2).to_string();
     let specs = ["slow"];
-    let flags = ["--load", "alpha,beta", "--memory-budget", budget.as_str()];
+    let flags = [
+        "--load",
+        "alpha,beta",
+        "--memory-budget",
+        budget.as_str(),
+        "--min-resident-secs",
+        "0",
+    ];
     let s = Stack::from_repository_with("lifecycle", &root, &specs, &flags, &[]).await;
     let (k, admin) = (s.key("alice").await, admin_key(&s).await);
     wait_listed(&s, &k, &["slow", "alpha", "beta"]).await;
@@ -230,22 +257,51 @@ async fn one_worker_serves_loads_evicts_and_unloads_models_while_another_streams
     );
     assert!(held.contains(&"slow@1".into()), "{held:?}");
 
-    // keep_alive 0: gamma goes as soon as its request ends.
-    let r = ask(&s, &k, "gamma", json!({"keep_alive": 0})).await;
+    // keep_alive is an operator's tool: gamma is every tenant's. An ordinary key's shorter
+    // stay (0 would unload it) changes nothing; its longer one is taken, up to the
+    // orchestrator's cap (--max-keep-alive-secs, an hour by default). gamma stays loaded
+    // throughout: nothing loads it again.
+    let loads_before = metric(s.addr(), loads).await;
+    assert_eq!(
+        worker_keep_alive(&s, "gamma@1").await,
+        -1,
+        "for good, at first"
+    );
+    for (key, keep, held) in [
+        (&k, json!(0), -1),
+        (&k, json!(30), -1),
+        (&admin, json!(60), 60_000),
+        (&k, json!(0), 60_000),
+        (&k, json!(7200), 3_600_000),
+        (&k, json!(-1), 3_600_000),
+        (&k, json!(5), 3_600_000),
+    ] {
+        let r = ask(&s, key, "gamma", json!({ "keep_alive": keep })).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        let now = worker_keep_alive(&s, "gamma@1").await;
+        assert_eq!(now, held, "after keep_alive {keep} from {key}");
+    }
+    assert_eq!(
+        metric(s.addr(), loads).await,
+        loads_before,
+        "gamma was reloaded"
+    );
+    // An admin key's keep_alive 0: gamma goes as soon as its request ends.
+    let r = ask(&s, &admin, "gamma", json!({"keep_alive": 0})).await;
     assert_eq!(r.status, 200, "{}", r.text());
     wait_listed(&s, &k, &["slow", "beta"]).await;
     // The same on a native turn: a session of gamma loads it again, and its turn's keep_alive
     // unloads it once the reply is done.
-    let gsid = new_session_with(s.addr(), &k, &json!({"model": "gamma"})).await;
+    let gsid = new_session_with(s.addr(), &admin, &json!({"model": "gamma"})).await;
     let turns = format!("/v1/sessions/{gsid}/messages");
     let turn = json!({"content": "Hi", "max_tokens": 3, "stream": false, "keep_alive": 0});
-    let r = post(s.addr(), &k, &turns, &turn).await;
+    let r = post(s.addr(), &admin, &turns, &turn).await;
     assert_eq!(r.status, 200, "{}", r.text());
     wait_listed(&s, &k, &["slow", "beta"]).await;
     // A streamed turn of the session, whose model is gone now, loads it again: the stream
     // says so first (`model_loading`, without an id), then brings the reply.
     let turn = json!({"content": "Hi again", "max_tokens": 3, "keep_alive": 0});
-    let r = post(s.addr(), &k, &turns, &turn).await;
+    let r = post(s.addr(), &admin, &turns, &turn).await;
     assert_eq!(r.status, 200, "{}", r.text());
     let body = r.text();
     assert!(
@@ -255,7 +311,7 @@ async fn one_worker_serves_loads_evicts_and_unloads_models_while_another_streams
     assert!(body.contains("event: message_end"), "{body}");
     wait_listed(&s, &k, &["slow", "beta"]).await;
     let bad = json!({"content": "Hi", "keep_alive": 1e12});
-    let r = post(s.addr(), &k, &turns, &bad).await;
+    let r = post(s.addr(), &admin, &turns, &bad).await;
     assert_eq!(r.status, 422, "{}", r.text());
     assert!(r.text().contains("keep_alive"), "{}", r.text());
 

@@ -1,13 +1,15 @@
 //! A session over a WebSocket, through the whole stack: turns, regenerate, edit and stop as
 //! commands, the reply's events as the SSE stream has them (ids included), resuming after a
 //! reconnect from an event id, the key as a subprotocol, and refusals that leave the socket open
-//! and store nothing.
+//! and store nothing; a key's sockets are capped, and closed once it is revoked or once their
+//! client stops reading.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::stack::{history, new_session, slow_spec, Db, Stack};
+use hearth_worker::fixtures::TinySpec;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -307,5 +309,116 @@ async fn stop_and_refusals_keep_the_socket_open_and_store_nothing_wrong() {
     }
     let again = open(s.addr(), &sid, &k, false).await;
     drop(again);
+    s.finish().await;
+}
+
+/// Tries to open the session's socket; the HTTP status of a refused upgrade.
+async fn try_open(addr: SocketAddr, sid: &str, key: &str) -> Result<Socket, u16> {
+    let mut req = format!("ws://{addr}/v1/sessions/{sid}/ws")
+        .into_client_request()
+        .expect("request");
+    let b = HeaderValue::from_str(&format!("Bearer {key}")).expect("header");
+    req.headers_mut().insert("authorization", b);
+    match tokio_tungstenite::connect_async(req).await {
+        Ok((ws, _)) => Ok(ws),
+        Err(tokio_tungstenite::tungstenite::Error::Http(r)) => Err(r.status().as_u16()),
+        Err(e) => panic!("the upgrade failed: {e}"),
+    }
+}
+
+/// Opens the socket until it opens, for up to `secs` (a closed socket's place comes back once
+/// the server has seen it go).
+async fn open_within(addr: SocketAddr, sid: &str, key: &str, secs: u64) -> Socket {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(secs);
+    loop {
+        match try_open(addr, sid, key).await {
+            Ok(ws) => return ws,
+            Err(429) if tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(status) => panic!("no socket within {secs} s: {status}"),
+        }
+    }
+}
+
+/// The socket's close frame's code, waited for (other messages skipped).
+async fn close_code(ws: &mut Socket) -> Option<u16> {
+    loop {
+        let m = tokio::time::timeout(Duration::from_secs(30), ws.next())
+            .await
+            .expect("closed within 30 s");
+        match m {
+            Some(Ok(Message::Close(frame))) => return frame.map(|f| f.code.into()),
+            Some(Ok(_)) => continue,
+            Some(Err(_)) | None => return None,
+        }
+    }
+}
+
+/// Opens the session's socket over a connection whose receive buffer is small, so that a
+/// client that reads nothing soon fills what the kernels buffer between it and the server.
+async fn open_small(addr: SocketAddr, sid: &str, key: &str) -> Socket {
+    let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+    sock.set_recv_buffer_size(4096).expect("buffer");
+    let stream = sock.connect(addr).await.expect("connect");
+    let mut req = format!("ws://{addr}/v1/sessions/{sid}/ws")
+        .into_client_request()
+        .expect("request");
+    let b = HeaderValue::from_str(&format!("Bearer {key}")).expect("header");
+    req.headers_mut().insert("authorization", b);
+    let stream = tokio_tungstenite::MaybeTlsStream::Plain(stream);
+    let (ws, _) = tokio_tungstenite::client_async(req, stream)
+        .await
+        .expect("upgrade");
+    ws
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_s_sockets_are_capped_and_closed_when_it_is_revoked_or_stops_reading() {
+    let flags = [
+        "--max-sockets-per-key",
+        "2",
+        "--socket-write-timeout-secs",
+        "1",
+    ];
+    // A context long enough for a reply larger than the kernels buffer (a few MiB).
+    let spec = TinySpec {
+        context: 8192,
+        ..TinySpec::default()
+    };
+    let s = Stack::start_with("websocket_limits", &spec, Db::Sqlite, 1, &flags).await;
+    let (k, bob) = (s.key("alice").await, s.key("bob").await);
+    let sid = new_session(s.addr(), &k).await;
+    let bsid = new_session(s.addr(), &bob).await;
+
+    // Two sockets for Alice's key, and no third; Bob has his own.
+    let _first = open(s.addr(), &sid, &k, false).await;
+    let mut deaf = open_small(s.addr(), &sid, &k).await;
+    assert_eq!(try_open(s.addr(), &sid, &k).await.err(), Some(429));
+    let _bobs = open(s.addr(), &bsid, &bob, false).await;
+
+    // One of them asks for a long reply (each token with its 20 likeliest alternatives: some
+    // 9 MB of events) and reads none of it: the server gives up on it once a message waits
+    // past the write timeout, and its place comes back (well before the 60 s a silent client
+    // is given).
+    let long = json!({"type": "message", "content": "Go on", "max_tokens": 8000,
+                      "ignore_eos": true, "logprobs": true, "top_logprobs": 20});
+    deaf.send(Message::Text(long.to_string().into()))
+        .await
+        .expect("send");
+    let mut third = open_within(s.addr(), &sid, &k, 30).await;
+    drop(deaf);
+
+    // The key is revoked: its open socket's next command closes it (1008).
+    use hearth_orchestrator::storage::Store as _;
+    let caller = hearth_orchestrator::auth::authenticate(&s.store, &k)
+        .await
+        .expect("the key");
+    s.store
+        .revoke_api_key(&caller.key.id, hearth_orchestrator::storage::now_ms())
+        .await
+        .expect("revoke");
+    send(&mut third, json!({"type": "stop"})).await;
+    assert_eq!(close_code(&mut third).await, Some(1008));
     s.finish().await;
 }

@@ -5,6 +5,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use super::models::Residency;
 use crate::device::DeviceSpec;
 use crate::engine::{DiskConfig, EngineConfig};
 use crate::kv::KvDtype;
@@ -60,6 +61,15 @@ pub struct ServeConfig {
     /// model. Negative: for good. A model given by path is never unloaded this way.
     #[arg(long, env = "HEARTH_WORKER_KEEP_ALIVE_SECS", default_value_t = -1, allow_hyphen_values = true)]
     pub keep_alive_secs: i64,
+    /// Repository models an eviction for room never takes (they go only by their keep-alive or
+    /// an admin's unload): names (every version) or `name@version`, comma-separated.
+    #[arg(long, env = "HEARTH_WORKER_PIN", value_delimiter = ',')]
+    pub pin: Vec<String>,
+    /// An eviction for room never takes a model that served a request within this many
+    /// seconds: a load that only such a model could make room for is refused, saying when to
+    /// retry. So requests for models in turn cannot make a worker swap them without end.
+    #[arg(long, env = "HEARTH_WORKER_MIN_RESIDENT_SECS", default_value_t = 30)]
+    pub min_resident_secs: u64,
     /// Optional tokenizer.json: checked against the model's vocabulary at start-up, and its
     /// special tokens reported by `Info`.
     #[arg(long, env = "HEARTH_TOKENIZER")]
@@ -289,6 +299,8 @@ pub struct ValidConfig {
     pub memory_budget: Option<u64>,
     /// `--keep-alive-secs`, in milliseconds (negative: for good).
     pub keep_alive_ms: i64,
+    /// `--pin` and `--min-resident-secs`.
+    pub residency: Residency,
     pub tokenizer: Option<PathBuf>,
     pub listen: SocketAddr,
     pub metrics_listen: SocketAddr,
@@ -501,7 +513,20 @@ impl ServeConfig {
             fetch: self.fetch,
             load: self.load,
             memory_budget: self.memory_budget,
-            keep_alive_ms: self.keep_alive_secs.saturating_mul(1000),
+            // Negative is for good, whatever its value: -1, as a request says it.
+            keep_alive_ms: match self.keep_alive_secs {
+                s if s < 0 => -1,
+                s => s.saturating_mul(1000),
+            },
+            residency: Residency {
+                pinned: self
+                    .pin
+                    .iter()
+                    .map(|p| p.trim().to_string())
+                    .filter(|p| !p.is_empty())
+                    .collect(),
+                min_resident: Duration::from_secs(self.min_resident_secs),
+            },
             tokenizer: self.tokenizer,
             listen: self.listen,
             metrics_listen: self.metrics_listen,

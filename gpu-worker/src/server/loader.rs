@@ -6,11 +6,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use hearth_shared::proto::RETRY_AFTER_KEY;
 use hearth_shared::tokenizer::Tokenizer;
 use tonic::Status;
 
 use super::config::{RunOn, ValidConfig};
-use super::models::{ModelPhase, ModelSlot, Need};
+use super::models::{ModelPhase, ModelSlot, Need, NoVictim, Residency};
 use super::state::{Loaded, TokenizerFile, WorkerState};
 use super::ServeError;
 use crate::device;
@@ -121,8 +122,12 @@ impl Loader {
             match models.reserve(loaded.clone(), need, free) {
                 Ok(r) => break r,
                 Err(s) if evict && s.code() == tonic::Code::ResourceExhausted => {
-                    let Some(victim) = models.least_recently_used() else {
-                        return Err(s);
+                    let victim = match models.least_recently_used() {
+                        Ok(v) => v,
+                        Err(NoVictim::None) => return Err(s),
+                        Err(NoVictim::Recent(left)) => {
+                            return Err(too_recent(&s, &models.residency, left))
+                        }
                     };
                     tracing::info!(model = %victim.key(), idle_s = victim.idle_for().as_secs_f64(), "evicting the least recently used model for room");
                     models.unload(&victim, Duration::ZERO).await;
@@ -156,6 +161,23 @@ impl Loader {
             }
         }
     }
+}
+
+/// A load refused for room that an eviction would make, but only later: every model that could
+/// make it served a request within `--min-resident-secs`. The status carries when to retry, in
+/// [`RETRY_AFTER_KEY`] (whole seconds), as well as in its message.
+fn too_recent(no_room: &Status, residency: &Residency, left: Duration) -> Status {
+    let retry = left.as_secs() + 1;
+    let mut s = Status::resource_exhausted(format!(
+        "{}; every model that could make room served a request within the last {} s \
+         (--min-resident-secs) or is pinned: retry in {retry} s",
+        no_room.message(),
+        residency.min_resident.as_secs()
+    ));
+    if let Ok(v) = retry.to_string().parse() {
+        s.metadata_mut().insert(RETRY_AFTER_KEY, v);
+    }
+    s
 }
 
 /// Waits for another caller's load of `slot` to end.

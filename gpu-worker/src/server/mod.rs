@@ -140,7 +140,12 @@ impl Worker {
             "device selected"
         );
         crate::telemetry::device_info(&device);
-        let state = WorkerState::new(device.clone(), config.memory_budget, config.keep_alive_ms);
+        let state = WorkerState::new(
+            device.clone(),
+            config.memory_budget,
+            config.keep_alive_ms,
+            config.residency.clone(),
+        );
         let (stop_tx, stop_rx) = watch::channel(false);
         let stopped = |mut rx: watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;

@@ -58,6 +58,11 @@ impl ModelPhase {
     }
 }
 
+/// Whether keep-alive `ms` keeps a model longer than `now` does (negative: for good).
+fn longer_stay(ms: i64, now: i64) -> bool {
+    now >= 0 && (ms < 0 || ms > now)
+}
+
 /// One model on this worker.
 #[derive(Debug)]
 pub struct ModelSlot {
@@ -132,9 +137,14 @@ impl ModelSlot {
         !self.loaded.version.is_empty()
     }
 
-    /// Sets how long it stays loaded once idle (a request's `keep_alive_ms`).
-    pub fn set_keep_alive(&self, ms: i64) {
-        self.keep_alive_ms.store(ms, Ordering::SeqCst);
+    /// Sets how long it stays loaded once idle (a request's `keep_alive_ms`; negative: for
+    /// good). Unless `may_shorten` (an operator's request), only a longer stay is taken.
+    pub fn set_keep_alive(&self, ms: i64, may_shorten: bool) {
+        let _ = self
+            .keep_alive_ms
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                (may_shorten || longer_stay(ms, now)).then_some(ms)
+            });
     }
 
     /// Whether it has been idle longer than its keep-alive, and may be unloaded for it.
@@ -226,10 +236,54 @@ pub struct Need {
     pub kv: u64,
 }
 
+/// Which models an eviction for room leaves alone, whatever their age: an operator's pinned
+/// models, and any that served a request within `min_resident`. So no tenant, asking for
+/// models in turn, can make a worker swap the models every other tenant uses.
+#[derive(Debug, Clone, Default)]
+pub struct Residency {
+    /// `--pin`: a model's name (every version of it) or `name@version`.
+    pub pinned: Vec<String>,
+    /// `--min-resident-secs`.
+    pub min_resident: Duration,
+}
+
+impl Residency {
+    fn pinned(&self, slot: &ModelSlot) -> bool {
+        self.pinned.iter().any(|p| slot.named_by(p))
+    }
+
+    /// Of `idle` models (ready, reloadable, nothing streaming), the one an eviction takes: the
+    /// least recently used that is not pinned, once `min_resident` has passed since its use.
+    fn victim(
+        &self,
+        idle: impl Iterator<Item = Arc<ModelSlot>>,
+    ) -> Result<Arc<ModelSlot>, NoVictim> {
+        let oldest = idle
+            .filter(|s| !self.pinned(s))
+            .max_by_key(|s| s.idle_for())
+            .ok_or(NoVictim::None)?;
+        match self.min_resident.checked_sub(oldest.idle_for()) {
+            Some(left) if !left.is_zero() => Err(NoVictim::Recent(left)),
+            _ => Ok(oldest),
+        }
+    }
+}
+
+/// Why no model can be evicted for room now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NoVictim {
+    /// Every model is busy, pinned or not from the repository: none will be, by waiting.
+    None,
+    /// The oldest idle model served a request too recently: it may be evicted after this long.
+    Recent(Duration),
+}
+
 /// Every model of the worker, the default (the first loaded) first.
 #[derive(Debug, Default)]
 pub struct Models {
     slots: RwLock<Vec<Arc<ModelSlot>>>,
+    /// What eviction leaves alone.
+    pub residency: Residency,
     /// A new model's keep-alive (`--keep-alive`), in milliseconds; negative: for good.
     pub keep_alive_ms: i64,
     /// Bumped on every change of a model's state; `Health.models_epoch`.
@@ -241,21 +295,23 @@ pub struct Models {
 }
 
 impl Models {
-    pub fn new(budget: Option<u64>, keep_alive_ms: i64) -> Self {
+    pub fn new(budget: Option<u64>, keep_alive_ms: i64, residency: Residency) -> Self {
         Self {
             budget,
             keep_alive_ms,
+            residency,
             ..Self::default()
         }
     }
 
-    /// The model to evict for room: a reloadable, ready one with nothing streaming, the least
-    /// recently used.
-    pub fn least_recently_used(&self) -> Option<Arc<ModelSlot>> {
-        self.slots()
+    /// The model to evict for room: a reloadable, ready one with nothing streaming, neither
+    /// pinned nor used within [`Residency::min_resident`], the least recently used.
+    pub fn least_recently_used(&self) -> Result<Arc<ModelSlot>, NoVictim> {
+        let idle = self
+            .slots()
             .into_iter()
-            .filter(|s| s.reloadable() && s.phase() == ModelPhase::Ready && s.in_flight() == 0)
-            .max_by_key(|s| s.idle_for())
+            .filter(|s| s.reloadable() && s.phase() == ModelPhase::Ready && s.in_flight() == 0);
+        self.residency.victim(idle)
     }
 
     /// Models idle past their keep-alive.
@@ -511,7 +567,7 @@ mod tests {
 
     #[test]
     fn a_load_that_does_not_fit_the_budget_is_refused_naming_the_bytes() {
-        let m = Models::new(Some(100 * MIB), -1);
+        let m = Models::new(Some(100 * MIB), -1, Residency::default());
         let need = Need {
             weights: 30 * MIB,
             kv: 30 * MIB,
@@ -540,8 +596,65 @@ mod tests {
     }
 
     #[test]
+    fn an_ordinary_keep_alive_only_lengthens_a_stay_and_an_operators_sets_it() {
+        let m = Models::new(None, 60_000, Residency::default());
+        let (s, _) = m
+            .reserve(loaded("a", "1"), Need { weights: 1, kv: 1 }, u64::MAX)
+            .expect("fits");
+        let now = || s.status().keep_alive_ms;
+        assert_eq!(now(), 60_000);
+        for (ms, held) in [
+            (0, 60_000),
+            (30_000, 60_000),
+            (90_000, 90_000),
+            (-1, -1),
+            (5, -1),
+        ] {
+            s.set_keep_alive(ms, false);
+            assert_eq!(now(), held, "an ordinary {ms}");
+        }
+        s.set_keep_alive(0, true);
+        assert_eq!(now(), 0, "an operator's 0");
+    }
+
+    #[test]
+    fn eviction_takes_the_oldest_model_neither_pinned_nor_used_too_recently() {
+        let m = Models::new(None, -1, Residency::default());
+        let need = Need { weights: 1, kv: 1 };
+        let slot = |id: &str, idle_s: u64| {
+            let (s, _) = m.reserve(loaded(id, "1"), need, u64::MAX).expect("fits");
+            *s.last_used.lock().expect("lock") = Instant::now() - Duration::from_secs(idle_s);
+            s
+        };
+        let (a, b, c) = (slot("a", 300), slot("b", 200), slot("c", 10));
+        let all = || [a.clone(), b.clone(), c.clone()].into_iter();
+        let with = |pinned: &[&str], min_resident_s: u64| Residency {
+            pinned: pinned.iter().map(|p| p.to_string()).collect(),
+            min_resident: Duration::from_secs(min_resident_s),
+        };
+        let key = |r: Result<Arc<ModelSlot>, NoVictim>| r.map(|s| s.key());
+        assert_eq!(key(with(&[], 0).victim(all())), Ok("a@1".into()));
+        // Pinned by name, or by its version.
+        assert_eq!(key(with(&["a"], 0).victim(all())), Ok("b@1".into()));
+        assert_eq!(key(with(&["a@1", "b"], 0).victim(all())), Ok("c@1".into()));
+        assert_eq!(key(with(&["a@2"], 0).victim(all())), Ok("a@1".into()));
+        // Used too recently: refused, saying for how long yet (a, idle 300 s, needs 600).
+        match with(&[], 600).victim(all()) {
+            Err(NoVictim::Recent(left)) => {
+                assert!((299..=300).contains(&left.as_secs()), "{left:?}")
+            }
+            other => panic!("{:?}", key(other)),
+        }
+        assert_eq!(key(with(&["a"], 100).victim(all())), Ok("b@1".into()));
+        assert_eq!(
+            key(with(&["a", "b", "c"], 0).victim(all())),
+            Err(NoVictim::None)
+        );
+    }
+
+    #[test]
     fn without_a_budget_the_device_s_free_memory_bounds_a_load() {
-        let m = Models::new(None, -1);
+        let m = Models::new(None, -1, Residency::default());
         let need = Need {
             weights: 10 * MIB,
             kv: 10 * MIB,
@@ -555,7 +668,7 @@ mod tests {
 
     #[test]
     fn a_name_finds_its_ready_version_and_nothing_finds_the_default() {
-        let m = Models::new(None, -1);
+        let m = Models::new(None, -1, Residency::default());
         let need = Need { weights: 1, kv: 1 };
         let (one, _) = m.reserve(loaded("a", "1"), need, u64::MAX).expect("a@1");
         let (two, _) = m.reserve(loaded("a", "2"), need, u64::MAX).expect("a@2");

@@ -8,7 +8,7 @@ use hearth_shared::proto;
 use tokio::sync::{watch, Notify};
 use tonic::Status;
 
-use super::models::{ModelSlot, Models};
+use super::models::{ModelSlot, Models, Residency};
 use crate::device::Device;
 
 /// Where the worker is in its life.
@@ -69,12 +69,18 @@ pub struct WorkerState {
 }
 
 impl WorkerState {
-    /// `keep_alive_ms`: how long a repository model stays loaded once idle (negative: for good).
-    pub fn new(device: Device, memory_budget: Option<u64>, keep_alive_ms: i64) -> Arc<Self> {
+    /// `keep_alive_ms`: how long a repository model stays loaded once idle (negative: for good);
+    /// `residency`: which models an eviction for room leaves alone.
+    pub fn new(
+        device: Device,
+        memory_budget: Option<u64>,
+        keep_alive_ms: i64,
+        residency: Residency,
+    ) -> Arc<Self> {
         Arc::new(Self {
             phase: AtomicU8::new(Phase::Loading as u8),
             drain_tx: watch::channel(false).0,
-            models: Models::new(memory_budget, keep_alive_ms),
+            models: Models::new(memory_budget, keep_alive_ms, residency),
             device,
             next_engine_id: AtomicU64::new(1),
             in_flight: Streaming::default(),

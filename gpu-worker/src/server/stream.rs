@@ -192,7 +192,7 @@ impl Connection {
         let on_model = slot.track();
         let engine = slot.accepting().map_err(refused)?.clone();
         if let Some(ms) = r.keep_alive_ms {
-            slot.set_keep_alive(ms);
+            slot.set_keep_alive(ms, r.keep_alive_may_shorten);
         }
         let req = self
             .to_engine_request(r)

@@ -40,9 +40,9 @@ impl From<AdminError> for ApiError {
                 kind: "not_found",
                 message: e.to_string(),
             },
-            AdminError::NoRoom(m) => ApiError::Unprocessable {
+            AdminError::NoRoom { detail, .. } => ApiError::Unprocessable {
                 kind: "insufficient_memory",
-                message: m,
+                message: detail,
             },
             AdminError::NoWorker => ApiError::Unavailable(e.to_string()),
             AdminError::Failed(m) => ApiError::Unavailable(m),

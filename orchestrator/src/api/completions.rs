@@ -229,7 +229,11 @@ pub async fn completions(
     caller: Caller,
     ValidJson(req): ValidJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
-    let target = s.chat.target(req.model.as_deref()).await?;
+    if s.chat.needs_load(req.model.as_deref()).is_some() {
+        // What can be refused before the load is: bad input costs no load.
+        req.turn(&Default::default())?;
+    }
+    let target = s.chat.target(&caller, req.model.as_deref()).await?;
     let (turn, n) = req.turn(&target.defaults())?;
     let echo = match (&req.prompt, req.echo) {
         (_, false) => None,

@@ -75,6 +75,13 @@ pub enum ApiError {
     /// A model that is only loading yet: 503 with `Retry-After`.
     #[error("{0}")]
     Loading(String),
+    /// A model that could not be loaded on demand: 503, with `Retry-After` when waiting helps.
+    #[error("{message}")]
+    LoadRefused {
+        code: &'static str,
+        message: String,
+        retry_after_secs: Option<u64>,
+    },
     #[error("internal error")]
     Internal(String),
 }
@@ -105,7 +112,9 @@ impl ApiError {
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::RateLimited(_) => StatusCode::TOO_MANY_REQUESTS,
-            Self::Unavailable(_) | Self::Loading(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable(_) | Self::Loading(_) | Self::LoadRefused { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -126,7 +135,9 @@ impl ApiError {
             Self::PayloadTooLarge => "request_too_large",
             Self::BodyTimeout(_) => "request_timeout",
             Self::RateLimited(_) => "rate_limit_error",
-            Self::Unavailable(_) | Self::Loading(_) => "service_unavailable",
+            Self::Unavailable(_) | Self::Loading(_) | Self::LoadRefused { .. } => {
+                "service_unavailable"
+            }
             Self::Internal(_) => "internal_error",
         }
     }
@@ -149,6 +160,7 @@ impl ApiError {
             Self::RateLimited(_) => "rate_limit_exceeded",
             Self::Unavailable(_) => "unavailable",
             Self::Loading(_) => "model_loading",
+            Self::LoadRefused { code, .. } => code,
             Self::Internal(_) => "internal",
         }
     }
@@ -178,6 +190,9 @@ impl IntoResponse for ApiError {
         let retry_after = match &self {
             Self::RateLimited(l) => Some(l.retry_after_secs),
             Self::Loading(_) => Some(LOADING_RETRY_AFTER_SECS),
+            Self::LoadRefused {
+                retry_after_secs, ..
+            } => *retry_after_secs,
             _ => None,
         };
         if let Some(secs) = retry_after {
@@ -280,6 +295,15 @@ impl From<ChatError> for ApiError {
             ChatError::Limited(l) => l.into(),
             ChatError::Unavailable(m) => Self::Unavailable(m),
             ChatError::ModelLoading(_) => Self::Loading(e.to_string()),
+            ChatError::LoadRefused {
+                why,
+                retry_after_secs,
+                ..
+            } => Self::LoadRefused {
+                code: why.code(),
+                message: e.to_string(),
+                retry_after_secs,
+            },
             ChatError::Pool(p) => p.into(),
             ChatError::Generation(g) => g.into(),
             ChatError::Store(s) => s.into(),

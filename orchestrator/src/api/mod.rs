@@ -58,8 +58,8 @@ pub struct AppState {
     pub metrics: Option<PrometheusHandle>,
     /// Permits for [`MAX_BODY_BYTES_IN_FLIGHT`], one a byte.
     pub body_bytes: Arc<tokio::sync::Semaphore>,
-    /// Places for open WebSockets ([`ws::MAX_SOCKETS`]).
-    pub sockets: Arc<tokio::sync::Semaphore>,
+    /// The open WebSockets, in all and per key.
+    pub sockets: Arc<ws::Sockets>,
 }
 
 /// Settings of the HTTP layer.
@@ -73,6 +73,10 @@ pub struct ApiOptions {
     pub web_dir: PathBuf,
     /// Time a request's body may take to arrive, from the end of its header.
     pub body_timeout: std::time::Duration,
+    /// WebSockets one key may hold open at once.
+    pub max_sockets_per_key: usize,
+    /// Time a WebSocket's message may take to be written before its reader counts as gone.
+    pub socket_write_timeout: std::time::Duration,
 }
 
 impl Default for ApiOptions {
@@ -82,6 +86,8 @@ impl Default for ApiOptions {
             cancel_on_disconnect: false,
             web_dir: PathBuf::from(DEFAULT_WEB_DIR),
             body_timeout: std::time::Duration::from_secs(30),
+            max_sockets_per_key: 32,
+            socket_write_timeout: std::time::Duration::from_secs(30),
         }
     }
 }

@@ -427,8 +427,7 @@ pub async fn completions(
         let loading = s.chat.needs_load(req.model.as_deref());
         if loading.is_some() {
             // What can be refused before the load is, with its status.
-            let tools = req.tools()?;
-            req.turn(tools.as_ref(), &Default::default())?;
+            check_before_load(&req)?;
         }
         let events = async move {
             let (head, guards, tools) = start_chat(&s, &caller, &req).await?;
@@ -491,7 +490,10 @@ async fn start_chat(
     caller: &Caller,
     req: &ChatRequest,
 ) -> Result<(Head, Vec<StopOnDrop>, Option<Arc<Tools>>), ApiError> {
-    let target = s.chat.target(req.model.as_deref()).await?;
+    if s.chat.needs_load(req.model.as_deref()).is_some() {
+        check_before_load(req)?;
+    }
+    let target = s.chat.target(caller, req.model.as_deref()).await?;
     let tools = req.tools()?.map(Arc::new);
     let turn = req.turn(tools.as_deref(), &target.defaults())?;
     let lives = s
@@ -504,6 +506,14 @@ async fn start_chat(
         model: target.name(),
     };
     Ok((head, lives.into_iter().map(StopOnDrop).collect(), tools))
+}
+
+/// What of a request for a model that must be loaded first can be refused before the load:
+/// its tools and its turn (with no model defaults yet), so that bad input costs no load.
+fn check_before_load(req: &ChatRequest) -> Result<(), ApiError> {
+    let tools = req.tools()?;
+    req.turn(tools.as_ref(), &Default::default())?;
+    Ok(())
 }
 
 /// A choice of a finished (non-streamed) completion.

@@ -16,12 +16,17 @@
 //!
 //! Authentication is the API's: the key as a bearer header, or (browsers cannot set headers on
 //! a WebSocket) as a subprotocol `hearth.key.<key>` beside `hearth.v1`, which the server
-//! selects. The `Host` and `Origin` checks of the rest of the API apply. Messages are at most
-//! [`MAX_MESSAGE_BYTES`]; the server pings every [`PING_EVERY`], and closes a socket it has heard
-//! nothing from (not even a pong) for [`IDLE_AFTER`]. At most [`MAX_SOCKETS`] are open at once.
+//! selects. The `Host` and `Origin` checks of the rest of the API apply, and the key is checked
+//! again with every command: a revoked key's socket is closed (1008). Messages are at most
+//! [`MAX_MESSAGE_BYTES`]; the server pings every [`PING_EVERY`], and closes a socket whose client
+//! has sent nothing (not even a pong) for [`IDLE_AFTER`], not counting the time the server spent
+//! on the client's last command. A message the client does not read within
+//! `--socket-write-timeout-secs` closes the socket (1008) and frees its place. At most
+//! [`MAX_SOCKETS`] are open at once, and `--max-sockets-per-key` for one key.
 
+use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
@@ -36,6 +41,7 @@ use super::chat::{resume_from, NativeEvent, StopResult, TurnBody};
 use super::{bearer, caller_with, ApiError, AppState};
 use crate::generate::{Live, TurnIds};
 use crate::ids::{MessageId, SessionId};
+use crate::limits::Limited;
 use crate::service::{Caller, NativeTurn, ReplySource};
 
 /// Largest message a client may send (a turn's body, as over HTTP).
@@ -46,6 +52,80 @@ pub const PING_EVERY: Duration = Duration::from_secs(20);
 pub const IDLE_AFTER: Duration = Duration::from_secs(60);
 /// Most WebSockets open at once (an upgraded socket leaves the HTTP connection cap).
 pub const MAX_SOCKETS: usize = 1024;
+
+/// The open WebSockets: a place each, at most [`MAX_SOCKETS`] in all, and a count per key.
+#[derive(Debug)]
+pub struct Sockets {
+    all: Arc<tokio::sync::Semaphore>,
+    per_key: Mutex<HashMap<String, usize>>,
+}
+
+impl Default for Sockets {
+    fn default() -> Self {
+        Self {
+            all: Arc::new(tokio::sync::Semaphore::new(MAX_SOCKETS)),
+            per_key: Mutex::default(),
+        }
+    }
+}
+
+impl Sockets {
+    /// A place for one more socket of the key `bucket`, which may hold `cap`; 429 when it holds
+    /// them all, 503 when the server does.
+    fn take(self: &Arc<Self>, bucket: &str, cap: usize) -> Result<SocketPlace, ApiError> {
+        let mut open = self.per_key.lock().unwrap_or_else(|p| p.into_inner());
+        let held = open.get(bucket).copied().unwrap_or(0);
+        if held >= cap {
+            return Err(ApiError::RateLimited(Limited {
+                what: format!(
+                    "this key has {held} WebSockets open, the most one key may \
+                     (--max-sockets-per-key); close one first"
+                ),
+                retry_after_secs: 1,
+            }));
+        }
+        let Ok(all) = self.all.clone().try_acquire_owned() else {
+            return Err(ApiError::Unavailable(
+                "too many WebSockets are open; try again shortly".into(),
+            ));
+        };
+        open.insert(bucket.to_string(), held + 1);
+        Ok(SocketPlace {
+            sockets: self.clone(),
+            bucket: bucket.to_string(),
+            _all: all,
+        })
+    }
+
+    /// Sockets the key `bucket` holds open now.
+    pub fn held(&self, bucket: &str) -> usize {
+        let open = self.per_key.lock().unwrap_or_else(|p| p.into_inner());
+        open.get(bucket).copied().unwrap_or(0)
+    }
+}
+
+/// One open socket's place, given back when it drops.
+struct SocketPlace {
+    sockets: Arc<Sockets>,
+    bucket: String,
+    _all: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Drop for SocketPlace {
+    fn drop(&mut self) {
+        let mut open = self
+            .sockets
+            .per_key
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = open.get_mut(&self.bucket) {
+            *n -= 1;
+            if *n == 0 {
+                open.remove(&self.bucket);
+            }
+        }
+    }
+}
 
 /// The subprotocol the server speaks.
 const PROTOCOL: &str = "hearth.v1";
@@ -67,36 +147,34 @@ pub async fn socket(
     headers: HeaderMap,
     upgrade: Result<WebSocketUpgrade, axum::extract::ws::rejection::WebSocketUpgradeRejection>,
 ) -> Result<Response, ApiError> {
-    let caller = socket_caller(&s, &headers).await?;
+    let key = socket_key(&headers).map(str::to_string);
+    let caller = caller_with(&s, key.as_deref()).await?;
     s.chat.session(&caller.user, &id).await?;
     let upgrade = upgrade.map_err(|e| ApiError::BadRequest(e.body_text()))?;
-    let Ok(place) = s.sockets.clone().try_acquire_owned() else {
-        return Err(ApiError::Unavailable(
-            "too many WebSockets are open; try again shortly".into(),
-        ));
-    };
+    let place = s
+        .sockets
+        .take(&caller.quota.bucket, s.options.max_sockets_per_key)?;
     Ok(upgrade
         .protocols([PROTOCOL])
         .max_message_size(MAX_MESSAGE_BYTES)
         .max_frame_size(MAX_MESSAGE_BYTES)
         .on_upgrade(move |ws| async move {
-            Session::new(s, caller, id).run(ws).await;
+            Session::new(s, caller, key, id).run(ws).await;
             drop(place);
         }))
 }
 
-/// The caller: the API's own rules, with the key taken from a `hearth.key.<key>` subprotocol
-/// when there is no `Authorization` header.
-async fn socket_caller(s: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
-    let key = bearer(headers).or_else(|| {
+/// The key: the API's own rules, with the key taken from a `hearth.key.<key>` subprotocol when
+/// there is no `Authorization` header.
+fn socket_key(headers: &HeaderMap) -> Option<&str> {
+    bearer(headers).or_else(|| {
         headers
             .get_all(header::SEC_WEBSOCKET_PROTOCOL)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(|v| v.split(','))
             .find_map(|p| p.trim().strip_prefix(KEY_PROTOCOL))
-    });
-    caller_with(s, key).await
+    })
 }
 
 /// A reply's events as the socket sends them, from this replica's log or from Redis.
@@ -109,10 +187,12 @@ struct Following {
     events: Events,
 }
 
-/// One open socket: its session, and the reply whose events it forwards.
+/// One open socket: its session, the key it was opened with (checked again with each
+/// command), and the reply whose events it forwards.
 struct Session {
     s: AppState,
     caller: Caller,
+    key: Option<String>,
     id: SessionId,
     following: Option<Following>,
 }
@@ -152,10 +232,11 @@ async fn next_event(following: &mut Option<Following>) -> Option<NativeEvent> {
 }
 
 impl Session {
-    fn new(s: AppState, caller: Caller, id: SessionId) -> Self {
+    fn new(s: AppState, caller: Caller, key: Option<String>, id: SessionId) -> Self {
         Self {
             s,
             caller,
+            key,
             id,
             following: None,
         }
@@ -164,12 +245,16 @@ impl Session {
     async fn run(mut self, mut ws: WebSocket) {
         let mut ping = tokio::time::interval_at(Instant::now() + PING_EVERY, PING_EVERY);
         let mut heard = Instant::now();
+        let write_timeout = self.s.options.socket_write_timeout;
         'socket: loop {
             let step = tokio::select! {
                 m = ws.recv() => match m {
                     Some(Ok(m)) => {
+                        let step = self.received(m).await;
+                        // The client is idle from here: the time the command took (a turn
+                        // waiting for its model's load) was the server's, not the client's.
                         heard = Instant::now();
-                        self.received(m).await
+                        step
                     }
                     Some(Err(_)) | None => break 'socket,
                 },
@@ -179,18 +264,31 @@ impl Session {
                     false => Step::Send(vec![Message::Ping(Vec::new().into())]),
                 },
             };
-            match step {
-                Step::Send(messages) => {
-                    for m in messages {
-                        if ws.send(m).await.is_err() {
-                            break 'socket;
-                        }
+            let (messages, frame) = match step {
+                Step::Send(messages) => (messages, None),
+                Step::Close(frame) => (Vec::new(), Some(frame)),
+            };
+            for m in messages {
+                match tokio::time::timeout(write_timeout, ws.send(m)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => break 'socket,
+                    Err(_) => {
+                        // A client that stopped reading: its place goes to another.
+                        tracing::info!(session = %self.id, "a WebSocket client stopped reading; closing it");
+                        let slow = close(1008, "too slow to read");
+                        let _ = tokio::time::timeout(
+                            Duration::from_secs(1),
+                            ws.send(Message::Close(Some(slow))),
+                        )
+                        .await;
+                        break 'socket;
                     }
                 }
-                Step::Close(frame) => {
-                    let _ = ws.send(Message::Close(frame)).await;
-                    break 'socket;
-                }
+            }
+            if let Some(frame) = frame {
+                let close = ws.send(Message::Close(frame));
+                let _ = tokio::time::timeout(write_timeout, close).await;
+                break 'socket;
             }
         }
         if let Some(live) = self.following.as_ref().and_then(|f| f.live.as_ref()) {
@@ -224,6 +322,16 @@ impl Session {
     }
 
     async fn received(&mut self, m: Message) -> Step {
+        if let Message::Text(_) | Message::Binary(_) = m {
+            // The key may have been revoked (or have expired) since the socket opened.
+            match caller_with(&self.s, self.key.as_deref()).await {
+                Ok(c) => self.caller = c,
+                Err(e @ ApiError::Unauthorized) => {
+                    return Step::Close(Some(close(1008, &e.to_string())));
+                }
+                Err(e) => return Step::Send(vec![refused(&e)]),
+            }
+        }
         match m {
             Message::Text(t) => match self.command(t.as_str()).await {
                 Ok(out) => Step::Send(out),

@@ -143,7 +143,8 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
             .as_ref()
             .map(|m| m.to_string())
             .unwrap_or_default(),
-        keep_alive_ms: job.keep_alive_ms,
+        keep_alive_ms: job.keep_alive.map(|k| k.ms),
+        keep_alive_may_shorten: job.keep_alive.is_some_and(|k| k.may_shorten),
     }
 }
 

@@ -91,11 +91,20 @@ pub struct Job {
     pub model: Option<ModelKey>,
     /// That model's tokenizer, which reads the worker's tokens.
     pub tokenizer: Arc<Tokenizer>,
-    /// How long the model stays loaded once idle, from this request on (ms; negative: for
-    /// good).
-    pub keep_alive_ms: Option<i64>,
+    /// How long the model stays loaded once idle, from this request on.
+    pub keep_alive: Option<KeepAlive>,
     /// The worker already chosen at admission.
     pub lease: Option<Lease>,
+}
+
+/// A request's `keep_alive`, as its worker takes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeepAlive {
+    /// How long the model stays loaded once idle, in milliseconds; negative: for good.
+    pub ms: i64,
+    /// An operator's request: it may shorten the model's stay, or unload it. Any other only
+    /// lengthens it (the worker ignores a shorter value): the model is every tenant's.
+    pub may_shorten: bool,
 }
 
 /// Whether a generation belongs to a stored session or to no one.

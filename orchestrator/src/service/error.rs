@@ -26,6 +26,18 @@ pub enum ChatError {
     /// The model is loading on a worker and none has it ready yet.
     #[error("the model `{0}` is loading; try again shortly")]
     ModelLoading(String),
+    /// A load on demand did not happen. The message is the same for every caller; `detail`
+    /// (the workers' own words: paths, memory figures) is logged, and shown to admin keys
+    /// only.
+    #[error("the model `{model}` cannot be loaded now: {}{}{}", why.text(),
+        retry_after_secs.map(|s| format!("; retry in {s} s")).unwrap_or_default(),
+        detail.as_ref().map(|d| format!(" ({d})")).unwrap_or_default())]
+    LoadRefused {
+        model: String,
+        why: LoadRefusal,
+        retry_after_secs: Option<u64>,
+        detail: Option<String>,
+    },
     /// A value out of range or of the wrong kind; the message names the field.
     #[error("{0}")]
     Invalid(String),
@@ -78,4 +90,35 @@ pub enum ChatError {
     /// A fault of the server's; the detail is logged, never answered.
     #[error("internal error")]
     Internal(String),
+}
+
+/// Why a load on demand did not happen, in words every caller may see.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadRefusal {
+    /// No worker has room, and the models that could make it are in use, pinned or used
+    /// too recently to be evicted.
+    NoRoom,
+    /// A worker tried and failed.
+    Failed,
+    /// It took longer than the orchestrator waits.
+    TimedOut,
+}
+
+impl LoadRefusal {
+    pub fn text(self) -> &'static str {
+        match self {
+            Self::NoRoom => "no worker has room for it",
+            Self::Failed => "its load failed",
+            Self::TimedOut => "its load is taking long",
+        }
+    }
+
+    /// The error code the APIs answer with.
+    pub fn code(self) -> &'static str {
+        match self {
+            Self::NoRoom => "model_no_room",
+            Self::Failed => "model_load_failed",
+            Self::TimedOut => "model_loading",
+        }
+    }
 }

@@ -15,7 +15,7 @@ mod takeover;
 mod tokenizers;
 mod turn;
 
-pub use error::ChatError;
+pub use error::{ChatError, LoadRefusal};
 pub use models::{ModelDefaults, Target};
 pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
@@ -40,8 +40,8 @@ use crate::auth::{AuthError, KeyChecks};
 use crate::bus::StopBus;
 use crate::generate::wire::NativeEvent;
 use crate::generate::{
-    Before, Generator, Job, Leases, Live, Persistence, Reservation, SharedReplies, SharedReply,
-    Streams, TurnIds,
+    Before, Generator, Job, KeepAlive, Leases, Live, Persistence, Reservation, SharedReplies,
+    SharedReply, Streams, TurnIds,
 };
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::{Budget, Limiter, Quota};
@@ -66,6 +66,10 @@ pub struct ChatLimits {
     pub max_messages_per_session: usize,
     /// Bytes of text one session may hold (its messages together), checked when a turn starts.
     pub max_session_bytes: usize,
+    /// Longest stay an ordinary key's `keep_alive` may give a model, in milliseconds.
+    pub max_keep_alive_ms: i64,
+    /// Loads on demand one ordinary key may start in an hour (admin keys: any).
+    pub max_loads_per_hour: i64,
 }
 
 impl Default for ChatLimits {
@@ -77,6 +81,8 @@ impl Default for ChatLimits {
             max_sessions_per_user: 10_000,
             max_messages_per_session: 10_000,
             max_session_bytes: 16 << 20,
+            max_keep_alive_ms: 3_600_000,
+            max_loads_per_hour: 20,
         }
     }
 }
@@ -158,6 +164,13 @@ pub struct Readiness {
     /// Where a reply's stream can be resumed: `any_replica` (Redis holds its events) or
     /// `this_replica` (without Redis, or while it is down: only the replica running it).
     pub resume: &'static str,
+}
+
+/// A model a request names: one a worker serves (or none yet: no worker has reported its
+/// model), or one some worker's repository holds, which must be loaded first.
+enum Resolved {
+    Served(Target),
+    Loadable { spec: String, asked: String },
 }
 
 /// How long a request waits for its model's load on demand before it is answered 503.
@@ -258,13 +271,68 @@ impl ChatService {
     }
 
     /// The model `asked` names (`name`: its newest version; `name@version`), else the default
-    /// model; 404 `model_not_found` for one no worker serves. Until a worker has reported its
-    /// model, nothing is refused here: the request waits for a worker as any other.
-    /// A model no worker has ready yet, only loading, is a 503 with `Retry-After`. A model no
-    /// worker holds but some worker's repository has is loaded first, on demand (see
-    /// [`Self::load_on_demand`]).
-    pub async fn target(&self, asked: Option<&str>) -> Result<Target, ChatError> {
-        let mut target = self.served_target(asked).await?;
+    /// model, for `caller`'s request; 404 `model_not_found` for one no worker serves. Until a
+    /// worker has reported its model, nothing is refused here: the request waits for a worker
+    /// as any other. A model no worker has ready yet, only loading, is a 503 with
+    /// `Retry-After`. A model no worker holds but some worker's repository has is loaded
+    /// first, on demand, and charged to the caller (see [`Self::load_on_demand`]): call this
+    /// only once the request has passed every other check, and been charged.
+    pub async fn target(&self, caller: &Caller, asked: Option<&str>) -> Result<Target, ChatError> {
+        self.target_for(Some(caller), asked).await
+    }
+
+    /// [`Self::target`] for `caller`, or (None) for this replica itself: a reply it takes over,
+    /// charged when it started.
+    async fn target_for(
+        &self,
+        caller: Option<&Caller>,
+        asked: Option<&str>,
+    ) -> Result<Target, ChatError> {
+        let target = match self.resolve(asked)? {
+            Resolved::Served(t) => t,
+            Resolved::Loadable { spec, asked } => {
+                self.load_on_demand(caller, &spec, &asked).await?
+            }
+        };
+        self.with_tokenizer(target).await
+    }
+
+    /// [`Self::target`] without a load: None for a model that must be loaded first (the
+    /// request that needs it loads it). So naming a model, as a session does, costs no load.
+    pub async fn loaded_target(&self, asked: Option<&str>) -> Result<Option<Target>, ChatError> {
+        match self.resolve(asked)? {
+            Resolved::Served(t) => Ok(Some(self.with_tokenizer(t).await?)),
+            Resolved::Loadable { .. } => Ok(None),
+        }
+    }
+
+    /// The model `asked` names, served or to be loaded on demand.
+    fn resolve(&self, asked: Option<&str>) -> Result<Resolved, ChatError> {
+        let model = match self.generator.pool.resolve(asked) {
+            Ok(model) => model,
+            Err(u) => {
+                return match (u.loadable.clone(), asked) {
+                    (Some(spec), Some(asked)) => Ok(Resolved::Loadable {
+                        spec,
+                        asked: asked.to_string(),
+                    }),
+                    _ => Err(u.into()),
+                }
+            }
+        };
+        if let Some(m) = &model {
+            if m.ready_workers == 0 && m.loading_workers > 0 {
+                return Err(ChatError::ModelLoading(m.key.to_string()));
+            }
+        }
+        Ok(Resolved::Served(Target {
+            model,
+            tokenizer: None,
+        }))
+    }
+
+    /// `target` with its model's tokenizer.
+    async fn with_tokenizer(&self, mut target: Target) -> Result<Target, ChatError> {
         if let Some(m) = &target.model {
             let pool = &self.generator.pool;
             target.tokenizer = Some(self.tokenizers.for_model(pool, m).await?);
@@ -272,30 +340,18 @@ impl ChatService {
         Ok(target)
     }
 
-    /// [`Self::target`], without its tokenizer.
-    async fn served_target(&self, asked: Option<&str>) -> Result<Target, ChatError> {
-        let model = match self.generator.pool.resolve(asked) {
-            Ok(model) => model,
-            Err(u) => match (u.loadable.clone(), asked) {
-                (Some(spec), Some(asked)) => return self.load_on_demand(&spec, asked).await,
-                _ => return Err(u.into()),
-            },
-        };
-        if let Some(m) = &model {
-            if m.ready_workers == 0 && m.loading_workers > 0 {
-                return Err(ChatError::ModelLoading(m.key.to_string()));
-            }
-        }
-        Ok(Target {
-            model,
-            tokenizer: None,
-        })
-    }
-
     /// Loads the repository version `spec` (which `asked` names) on the worker with the most
-    /// room, which first unloads its least recently used idle models if it must, and waits
-    /// for it. Requests for a model being loaded here wait for that one load.
-    async fn load_on_demand(&self, spec: &str, asked: &str) -> Result<Target, ChatError> {
+    /// room, which first unloads its least recently used idle models if it must (never a
+    /// pinned one, nor one used within its `--min-resident-secs`), and waits for it. Requests
+    /// for a model being loaded here wait for that one load; the one that starts it is charged
+    /// for it first ([`Self::charge_load`]). A refusal says the same to every caller, and
+    /// more to an admin key.
+    async fn load_on_demand(
+        &self,
+        caller: Option<&Caller>,
+        spec: &str,
+        asked: &str,
+    ) -> Result<Target, ChatError> {
         let gate = {
             let mut loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
             loads.entry(spec.to_string()).or_default().clone()
@@ -311,10 +367,27 @@ impl ChatService {
                 });
             }
         }
-        tracing::info!(model = spec, "loading a model on demand");
+        if let Some(c) = caller {
+            self.charge_load(c).await?;
+        }
+        let user = caller.map(|c| c.user.id.to_string());
+        tracing::info!(
+            model = spec,
+            user = user.as_deref(),
+            "loading a model on demand"
+        );
         metrics::counter!(crate::telemetry::MODEL_LOADS).increment(1);
         let loaded =
             tokio::time::timeout(ON_DEMAND_LOAD_TIMEOUT, pool.load_model(spec, None, true));
+        let refused = |why, retry_after_secs, detail: String| {
+            tracing::warn!(model = spec, %detail, "a load on demand did not happen");
+            ChatError::LoadRefused {
+                model: spec.to_string(),
+                why,
+                retry_after_secs,
+                detail: caller.is_some_and(|c| c.admin).then_some(detail),
+            }
+        };
         match loaded.await {
             Ok(Ok(_)) => {}
             Ok(Err(crate::workers::AdminError::NotFound(_))) => {
@@ -323,11 +396,11 @@ impl ChatService {
                     ChatError::from,
                 ))
             }
-            Ok(Err(e)) => {
-                return Err(ChatError::Unavailable(format!(
-                    "the model {spec} could not be loaded: {e}"
-                )))
-            }
+            Ok(Err(crate::workers::AdminError::NoRoom {
+                detail,
+                retry_after_secs,
+            })) => return Err(refused(LoadRefusal::NoRoom, retry_after_secs, detail)),
+            Ok(Err(e)) => return Err(refused(LoadRefusal::Failed, None, e.to_string())),
             Err(_) => return Err(ChatError::ModelLoading(spec.to_string())),
         }
         Ok(Target {
@@ -418,22 +491,24 @@ impl ChatService {
 
     // --- Sessions ---
 
-    /// Creates a session, unless the user already keeps the most sessions allowed.
+    /// Creates a session, unless the user already keeps the most sessions allowed. Its model
+    /// must be served or loadable; it is not loaded here (its first turn loads it), so its
+    /// `max_tokens` is checked against the model's context only when a worker holds it.
     pub async fn create_session(
         &self,
         user: &User,
         session: ValidSession,
     ) -> Result<Session, ChatError> {
-        let mut new = session.new;
-        let target = self.target(new.model.as_deref()).await?;
-        new.max_tokens = session
-            .max_tokens
-            .map(|n| check_max_tokens(n, &target).map(i64::from))
-            .transpose()?;
         let cap = self.limits.max_sessions_per_user;
         if self.store.count_sessions(&user.id).await? >= cap {
             return Err(ChatError::TooManySessions { max: cap });
         }
+        let mut new = session.new;
+        let target = self.loaded_target(new.model.as_deref()).await?;
+        new.max_tokens = session
+            .max_tokens
+            .map(|n| session_max_tokens(n, target.as_ref()))
+            .transpose()?;
         Ok(self.store.create_session(&user.id, new).await?)
     }
 
@@ -451,17 +526,16 @@ impl ChatService {
         id: &SessionId,
         patch: ValidPatch,
     ) -> Result<Session, ChatError> {
-        // The session's model after the patch bounds its reply length.
-        let target = match &patch.patch.model {
-            Some(Some(m)) => self.target(Some(m)).await?,
-            Some(None) => self.target(None).await?,
-            None => {
-                let session = self.store.get_session(&user.id, id).await?;
-                self.target(session.model.as_deref()).await?
-            }
+        // The caller's session first: another's (or none) costs nothing. The session's model
+        // after the patch bounds its reply length, when a worker holds it (nothing is loaded).
+        let session = self.store.get_session(&user.id, id).await?;
+        let model = match &patch.patch.model {
+            Some(m) => m.as_deref(),
+            None => session.model.as_deref(),
         };
+        let target = self.loaded_target(model).await?;
         let max_tokens = match patch.max_tokens {
-            Some(Some(n)) => Some(Some(i64::from(check_max_tokens(n, &target)?))),
+            Some(Some(n)) => Some(Some(session_max_tokens(n, target.as_ref())?)),
             Some(None) => Some(None),
             None => None,
         };
@@ -521,10 +595,12 @@ impl ChatService {
     /// Starts a native turn in one of the caller's sessions and returns its running reply.
     ///
     /// In order, so that a refused request costs nothing and changes nothing: the session
-    /// (404), its model (404 when no worker serves it), the options against the served context (422), the session's place (409: one
-    /// reply at a time), the history and its cap (422) and what the turn needs from it (409,
-    /// 404, 422); then the caller's rate limit and token budget are charged, the prompt is fitted,
-    /// a worker is taken (503) and only then the turn is stored and generation starts.
+    /// (404), its model (404 when no worker serves it or can load it), the options against the
+    /// served context (422), the session's place (409: one reply at a time), the history and
+    /// its cap (422) and what the turn needs from it (409, 404, 422); then the caller's rate
+    /// limit and token budget are charged, the model is loaded if it must be (charged to the
+    /// caller too; its context checked then), the prompt is fitted, a worker is taken (503) and
+    /// only then the turn is stored and generation starts.
     pub async fn start_turn(
         &self,
         caller: &Caller,
@@ -534,19 +610,26 @@ impl ChatService {
         let user_id = &caller.user.id;
         let (input, opts, arrived) = turn.into_parts();
         let session = self.store.get_session(user_id, session_id).await?;
-        let target = self.target(session.model.as_deref()).await?;
+        let loaded = self.loaded_target(session.model.as_deref()).await?;
         // The turn's own value, else the session's default (else the server's).
         let max_tokens = opts
             .max_tokens()
             .or_else(|| session.max_tokens.and_then(|n| u32::try_from(n).ok()));
-        if let Some(n) = max_tokens {
-            check_max_tokens(n, &target)?;
+        if let (Some(n), Some(t)) = (max_tokens, &loaded) {
+            check_max_tokens(n, t)?;
         }
         let reservation = self.generator.streams.reserve(session_id)?;
         let history = self.store.list_messages(user_id, session_id).await?;
         self.check_room(&history, &input)?;
         let (convo, store) = prepare(&session, history, &input, opts.tools().map(|t| &**t))?;
         let budget = self.charge(caller, max_tokens).await?;
+        let target = match loaded {
+            Some(t) => t,
+            None => {
+                self.load_for(caller, session.model.as_deref(), max_tokens)
+                    .await?
+            }
+        };
         let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens, &target).await?;
         let params = match opts.params() {
             Some(p) => p.clone(),
@@ -588,10 +671,25 @@ impl ChatService {
             budget,
             model,
             tokenizer: tokenizer.tok,
-            keep_alive_ms: opts.keep_alive_ms(),
+            keep_alive: self.keep_alive(caller, opts.keep_alive_ms()),
             lease: Some(place),
         };
         Ok(self.launch(ids, job, reservation))
+    }
+
+    /// The model `asked` names, loaded on demand for `caller` (see [`Self::target`]), and a
+    /// reply length checked against its context now that it is known.
+    async fn load_for(
+        &self,
+        caller: &Caller,
+        asked: Option<&str>,
+        max_tokens: Option<u32>,
+    ) -> Result<Target, ChatError> {
+        let target = self.target(caller, asked).await?;
+        if let Some(n) = max_tokens {
+            check_max_tokens(n, &target)?;
+        }
+        Ok(target)
     }
 
     /// Starts a stored turn's generation: its log in the session's place, its job saved with
@@ -829,7 +927,7 @@ impl ChatService {
             budget,
             model: model.clone(),
             tokenizer: tokenizer.tok.clone(),
-            keep_alive_ms: opts.keep_alive_ms(),
+            keep_alive: self.keep_alive(caller, opts.keep_alive_ms()),
             lease: None,
         };
         let first = Live::new(None);
@@ -976,6 +1074,36 @@ impl ChatService {
             .filter(|l| !l.is_finished())
     }
 
+    /// The `keep_alive` (ms; negative: for good) a request asked for, as the caller may have
+    /// it. The model is every tenant's: an admin key's request may set any stay (0 unloads the
+    /// model once idle), any other may only lengthen it, up to `--max-keep-alive-secs` (for
+    /// good means that long).
+    fn keep_alive(&self, caller: &Caller, asked: Option<i64>) -> Option<KeepAlive> {
+        let ms = asked?;
+        if caller.admin {
+            return Some(KeepAlive {
+                ms,
+                may_shorten: true,
+            });
+        }
+        let cap = self.limits.max_keep_alive_ms;
+        Some(KeepAlive {
+            ms: if ms < 0 { cap } else { ms.min(cap) },
+            may_shorten: false,
+        })
+    }
+
+    /// Charges a load on demand to the caller: one request of its rate limit, and one of its
+    /// key's loads per hour (`--max-loads-per-hour`). A load takes a worker's memory and
+    /// time from every tenant: an admin key's is not counted.
+    async fn charge_load(&self, caller: &Caller) -> Result<(), ChatError> {
+        if caller.admin {
+            return Ok(());
+        }
+        let per_hour = self.limits.max_loads_per_hour;
+        Ok(self.limiter.admit_load(&caller.quota, per_hour).await?)
+    }
+
     /// Charges the request to the caller's rate limit and sets its reply's tokens aside from
     /// the caller's daily budget.
     async fn charge(
@@ -1082,6 +1210,16 @@ fn check_max_tokens(n: u32, target: &Target) -> Result<u32, ChatError> {
         )));
     }
     Ok(n)
+}
+
+/// A session's `max_tokens`: [`check_max_tokens`] against its model's context when a worker
+/// holds it (`target`), else only against [`MAX_SESSION_MAX_TOKENS`] (its turns check the rest).
+fn session_max_tokens(n: u32, target: Option<&Target>) -> Result<i64, ChatError> {
+    let unloaded = Target {
+        model: None,
+        tokenizer: None,
+    };
+    check_max_tokens(n, target.unwrap_or(&unloaded)).map(i64::from)
 }
 
 /// OpenAI's default reply length on the legacy completions API.

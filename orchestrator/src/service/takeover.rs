@@ -32,8 +32,8 @@ use serde::{Deserialize, Serialize};
 
 use super::{ChatError, ChatService};
 use crate::generate::{
-    Before, End, GenerationError, Job, Live, Outcome, Persistence, RunEvent, SharedReplies,
-    StreamState, TurnIds,
+    Before, End, GenerationError, Job, KeepAlive, Live, Outcome, Persistence, RunEvent,
+    SharedReplies, StreamState, TurnIds,
 };
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::storage::{ReplyLease, ReplyTimings, ReplyUsage, StoreError, StreamingReply};
@@ -66,6 +66,9 @@ pub struct JobRecord {
     /// The exact version (`id@version`), as every worker of the reply must serve it.
     model: Option<String>,
     keep_alive_ms: Option<i64>,
+    /// An operator's `keep_alive` (absent in older records: then an ordinary one).
+    #[serde(default)]
+    keep_alive_may_shorten: bool,
 }
 
 impl JobRecord {
@@ -87,7 +90,8 @@ impl JobRecord {
             stop: job.stop.clone(),
             ignore_eos: job.ignore_eos,
             model: job.model.as_ref().map(ToString::to_string),
-            keep_alive_ms: job.keep_alive_ms,
+            keep_alive_ms: job.keep_alive.map(|k| k.ms),
+            keep_alive_may_shorten: job.keep_alive.is_some_and(|k| k.may_shorten),
         };
         serde_json::to_string(&record).ok()
     }
@@ -387,7 +391,7 @@ impl ChatService {
         ids: &TurnIds,
         lease: &ReplyLease,
     ) -> Result<Job, ChatError> {
-        let target = self.target(r.model.as_deref()).await?;
+        let target = self.target_for(None, r.model.as_deref()).await?;
         let tokenizer = self.tokenizer(&target);
         let dry_breakers = self.dry_breakers(&r.params, &tokenizer).await?;
         Ok(Job {
@@ -412,7 +416,10 @@ impl ChatService {
             budget: None,
             model: target.key().cloned(),
             tokenizer: tokenizer.tok,
-            keep_alive_ms: r.keep_alive_ms,
+            keep_alive: r.keep_alive_ms.map(|ms| KeepAlive {
+                ms,
+                may_shorten: r.keep_alive_may_shorten,
+            }),
             lease: None,
         })
     }
@@ -448,6 +455,7 @@ mod tests {
             ignore_eos: true,
             model: Some("gemma@2".into()),
             keep_alive_ms: Some(-1),
+            keep_alive_may_shorten: false,
         }
     }
 

@@ -32,6 +32,8 @@ pub struct WorkerModel {
     pub in_flight: u32,
     /// Seconds since its last request.
     pub idle_s: f64,
+    /// How long it stays loaded once idle, in seconds; none: for good (or until evicted).
+    pub keep_alive_s: Option<f64>,
     /// Why its load failed.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
@@ -57,9 +59,13 @@ pub enum AdminError {
     /// No worker's repository has the model, or (unload) no worker holds it.
     #[error("{0}")]
     NotFound(String),
-    /// It fits on no worker; the workers' answers name the bytes.
-    #[error("{0}")]
-    NoRoom(String),
+    /// It fits on no worker; the workers' answers name the bytes. With `retry_after_secs`,
+    /// room can be made later: the models that could make it were used too recently.
+    #[error("{detail}")]
+    NoRoom {
+        detail: String,
+        retry_after_secs: Option<u64>,
+    },
     #[error("no worker is ready")]
     NoWorker,
     /// A worker failed to load or unload it.
@@ -88,6 +94,14 @@ fn key(m: &proto::ModelStatus) -> String {
     .to_string()
 }
 
+/// When a worker's refusal says to retry (see [`proto::RETRY_AFTER_KEY`]).
+fn retry_after(s: &tonic::Status) -> Option<u64> {
+    s.metadata()
+        .get(proto::RETRY_AFTER_KEY)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+}
+
 fn worker_model(m: &proto::ModelStatus) -> WorkerModel {
     WorkerModel {
         model: key(m),
@@ -96,6 +110,7 @@ fn worker_model(m: &proto::ModelStatus) -> WorkerModel {
         kv_bytes: m.kv_bytes,
         in_flight: m.in_flight,
         idle_s: m.idle_s,
+        keep_alive_s: (m.keep_alive_ms >= 0).then(|| m.keep_alive_ms as f64 / 1000.0),
         error: Some(m.error.clone()).filter(|e| !e.is_empty()),
     }
 }
@@ -189,6 +204,8 @@ impl WorkerPool {
         // Workers whose repository lists it first, then the most free memory.
         candidates.sort_by_key(|&(_, rank)| std::cmp::Reverse(rank));
         let (mut missing, mut full) = (Vec::new(), Vec::new());
+        // The soonest a full worker said it may have room.
+        let mut retry: Option<u64> = None;
         for (slot, _) in candidates {
             let mut client = self.admin_client(slot).await?;
             let req = proto::LoadModelRequest {
@@ -210,17 +227,20 @@ impl WorkerPool {
                         Code::NotFound | Code::FailedPrecondition if !is_load_failure(&s) => {
                             missing.push(line)
                         }
-                        Code::ResourceExhausted => full.push(line),
+                        Code::ResourceExhausted => {
+                            full.push(line);
+                            retry = retry.into_iter().chain(retry_after(&s)).min();
+                        }
                         _ => return Err(AdminError::Failed(line)),
                     }
                 }
             }
         }
         if !full.is_empty() {
-            return Err(AdminError::NoRoom(format!(
-                "the model {model} fits on no worker: {}",
-                full.join("; ")
-            )));
+            return Err(AdminError::NoRoom {
+                detail: format!("the model {model} fits on no worker: {}", full.join("; ")),
+                retry_after_secs: retry,
+            });
         }
         Err(AdminError::NotFound(format!(
             "no worker can load the model {model}: {}",
