@@ -1227,6 +1227,11 @@ export interface components {
              * @description Seconds since its last request.
              */
             idle_s: number;
+            /**
+             * Format: double
+             * @description How long it stays loaded once idle, in seconds; none: for good (or until evicted).
+             */
+            keep_alive_s?: number | null;
             /** @description Why its load failed. */
             error?: string | null;
         };
@@ -3059,7 +3064,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            /** @description The key holds the most WebSockets one key may (`--max-sockets-per-key`), or its rate limit is reached (see `Retry-After`) */
             429: {
                 headers: {
                     [name: string]: unknown;

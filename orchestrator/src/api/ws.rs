@@ -139,6 +139,7 @@ const KEY_PROTOCOL: &str = "hearth.key.";
         (status = 400, description = "Not a WebSocket upgrade", body = super::ErrorBody),
         (status = 401, description = "Missing or invalid API key", body = super::ErrorBody),
         (status = 404, description = "No such session", body = super::ErrorBody),
+        (status = 429, description = "The key holds the most WebSockets one key may (`--max-sockets-per-key`), or its rate limit is reached (see `Retry-After`)", body = super::ErrorBody),
         (status = 503, description = "Too many WebSockets are open", body = super::ErrorBody),
     ))]
 pub async fn socket(
