@@ -685,10 +685,11 @@ fn constrained(
     model_path: &std::path::Path,
     o: &BenchOptions,
 ) -> anyhow::Result<Value> {
-    use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
+    use crate::engine::constraint::{Grammars, Vocabulary};
+    use crate::engine::mask_threads;
     let vocab = Vocabulary::from_gguf(model_path).map_err(anyhow::Error::msg)?;
     let t = Instant::now();
-    let grammars = Grammars::for_model(vocab, model, MASK_THREADS).map_err(anyhow::Error::msg)?;
+    let grammars = Grammars::for_model(vocab, model, mask_threads()).map_err(anyhow::Error::msg)?;
     grammars.ready().map_err(anyhow::Error::msg)?;
     let setup_ms = t.elapsed().as_secs_f64() * 1e3;
     let engine = Engine::start(
@@ -759,5 +760,5 @@ fn constrained(
         }
         rows.push(row);
     }
-    Ok(json!({ "mask_threads": MASK_THREADS, "setup_ms": setup_ms, "runs": rows }))
+    Ok(json!({ "mask_threads": mask_threads(), "setup_ms": setup_ms, "runs": rows }))
 }

@@ -10,16 +10,18 @@
 //! computed on a mask thread while the forward pass runs. The sequence's token is known as soon
 //! as it is sampled, so the next step's mask (the matcher consumes the token, then computes which tokens may follow) is ready
 //! by the time that step's logits are, and the engine thread only waits for it when the
-//! forward pass was faster than the mask.
+//! forward pass was faster than the mask. The mask threads take their work from each user in
+//! turn ([`super::mask_queue`]): one user's many constrained sequences do not hold up another's.
 
 use std::path::Path;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hearth_shared::Grammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
 
+use super::mask_queue::{FairQueue, Job};
 use super::EngineError;
 
 /// llama.cpp's token types, as GGUF files store them.
@@ -110,18 +112,19 @@ fn piece_bytes(piece: &str, ty: Option<i32>) -> Vec<u8> {
     }
 }
 
-/// Mask threads a worker runs: a constrained sequence's next mask is computed on one of them
-/// while the forward pass runs.
-pub const MASK_THREADS: usize = 2;
-
-/// A unit of work for a mask thread.
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The grammar engine over one model's vocabulary, and the threads that compute masks.
+/// The grammar engine over one model's vocabulary, and the threads that compute masks (a
+/// constrained sequence's next mask is computed on one of them while the forward pass runs).
 pub struct Grammars {
     /// Set by the thread that builds it ([`Grammars::new`]).
     factory: Arc<OnceLock<Result<ParserFactory, String>>>,
-    jobs: Mutex<Sender<Job>>,
+    jobs: Arc<FairQueue>,
+}
+
+impl Drop for Grammars {
+    /// Stops the mask threads; a sequence still waiting for a mask is told.
+    fn drop(&mut self) {
+        self.jobs.close();
+    }
 }
 
 impl std::fmt::Debug for Grammars {
@@ -173,19 +176,22 @@ impl Grammars {
                 let _ = slot.set(build_factory(&vocab, first_eos, &eos));
             })
             .map_err(|e| format!("cannot start the grammar engine's thread: {e}"))?;
-        let (tx, rx) = channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
+        let jobs = Arc::new(FairQueue::default());
         for i in 0..threads.max(1) {
-            let rx = rx.clone();
-            std::thread::Builder::new()
+            let queue = jobs.clone();
+            let started = std::thread::Builder::new()
                 .name(format!("hearth-mask-{i}"))
-                .spawn(move || mask_thread(&rx))
-                .map_err(|e| format!("cannot start a mask thread: {e}"))?;
+                .spawn(move || {
+                    while let Some(job) = queue.pop() {
+                        job();
+                    }
+                });
+            if let Err(e) = started {
+                jobs.close();
+                return Err(format!("cannot start a mask thread: {e}"));
+            }
         }
-        Ok(Self {
-            factory,
-            jobs: Mutex::new(tx),
-        })
+        Ok(Self { factory, jobs })
     }
 
     /// Waits until the parser factory is built; its error if it could not be.
@@ -193,12 +199,13 @@ impl Grammars {
         self.factory.wait().as_ref().map_err(Clone::clone)
     }
 
-    /// Compiles `grammar` for a sequence whose reply so far is `reply` (a continuation's
-    /// tokens, or none), and starts computing its first mask.
+    /// Compiles `grammar` for a sequence of `user` whose reply so far is `reply` (a
+    /// continuation's tokens, or none), and starts computing its first mask.
     pub(crate) fn start(
         &self,
         grammar: &Grammar,
         reply: &[u32],
+        user: &str,
     ) -> Result<Constraint, EngineError> {
         let parser = self
             .ready()
@@ -209,16 +216,12 @@ impl Grammars {
         matcher.consume_tokens(reply).map_err(|e| {
             EngineError::InvalidGrammar(format!("the reply so far does not follow it: {e}"))
         })?;
-        let jobs = self
-            .jobs
-            .lock()
-            .map_err(|_| EngineError::Internal("the mask threads are gone".into()))?
-            .clone();
         let mut c = Constraint {
             matcher: Arc::new(Mutex::new(matcher)),
             next: None,
             ready: None,
-            jobs,
+            jobs: self.jobs.clone(),
+            user: user.to_string(),
         };
         c.request(None);
         Ok(c)
@@ -233,19 +236,6 @@ fn build_factory(vocab: &Vocabulary, first_eos: u32, eos: &[u32]) -> Result<Pars
     let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
     factory.quiet();
     Ok(factory)
-}
-
-fn mask_thread(jobs: &Mutex<Receiver<Job>>) {
-    loop {
-        let job = match jobs.lock() {
-            Ok(rx) => rx.recv(),
-            Err(_) => return,
-        };
-        match job {
-            Ok(job) => job(),
-            Err(_) => return,
-        }
-    }
 }
 
 /// What a constrained sequence may do next.
@@ -265,7 +255,9 @@ pub(crate) struct Constraint {
     next: Option<Receiver<Next>>,
     /// The next step's mask once it arrived and was looked at, not yet used.
     ready: Option<Next>,
-    jobs: Sender<Job>,
+    jobs: Arc<FairQueue>,
+    /// Whose sequence it is: the mask threads serve users in turn.
+    user: String,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -294,8 +286,8 @@ impl Constraint {
             .unwrap_or_else(|_| Next::Failed("the grammar engine panicked".into()));
             let _ = tx.send(next);
         });
-        // A send fails only once the mask threads are gone; `wait` then reports it.
-        let _ = self.jobs.send(job);
+        // Dropped (with `tx`) once the mask threads are gone; `wait` then reports it.
+        self.jobs.push(&self.user, job);
         self.next = Some(rx);
     }
 
@@ -410,7 +402,7 @@ mod tests {
         let regex = Grammar::Regex {
             pattern: "(yes|no)!".into(),
         };
-        let mut c = g.start(&regex, &[]).expect("compile");
+        let mut c = g.start(&regex, &[], "u").expect("compile");
         let m = mask(&mut c);
         let mut logits = vec![1.0f32; v.len() + 5];
         apply_mask(&m, &mut logits);
@@ -429,7 +421,7 @@ mod tests {
         assert!(matches!(c.wait(), Next::Done));
 
         let mut logits = vec![1.0f32; v.len() + 5];
-        let mut c = g.start(&regex, &[id(&v, b"y")]).expect("continuation");
+        let mut c = g.start(&regex, &[id(&v, b"y")], "u").expect("continuation");
         let m = mask(&mut c);
         apply_mask(&m, &mut logits);
         let live: Vec<usize> = (0..logits.len()).filter(|&i| logits[i] > 0.0).collect();
@@ -441,7 +433,7 @@ mod tests {
         let (v, eos) = vocab();
         let g = Grammars::new(v.clone(), &eos, v.len(), 1).expect("grammars");
         // A JSON object: once closed, nothing can follow (no trailing whitespace).
-        let mut c = g.start(&Grammar::JsonObject, &[]).expect("compile");
+        let mut c = g.start(&Grammar::JsonObject, &[], "u").expect("compile");
         for t in [b"{".as_slice(), b"}"] {
             let m = mask(&mut c);
             assert!(m.is_allowed(id(&v, t)), "{t:?}");
@@ -454,11 +446,11 @@ mod tests {
         let digits = Grammar::Regex {
             pattern: "[0-9]+".into(),
         };
-        let mut c = g.start(&digits, &[id(&v, b"7")]).expect("compile");
+        let mut c = g.start(&digits, &[id(&v, b"7")], "u").expect("compile");
         let m = mask(&mut c);
         assert!(m.is_allowed(eos[0]) && m.is_allowed(eos[1]) && m.is_allowed(id(&v, b"3")));
         assert!(!m.is_allowed(id(&v, b"x")));
-        let wrong = g.start(&Grammar::JsonObject, &[id(&v, b"x")]);
+        let wrong = g.start(&Grammar::JsonObject, &[id(&v, b"x")], "u");
         assert!(matches!(wrong, Err(EngineError::InvalidGrammar(_))));
     }
 }

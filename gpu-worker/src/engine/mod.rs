@@ -10,12 +10,14 @@ mod backend;
 pub mod constraint;
 mod error;
 pub mod lookup;
+mod mask_queue;
 mod scheduler;
 mod scripted;
 mod types;
 
 pub use backend::Weights;
 pub use error::EngineError;
+pub use mask_queue::mask_threads;
 pub use scheduler::{Scheduler, StepSummary};
 pub use types::{
     DiskConfig, EngineConfig, EngineEvent, EngineStats, GenerateRequest, StepObserver, Timings,

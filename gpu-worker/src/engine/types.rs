@@ -169,7 +169,8 @@ impl ValidRequest {
         })?;
         let p = &self.inner.prompt;
         let reply = &p[p.len().saturating_sub(self.inner.sampled_before as usize)..];
-        self.constraint = Some(grammars.start(grammar, reply)?);
+        let user = self.inner.user.as_str();
+        self.constraint = Some(grammars.start(grammar, reply, user)?);
         Ok(self)
     }
 }

@@ -15,7 +15,8 @@ use super::models::{ModelPhase, ModelSlot, Need, NoVictim, Residency};
 use super::state::{Loaded, TokenizerFile, WorkerState};
 use super::ServeError;
 use crate::device;
-use crate::engine::constraint::{Grammars, Vocabulary, MASK_THREADS};
+use crate::engine::constraint::{Grammars, Vocabulary};
+use crate::engine::mask_threads;
 use crate::engine::{Engine, EngineConfig, Weights};
 use crate::generic::GenericModel;
 use crate::model::{load_gguf, load_safetensors, ModelError};
@@ -310,7 +311,7 @@ fn grammars(source: &Source, model: &Weights) -> Option<Arc<Grammars>> {
     } else {
         Vocabulary::from_gguf(&source.path)
     };
-    let made = vocab.and_then(|v| Grammars::for_model(v, model, MASK_THREADS));
+    let made = vocab.and_then(|v| Grammars::for_model(v, model, mask_threads()));
     match made {
         Ok(g) => Some(Arc::new(g)),
         Err(e) => {
