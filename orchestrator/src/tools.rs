@@ -170,8 +170,10 @@ impl Tools {
                         "must be a JSON Schema object",
                     ));
                 }
+                // Only its shape here: the compile waits for the request's charge (see
+                // [`Tools::schemas`]).
                 let g = Grammar::JsonSchema { schema: p.clone() };
-                g.check().map_err(|e| {
+                g.check_shape().map_err(|e| {
                     ToolError::InvalidGrammar(format!("{field}.function.parameters: {e}"))
                 })?;
             }
@@ -260,6 +262,19 @@ impl Tools {
             "required": ["name", "parameters"],
             "additionalProperties": false,
         })
+    }
+
+    /// Each tool's parameters schema as a grammar, with the field that holds it: what compiles
+    /// once the request is charged (`tools[i].function.parameters`).
+    pub fn schemas(&self) -> Vec<(String, Grammar)> {
+        (0..)
+            .zip(&self.defs)
+            .filter_map(|(i, d)| {
+                let schema = d.parameters.clone()?;
+                let field = format!("tools[{i}].function.parameters");
+                Some((field, Grammar::JsonSchema { schema }))
+            })
+            .collect()
     }
 
     /// The grammar a forced call follows: the named function's call, or any tool's.
@@ -507,8 +522,18 @@ mod tests {
         let bad_schema: Vec<Tool> = serde_json::from_value(json!([{"type": "function",
             "function": {"name": "f", "parameters": {"type": "objekt"}}}]))
         .expect("tools");
+        // Offered, its schema's compile is left for later, and fails naming its field.
+        let offered = Tools::new(Some(&bad_schema), None)
+            .expect("ok")
+            .expect("some");
+        let [(field, g)] = offered.schemas().try_into().expect("one schema");
+        assert_eq!(field, "tools[0].function.parameters");
+        assert!(g.check().is_err());
+        let not_a_schema: Vec<Tool> = serde_json::from_value(json!([{"type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "x": "y".repeat(70_000)}}}]))
+        .expect("tools");
         assert!(matches!(
-            Tools::new(Some(&bad_schema), None),
+            Tools::new(Some(&not_a_schema), None),
             Err(ToolError::InvalidGrammar(m)) if m.starts_with("tools[0].function.parameters")
         ));
     }

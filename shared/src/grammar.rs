@@ -5,7 +5,10 @@
 //! vocabulary, which needs no tokenizer and finds every error of the grammar itself (a schema
 //! llguidance does not support, a Lark syntax error, a bad regular expression), so the
 //! orchestrator can refuse it before any worker sees it. The worker compiles it again against
-//! the model's vocabulary.
+//! the model's vocabulary. [`Grammar::check_shape`] is the cheap part (size, a schema's type),
+//! for a request's first checks; the compile itself is work (milliseconds to seconds) that the
+//! orchestrator runs off its async threads, once the request has been charged, within
+//! llguidance's limits and [`MAX_LEXER_STATES`] (its memory).
 
 use std::sync::{Arc, OnceLock};
 
@@ -17,6 +20,10 @@ use serde_json::Value;
 
 /// Most bytes of a grammar's text (a schema as JSON, a Lark grammar, a pattern).
 pub const MAX_GRAMMAR_BYTES: usize = 64 * 1024;
+
+/// Most lexer states a grammar's check may build (a state takes 1-2 kB): the memory one
+/// request's compile may take, a fifth of llguidance's default.
+pub const MAX_LEXER_STATES: usize = 50_000;
 
 /// What a reply must be. The reply ends when the grammar is complete and the model ends its
 /// turn, or when nothing can follow; a reply cut by `max_tokens` first is incomplete (and says
@@ -79,8 +86,8 @@ impl Grammar {
         }
     }
 
-    /// Compiles the grammar (against a byte-level vocabulary) and reports its first error.
-    pub fn check(&self) -> Result<(), GrammarError> {
+    /// What can be told without compiling: its size, and that a schema is one.
+    pub fn check_shape(&self) -> Result<(), GrammarError> {
         if self.text_len() > MAX_GRAMMAR_BYTES {
             return Err(GrammarError(format!(
                 "longer than {MAX_GRAMMAR_BYTES} bytes"
@@ -93,6 +100,13 @@ impl Grammar {
                 ));
             }
         }
+        Ok(())
+    }
+
+    /// Compiles the grammar (against a byte-level vocabulary) and reports its first error. Work
+    /// for a blocking thread: see the module's documentation.
+    pub fn check(&self) -> Result<(), GrammarError> {
+        self.check_shape()?;
         let factory = byte_level_factory()?;
         factory
             .create_parser(self.to_llguidance())
@@ -109,6 +123,7 @@ fn byte_level_factory() -> Result<Arc<ParserFactory>, GrammarError> {
             let mut f = ParserFactory::new_simple(&ApproximateTokEnv::single_byte_env())
                 .map_err(|e| e.to_string())?;
             f.quiet();
+            f.limits_mut().max_lexer_states = MAX_LEXER_STATES;
             Ok(Arc::new(f))
         })
         .clone()

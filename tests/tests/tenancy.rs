@@ -6,7 +6,8 @@
 //! - a load that only evicting a model used within `--min-resident-secs` could make room for
 //!   is refused with 503 `model_no_room` and `Retry-After`, in words that name no path and no
 //!   byte count; an admin key also reads the workers' own words;
-//! - each key may start `--max-loads-per-hour` loads; one more is a 429 that names the limit.
+//! - each key may start `--max-loads-per-hour` loads; one more is a 429 that names the limit;
+//! - a grammar compiles only once its request is charged.
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{metric, new_session_with, post, Stack};
@@ -151,6 +152,17 @@ async fn no_tenant_loads_or_swaps_the_models_others_use() {
     assert_eq!(metric(s.addr(), LOADS).await, loads + 4.0);
     let r = post(s.addr(), &bob, "/v1/chat/completions", &chat("alpha")).await;
     assert_eq!(r.status, 200, "alpha served throughout: {}", r.text());
+
+    // A grammar compiles only once its request is charged: one that does not compile still
+    // costs Dave his one request of the minute.
+    let dave = s.limited_key("dave", 1).await;
+    let mut bad = chat("alpha");
+    bad["grammar"] = json!({"type": "lark", "grammar": "start: (("});
+    let r = post(s.addr(), &dave, "/v1/chat/completions", &bad).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "invalid_grammar", "{}", r.text());
+    let r = post(s.addr(), &dave, "/v1/chat/completions", &chat("alpha")).await;
+    assert_eq!(r.status, 429, "{}", r.text());
     s.finish().await;
     let _ = std::fs::remove_dir_all(root);
 }

@@ -623,6 +623,7 @@ impl ChatService {
         self.check_room(&history, &input)?;
         let (convo, store) = prepare(&session, history, &input, opts.tools().map(|t| &**t))?;
         let budget = self.charge(caller, max_tokens).await?;
+        compile_grammars(&opts).await?;
         let target = match loaded {
             Some(t) => t,
             None => {
@@ -791,6 +792,7 @@ impl ChatService {
             check_max_tokens(n, target)?;
         }
         let budget = self.charge_choices(caller, max_tokens, n).await?;
+        compile_grammars(&opts).await?;
         let (prompt, max_new_tokens, shared_prefix) =
             self.plan(convo.into_messages(), max_tokens, target).await?;
         let plan = Planned {
@@ -851,6 +853,7 @@ impl ChatService {
         }
         let want = max_tokens.unwrap_or(LEGACY_DEFAULT_MAX_TOKENS);
         let budget = self.charge_choices(caller, Some(want), n).await?;
+        compile_grammars(&opts).await?;
         let plan = Planned {
             max_new_tokens: want.min((ctx - prompt.len()) as u32),
             shared_prefix: 0,
@@ -1210,6 +1213,43 @@ fn check_max_tokens(n: u32, target: &Target) -> Result<u32, ChatError> {
         )));
     }
     Ok(n)
+}
+
+/// Longest the grammars of one request may take to compile.
+const GRAMMAR_COMPILE_BUDGET: Duration = Duration::from_secs(10);
+
+/// Compiles every grammar `opts` brings (see [`GenOptions::to_compile`]) on the blocking pool,
+/// a few requests at a time (as many as the cores), within [`GRAMMAR_COMPILE_BUDGET`]: a
+/// tenant's huge grammars cost its own requests' time, not the async threads every request
+/// shares. Called once the request is charged.
+async fn compile_grammars(opts: &GenOptions) -> Result<(), ChatError> {
+    static COMPILING: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    let pending = opts.to_compile();
+    if pending.is_empty() {
+        return Ok(());
+    }
+    let cores = std::thread::available_parallelism().map_or(2, usize::from);
+    let slots = COMPILING.get_or_init(|| tokio::sync::Semaphore::new(cores));
+    let _slot = slots
+        .acquire()
+        .await
+        .map_err(|e| ChatError::Internal(format!("the grammar compiler: {e}")))?;
+    let work = tokio::task::spawn_blocking(move || {
+        pending
+            .iter()
+            .try_for_each(|(field, g)| g.check().map_err(|e| format!("{field}: {e}")))
+    });
+    match tokio::time::timeout(GRAMMAR_COMPILE_BUDGET, work).await {
+        Ok(Ok(Ok(()))) => Ok(()),
+        Ok(Ok(Err(why))) => Err(ChatError::InvalidGrammar(why)),
+        Ok(Err(e)) => Err(ChatError::Internal(format!(
+            "a grammar's compile failed: {e}"
+        ))),
+        Err(_) => Err(ChatError::InvalidGrammar(format!(
+            "the request's grammars take longer than {} s to compile; send simpler ones",
+            GRAMMAR_COMPILE_BUDGET.as_secs()
+        ))),
+    }
 }
 
 /// A session's `max_tokens`: [`check_max_tokens`] against its model's context when a worker

@@ -61,8 +61,9 @@ pub struct GenOptions {
     ignore_eos: bool,
     /// Log-probabilities with each token, with this many alternatives.
     logprobs: Option<u32>,
-    /// The grammar the reply follows.
+    /// The grammar the reply follows, and the request's field that holds it.
     grammar: Option<Grammar>,
+    grammar_field: String,
     /// The tools the model may call: a reply that is calls of them becomes `tool_calls`.
     tools: Option<Arc<Tools>>,
     /// The end user the client named (OpenAI's `user`), whom the fair queue tells apart from
@@ -100,6 +101,7 @@ impl GenOptions {
             ignore_eos,
             logprobs: None,
             grammar: None,
+            grammar_field: String::new(),
             tools: None,
             end_user: None,
             keep_alive_ms: None,
@@ -154,19 +156,32 @@ impl GenOptions {
         self.keep_alive_ms
     }
 
-    /// Constrains the reply to `grammar`, which must compile; `field` names it in the error
-    /// (`response_format`, `grammar`).
+    /// Constrains the reply to `grammar`; `field` names it in errors (`response_format`,
+    /// `grammar`). Only its shape is checked here: it compiles once the request is charged
+    /// ([`Self::to_compile`]).
     pub fn with_grammar(
         mut self,
         field: &str,
         grammar: Option<Grammar>,
     ) -> Result<Self, ChatError> {
         if let Some(g) = &grammar {
-            g.check()
+            g.check_shape()
                 .map_err(|e| ChatError::InvalidGrammar(format!("{field}: {e}")))?;
         }
         self.grammar = grammar;
+        self.grammar_field = field.to_string();
         Ok(self)
+    }
+
+    /// Every grammar the request brings, with the field that holds it: its own, and its
+    /// tools' parameters schemas. Each must compile before the request runs.
+    pub(super) fn to_compile(&self) -> Vec<(String, Grammar)> {
+        let own = self
+            .grammar
+            .iter()
+            .map(|g| (self.grammar_field.clone(), g.clone()));
+        let tools = self.tools.iter().flat_map(|t| t.schemas());
+        own.chain(tools).collect()
     }
 
     pub(super) fn grammar(&self) -> Option<&Grammar> {
