@@ -131,10 +131,12 @@ async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
     // One worker that takes 4 requests at a time from hearth, and a queue of 100: alice's 200
     // requests fill both, and 96 are refused. Each of her replies would hold its place for 80 s,
     // so none ends while bob asks: each of his requests must be served while her queue is
-    // still long, by taking one of her places (a preemption), not after it drains, nor in a
-    // place one of her replies left (with short replies that happened now and then, and the
-    // test could not tell fair share from luck). His TTFT alone and beside her is printed, not
-    // asserted: the machine is shared.
+    // still long, not after it drains, and never in a place one of her replies left (with short
+    // replies that happened now and then, and the test could not tell fair share from luck).
+    // His first request can only take one of her places (a preemption); a later one may also
+    // take the place his own last reply just left, before her next request does (he holds
+    // none, so he comes first), which needs no preemption. His TTFT alone and beside her is
+    // printed, not asserted: the machine is shared.
     let s = Stack::scripted(
         "fairness",
         Db::Sqlite,
@@ -179,8 +181,8 @@ async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
             "bob's request {i} was served only once alice's queue had drained"
         );
         assert!(
-            preempted > before,
-            "bob's request {i} was served without taking one of alice's places \
+            i > 0 || preempted > before,
+            "bob's first request was served without taking one of alice's places \
              ({before} preemptions before, {preempted} after)"
         );
     }
@@ -190,11 +192,6 @@ async fn a_user_with_200_requests_in_flight_cannot_starve_another() {
         "bob's TTFT p50: {alone:?} alone, {busy:?} beside alice's 200 requests ({depth} still queued)"
     );
     // Without a shared queue bob is refused (alice holds every place): `ttft` asserts 200.
-    let preempted = metric(s.addr(), "hearth_fair_share_preemptions_total").await;
-    assert!(
-        preempted >= 5.0,
-        "{preempted} preemptions for bob's 5 requests"
-    );
     drop(flood);
     let depth = wait_metric(s.addr(), "hearth_queue_depth", wait, |v| v == 0.0).await;
     assert_eq!(depth, 0.0);
