@@ -20,7 +20,13 @@ const LOADS: &str = "hearth_model_loads_on_demand_total";
 /// `alpha/1` and `beta/1`, tiny models of one size; returns the repository and the bytes one
 /// takes loaded with its K/V pool (the stack's 64 MiB).
 fn repository() -> (std::path::PathBuf, u64) {
-    let root = std::env::temp_dir().join(format!("hearth-tenancy-{}", std::process::id()));
+    repository_of("tenancy", 1024, 64 << 20)
+}
+
+/// [`repository`] with models of `context` positions, and the bytes one takes with a K/V pool
+/// of `kv` bytes.
+fn repository_of(tag: &str, context: usize, kv: u64) -> (std::path::PathBuf, u64) {
+    let root = std::env::temp_dir().join(format!("hearth-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let mut bytes = 0;
     for (i, name) in ["alpha", "beta"].into_iter().enumerate() {
@@ -29,13 +35,14 @@ fn repository() -> (std::path::PathBuf, u64) {
         let file = dir.join("model.gguf");
         let spec = TinySpec {
             seed: 31 + i as u64,
+            context,
             ..TinySpec::default()
         };
         write_tiny_gguf(&file, &spec).expect("model");
         let weights = hearth_worker::model::load_gguf(&file)
             .expect("loads")
             .weights_bytes() as u64;
-        bytes = weights + (64 << 20);
+        bytes = weights + kv;
     }
     (root, bytes)
 }
@@ -163,6 +170,241 @@ async fn no_tenant_loads_or_swaps_the_models_others_use() {
     assert_eq!(r.json()["error"]["code"], "invalid_grammar", "{}", r.text());
     let r = post(s.addr(), &dave, "/v1/chat/completions", &chat("alpha")).await;
     assert_eq!(r.status, 429, "{}", r.text());
+    s.finish().await;
+    let _ = std::fs::remove_dir_all(root);
+}
+
+/// Bob's streamed turns in his session, one after another, until `turns` are done: each turn's
+/// time to its first token, or why it failed.
+async fn bob_turns(s: &Stack, key: &str, sid: &str, turns: usize) -> Vec<Result<f64, String>> {
+    let path = format!("/v1/sessions/{sid}/messages");
+    let mut out = Vec::new();
+    for i in 0..turns {
+        let body = json!({"content": format!("Tell me more, {i}"), "max_tokens": 8});
+        let started = std::time::Instant::now();
+        let mut sse = Req::new("POST", &path)
+            .key(Some(key))
+            .json(&body)
+            .events(s.addr())
+            .await;
+        if sse.status != 200 {
+            out.push(Err(format!("turn {i}: {}", sse.status)));
+            continue;
+        }
+        let mut first = None;
+        let mut end = None;
+        while let Some(e) = sse.next().await {
+            if e.event == "token" && first.is_none() {
+                first = Some(started.elapsed().as_secs_f64());
+            }
+            if e.event == "message_end" || e.event == "error" {
+                end = Some(e.event);
+                break;
+            }
+        }
+        out.push(match (first, end.as_deref()) {
+            (Some(t), Some("message_end")) => Ok(t),
+            (_, end) => Err(format!("turn {i}: ended {end:?}")),
+        });
+    }
+    out
+}
+
+/// 128 tools, each with a schema of its own, every call required: a heavy grammar (kept short
+/// in words, so that 16 such prompts fit a tiny model's K/V pool one after another).
+fn hostile_tools() -> Value {
+    let tools: Vec<Value> = (0..128)
+        .map(|i| {
+            json!({"type": "function", "function": {"name": format!("t{i}"), "parameters": {
+                "type": "object", "properties": {"a": {"type": "integer", "minimum": i}},
+                "required": ["a"]}}})
+        })
+        .collect();
+    Value::Array(tools)
+}
+
+/// What Alice, an ordinary key, does to the others while Bob chats, until `stop`: keep-alive 0
+/// on the model Bob uses, asks for the model that does not fit beside it, reads and patches
+/// Bob's session by id, floods sockets, and sends 16 constrained requests with 128 tools at
+/// once. Returns what she got: each answer's status, counted.
+async fn alice(
+    s: &Stack,
+    key: &str,
+    bobs: &str,
+    stop: &std::sync::atomic::AtomicBool,
+) -> std::collections::BTreeMap<String, usize> {
+    use std::sync::atomic::Ordering;
+    let mut seen = std::collections::BTreeMap::new();
+    let own = new_session_with(s.addr(), key, &json!({"model": "alpha"})).await;
+    let tools = hostile_tools();
+    while !stop.load(Ordering::SeqCst) {
+        let mut keep = chat("alpha");
+        keep["keep_alive"] = json!(0);
+        let churn = chat("beta");
+        let mut heavy = chat("alpha");
+        heavy["tools"] = tools.clone();
+        heavy["tool_choice"] = json!("required");
+        heavy["max_tokens"] = json!(8);
+        let api = "/v1/chat/completions";
+        let mut calls = vec![
+            (
+                "keep_alive 0",
+                answer(post(s.addr(), key, api, &keep).await),
+            ),
+            ("beta", answer(post(s.addr(), key, api, &churn).await)),
+        ];
+        // Each on a task of its own: one the client gives up on (60 s) is counted, not fatal.
+        let heavy = (0..hostile_requests()).map(|_| {
+            let (addr, key, body) = (s.addr(), key.to_string(), heavy.clone());
+            tokio::spawn(async move { answer(post(addr, &key, api, &body).await) })
+        });
+        for r in futures_util::future::join_all(heavy).await {
+            let got = r.unwrap_or_else(|_| "no answer within 60 s".into());
+            calls.push(("constrained, 128 tools", got));
+        }
+        for (method, path, body) in [
+            ("GET", format!("/v1/sessions/{bobs}/messages"), None),
+            (
+                "PATCH",
+                format!("/v1/sessions/{bobs}"),
+                Some(json!({"model": "beta"})),
+            ),
+            ("GET", format!("/v1/sessions/{bobs}/stream"), None),
+        ] {
+            let mut r = Req::new(method, &path).key(Some(key));
+            if let Some(b) = &body {
+                r = r.json(b);
+            }
+            calls.push(("Bob's session", answer(r.send(s.addr()).await)));
+        }
+        // Sockets on her own session, past her key's cap, held while she goes on.
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            match open_socket(s.addr(), &own, key).await {
+                Ok(ws) => {
+                    held.push(ws);
+                    calls.push(("socket", "101".into()));
+                }
+                Err(status) => calls.push(("socket", status.to_string())),
+            }
+        }
+        for (what, status) in calls {
+            *seen.entry(format!("{what}: {status}")).or_default() += 1;
+        }
+    }
+    seen
+}
+
+/// A reply's status, and its error's code when it has one.
+fn answer(r: hearth_e2e::http::Reply) -> String {
+    match r.status {
+        200..=299 => r.status.to_string(),
+        s => {
+            let e = r.json()["error"].clone();
+            let why: String = e["message"]
+                .as_str()
+                .unwrap_or("")
+                .chars()
+                .take(60)
+                .collect();
+            format!("{s} {} ({why})", e["code"].as_str().unwrap_or(""))
+        }
+    }
+}
+
+/// Opens a WebSocket on session `sid`; the status of a refused upgrade.
+async fn open_socket(addr: std::net::SocketAddr, sid: &str, key: &str) -> Result<impl Sized, u16> {
+    use tokio_tungstenite::tungstenite::{client::IntoClientRequest, http::HeaderValue, Error};
+    let mut req = format!("ws://{addr}/v1/sessions/{sid}/ws")
+        .into_client_request()
+        .expect("request");
+    let bearer = HeaderValue::from_str(&format!("Bearer {key}")).expect("header");
+    req.headers_mut().insert("authorization", bearer);
+    match tokio_tungstenite::connect_async(req).await {
+        Ok((ws, _)) => Ok(ws),
+        Err(Error::Http(r)) => Err(r.status().as_u16()),
+        Err(_) => Err(0),
+    }
+}
+
+/// Alice's constrained requests at once (`SOAK_HOSTILE`, 16 by default).
+fn hostile_requests() -> usize {
+    std::env::var("SOAK_HOSTILE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16)
+}
+
+fn p99(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    v[((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1]
+}
+
+/// `make tenancy-soak`: Bob chats while Alice, with an ordinary key, tries everything above.
+/// Targets: none of Bob's turns fails, his p99 time to first token stays within 2x of a run
+/// without Alice, and none of Bob's session reaches her. Wall-clock figures: run on purpose,
+/// not in `make test`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "a soak that measures time: make tenancy-soak"]
+async fn tenancy_soak() {
+    // A context that holds 128 tools' descriptions (the tiny tokenizer spells them out); the
+    // stack's 64 MiB of K/V hold one such prompt at a time, beside Bob's.
+    let (root, one) = repository_of("tenancy-soak", 32_768, 64 << 20);
+    let budget = (one + one / 2).to_string();
+    let worker = ["--memory-budget", budget.as_str()];
+    let s = Stack::from_repository_with("tenancy_soak", &root, &["alpha"], &worker, &[]).await;
+    let (alice_key, bob) = (s.key("alice").await, s.key("bob").await);
+    let sid = new_session_with(s.addr(), &bob, &json!({"model": "alpha"})).await;
+    let turns: usize = std::env::var("SOAK_TURNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+
+    let alone = bob_turns(&s, &bob, &sid, turns).await;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (attacked, seen) = tokio::join!(
+        async {
+            let r = bob_turns(&s, &bob, &sid, turns).await;
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+            r
+        },
+        alice(&s, &alice_key, &sid, &stop)
+    );
+    let failed: Vec<&String> = alone
+        .iter()
+        .chain(&attacked)
+        .filter_map(|r| r.as_ref().err())
+        .collect();
+    let ok = |v: &[Result<f64, String>]| {
+        v.iter()
+            .filter_map(|r| r.as_ref().ok().copied())
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (ok(&alone), ok(&attacked));
+    let (pa, pb) = (p99(&a), p99(&b));
+    println!("tenancy soak: Bob's {turns} turns alone, then {turns} with Alice");
+    println!(
+        "  Bob's time to first token p99: alone {:.3} s, with Alice {:.3} s ({:.2}x; target <= 2x)",
+        pa,
+        pb,
+        pb / pa
+    );
+    println!("  Bob's failed turns: {} (target 0)", failed.len());
+    println!("  what Alice got:");
+    for (what, n) in &seen {
+        println!("    {n:>5}  {what}");
+    }
+    let leaked: Vec<&String> = seen
+        .keys()
+        .filter(|k| k.starts_with("Bob's session: 2"))
+        .collect();
+    assert!(failed.is_empty(), "Bob's turns failed: {failed:?}");
+    assert!(leaked.is_empty(), "Alice reached Bob's session: {leaked:?}");
+    assert!(
+        pb <= 2.0 * pa,
+        "Bob's p99 time to first token: {pb:.3} s with Alice, {pa:.3} s alone"
+    );
     s.finish().await;
     let _ = std::fs::remove_dir_all(root);
 }
