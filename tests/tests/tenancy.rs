@@ -243,7 +243,10 @@ async fn alice(
         let churn = chat("beta");
         let mut heavy = chat("alpha");
         heavy["tools"] = tools.clone();
-        heavy["tool_choice"] = json!("required");
+        // `SOAK_TOOL_CHOICE=auto` keeps the long prompts and drops the grammar: which of the
+        // two costs the others.
+        let choice = std::env::var("SOAK_TOOL_CHOICE").unwrap_or_else(|_| "required".into());
+        heavy["tool_choice"] = json!(choice);
         heavy["max_tokens"] = json!(8);
         let api = "/v1/chat/completions";
         let mut calls = vec![

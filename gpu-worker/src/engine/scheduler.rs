@@ -656,6 +656,7 @@ impl Scheduler {
         let need =
             BlockAllocator::blocks_needed(s.blocks.len(), need_tokens, bs) + usize::from(cow);
         while self.alloc.free() < need && self.evict_one_idle(None) {}
+        while self.alloc.free() < need && self.preempt_for(&s.user) {}
         if self.alloc.free() < need {
             if !self.running.is_empty() {
                 self.detach(s);
@@ -850,6 +851,46 @@ impl Scheduler {
     /// Puts the youngest running sequence back in the queue, freeing its KV for recompute.
     fn preempt_youngest(&mut self) -> Option<RequestId> {
         let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
+        Some(self.preempt_at(i))
+    }
+
+    /// Fair share of the K/V memory: a request of `user`, who has no sequence running, that
+    /// finds no room does not wait for another user's long replies to end. The user with the
+    /// most running sequences (two at least) gives up its youngest, recomputed later, as the
+    /// orchestrator's fair share takes a place from the user holding the most. True when one
+    /// was preempted.
+    fn preempt_for(&mut self, user: &UserId) -> bool {
+        if self.running.iter().any(|r| &r.user == user) {
+            return false;
+        }
+        let mut per_user: HashMap<&UserId, usize> = HashMap::new();
+        for r in &self.running {
+            *per_user.entry(&r.user).or_default() += 1;
+        }
+        let Some((victim, n)) = per_user
+            .into_iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))
+        else {
+            return false;
+        };
+        if n < 2 {
+            return false;
+        }
+        let victim = victim.clone();
+        let youngest = (0..self.running.len())
+            .filter(|&i| self.running[i].user == victim)
+            .max_by_key(|&i| self.running[i].arrived);
+        match youngest {
+            Some(i) => {
+                self.preempt_at(i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Puts running sequence `i` back in the queue, freeing its KV for recompute.
+    fn preempt_at(&mut self, i: usize) -> RequestId {
         let mut s = self.running.remove(i);
         s.drop_draft();
         release(&mut self.alloc, &mut s.blocks, &mut s.packed);
@@ -860,7 +901,7 @@ impl Scheduler {
         tracing::debug!(request = %s.id, "preempted for recompute");
         let id = s.id;
         self.waiting.push(s);
-        Some(id)
+        id
     }
 
     /// Prompt tokens a step may prefill beside `decoding` decoding sequences: `prefill_chunk`

@@ -626,3 +626,50 @@ fn a_grammar_completed_by_the_last_allowed_token_ends_with_stop() {
         "cut before the end"
     );
 }
+
+/// Fair share of the K/V memory: Alice's two long replies fill the pool; Bob's short request,
+/// which would wait for one of them to end, takes the place of her youngest at once (recomputed
+/// later), and every reply is still the one a cold run gives.
+#[test]
+fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
+    let model = tiny();
+    let block_bytes = block_bytes(&model);
+    let mut s = Scheduler::new(
+        model.clone(),
+        EngineConfig {
+            kv_budget_bytes: 10 * block_bytes,
+            ..unpacked()
+        },
+    )
+    .unwrap();
+    let ask = |s: &mut Scheduler, id: u64, user: &str, p: &[u32], n: u32| {
+        let mut r = GenerateRequest::new(id, p.to_vec(), n);
+        r.ignore_eos = true;
+        r.user = hearth_shared::UserId::from(user);
+        let v = validate(r, &s.model_info()).unwrap();
+        let (tx, rx) = mpsc::unbounded_channel();
+        s.enqueue(v, tx);
+        rx
+    };
+    let (a1, a2, b) = (prompt(70, 1), prompt(70, 2), prompt(10, 3));
+    let mut alice = vec![
+        (a1.clone(), ask(&mut s, 1, "alice", &a1, 8)),
+        (a2.clone(), ask(&mut s, 2, "alice", &a2, 8)),
+    ];
+    s.step();
+    audit(&s);
+    assert_eq!(s.running.len(), 2, "both of Alice's replies run");
+    assert_eq!(s.alloc.free(), 0, "and fill the pool");
+    let before = s.preemptions;
+    let mut bob = ask(&mut s, 3, "bob", &b, 4);
+    s.step();
+    audit(&s);
+    let running: Vec<u64> = s.running.iter().map(|q| q.id.0).collect();
+    assert!(running.contains(&3), "Bob waits behind Alice: {running:?}");
+    assert_eq!(s.preemptions, before + 1, "one of Alice's gave way");
+    drain(&mut s, |_| {});
+    assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
+    for (p, rx) in &mut alice {
+        assert_eq!(outcome(rx).1, cold(&model, p.clone(), 8));
+    }
+}
