@@ -192,15 +192,24 @@ impl Limiter {
                 retry_after_secs: retry_after(HOUR_MS, now),
             });
         }
-        if let Some(limit) = q.requests_per_minute {
-            if self.add(&minute_key(&q.bucket, now), 1, 120).await > limit {
-                self.add(&key, -1, 7200).await;
-                crate::telemetry::count_rate_limited("requests_per_minute");
-                return Err(Limited {
-                    what: format!("more than {limit} requests in this minute"),
-                    retry_after_secs: retry_after(MINUTE_MS, now),
-                });
-            }
+        if let Err(e) = self.count_request(q, now).await {
+            self.add(&key, -1, 7200).await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Counts one request in the key's current minute; refused once past its limit.
+    async fn count_request(&self, q: &Quota, now: i64) -> Result<(), Limited> {
+        let Some(limit) = q.requests_per_minute else {
+            return Ok(());
+        };
+        if self.add(&minute_key(&q.bucket, now), 1, 120).await > limit {
+            crate::telemetry::count_rate_limited("requests_per_minute");
+            return Err(Limited {
+                what: format!("more than {limit} requests in this minute"),
+                retry_after_secs: retry_after(MINUTE_MS, now),
+            });
         }
         Ok(())
     }
@@ -234,18 +243,11 @@ impl Limiter {
                 settled: false,
             });
         }
-        if let Some(limit) = q.requests_per_minute {
-            let n = self.add(&minute_key(&q.bucket, now), 1, 120).await;
-            if n > limit {
-                crate::telemetry::count_rate_limited("requests_per_minute");
-                if let Some(b) = budget {
-                    b.settle(0).await;
-                }
-                return Err(Limited {
-                    what: format!("more than {limit} requests in this minute"),
-                    retry_after_secs: retry_after(MINUTE_MS, now),
-                });
+        if let Err(e) = self.count_request(q, now).await {
+            if let Some(b) = budget {
+                b.settle(0).await;
             }
+            return Err(e);
         }
         Ok(budget)
     }

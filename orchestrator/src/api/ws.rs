@@ -96,12 +96,6 @@ impl Sockets {
             _all: all,
         })
     }
-
-    /// Sockets the key `bucket` holds open now.
-    pub fn held(&self, bucket: &str) -> usize {
-        let open = self.per_key.lock().unwrap_or_else(|p| p.into_inner());
-        open.get(bucket).copied().unwrap_or(0)
-    }
 }
 
 /// One open socket's place, given back when it drops.

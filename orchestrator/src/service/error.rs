@@ -100,8 +100,6 @@ pub enum LoadRefusal {
     NoRoom,
     /// A worker tried and failed.
     Failed,
-    /// It took longer than the orchestrator waits.
-    TimedOut,
 }
 
 impl LoadRefusal {
@@ -109,7 +107,6 @@ impl LoadRefusal {
         match self {
             Self::NoRoom => "no worker has room for it",
             Self::Failed => "its load failed",
-            Self::TimedOut => "its load is taking long",
         }
     }
 
@@ -118,7 +115,6 @@ impl LoadRefusal {
         match self {
             Self::NoRoom => "model_no_room",
             Self::Failed => "model_load_failed",
-            Self::TimedOut => "model_loading",
         }
     }
 }
