@@ -164,6 +164,10 @@ pub struct ServeArgs {
     /// the socket with 1008 and frees its place.
     #[arg(long, env = "HEARTH_SOCKET_WRITE_TIMEOUT_SECS", default_value_t = 30)]
     pub socket_write_timeout_secs: u64,
+    /// A WebSocket whose client has sent nothing (not even a pong) for this long is closed
+    /// (1001); the time the server spends on the client's last command does not count.
+    #[arg(long, env = "HEARTH_SOCKET_IDLE_SECS", default_value_t = 60)]
+    pub socket_idle_secs: u64,
     /// A request's body must arrive within this long of its header, or it is answered 408.
     #[arg(long, env = "HEARTH_BODY_TIMEOUT_SECS", default_value_t = 30)]
     pub body_timeout_secs: u64,
@@ -313,6 +317,7 @@ impl Config {
                     a.socket_write_timeout_secs,
                     1,
                 )?),
+                socket_idle: secs(at_least("--socket-idle-secs", a.socket_idle_secs, 1)?),
             },
             http: HttpLimits {
                 header_timeout: secs(at_least("--header-timeout-secs", a.header_timeout_secs, 1)?),

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
-use hearth_e2e::stack::{history, new_session, slow_spec, Db, Stack};
+use hearth_e2e::stack::{history, new_session, slow_spec, stream_turn, Db, Stack};
 use hearth_worker::fixtures::TinySpec;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -421,4 +421,87 @@ async fn a_key_s_sockets_are_capped_and_closed_when_it_is_revoked_or_stops_readi
     send(&mut third, json!({"type": "stop"})).await;
     assert_eq!(close_code(&mut third).await, Some(1008));
     s.finish().await;
+}
+
+/// Idleness is judged on what the client sends: a turn that waits in the queue longer than the
+/// idle time (the one worker place is taken) is served on a socket that stays open; a client
+/// that then sends nothing, not even a pong, is closed as idle (1001).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_waits_longer_than_the_idle_time_keeps_its_socket() {
+    let flags = [
+        "--worker-capacity",
+        "1",
+        "--queue-timeout-secs",
+        "60",
+        "--socket-idle-secs",
+        "2",
+    ];
+    let s = Stack::scripted("websocket_idle", Db::Sqlite, 1, 40, &flags).await;
+    let k = s.key("alice").await;
+    let (busy_sid, sid) = (
+        new_session(s.addr(), &k).await,
+        new_session(s.addr(), &k).await,
+    );
+    // The one place, for some 4 s (100 tokens of 40 ms).
+    let mut busy = stream_turn(s.addr(), &k, &busy_sid, 100).await;
+    busy.next().await.expect("message_start");
+
+    let mut ws = open(s.addr(), &sid, &k, false).await;
+    let started = std::time::Instant::now();
+    send(
+        &mut ws,
+        json!({"type": "message", "content": "Hi", "max_tokens": 4, "ignore_eos": true}),
+    )
+    .await;
+    let events = until_end(&mut ws).await;
+    let waited = started.elapsed();
+    assert_eq!(
+        events.last().map(|e| e["event"].clone()),
+        Some(json!("message_end")),
+        "{events:?}"
+    );
+    assert!(!tokens(&events).is_empty(), "{events:?}");
+    // A lower bound only: the command really took longer than the idle time.
+    assert!(waited > Duration::from_secs(2), "served after {waited:?}");
+    while busy.next().await.is_some() {}
+
+    // Silent now, not even answering pings: closed as idle.
+    assert_eq!(close_code_unanswered(&mut ws).await, Some(1001));
+    s.finish().await;
+}
+
+/// The code of the close frame the server sends, read from the connection itself so that the
+/// client answers nothing (a WebSocket client answers pings as it reads); `None` when the
+/// connection ends without one.
+async fn close_code_unanswered(ws: &mut Socket) -> Option<u16> {
+    use tokio::io::AsyncReadExt;
+    let mut bytes = Vec::new();
+    let read = ws.get_mut().read_to_end(&mut bytes);
+    tokio::time::timeout(Duration::from_secs(30), read)
+        .await
+        .expect("closed within 30 s")
+        .expect("read");
+    // Server frames are unmasked: opcode, length (7 bits, or 16 or 64 more), payload.
+    let mut at = 0;
+    while at + 2 <= bytes.len() {
+        let (opcode, short) = (bytes[at] & 0x0f, usize::from(bytes[at + 1] & 0x7f));
+        let (len, head) = match short {
+            126 => (
+                usize::from(u16::from_be_bytes([bytes[at + 2], bytes[at + 3]])),
+                4,
+            ),
+            127 => (
+                usize::try_from(u64::from_be_bytes(bytes[at + 2..at + 10].try_into().ok()?))
+                    .ok()?,
+                10,
+            ),
+            n => (n, 2),
+        };
+        let payload = bytes.get(at + head..at + head + len)?;
+        if opcode == 0x8 {
+            return (payload.len() >= 2).then(|| u16::from_be_bytes([payload[0], payload[1]]));
+        }
+        at += head + len;
+    }
+    None
 }

@@ -77,6 +77,8 @@ pub struct ApiOptions {
     pub max_sockets_per_key: usize,
     /// Time a WebSocket's message may take to be written before its reader counts as gone.
     pub socket_write_timeout: std::time::Duration,
+    /// Time a WebSocket's client may send nothing before the socket is closed.
+    pub socket_idle: std::time::Duration,
 }
 
 impl Default for ApiOptions {
@@ -88,6 +90,7 @@ impl Default for ApiOptions {
             body_timeout: std::time::Duration::from_secs(30),
             max_sockets_per_key: 32,
             socket_write_timeout: std::time::Duration::from_secs(30),
+            socket_idle: std::time::Duration::from_secs(60),
         }
     }
 }

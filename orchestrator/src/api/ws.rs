@@ -18,9 +18,10 @@
 //! a WebSocket) as a subprotocol `hearth.key.<key>` beside `hearth.v1`, which the server
 //! selects. The `Host` and `Origin` checks of the rest of the API apply, and the key is checked
 //! again with every command: a revoked key's socket is closed (1008). Messages are at most
-//! [`MAX_MESSAGE_BYTES`]; the server pings every [`PING_EVERY`], and closes a socket whose client
-//! has sent nothing (not even a pong) for [`IDLE_AFTER`], not counting the time the server spent
-//! on the client's last command. A message the client does not read within
+//! [`MAX_MESSAGE_BYTES`]; the server pings every [`PING_EVERY`] (more often when the idle time
+//! is shorter), and closes a socket whose client has sent nothing (not even a pong) for
+//! `--socket-idle-secs` (60), not counting the time the server spent on the client's last
+//! command. A message the client does not read within
 //! `--socket-write-timeout-secs` closes the socket (1008) and frees its place. At most
 //! [`MAX_SOCKETS`] are open at once, and `--max-sockets-per-key` for one key.
 
@@ -46,10 +47,8 @@ use crate::service::{Caller, NativeTurn, ReplySource};
 
 /// Largest message a client may send (a turn's body, as over HTTP).
 pub const MAX_MESSAGE_BYTES: usize = super::MAX_BODY_BYTES;
-/// How often the server pings.
+/// How often the server pings, at most: a third of the idle time when that is shorter.
 pub const PING_EVERY: Duration = Duration::from_secs(20);
-/// A socket silent this long is closed.
-pub const IDLE_AFTER: Duration = Duration::from_secs(60);
 /// Most WebSockets open at once (an upgraded socket leaves the HTTP connection cap).
 pub const MAX_SOCKETS: usize = 1024;
 
@@ -238,7 +237,9 @@ impl Session {
     }
 
     async fn run(mut self, mut ws: WebSocket) {
-        let mut ping = tokio::time::interval_at(Instant::now() + PING_EVERY, PING_EVERY);
+        let idle_after = self.s.options.socket_idle;
+        let every = PING_EVERY.min(idle_after / 3);
+        let mut ping = tokio::time::interval_at(Instant::now() + every, every);
         let mut heard = Instant::now();
         let write_timeout = self.s.options.socket_write_timeout;
         'socket: loop {
@@ -254,7 +255,7 @@ impl Session {
                     Some(Err(_)) | None => break 'socket,
                 },
                 e = next_event(&mut self.following) => self.forward(e),
-                _ = ping.tick() => match heard.elapsed() >= IDLE_AFTER {
+                _ = ping.tick() => match heard.elapsed() >= idle_after {
                     true => Step::Close(Some(close(1001, "idle"))),
                     false => Step::Send(vec![Message::Ping(Vec::new().into())]),
                 },
