@@ -14,7 +14,7 @@
 //! turn ([`super::mask_queue`]): one user's many constrained sequences do not hold up another's.
 
 use std::path::Path;
-use std::sync::mpsc::{channel, Receiver};
+use std::sync::mpsc::{channel, Receiver, TryRecvError};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use hearth_shared::Grammar;
@@ -194,6 +194,12 @@ impl Grammars {
         Ok(Self { factory, jobs })
     }
 
+    /// Queues `job` on the mask threads as `user`'s.
+    #[cfg(test)]
+    pub(crate) fn push_job(&self, user: &str, job: Job) {
+        self.jobs.push(user, job);
+    }
+
     /// Waits until the parser factory is built; its error if it could not be.
     pub fn ready(&self) -> Result<&ParserFactory, String> {
         self.factory.wait().as_ref().map_err(Clone::clone)
@@ -291,16 +297,32 @@ impl Constraint {
         self.next = Some(rx);
     }
 
+    /// Takes the next mask if it has arrived (or its thread is gone), without waiting.
+    fn poll(&mut self) {
+        if self.ready.is_some() {
+            return;
+        }
+        let n = match self.next.as_ref().map(Receiver::try_recv) {
+            Some(Ok(n)) => n,
+            Some(Err(TryRecvError::Disconnected)) => Next::Failed("the mask thread is gone".into()),
+            Some(Err(TryRecvError::Empty)) | None => return,
+        };
+        self.next = None;
+        self.ready = Some(n);
+    }
+
     /// Whether the grammar is known to be complete with nothing to follow, without waiting:
     /// the sequence can end before its next step runs.
     pub(crate) fn done_now(&mut self) -> bool {
-        if self.ready.is_none() {
-            if let Some(Ok(n)) = self.next.as_ref().map(Receiver::try_recv) {
-                self.next = None;
-                self.ready = Some(n);
-            }
-        }
+        self.poll();
         matches!(self.ready, Some(Next::Done))
+    }
+
+    /// Whether [`Constraint::wait`] would answer at once: the next mask has arrived, or none is
+    /// coming (its thread is gone, or none was asked for).
+    pub(crate) fn mask_ready(&mut self) -> bool {
+        self.poll();
+        self.ready.is_some() || self.next.is_none()
     }
 
     /// Whether the grammar is complete with nothing to follow, waiting for the mask.

@@ -959,17 +959,28 @@ impl Scheduler {
     }
 
     /// Who runs how many tokens this step, oldest first: a decoding sequence its next token (and
-    /// a draft where speculation pays), a prompt as much as the prefill budget leaves. Each gets
-    /// the blocks it needs, by evicting idle sessions, then by preempting the youngest running
-    /// sequence (which leaves the plan).
+    /// a draft where speculation pays), a prompt its share of the prefill budget. Each gets the
+    /// blocks it needs, by evicting idle sessions, then by preempting the youngest running
+    /// sequence (which leaves the plan). A sequence whose grammar's mask is not ready sits out,
+    /// unless nothing else would run.
     fn plan(&mut self) -> Vec<(RequestId, usize)> {
+        let held = self.masks_pending();
+        let plan = self.plan_without(&held);
+        if plan.is_empty() && !held.is_empty() {
+            return self.plan_without(&HashSet::new());
+        }
+        plan
+    }
+
+    /// [`Scheduler::plan`], with the sequences `held` sitting out.
+    fn plan_without(&mut self, held: &HashSet<RequestId>) -> Vec<(RequestId, usize)> {
         let decoding = self
             .running
             .iter()
             .filter(|s| s.tokens.len() - s.kv_len == 1)
             .count();
         let prefilling = self.running.len() > decoding;
-        let mut prefill_budget = self.prefill_budget(decoding);
+        let shares = self.prefill_shares(self.prefill_budget(decoding));
         // Drafts only where verifying them is nearly free (see `EngineConfig::spec_max_batch`).
         let speculate =
             self.config.spec_tokens > 0 && !prefilling && decoding <= self.config.spec_max_batch;
@@ -980,9 +991,9 @@ impl Scheduler {
             let n = if pending <= 1 {
                 pending
             } else {
-                pending.min(prefill_budget)
+                shares.get(&self.running[i].id).copied().unwrap_or(0)
             };
-            if n == 0 {
+            if n == 0 || held.contains(&self.running[i].id) {
                 i += 1;
                 continue;
             }
@@ -994,14 +1005,67 @@ impl Scheduler {
                 }
             }
             if self.make_room(i, n, &mut plan) {
-                if pending > 1 {
-                    prefill_budget -= n;
-                }
                 plan.push((self.running[i].id, n));
                 i += 1;
             }
         }
         plan
+    }
+
+    /// The decoding sequences that sit this step out because their grammar's next mask is still
+    /// being computed: a heavy grammar then delays its own sequence, not every other sequence's
+    /// sampling. None when that would leave nothing to run (the step then waits for the masks).
+    fn masks_pending(&mut self) -> HashSet<RequestId> {
+        let held: HashSet<RequestId> = self
+            .running
+            .iter_mut()
+            .filter(|s| s.tokens.len() - s.kv_len == 1)
+            .filter_map(|s| {
+                s.constraint
+                    .as_mut()
+                    .is_some_and(|c| !c.mask_ready())
+                    .then_some(s.id)
+            })
+            .collect();
+        if held.len() == self.running.len() {
+            return HashSet::new();
+        }
+        held
+    }
+
+    /// This step's prompt tokens for each prefilling sequence: `budget` shared max-min fairly
+    /// between users, so one user's long prompts never hold back another's short one. The user
+    /// with the least prompt left goes first and takes at most an equal part of what is left;
+    /// what a user does not need goes to the next. Within a user, the oldest first.
+    fn prefill_shares(&self, budget: usize) -> HashMap<RequestId, usize> {
+        let mut users: Vec<(&UserId, usize, Vec<(RequestId, usize)>)> = Vec::new();
+        for s in self.running.iter() {
+            let pending = s.tokens.len() - s.kv_len;
+            if pending <= 1 {
+                continue;
+            }
+            match users.iter_mut().find(|(u, ..)| *u == &s.user) {
+                Some((_, total, seqs)) => {
+                    *total += pending;
+                    seqs.push((s.id, pending));
+                }
+                None => users.push((&s.user, pending, vec![(s.id, pending)])),
+            }
+        }
+        // Stable: equal needs keep the order of their oldest sequences.
+        users.sort_by_key(|(_, total, _)| *total);
+        let (mut left, count) = (budget, users.len());
+        let mut shares = HashMap::new();
+        for (k, (_, total, seqs)) in users.into_iter().enumerate() {
+            let mut give = total.min(left.div_ceil(count - k));
+            left -= give;
+            for (id, pending) in seqs {
+                let n = pending.min(give);
+                give -= n;
+                shares.insert(id, n);
+            }
+        }
+        shares
     }
 
     /// Drafts tokens after running sequence `i`'s next one by prompt lookup, where free blocks

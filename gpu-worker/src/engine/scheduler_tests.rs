@@ -83,6 +83,17 @@ fn submit(s: &mut Scheduler, id: u64, p: Vec<u32>, n: u32, session: Option<&str>
 }
 
 /// Every block table the scheduler holds, packed blocks too.
+/// Queues request `id` of `user`: `n` tokens after prompt `p`; its events.
+fn submit_as(s: &mut Scheduler, id: u64, user: &str, p: &[u32], n: u32) -> Events {
+    let mut r = GenerateRequest::new(id, p.to_vec(), n);
+    r.ignore_eos = true;
+    r.user = hearth_shared::UserId::from(user);
+    let v = validate(r, &s.model_info()).unwrap();
+    let (tx, rx) = mpsc::unbounded_channel();
+    s.enqueue(v, tx);
+    rx
+}
+
 fn tables(s: &Scheduler) -> Vec<&[BlockId]> {
     s.running
         .iter()
@@ -642,26 +653,17 @@ fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
         },
     )
     .unwrap();
-    let ask = |s: &mut Scheduler, id: u64, user: &str, p: &[u32], n: u32| {
-        let mut r = GenerateRequest::new(id, p.to_vec(), n);
-        r.ignore_eos = true;
-        r.user = hearth_shared::UserId::from(user);
-        let v = validate(r, &s.model_info()).unwrap();
-        let (tx, rx) = mpsc::unbounded_channel();
-        s.enqueue(v, tx);
-        rx
-    };
     let (a1, a2, b) = (prompt(70, 1), prompt(70, 2), prompt(10, 3));
     let mut alice = vec![
-        (a1.clone(), ask(&mut s, 1, "alice", &a1, 8)),
-        (a2.clone(), ask(&mut s, 2, "alice", &a2, 8)),
+        (a1.clone(), submit_as(&mut s, 1, "alice", &a1, 8)),
+        (a2.clone(), submit_as(&mut s, 2, "alice", &a2, 8)),
     ];
     s.step();
     audit(&s);
     assert_eq!(s.running.len(), 2, "both of Alice's replies run");
     assert_eq!(s.alloc.free(), 0, "and fill the pool");
     let before = s.preemptions;
-    let mut bob = ask(&mut s, 3, "bob", &b, 4);
+    let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
     s.step();
     audit(&s);
     let running: Vec<u64> = s.running.iter().map(|q| q.id.0).collect();
@@ -672,4 +674,123 @@ fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
     for (p, rx) in &mut alice {
         assert_eq!(outcome(rx).1, cold(&model, p.clone(), 8));
     }
+}
+
+/// Fair share of the prefill: Alice's two long prompts are being prefilled in chunks when Bob's
+/// short one arrives. The next step prefills all of Bob's (he starts answering at once) and
+/// gives the rest of the chunk to Alice's oldest; every reply is still a cold run's.
+#[test]
+fn a_short_prompt_is_prefilled_beside_another_users_long_ones_not_after_them() {
+    let model = tiny();
+    let chunk = 64;
+    let mut s = Scheduler::new(
+        model.clone(),
+        EngineConfig {
+            prefill_chunk: chunk,
+            ..unpacked()
+        },
+    )
+    .unwrap();
+    let (a1, a2, b) = (prompt(300, 1), prompt(300, 2), prompt(10, 3));
+    let mut alice = vec![
+        (a1.clone(), submit_as(&mut s, 1, "alice", &a1, 4)),
+        (a2.clone(), submit_as(&mut s, 2, "alice", &a2, 4)),
+    ];
+    s.step();
+    let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
+    let summary = s.step().unwrap();
+    audit(&s);
+    let kv = |s: &Scheduler, id: u64| s.running.iter().find(|q| q.id.0 == id).unwrap().kv_len;
+    assert_eq!(kv(&s, 3), b.len(), "Bob's prompt waits behind Alice's");
+    assert_eq!(summary.prefill_tokens, chunk, "the whole chunk is used");
+    assert_eq!(
+        kv(&s, 1),
+        2 * chunk - b.len(),
+        "Alice's oldest takes the rest"
+    );
+    assert_eq!(kv(&s, 2), 0);
+    drain(&mut s, audit);
+    assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
+    for (p, rx) in &mut alice {
+        assert_eq!(outcome(rx).1, cold(&model, p.clone(), 4));
+    }
+}
+
+/// Tokens received on `rx` since last asked, and how it finished if it did.
+fn tokens_now(rx: &mut Events) -> (usize, Option<FinishReason>) {
+    let (mut n, mut end) = (0, None);
+    while let Ok(e) = rx.try_recv() {
+        match e {
+            EngineEvent::Token { .. } => n += 1,
+            EngineEvent::Finished { reason, .. } => end = Some(reason),
+            other @ EngineEvent::Error(_) => panic!("{other:?}"),
+            EngineEvent::Started { .. } => {}
+        }
+    }
+    (n, end)
+}
+
+/// A grammar's mask still being computed holds back its own sequence, not the step: with the
+/// mask threads busy, the free sequence decodes on and the constrained one waits, then both
+/// finish whole.
+#[test]
+fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
+    let (mut s, grammars) = tiny_constrained();
+    let grammar = hearth_shared::Grammar::Regex {
+        pattern: "[a-z]{12}".into(),
+    };
+    let r = GenerateRequest::new(1, prompt(20, 1), 30);
+    let mut constrained = submit_constrained(&mut s, &grammars, r, &grammar);
+    let mut free = submit(&mut s, 2, prompt(20, 2), 30, None);
+    s.step();
+    while s.running.iter().any(|q| q.tokens.len() - q.kv_len > 1) {
+        s.step();
+    }
+    let mask_ready = |s: &mut Scheduler| {
+        let q = s.running.iter_mut().find(|q| q.id.0 == 1).unwrap();
+        q.constraint.as_mut().unwrap().mask_ready()
+    };
+    while !mask_ready(&mut s) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    // Both mask threads (the test's two) busy until released.
+    let (started_tx, started) = std::sync::mpsc::channel();
+    let mut release = Vec::new();
+    for _ in 0..2 {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let started_tx = started_tx.clone();
+        release.push(tx);
+        grammars.push_job(
+            "someone else",
+            Box::new(move || {
+                started_tx.send(()).unwrap();
+                let _ = rx.recv_timeout(std::time::Duration::from_secs(5));
+            }),
+        );
+    }
+    started.recv().unwrap();
+    started.recv().unwrap();
+    let (mut c, mut f) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
+    // Its ready mask is used; the next one is queued behind the busy threads.
+    s.step().unwrap();
+    let (c1, f1) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
+    assert_eq!(c1, 1);
+    assert!(!mask_ready(&mut s));
+    let summary = s.step().unwrap();
+    let (c2, f2) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
+    assert_eq!(summary.decode_seqs, 1, "{summary:?}");
+    assert_eq!(c2, 0, "the step waited for the late mask");
+    assert!(f2 > 0, "the free sequence decoded on");
+    for tx in release {
+        let _ = tx.send(());
+    }
+    drain(&mut s, audit);
+    let ((c3, c_end), (f3, f_end)) = (tokens_now(&mut constrained), tokens_now(&mut free));
+    (c, f) = (c + c1 + c2 + c3, f + f1 + f2 + f3);
+    assert_eq!((f, f_end), (30, Some(FinishReason::Length)));
+    assert_eq!(
+        c_end,
+        Some(FinishReason::Stop),
+        "the grammar ended it after {c} tokens"
+    );
 }
