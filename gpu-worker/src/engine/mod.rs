@@ -14,6 +14,7 @@ mod mask_queue;
 mod scheduler;
 mod scripted;
 mod types;
+mod work;
 
 pub use backend::Weights;
 pub use error::EngineError;

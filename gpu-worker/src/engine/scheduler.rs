@@ -16,6 +16,7 @@ use super::backend::{Backend, Weights};
 use super::constraint::{Constraint, Next};
 use super::lookup;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
+use super::work::WorkModel;
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
 use crate::kv::{chain_hash, BlockAllocator, BlockId, Chain, DiskTier, Packing, NO_BLOCK};
@@ -158,18 +159,24 @@ impl Seq {
     }
 }
 
-/// Fewest prompt tokens a step with decoding sequences prefills (when prompts wait), so a prompt
-/// arriving beside one or two streams is not cut into tiny steps.
+/// Fewest prompt tokens' work (at a prompt's start) a step with decoding sequences prefills when
+/// prompts wait, so a prompt arriving beside one or two streams is not cut into tiny steps.
 const MIN_PREFILL_WITH_DECODES: usize = 32;
+
+/// A step's prefill budget: prompt tokens, and their work in multiply-adds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillBudget {
+    pub tokens: usize,
+    pub work: f64,
+}
 
 #[derive(Debug)]
 pub struct Scheduler {
     /// The architecture's settings (sliding window, sizes), from the weights.
     model_config: crate::model::GemmaConfig,
     config: EngineConfig,
-    /// One decoding sequence's share of a step (layers and output projection) in prompt tokens'
-    /// work (layers only): `1 + vocabulary × width / layer multiply-adds per token`.
-    decode_cost: f64,
+    /// What tokens cost, to hold the prefill beside decoding sequences to a share of their work.
+    work: WorkModel,
     info: ModelInfo,
     alloc: BlockAllocator,
     /// The forward pass and the K/V storage it reads and writes.
@@ -259,7 +266,7 @@ impl Scheduler {
             backend,
             alloc: BlockAllocator::new(num_blocks),
             config,
-            decode_cost: decode_cost(c),
+            work: WorkModel::new(c),
             info,
             waiting: Vec::new(),
             running: Vec::new(),
@@ -904,19 +911,27 @@ impl Scheduler {
         id
     }
 
-    /// Prompt tokens a step may prefill beside `decoding` decoding sequences: `prefill_chunk`
-    /// when none decode (or `prefill_share` is 0), else `prefill_share` times their work (at least
-    /// `MIN_PREFILL_WITH_DECODES`), never more than `prefill_chunk`. A step with a prefill then
-    /// takes about `1 + prefill_share` times a decode-only step.
-    pub(crate) fn prefill_budget(&self, decoding: usize) -> usize {
-        let share = self.config.prefill_share;
-        if decoding == 0 || share <= 0.0 {
-            return self.config.prefill_chunk;
-        }
-        let share = (share * decoding as f64 * self.decode_cost).ceil() as usize;
-        share
-            .max(MIN_PREFILL_WITH_DECODES)
-            .min(self.config.prefill_chunk)
+    /// What this step may prefill: `prefill_chunk` tokens, and while sequences decode, work of
+    /// at most `prefill_share` times theirs (attention over each one's positions included; at
+    /// least `MIN_PREFILL_WITH_DECODES` tokens' at a prompt's start). A step with a prefill then
+    /// takes about `1 + prefill_share` times a decode-only step, however deep in its prompt the
+    /// chunk is.
+    /// The sequences `held` sit this step out.
+    pub(crate) fn prefill_budget(&self, held: &HashSet<RequestId>) -> PrefillBudget {
+        let (tokens, share) = (self.config.prefill_chunk, self.config.prefill_share);
+        let decode: f64 = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() - s.kv_len == 1 && !held.contains(&s.id))
+            .map(|s| self.work.decode(s.kv_len))
+            .sum();
+        let work = if decode == 0.0 || share <= 0.0 {
+            f64::INFINITY
+        } else {
+            let floor = MIN_PREFILL_WITH_DECODES as f64 * self.work.shallow_token();
+            (share * decode).max(floor)
+        };
+        PrefillBudget { tokens, work }
     }
 
     /// One engine step. Returns what the forward pass ran, or `None` when there was nothing to do.
@@ -980,7 +995,7 @@ impl Scheduler {
             .filter(|s| s.tokens.len() - s.kv_len == 1)
             .count();
         let prefilling = self.running.len() > decoding;
-        let shares = self.prefill_shares(self.prefill_budget(decoding));
+        let shares = self.prefill_shares(self.prefill_budget(held));
         // Drafts only where verifying them is nearly free (see `EngineConfig::spec_max_batch`).
         let speculate =
             self.config.spec_tokens > 0 && !prefilling && decoding <= self.config.spec_max_batch;
@@ -1035,35 +1050,44 @@ impl Scheduler {
 
     /// This step's prompt tokens for each prefilling sequence: `budget` shared max-min fairly
     /// between users, so one user's long prompts never hold back another's short one. The user
-    /// with the least prompt left goes first and takes at most an equal part of what is left;
-    /// what a user does not need goes to the next. Within a user, the oldest first.
-    fn prefill_shares(&self, budget: usize) -> HashMap<RequestId, usize> {
-        let mut users: Vec<(&UserId, usize, Vec<(RequestId, usize)>)> = Vec::new();
+    /// with the least prompt left goes first and takes at most an equal part of what is left
+    /// (tokens and work); what a user does not need goes to the next. Within a user, the oldest
+    /// first. Some prompt always moves: one token, when even one costs more than the budget.
+    fn prefill_shares(&self, budget: PrefillBudget) -> HashMap<RequestId, usize> {
+        type Prompts = Vec<(RequestId, usize, usize)>;
+        let mut users: Vec<(&UserId, usize, Prompts)> = Vec::new();
         for s in self.running.iter() {
             let pending = s.tokens.len() - s.kv_len;
             if pending <= 1 {
                 continue;
             }
+            let prompt = (s.id, s.kv_len, pending);
             match users.iter_mut().find(|(u, ..)| *u == &s.user) {
-                Some((_, total, seqs)) => {
+                Some((_, total, prompts)) => {
                     *total += pending;
-                    seqs.push((s.id, pending));
+                    prompts.push(prompt);
                 }
-                None => users.push((&s.user, pending, vec![(s.id, pending)])),
+                None => users.push((&s.user, pending, vec![prompt])),
             }
         }
         // Stable: equal needs keep the order of their oldest sequences.
         users.sort_by_key(|(_, total, _)| *total);
-        let (mut left, count) = (budget, users.len());
+        let first = users.first().and_then(|(_, _, p)| p.first()).map(|p| p.0);
+        let (mut tokens_left, mut work_left, count) = (budget.tokens, budget.work, users.len());
         let mut shares = HashMap::new();
-        for (k, (_, total, seqs)) in users.into_iter().enumerate() {
-            let mut give = total.min(left.div_ceil(count - k));
-            left -= give;
-            for (id, pending) in seqs {
-                let n = pending.min(give);
-                give -= n;
+        for (k, (_, _, prompts)) in users.into_iter().enumerate() {
+            let mut tokens = tokens_left.div_ceil(count - k);
+            let mut work = work_left / (count - k) as f64;
+            for (id, from, pending) in prompts {
+                let n = self.work.tokens_within(from, pending.min(tokens), work);
+                let cost = self.work.prefill(from, n);
+                (tokens, work) = (tokens - n, work - cost);
+                (tokens_left, work_left) = (tokens_left - n, work_left - cost);
                 shares.insert(id, n);
             }
+        }
+        if let Some(id) = first.filter(|_| shares.values().all(|&n| n == 0)) {
+            shares.insert(id, 1);
         }
         shares
     }
@@ -1272,17 +1296,6 @@ impl Scheduler {
             }
         }
     }
-}
-
-/// A decoded token's cost in units of a prompt token's (the output projection runs for every
-/// decoded token, for a prompt only for its last), from the model's multiply-adds.
-fn decode_cost(c: &crate::model::GemmaConfig) -> f64 {
-    let q_dim = c.num_heads * c.head_dim;
-    let layer_macs = c.num_layers
-        * (c.hidden_size * (q_dim + 2 * c.kv_dim())
-            + q_dim * c.hidden_size
-            + 3 * c.hidden_size * c.ffn_size);
-    1.0 + (c.vocab_size * c.hidden_size) as f64 / layer_macs.max(1) as f64
 }
 
 /// A sequence's pick: its index in the batch, the token, its log-probability and its likeliest

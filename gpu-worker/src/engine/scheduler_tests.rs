@@ -415,28 +415,33 @@ fn a_prompt_arriving_beside_decoding_sequences_is_prefilled_in_shares_and_answer
     while s.running.len() < 4 || s.running.iter().any(|q| q.tokens.len() - q.kv_len > 1) {
         s.step();
     }
-    let budget = s.prefill_budget(4);
-    assert!(
-        budget < 400,
-        "a share of {budget} tokens would not split the prompt"
-    );
     let mut rx = submit(&mut s, 10, long, 4, None);
-    let mut prefill_steps = 0;
-    while let Some(summary) = s.step() {
+    let (mut prefill_steps, mut done, mut chunks) = (0, 0, Vec::new());
+    loop {
+        // The budget the step's plan sees: the same four decoding sequences, one position on.
+        let budget = s.prefill_budget(&HashSet::new());
+        let Some(summary) = s.step() else { break };
         audit(&s);
         if summary.prefill_tokens > 0 {
             prefill_steps += 1;
             // Decoding sequences stream on in every step of the prefill.
             assert_eq!(summary.decode_seqs, 4, "step {prefill_steps}");
+            let n = summary.prefill_tokens;
+            let work = s.work.prefill(done, n);
             assert!(
-                summary.prefill_tokens <= budget,
-                "{summary:?} over {budget}"
+                work <= budget.work,
+                "{n} tokens from {done}: {work} over {budget:?}"
             );
+            assert!(n <= budget.tokens, "{summary:?} over {budget:?}");
+            (done, chunks) = (done + n, [chunks, vec![n]].concat());
         } else if prefill_steps > 0 {
             break;
         }
     }
-    assert_eq!(prefill_steps, 400usize.div_ceil(budget));
+    assert_eq!(done, 400);
+    assert!(prefill_steps > 1, "the prompt was not split: {chunks:?}");
+    // Each position attends to more than the last: the chunks shrink as the prompt goes on.
+    assert!(chunks[0] > chunks[chunks.len() - 2], "{chunks:?}");
     drain(&mut s, audit);
     assert_eq!(outcome(&mut rx).1, want);
     for rx in &mut decoding {

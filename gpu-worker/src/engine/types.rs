@@ -24,9 +24,10 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled per step across all sequences, so decoding sequences keep streaming
     /// while a long prompt is processed.
     pub prefill_chunk: usize,
-    /// While sequences decode, a step prefills at most this many times their work in prompt
-    /// tokens (at least 32, at most `prefill_chunk`), so their replies keep streaming while a long
-    /// prompt is prefilled over several steps. 0: `prefill_chunk` in every step.
+    /// While sequences decode, a step prefills at most this many times their work in
+    /// multiply-adds, attention included (at least 32 tokens' at a prompt's start, at most
+    /// `prefill_chunk` tokens), so their replies keep streaming while a long prompt is prefilled
+    /// over several steps. 0: `prefill_chunk` in every step.
     pub prefill_share: f64,
     /// Capacity of the command channel to the engine thread.
     pub command_queue: usize,

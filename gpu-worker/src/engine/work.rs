@@ -1,0 +1,150 @@
+//! What a step's tokens cost, in multiply-adds, so that the prefill beside decoding sequences
+//! can be held to a share of their work at any depth.
+//!
+//! A token runs the layers' matrices (the same at every position) and attends to every earlier
+//! position in the global layers and to at most the window in the sliding ones; a sampled token
+//! also runs the output projection. Counting tokens alone, a chunk deep in a long prompt (each
+//! of its tokens attending to tens of thousands of positions) would cost many times the same
+//! chunk at the prompt's start, and every decoding sequence beside it would wait that long.
+
+use crate::model::GemmaConfig;
+
+/// Multiply-adds per token of one model, by part.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WorkModel {
+    /// The layers' matrices, for any token.
+    dense: f64,
+    /// The output projection, for a token whose logits are sampled.
+    head: f64,
+    /// Attention per position attended, over the global layers (scores and values).
+    global: f64,
+    /// The same over the sliding layers, which attend to at most `window` positions.
+    local: f64,
+    window: usize,
+}
+
+impl WorkModel {
+    pub(crate) fn new(c: &GemmaConfig) -> Self {
+        let q_dim = c.num_heads * c.head_dim;
+        let per_layer = c.hidden_size * (q_dim + 2 * c.kv_dim())
+            + q_dim * c.hidden_size
+            + 3 * c.hidden_size * c.ffn_size;
+        let sliding = (0..c.num_layers).filter(|&l| c.is_sliding(l)).count();
+        let per_position = 2.0 * q_dim as f64;
+        Self {
+            dense: (c.num_layers * per_layer) as f64,
+            head: (c.vocab_size * c.hidden_size) as f64,
+            global: per_position * (c.num_layers - sliding) as f64,
+            local: per_position * sliding as f64,
+            window: c.sliding_window.unwrap_or(usize::MAX),
+        }
+    }
+
+    /// `n` prompt tokens at positions `from..from + n`, each attending to itself and every
+    /// position before it.
+    pub(crate) fn prefill(&self, from: usize, n: usize) -> f64 {
+        if n == 0 {
+            return 0.0;
+        }
+        // Spans `from + 1 ..= from + n`.
+        let (a, b) = (from as f64 + 1.0, (from + n) as f64);
+        let all = (a + b) * n as f64 / 2.0;
+        n as f64 * self.dense
+            + self.global * all
+            + self.local * capped_sum(from + 1, from + n, self.window)
+    }
+
+    /// A decoding sequence's next token, at position `pos`.
+    pub(crate) fn decode(&self, pos: usize) -> f64 {
+        self.prefill(pos, 1) + self.head
+    }
+
+    /// One token's layers at the start of a prompt: the unit of the prefill's floor.
+    pub(crate) fn shallow_token(&self) -> f64 {
+        self.prefill(0, 1)
+    }
+
+    /// The most prompt tokens from position `from`, at most `max`, whose work is within
+    /// `budget`.
+    pub(crate) fn tokens_within(&self, from: usize, max: usize, budget: f64) -> usize {
+        let (mut lo, mut hi) = (0, max);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if self.prefill(from, mid) <= budget {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+}
+
+/// `min(x, cap)` summed over `x` in `a..=b`.
+fn capped_sum(a: usize, b: usize, cap: usize) -> f64 {
+    let (a, b, cap) = (a as f64, b as f64, cap as f64);
+    let top = b.min(cap);
+    let below = if top >= a {
+        (a + top) * (top - a + 1.0) / 2.0
+    } else {
+        0.0
+    };
+    let above = (b - a.max(cap + 1.0) + 1.0).max(0.0) * cap;
+    below + above
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gemma3_270m() -> GemmaConfig {
+        GemmaConfig {
+            architecture: "gemma3".into(),
+            vocab_size: 262_144,
+            hidden_size: 640,
+            num_layers: 18,
+            num_heads: 4,
+            num_kv_heads: 1,
+            head_dim: 256,
+            ffn_size: 2048,
+            rms_eps: 1e-6,
+            context_length: 32_768,
+            rope_base_global: 1e6,
+            rope_base_local: 1e4,
+            rope_scale_global: 1.0,
+            sliding_window: Some(512),
+            sliding_window_pattern: 6,
+            query_pre_attn_scalar: 256.0,
+            attn_logit_softcap: None,
+            final_logit_softcap: None,
+        }
+    }
+
+    #[test]
+    fn sums_match_counting_token_by_token() {
+        let w = WorkModel::new(&gemma3_270m());
+        for (from, n) in [(0, 1), (0, 700), (300, 400), (5_000, 64), (511, 2)] {
+            let one_by_one: f64 = (from..from + n).map(|p| w.prefill(p, 1)).sum();
+            let whole = w.prefill(from, n);
+            assert!(
+                (whole - one_by_one).abs() <= 1e-9 * whole,
+                "{from}+{n}: {whole} {one_by_one}"
+            );
+        }
+        assert_eq!(capped_sum(3, 10, 5), (3 + 4 + 5 + 5 * 5) as f64);
+        assert_eq!(capped_sum(7, 9, 5), 15.0);
+        assert_eq!(capped_sum(1, 4, usize::MAX), 10.0);
+    }
+
+    #[test]
+    fn a_chunk_deep_in_a_prompt_gets_fewer_tokens_for_the_same_work() {
+        let w = WorkModel::new(&gemma3_270m());
+        let budget = 4.0 * w.decode(100);
+        let shallow = w.tokens_within(0, 10_000, budget);
+        let deep = w.tokens_within(30_000, 10_000, budget);
+        assert!(deep < shallow, "{deep} at depth, {shallow} at the start");
+        assert!(w.prefill(30_000, deep) <= budget && w.prefill(30_000, deep + 1) > budget);
+        assert_eq!(w.tokens_within(0, 3, f64::INFINITY), 3);
+        assert_eq!(w.tokens_within(0, 10, 0.0), 0);
+    }
+}
