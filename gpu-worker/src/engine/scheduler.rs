@@ -863,26 +863,29 @@ impl Scheduler {
 
     /// Fair share of the K/V memory: a request of `user`, who has no sequence running, that
     /// finds no room does not wait for another user's long replies to end. The user with the
-    /// most running sequences (two at least) gives up its youngest, recomputed later, as the
-    /// orchestrator's fair share takes a place from the user holding the most. True when one
-    /// was preempted.
+    /// most running sequences (then the most blocks) gives up its youngest, recomputed later,
+    /// as the orchestrator's fair share takes a place from the user holding the most: when it
+    /// holds two or more, or more blocks than an equal share of the pool (one huge prompt).
+    /// What that sequence had computed stays in the prefix cache, which gives up its last
+    /// blocks first, so its recompute is mostly a cache hit. True when one was preempted.
     fn preempt_for(&mut self, user: &UserId) -> bool {
         if self.running.iter().any(|r| &r.user == user) {
             return false;
         }
-        let mut per_user: HashMap<&UserId, usize> = HashMap::new();
+        let mut per_user: HashMap<&UserId, (usize, usize)> = HashMap::new();
         for r in &self.running {
-            *per_user.entry(&r.user).or_default() += 1;
+            let held = per_user.entry(&r.user).or_default();
+            held.0 += 1;
+            held.1 += r.blocks.iter().filter(|&&b| b != NO_BLOCK).count() + r.packed.len();
         }
-        let Some((victim, n)) = per_user
+        let equal_share = self.alloc.total() / (per_user.len() + 1);
+        let Some((victim, _)) = per_user
             .into_iter()
+            .filter(|(_, (n, blocks))| *n >= 2 || *blocks > equal_share)
             .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.cmp(a.0)))
         else {
             return false;
         };
-        if n < 2 {
-            return false;
-        }
         let victim = victim.clone();
         let youngest = (0..self.running.len())
             .filter(|&i| self.running[i].user == victim)

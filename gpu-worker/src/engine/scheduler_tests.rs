@@ -799,3 +799,36 @@ fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
         "the grammar ended it after {c} tokens"
     );
 }
+
+/// Fair share of the K/V memory held by one huge sequence: Alice's one long prompt fills the
+/// pool; Bob's short request takes its place at once rather than wait for it to end. Hers is
+/// recomputed (from the prefix cache, but for the blocks Bob took), and every reply is a cold
+/// run's.
+#[test]
+fn a_user_with_nothing_running_takes_kv_from_one_sequence_holding_most_of_it() {
+    let model = tiny();
+    let block_bytes = block_bytes(&model);
+    let mut s = Scheduler::new(
+        model.clone(),
+        EngineConfig {
+            kv_budget_bytes: 12 * block_bytes,
+            ..unpacked()
+        },
+    )
+    .unwrap();
+    let (a, b) = (prompt(180, 1), prompt(10, 3));
+    let mut alice = submit_as(&mut s, 1, "alice", &a, 8);
+    s.step();
+    audit(&s);
+    assert_eq!(s.alloc.free(), 0, "Alice's one prompt fills the pool");
+    let before = s.preemptions;
+    let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
+    s.step();
+    audit(&s);
+    let running: Vec<u64> = s.running.iter().map(|q| q.id.0).collect();
+    assert!(running.contains(&3), "Bob waits behind Alice: {running:?}");
+    assert_eq!(s.preemptions, before + 1, "her sequence gave way");
+    drain(&mut s, audit);
+    assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
+    assert_eq!(outcome(&mut alice).1, cold(&model, a, 8));
+}
