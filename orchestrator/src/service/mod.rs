@@ -1219,22 +1219,27 @@ fn check_max_tokens(n: u32, target: &Target) -> Result<u32, ChatError> {
 const GRAMMAR_COMPILE_BUDGET: Duration = Duration::from_secs(10);
 
 /// Compiles every grammar `opts` brings (see [`GenOptions::to_compile`]) on the blocking pool,
-/// a few requests at a time (as many as the cores), within [`GRAMMAR_COMPILE_BUDGET`]: a
-/// tenant's huge grammars cost its own requests' time, not the async threads every request
-/// shares. Called once the request is charged.
+/// a few requests at a time (half the cores), within [`GRAMMAR_COMPILE_BUDGET`]: a tenant's
+/// huge grammars cost its own requests' time, not the async threads every request shares nor
+/// all the cores. A compile past its budget keeps its place until it really ends. Called once
+/// the request is charged.
 async fn compile_grammars(opts: &GenOptions) -> Result<(), ChatError> {
-    static COMPILING: std::sync::OnceLock<tokio::sync::Semaphore> = std::sync::OnceLock::new();
+    static COMPILING: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
     let pending = opts.to_compile();
     if pending.is_empty() {
         return Ok(());
     }
-    let cores = std::thread::available_parallelism().map_or(2, usize::from);
-    let slots = COMPILING.get_or_init(|| tokio::sync::Semaphore::new(cores));
-    let _slot = slots
-        .acquire()
+    let slots = COMPILING.get_or_init(|| {
+        let cores = std::thread::available_parallelism().map_or(2, usize::from);
+        Arc::new(tokio::sync::Semaphore::new((cores / 2).max(1)))
+    });
+    let slot = slots
+        .clone()
+        .acquire_owned()
         .await
         .map_err(|e| ChatError::Internal(format!("the grammar compiler: {e}")))?;
     let work = tokio::task::spawn_blocking(move || {
+        let _slot = slot;
         pending
             .iter()
             .try_for_each(|(field, g)| g.check().map_err(|e| format!("{field}: {e}")))
