@@ -98,7 +98,7 @@ chaos: fetch-model
 
 ## Bob chats while Alice, an ordinary key, tries to unload, swap, read or starve what he uses:
 ## none of Bob's turns may fail, his p99 time to first token stays within 2x of a run without
-## her, and nothing of his reaches her. Measures wall-clock time: run on purpose (SOAK_TURNS).
+## her (his mean inter-token latency within 1.5x), and nothing of his reaches her. Measures wall-clock time: run on purpose (SOAK_TURNS).
 tenancy-soak: fetch-model
 	$(CARGO) build -p hearth-orchestrator -p hearth-worker -p hearth-e2e --bins
 	$(CARGO) test -p hearth-e2e --test tenancy -- --ignored --nocapture tenancy_soak

@@ -174,13 +174,20 @@ async fn no_tenant_loads_or_swaps_the_models_others_use() {
     let _ = std::fs::remove_dir_all(root);
 }
 
+/// One of Bob's turns: the time to its first token, and the gaps between its later tokens.
+struct Turn {
+    first: f64,
+    gaps: Vec<f64>,
+}
+
 /// Bob's streamed turns in his session, one after another, until `turns` are done: each turn's
-/// time to its first token, or why it failed.
-async fn bob_turns(s: &Stack, key: &str, sid: &str, turns: usize) -> Vec<Result<f64, String>> {
+/// times, or why it failed.
+async fn bob_turns(s: &Stack, key: &str, sid: &str, turns: usize) -> Vec<Result<Turn, String>> {
     let path = format!("/v1/sessions/{sid}/messages");
     let mut out = Vec::new();
     for i in 0..turns {
-        let body = json!({"content": format!("Tell me more, {i}"), "max_tokens": 8});
+        let body = json!({"content": format!("Tell me more, {i}"), "max_tokens": 16,
+                          "ignore_eos": true});
         let started = std::time::Instant::now();
         let mut sse = Req::new("POST", &path)
             .key(Some(key))
@@ -191,11 +198,16 @@ async fn bob_turns(s: &Stack, key: &str, sid: &str, turns: usize) -> Vec<Result<
             out.push(Err(format!("turn {i}: {}", sse.status)));
             continue;
         }
-        let mut first = None;
+        let (mut first, mut last, mut gaps) = (None, None, Vec::new());
         let mut end = None;
         while let Some(e) = sse.next().await {
-            if e.event == "token" && first.is_none() {
-                first = Some(started.elapsed().as_secs_f64());
+            if e.event == "token" {
+                let now = started.elapsed().as_secs_f64();
+                match last {
+                    None => first = Some(now),
+                    Some(t) => gaps.push(now - t),
+                }
+                last = Some(now);
             }
             if e.event == "message_end" || e.event == "error" {
                 end = Some(e.event);
@@ -203,7 +215,7 @@ async fn bob_turns(s: &Stack, key: &str, sid: &str, turns: usize) -> Vec<Result<
             }
         }
         out.push(match (first, end.as_deref()) {
-            (Some(t), Some("message_end")) => Ok(t),
+            (Some(first), Some("message_end")) => Ok(Turn { first, gaps }),
             (_, end) => Err(format!("turn {i}: ended {end:?}")),
         });
     }
@@ -338,6 +350,15 @@ fn hostile_requests() -> usize {
         .unwrap_or(16)
 }
 
+/// The turns that succeeded.
+fn succeeded(turns: &[Result<Turn, String>]) -> Vec<&Turn> {
+    turns.iter().filter_map(|r| r.as_ref().ok()).collect()
+}
+
+fn mean(xs: &[f64]) -> f64 {
+    xs.iter().sum::<f64>() / xs.len().max(1) as f64
+}
+
 fn p99(xs: &[f64]) -> f64 {
     let mut v = xs.to_vec();
     v.sort_by(f64::total_cmp);
@@ -346,8 +367,8 @@ fn p99(xs: &[f64]) -> f64 {
 
 /// `make tenancy-soak`: Bob chats while Alice, with an ordinary key, tries everything above.
 /// Targets: none of Bob's turns fails, his p99 time to first token stays within 2x of a run
-/// without Alice, and none of Bob's session reaches her. Wall-clock figures: run on purpose,
-/// not in `make test`.
+/// without Alice and his mean inter-token latency within 1.5x, and none of Bob's session
+/// reaches her. Wall-clock figures: run on purpose, not in `make test`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "a soak that measures time: make tenancy-soak"]
 async fn tenancy_soak() {
@@ -379,13 +400,16 @@ async fn tenancy_soak() {
         .chain(&attacked)
         .filter_map(|r| r.as_ref().err())
         .collect();
-    let ok = |v: &[Result<f64, String>]| {
+    let (a, b) = (succeeded(&alone), succeeded(&attacked));
+    let firsts = |v: &[&Turn]| v.iter().map(|t| t.first).collect::<Vec<_>>();
+    let gaps = |v: &[&Turn]| {
         v.iter()
-            .filter_map(|r| r.as_ref().ok().copied())
+            .flat_map(|t| t.gaps.iter().copied())
             .collect::<Vec<_>>()
     };
-    let (a, b) = (ok(&alone), ok(&attacked));
-    let (pa, pb) = (p99(&a), p99(&b));
+    let (pa, pb) = (p99(&firsts(&a)), p99(&firsts(&b)));
+    let (ga, gb) = (gaps(&a), gaps(&b));
+    let (ma, mb) = (mean(&ga), mean(&gb));
     println!("tenancy soak: Bob's {turns} turns alone, then {turns} with Alice");
     println!(
         "  Bob's time to first token p99: alone {:.3} s, with Alice {:.3} s ({:.2}x; target <= 2x)",
@@ -393,6 +417,17 @@ async fn tenancy_soak() {
         pb,
         pb / pa
     );
+    println!(
+        "  Bob's inter-token latency, mean: alone {:.1} ms, with Alice {:.1} ms ({:.2}x; target <= 1.5x); p99 {:.1} ms and {:.1} ms",
+        ma * 1e3,
+        mb * 1e3,
+        mb / ma,
+        p99(&ga) * 1e3,
+        p99(&gb) * 1e3
+    );
+    let mut sorted = firsts(&b);
+    sorted.sort_by(f64::total_cmp);
+    println!("  Bob's times to first token with Alice, sorted (s): {sorted:.2?}");
     println!("  Bob's failed turns: {} (target 0)", failed.len());
     println!("  what Alice got:");
     for (what, n) in &seen {
@@ -407,6 +442,10 @@ async fn tenancy_soak() {
     assert!(
         pb <= 2.0 * pa,
         "Bob's p99 time to first token: {pb:.3} s with Alice, {pa:.3} s alone"
+    );
+    assert!(
+        mb <= 1.5 * ma,
+        "Bob's mean inter-token latency: {mb:.4} s with Alice, {ma:.4} s alone"
     );
     s.finish().await;
     let _ = std::fs::remove_dir_all(root);
