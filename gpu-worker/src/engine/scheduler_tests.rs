@@ -163,6 +163,15 @@ fn packing(margin: usize) -> EngineConfig {
     }
 }
 
+/// A scheduler over `model` (sessions unpacked) whose K/V pool holds `blocks` blocks.
+fn with_blocks(model: &Arc<Model>, blocks: usize) -> Scheduler {
+    let config = EngineConfig {
+        kv_budget_bytes: blocks * block_bytes(model),
+        ..unpacked()
+    };
+    Scheduler::new(model.clone(), config).unwrap()
+}
+
 /// Bytes of one KV block of `model` at the default element type.
 fn block_bytes(model: &Model) -> usize {
     let c = &model.config;
@@ -649,15 +658,7 @@ fn a_grammar_completed_by_the_last_allowed_token_ends_with_stop() {
 #[test]
 fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
     let model = tiny();
-    let block_bytes = block_bytes(&model);
-    let mut s = Scheduler::new(
-        model.clone(),
-        EngineConfig {
-            kv_budget_bytes: 10 * block_bytes,
-            ..unpacked()
-        },
-    )
-    .unwrap();
+    let mut s = with_blocks(&model, 10);
     let (a1, a2, b) = (prompt(70, 1), prompt(70, 2), prompt(10, 3));
     let mut alice = vec![
         (a1.clone(), submit_as(&mut s, 1, "alice", &a1, 8)),
@@ -807,15 +808,7 @@ fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
 #[test]
 fn a_user_with_nothing_running_takes_kv_from_one_sequence_holding_most_of_it() {
     let model = tiny();
-    let block_bytes = block_bytes(&model);
-    let mut s = Scheduler::new(
-        model.clone(),
-        EngineConfig {
-            kv_budget_bytes: 12 * block_bytes,
-            ..unpacked()
-        },
-    )
-    .unwrap();
+    let mut s = with_blocks(&model, 12);
     let (a, b) = (prompt(180, 1), prompt(10, 3));
     let mut alice = submit_as(&mut s, 1, "alice", &a, 8);
     s.step();
