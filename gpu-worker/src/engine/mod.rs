@@ -310,6 +310,10 @@ fn engine_task(
                 Err(_) => break,
             }
         }
+        // Cancels are taken before commands: a request's cancel is sent after its submit, so
+        // every request a cancel taken here names is among the commands taken next, however
+        // the two channels interleave.
+        let cancelled: Vec<Cancel> = cancels.try_iter().collect();
         loop {
             match rx.try_recv() {
                 Ok(cmd) => shutting_down |= handle_command(&mut sched, cmd, &stats),
@@ -320,7 +324,7 @@ fn engine_task(
                 }
             }
         }
-        while let Ok(c) = cancels.try_recv() {
+        for c in cancelled {
             match c {
                 Cancel::One(id) => sched.cancel(id),
                 Cancel::All => sched.cancel_all(),

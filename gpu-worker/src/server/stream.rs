@@ -1,17 +1,21 @@
 //! One `Generate` stream: many requests multiplexed in, request-tagged events out.
 //!
 //! A connection task owns the stream's requests. Each accepted request gets a forwarder task that
-//! relays its engine events, coalescing tokens that are already queued into one `Tokens` event.
+//! hands it to the engine (compiling its grammar first, which may take seconds) and then relays
+//! its engine events, coalescing tokens that are already queued into one `Tokens` event. The
+//! connection task itself never waits on a request, so one request's grammar never holds up the
+//! requests behind it on the stream (the orchestrator multiplexes every tenant onto one).
 //! Cancellation follows ownership: when the client goes away, the connection task drops every
 //! forwarder (and with it the engine event streams) and cancels the requests in the engine, which
 //! frees their slots at its next step.
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Instant;
 
 use hearth_shared::proto::{self, worker_event::Kind, worker_request};
 use hearth_shared::{Grammar, RequestId, SamplingParams, SessionId, UserId};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tonic::{Code, Status, Streaming};
 
@@ -99,8 +103,8 @@ pub async fn connection_task(
 struct Connection {
     state: Arc<WorkerState>,
     out: EventTx,
-    /// The client's request id → the engine's, and the engine (its model's) that runs it.
-    live: HashMap<u64, (RequestId, EngineHandle)>,
+    /// The client's request id → its request in the engine.
+    live: HashMap<u64, Live>,
     /// One per live request; each returns the request's last event, which the connection sends
     /// only after forgetting the id, so a client may reuse an id as soon as it sees that event.
     /// The forwarder also hands back the request's in-flight count, released once the last
@@ -112,6 +116,23 @@ struct Connection {
 
 /// The client stopped reading; nothing more can be delivered.
 struct Gone;
+
+/// A request of the stream, from its acceptance to its last event.
+struct Live {
+    id: RequestId,
+    /// The engine (its model's) that runs it.
+    engine: EngineHandle,
+    /// Told of a cancel, for a request that is not in the engine yet (its grammar compiling).
+    cancel: Arc<Notify>,
+}
+
+impl Live {
+    fn cancel(&self) {
+        self.engine.cancel(self.id);
+        // Keeps a permit if the forwarder is not waiting yet, so no cancel is missed.
+        self.cancel.notify_one();
+    }
+}
 
 /// A request's place in the worker's and its model's in-flight counts.
 type Guards = (InFlight, ModelGuard);
@@ -126,8 +147,8 @@ impl Connection {
             }
             Some(worker_request::Kind::Cancel(c)) => {
                 // A cancel that races the request's end finds nothing: not an error.
-                if let Some((id, engine)) = self.live.get(&c.request_id) {
-                    engine.cancel(*id);
+                if let Some(live) = self.live.get(&c.request_id) {
+                    live.cancel();
                 }
             }
             None => tracing::debug!("empty WorkerRequest ignored"),
@@ -197,15 +218,17 @@ impl Connection {
         let req = self
             .to_engine_request(r)
             .map_err(|m| (Code::InvalidArgument, m))?;
-        let engine_id = req.id;
-        let events = submit_to_engine(&engine, req)
-            .await
-            .map_err(|e| (status::code(&e), e.to_string()))?;
-        self.live.insert(client_id, (engine_id, engine));
+        let live = Live {
+            id: req.id,
+            engine: engine.clone(),
+            cancel: Arc::new(Notify::new()),
+        };
+        let submitted = submit_unless_cancelled(engine, req, live.cancel.clone());
         let out = self.out.clone();
         let task = self
             .forwarders
-            .spawn(forward(client_id, events, out, (guard, on_model)));
+            .spawn(forward(client_id, submitted, out, (guard, on_model)));
+        self.live.insert(client_id, live);
         self.tasks.insert(task.id(), client_id);
         Ok(())
     }
@@ -242,10 +265,36 @@ impl Connection {
     }
 
     fn cancel_all(&mut self) {
-        for (id, engine) in self.live.values() {
-            engine.cancel(*id);
+        for live in self.live.values() {
+            live.cancel();
         }
         self.forwarders.abort_all();
+    }
+}
+
+/// Why a request never reached its engine.
+enum NotSubmitted {
+    Refused(EngineError),
+    /// Cancelled while its grammar waited or compiled.
+    Cancelled {
+        prompt_tokens: usize,
+        since: Instant,
+    },
+}
+
+/// Hands `req` to `engine`, unless it is cancelled first.
+async fn submit_unless_cancelled(
+    engine: EngineHandle,
+    req: GenerateRequest,
+    cancel: Arc<Notify>,
+) -> Result<EventStream, NotSubmitted> {
+    let (prompt_tokens, since) = (req.prompt.len(), Instant::now());
+    tokio::select! {
+        biased;
+        // A compile that is already running finishes on its own thread; the event stream it
+        // returns is dropped there, which the engine takes as a cancel.
+        () = cancel.notified() => Err(NotSubmitted::Cancelled { prompt_tokens, since }),
+        r = submit_to_engine(engine, req) => r.map_err(NotSubmitted::Refused),
     }
 }
 
@@ -255,7 +304,7 @@ impl Connection {
 /// health checks, and at most half the cores compile at once: a tenant's many huge grammars
 /// wait for each other, and leave the engine the cores it steps on.
 async fn submit_to_engine(
-    engine: &EngineHandle,
+    engine: EngineHandle,
     req: GenerateRequest,
 ) -> Result<EventStream, EngineError> {
     static COMPILING: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
@@ -271,7 +320,6 @@ async fn submit_to_engine(
         .acquire_owned()
         .await
         .map_err(|e| EngineError::Internal(format!("the grammar compiler: {e}")))?;
-    let engine = engine.clone();
     tokio::task::spawn_blocking(move || {
         let _slot = slot;
         engine.submit(req)
@@ -280,16 +328,28 @@ async fn submit_to_engine(
     .unwrap_or_else(|e| Err(EngineError::Internal(format!("submitting failed: {e}"))))
 }
 
-/// Relays one request's engine events to the stream and returns its last event, unsent. A
-/// request its model's unload cut short ends as `UNAVAILABLE`, so the client continues it on
-/// another worker.
+/// Waits for one request to reach its engine, relays its engine events to the stream and
+/// returns its last event, unsent. A request its model's unload cut short ends as
+/// `UNAVAILABLE`, so the client continues it on another worker.
 async fn forward(
     client_id: u64,
-    mut events: EventStream,
+    submitted: impl std::future::Future<Output = Result<EventStream, NotSubmitted>>,
     out: EventTx,
     guards: Guards,
 ) -> (proto::WorkerEvent, Guards) {
-    let last = relay(client_id, &mut events, &out).await;
+    let last = match submitted.await {
+        Ok(mut events) => relay(client_id, &mut events, &out).await,
+        Err(NotSubmitted::Refused(e)) => {
+            return (
+                error_event(client_id, status::code(&e), e.to_string()),
+                guards,
+            )
+        }
+        Err(NotSubmitted::Cancelled {
+            prompt_tokens,
+            since,
+        }) => cancelled_before_start(client_id, prompt_tokens, since),
+    };
     let slot = guards.1.slot();
     let cancelled = matches!(&last.kind, Some(Kind::Finished(f)) if f.reason == proto::FinishReason::Cancelled as i32);
     if cancelled && slot.was_cut() {
@@ -297,6 +357,30 @@ async fn forward(
         return (error_event(client_id, Code::Unavailable, msg), guards);
     }
     (last, guards)
+}
+
+/// The last event of a request cancelled before it reached its engine: what the engine sends
+/// for a request cancelled while it waits.
+fn cancelled_before_start(
+    client_id: u64,
+    prompt_tokens: usize,
+    since: Instant,
+) -> proto::WorkerEvent {
+    let ms = since.elapsed().as_secs_f64() * 1000.0;
+    proto::WorkerEvent {
+        request_id: client_id,
+        kind: Some(Kind::Finished(proto::Finished {
+            reason: proto::FinishReason::Cancelled as i32,
+            prompt_tokens: prompt_tokens as u32,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            timings: Some(proto::Timings {
+                queue_ms: ms,
+                time_to_first_token_ms: 0.0,
+                total_ms: ms,
+            }),
+        })),
+    }
 }
 
 /// Adds a token (and its alternatives, when asked for) to a batch of them.

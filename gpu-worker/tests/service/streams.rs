@@ -281,3 +281,78 @@ async fn a_request_id_can_be_reused_as_soon_as_its_last_event_arrives() {
         assert_eq!(out.tokens.len(), 1);
     }
 }
+
+/// A schema that takes long to compile against a vocabulary: any of 512 objects, each with
+/// an integer bounded below by a number of its own.
+fn heavy_schema() -> String {
+    let any: Vec<serde_json::Value> = (0..512)
+        .map(|i| {
+            serde_json::json!({"type": "object", "properties": {
+                "name": {"const": format!("t{i}")},
+                "a": {"type": "integer", "minimum": i * 7919}},
+                "required": ["name", "a"], "additionalProperties": false})
+        })
+        .collect();
+    serde_json::json!({ "anyOf": any }).to_string()
+}
+
+/// The orchestrator sends every tenant's requests down one stream, so a request whose grammar
+/// compiles for seconds must not hold up those behind it: they are served meanwhile, and a cancel
+/// of the compiling request ends it at once, before it ever reaches the engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compiling_grammar_holds_up_neither_the_stream_nor_its_cancel() {
+    let model = tiny_model_file();
+    let p = prompt(8, 2, VOCAB);
+    let want = expected(&model, &[(p.clone(), 6)]);
+    let w = spawn_worker(&model, &[]);
+    let mut c = connect(&w).await;
+    wait_ready(&mut c).await;
+
+    let constrained = |id| {
+        let mut r = request(id, prompt(8, 1, VOCAB), 200);
+        r.ignore_eos = false;
+        r.grammar = Some(proto::Grammar {
+            kind: Some(proto::grammar::Kind::JsonSchema(heavy_schema())),
+        });
+        r
+    };
+    let mut s = open(&mut c).await;
+    s.send(vec![constrained(1), request(2, p.clone(), 6)]).await;
+    let mut out: std::collections::HashMap<u64, Outcome> = Default::default();
+    let mut order = Vec::new();
+    while out.get(&2).is_none_or(|o| o.finished.is_none()) {
+        let e = s.next().await;
+        order.push(e.request_id);
+        out.entry(e.request_id).or_default().apply(e);
+    }
+    assert!(
+        !order.contains(&1),
+        "the plain request waited for the grammar: events in order {order:?}"
+    );
+    assert_eq!(out[&2].tokens, want[0]);
+
+    // A cancel reaches the request whose grammar is still compiling.
+    s.send(vec![constrained(3)]).await;
+    s.cancel(3).await;
+    let got = s.collect(&[1, 3]).await;
+    let cancelled = &got[&3];
+    assert_eq!(cancelled.reason(), FinishReason::Cancelled, "{cancelled:?}");
+    assert_eq!(
+        (cancelled.cached_tokens, cancelled.tokens.len()),
+        (None, 0),
+        "cancelled before it started: {cancelled:?}"
+    );
+    let f = cancelled.finished.as_ref().expect("finished");
+    assert_eq!((f.prompt_tokens, f.completion_tokens), (8, 0));
+    // The first one compiled and ran, constrained.
+    let first = &got[&1];
+    assert!(first.error.is_none(), "{first:?}");
+    assert!(!first.tokens.is_empty(), "{first:?}");
+    // The id of the cancelled request is free again at once.
+    s.send(vec![request(3, p, 6)]).await;
+    assert_eq!(s.collect(&[3]).await[&3].tokens, want[0]);
+    wait_health(&mut c, "nothing left in flight", |h| {
+        h.running == 0 && h.in_flight == 0 && h.kv_blocks_used == 0
+    })
+    .await;
+}
