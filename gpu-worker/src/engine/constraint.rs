@@ -12,10 +12,13 @@
 //! by the time that step's logits are, and the engine thread only waits for it when the
 //! forward pass was faster than the mask. The mask threads take their work from each user in
 //! turn ([`super::mask_queue`]): one user's many constrained sequences do not hold up another's.
+//! Each constraint knows how late its masks come ([`Constraint::lateness`]), so that the
+//! scheduler can keep a grammar slower than the forward pass from holding up other sequences.
 
 use std::path::Path;
-use std::sync::mpsc::{channel, Receiver, TryRecvError};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use hearth_shared::Grammar;
 use llguidance::toktrie::{ApproximateTokEnv, SimpleVob, TokRxInfo, TokTrie};
@@ -228,6 +231,8 @@ impl Grammars {
             ready: None,
             jobs: self.jobs.clone(),
             user: user.to_string(),
+            asked: Instant::now(),
+            latency: Duration::ZERO,
         };
         c.request(None);
         Ok(c)
@@ -255,15 +260,22 @@ pub(crate) enum Next {
     Failed(String),
 }
 
+/// A mask, and when its thread finished it.
+type Computed = (Next, Instant);
+
 /// A sequence's matcher and its next step's mask, computed off the engine thread.
 pub(crate) struct Constraint {
     matcher: Arc<Mutex<Matcher>>,
-    next: Option<Receiver<Next>>,
+    next: Option<Receiver<Computed>>,
     /// The next step's mask once it arrived and was looked at, not yet used.
     ready: Option<Next>,
     jobs: Arc<FairQueue>,
     /// Whose sequence it is: the mask threads serve users in turn.
     user: String,
+    /// When the latest mask was asked for.
+    asked: Instant,
+    /// How long the latest mask that arrived took from being asked for, queueing included.
+    latency: Duration,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -290,11 +302,30 @@ impl Constraint {
                 next_mask(&matcher, token)
             }))
             .unwrap_or_else(|_| Next::Failed("the grammar engine panicked".into()));
-            let _ = tx.send(next);
+            let _ = tx.send((next, Instant::now()));
         });
+        self.asked = Instant::now();
         // Dropped (with `tx`) once the mask threads are gone; `wait` then reports it.
         self.jobs.push(&self.user, job);
         self.next = Some(rx);
+    }
+
+    /// Takes a mask that arrived.
+    fn arrived(&mut self, (next, at): Computed) -> Next {
+        self.next = None;
+        self.latency = at.saturating_duration_since(self.asked);
+        next
+    }
+
+    /// How late this grammar's masks come: the time the latest one took, or the time the one
+    /// still being computed has taken so far, whichever is longer.
+    pub(crate) fn lateness(&mut self) -> Duration {
+        self.poll();
+        if self.next.is_some() {
+            self.latency.max(self.asked.elapsed())
+        } else {
+            self.latency
+        }
     }
 
     /// Takes the next mask if it has arrived (or its thread is gone), without waiting.
@@ -303,7 +334,7 @@ impl Constraint {
             return;
         }
         let n = match self.next.as_ref().map(Receiver::try_recv) {
-            Some(Ok(n)) => n,
+            Some(Ok(n)) => self.arrived(n),
             Some(Err(TryRecvError::Disconnected)) => Next::Failed("the mask thread is gone".into()),
             Some(Err(TryRecvError::Empty)) | None => return,
         };
@@ -338,10 +369,29 @@ impl Constraint {
         if let Some(n) = self.ready.take() {
             return n;
         }
-        match self.next.take().map(|rx| rx.recv()) {
-            Some(Ok(next)) => next,
-            Some(Err(_)) => Next::Failed("the mask thread is gone".into()),
+        match self.next.as_ref().map(Receiver::recv) {
+            Some(Ok(n)) => self.arrived(n),
+            Some(Err(_)) => {
+                self.next = None;
+                Next::Failed("the mask thread is gone".into())
+            }
             None => Next::Failed("no mask was requested".into()),
+        }
+    }
+
+    /// [`Constraint::wait`] for at most `grace`: none if the mask is not there by then.
+    pub(crate) fn wait_for(&mut self, grace: Duration) -> Option<Next> {
+        if let Some(n) = self.ready.take() {
+            return Some(n);
+        }
+        match self.next.as_ref().map(|rx| rx.recv_timeout(grace)) {
+            Some(Ok(n)) => Some(self.arrived(n)),
+            Some(Err(RecvTimeoutError::Timeout)) => None,
+            Some(Err(RecvTimeoutError::Disconnected)) => {
+                self.next = None;
+                Some(Next::Failed("the mask thread is gone".into()))
+            }
+            None => Some(Next::Failed("no mask was requested".into())),
         }
     }
 }

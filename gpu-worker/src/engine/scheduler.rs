@@ -7,7 +7,7 @@
 //! at once; their KV stays behind as the session's cache for the next turn.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
 use std::sync::Mutex;
@@ -202,23 +202,19 @@ pub struct Scheduler {
     early_cancels: HashSet<RequestId>,
     /// The last step's logits, kept so the next step writes into memory already faulted in.
     logits: Vec<f32>,
+    /// How long the last step's forward pass took: a grammar whose masks take longer holds up
+    /// the others' sampling unless its sequence sits out (see [`Scheduler::masks_pending`]).
+    last_forward: Duration,
+    /// This step runs sequences whose masks are late because nothing else could run: its
+    /// sampling waits for them.
+    waits_for_masks: bool,
 }
 
 impl Scheduler {
     pub fn new(weights: impl Into<Weights>, config: EngineConfig) -> Result<Self, EngineError> {
         let weights = weights.into();
         let c = weights.config();
-        if config.block_size == 0 || config.max_batch == 0 || config.prefill_chunk == 0 {
-            return Err(EngineError::Internal(
-                "block_size, max_batch and prefill_chunk must be positive".into(),
-            ));
-        }
-        if !(config.prefill_share.is_finite() && config.prefill_share >= 0.0) {
-            return Err(EngineError::Internal(format!(
-                "prefill_share must be a number of at least 0, not {}",
-                config.prefill_share
-            )));
-        }
+        check(&config)?;
         let block_bytes = weights.block_bytes(&config)?;
         let num_blocks = config.kv_budget_bytes / block_bytes;
         if num_blocks == 0 {
@@ -283,6 +279,8 @@ impl Scheduler {
             max_id_seen: 0,
             early_cancels: HashSet::new(),
             logits: Vec::new(),
+            last_forward: Duration::ZERO,
+            waits_for_masks: false,
         })
     }
 
@@ -965,12 +963,14 @@ impl Scheduler {
             .collect();
         let mut logits = std::mem::take(&mut self.logits);
         let mut summaries = Vec::new();
+        let started = Instant::now();
         let ran = self.forward(&plan, &order, &mut logits, &mut summaries);
+        self.last_forward = started.elapsed();
         let Ok((mut summary, rows)) = ran else {
             self.logits = logits;
             return ran.err();
         };
-        let finished = self.pick(&order, &rows, &mut logits, &summaries, &mut summary);
+        let finished = self.pick(&plan, &order, &rows, &mut logits, &summaries, &mut summary);
         self.settle(&order, finished);
         self.logits = logits;
         Some(summary)
@@ -979,12 +979,13 @@ impl Scheduler {
     /// Who runs how many tokens this step, oldest first: a decoding sequence its next token (and
     /// a draft where speculation pays), a prompt its share of the prefill budget. Each gets the
     /// blocks it needs, by evicting idle sessions, then by preempting the youngest running
-    /// sequence (which leaves the plan). A sequence whose grammar's mask is not ready sits out,
+    /// sequence (which leaves the plan). A sequence whose grammar's mask is late sits out,
     /// unless nothing else would run.
     fn plan(&mut self) -> Vec<(RequestId, usize)> {
         let held = self.masks_pending();
         let plan = self.plan_without(&held);
-        if plan.is_empty() && !held.is_empty() {
+        self.waits_for_masks = plan.is_empty() && !held.is_empty();
+        if self.waits_for_masks {
             return self.plan_without(&HashSet::new());
         }
         plan
@@ -1031,9 +1032,12 @@ impl Scheduler {
     }
 
     /// The decoding sequences that sit this step out because their grammar's next mask is still
-    /// being computed: a heavy grammar then delays its own sequence, not every other sequence's
-    /// sampling. None when that would leave nothing to run (the step then waits for the masks).
+    /// being computed and its masks come later than a forward pass takes: a heavy grammar then
+    /// delays its own sequence, not every other sequence's sampling. A mask that is merely
+    /// still on its way (the usual case: it is computed during the forward pass) holds nothing
+    /// back. None when that would leave nothing to run (the step then waits for the masks).
     fn masks_pending(&mut self) -> HashSet<RequestId> {
+        let forward = self.last_forward;
         let held: HashSet<RequestId> = self
             .running
             .iter_mut()
@@ -1041,7 +1045,7 @@ impl Scheduler {
             .filter_map(|s| {
                 s.constraint
                     .as_mut()
-                    .is_some_and(|c| !c.mask_ready())
+                    .is_some_and(|c| !c.mask_ready() && c.lateness() > forward)
                     .then_some(s.id)
             })
             .collect();
@@ -1200,9 +1204,11 @@ impl Scheduler {
 
     /// Each planned sequence's next token from its rows: plain rows sampled in parallel (262k-wide
     /// rows), drafts verified one row after another (counting the kept tokens in `summary`).
+    /// A decoding sequence whose mask does not come in time samples in a later step instead.
     /// Returns the sequences that finished, with their reasons.
     fn pick(
         &mut self,
+        plan: &[(RequestId, usize)],
         order: &[usize],
         rows: &[usize],
         logits: &mut [f32],
@@ -1215,7 +1221,11 @@ impl Scheduler {
         let mut drafts: Vec<(usize, &mut [f32], &[LogitSummary])> = Vec::new();
         let mut rest: &mut [f32] = logits;
         let mut rest_summaries: &[LogitSummary] = summaries;
-        for (&ix, &r) in order.iter().zip(rows) {
+        // A decoding sequence's mask later than a quarter of the forward pass is not waited for
+        // (unless the step runs only because of it): its sequence samples in a later step. A
+        // prompt's first mask is waited for.
+        let deadline = (!self.waits_for_masks).then(|| Instant::now() + self.last_forward / 4);
+        for ((&ix, &r), &(_, n)) in order.iter().zip(rows).zip(plan) {
             if r == 0 {
                 continue;
             }
@@ -1228,16 +1238,18 @@ impl Scheduler {
                 drafts.push((ix, mine, my_summaries));
                 continue;
             }
-            // A constrained sequence's mask was computed during the forward pass.
-            let mask = match s.constraint.as_mut().map(Constraint::wait) {
-                None => None,
-                Some(Next::Mask(m)) => Some(m),
-                Some(Next::Done) => {
-                    finished.push((s.id, Ok(FinishReason::Stop)));
+            let mask = match masked(s, deadline.filter(|_| n == 1)) {
+                Masked::Free => None,
+                Masked::Mask(m) => Some(m),
+                Masked::Later => {
+                    // Its position is run again, the same, once the mask is there.
+                    s.kv_len -= 1;
+                    summary.decode_seqs -= 1;
+                    summary.decode_tokens -= 1;
                     continue;
                 }
-                Some(Next::Failed(e)) => {
-                    finished.push((s.id, Err(EngineError::GrammarFailed(e))));
+                Masked::End(ending) => {
+                    finished.push((s.id, ending));
                     continue;
                 }
             };
@@ -1245,22 +1257,8 @@ impl Scheduler {
         }
         for (ix, token, logprob, top) in sample_rows(&mut self.running, plain) {
             let s = &mut self.running[ix];
-            let end = emit(s, (token, logprob, top), ctx);
-            match (end, s.constraint.as_mut()) {
-                (None, Some(c)) => c.advance(token),
-                // The token that used up the reply's length may be the one that completed
-                // its grammar: then the reply is whole, and says so.
-                (Some(FinishReason::Length), Some(c)) => {
-                    c.advance(token);
-                    let r = if c.done() {
-                        FinishReason::Stop
-                    } else {
-                        FinishReason::Length
-                    };
-                    finished.push((s.id, Ok(r)));
-                }
-                (Some(r), _) => finished.push((s.id, Ok(r))),
-                (None, None) => {}
+            if let Some(r) = take(s, (token, logprob, top), ctx) {
+                finished.push((s.id, Ok(r)));
             }
         }
         let most = self.config.spec_tokens;
@@ -1299,6 +1297,77 @@ impl Scheduler {
             }
         }
     }
+}
+
+/// Sends `s` its sampled token and feeds it to its grammar; how the reply ends, if it does.
+fn take(s: &mut Seq, pick: (u32, f32, Vec<(u32, f32)>), ctx: usize) -> Option<FinishReason> {
+    let token = pick.0;
+    let end = emit(s, pick, ctx);
+    let Some(c) = s.constraint.as_mut() else {
+        return end;
+    };
+    match end {
+        None => {
+            c.advance(token);
+            None
+        }
+        // The token that used up the reply's length may be the one that completed its grammar:
+        // then the reply is whole, and says so.
+        Some(FinishReason::Length) => {
+            c.advance(token);
+            Some(if c.done() {
+                FinishReason::Stop
+            } else {
+                FinishReason::Length
+            })
+        }
+        end => end,
+    }
+}
+
+/// What a sequence's grammar says of the row it is about to sample.
+enum Masked {
+    /// No grammar.
+    Free,
+    Mask(SimpleVob),
+    /// The mask did not come by the deadline.
+    Later,
+    /// The grammar ended the reply, or failed.
+    End(Ending),
+}
+
+/// `s`'s mask for this step (computed during the forward pass), waited for until `deadline`, or
+/// for as long as it takes without one.
+fn masked(s: &mut Seq, deadline: Option<Instant>) -> Masked {
+    let Some(c) = s.constraint.as_mut() else {
+        return Masked::Free;
+    };
+    let next = match deadline {
+        Some(d) => c.wait_for(d.saturating_duration_since(Instant::now())),
+        None => Some(c.wait()),
+    };
+    match next {
+        None => Masked::Later,
+        Some(Next::Mask(m)) => Masked::Mask(m),
+        Some(Next::Done) => Masked::End(Ok(FinishReason::Stop)),
+        Some(Next::Failed(e)) => Masked::End(Err(EngineError::GrammarFailed(e))),
+    }
+}
+
+/// The configuration's own limits.
+fn check(config: &EngineConfig) -> Result<(), EngineError> {
+    if config.block_size == 0 || config.max_batch == 0 || config.prefill_chunk == 0 {
+        return Err(EngineError::Internal(
+            "block_size, max_batch and prefill_chunk must be positive".into(),
+        ));
+    }
+    if !(config.prefill_share.is_finite() && config.prefill_share >= 0.0) {
+        return Err(EngineError::Internal(format!(
+            "prefill_share must be a number of at least 0, not {}",
+            config.prefill_share
+        )));
+    }
+    Ok(())
 }
 
 /// A sequence's pick: its index in the batch, the token, its log-probability and its likeliest

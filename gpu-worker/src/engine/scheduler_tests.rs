@@ -723,11 +723,11 @@ fn a_short_prompt_is_prefilled_beside_another_users_long_ones_not_after_them() {
 }
 
 /// Tokens received on `rx` since last asked, and how it finished if it did.
-fn tokens_now(rx: &mut Events) -> (usize, Option<FinishReason>) {
-    let (mut n, mut end) = (0, None);
+fn tokens_now(rx: &mut Events) -> (Vec<u32>, Option<FinishReason>) {
+    let (mut n, mut end) = (Vec::new(), None);
     while let Ok(e) = rx.try_recv() {
         match e {
-            EngineEvent::Token { .. } => n += 1,
+            EngineEvent::Token { id, .. } => n.push(id),
             EngineEvent::Finished { reason, .. } => end = Some(reason),
             other @ EngineEvent::Error(_) => panic!("{other:?}"),
             EngineEvent::Started { .. } => {}
@@ -736,30 +736,9 @@ fn tokens_now(rx: &mut Events) -> (usize, Option<FinishReason>) {
     (n, end)
 }
 
-/// A grammar's mask still being computed holds back its own sequence, not the step: with the
-/// mask threads busy, the free sequence decodes on and the constrained one waits, then both
-/// finish whole.
-#[test]
-fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
-    let (mut s, grammars) = tiny_constrained();
-    let grammar = hearth_shared::Grammar::Regex {
-        pattern: "[a-z]{12}".into(),
-    };
-    let r = GenerateRequest::new(1, prompt(20, 1), 30);
-    let mut constrained = submit_constrained(&mut s, &grammars, r, &grammar);
-    let mut free = submit(&mut s, 2, prompt(20, 2), 30, None);
-    s.step();
-    while s.running.iter().any(|q| q.tokens.len() - q.kv_len > 1) {
-        s.step();
-    }
-    let mask_ready = |s: &mut Scheduler| {
-        let q = s.running.iter_mut().find(|q| q.id.0 == 1).unwrap();
-        q.constraint.as_mut().unwrap().mask_ready()
-    };
-    while !mask_ready(&mut s) {
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    // Both mask threads (the test's two) busy until released.
+/// Occupies both mask threads (the tests' two) until the returned senders are dropped or sent
+/// to (or 5 s pass).
+fn busy_mask_threads(grammars: &Grammars) -> Vec<std::sync::mpsc::Sender<()>> {
     let (started_tx, started) = std::sync::mpsc::channel();
     let mut release = Vec::new();
     for _ in 0..2 {
@@ -776,29 +755,104 @@ fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
     }
     started.recv().unwrap();
     started.recv().unwrap();
+    release
+}
+
+/// A scheduler decoding sequence 1, constrained to `grammar` with its next mask ready, beside
+/// sequence 2, free; their events, and the grammar engine.
+fn constrained_beside_free(
+    grammar: &hearth_shared::Grammar,
+) -> (Scheduler, Grammars, Events, Events) {
+    let (mut s, grammars) = tiny_constrained();
+    let r = GenerateRequest::new(1, prompt(20, 1), 30);
+    let constrained = submit_constrained(&mut s, &grammars, r, grammar);
+    let free = submit(&mut s, 2, prompt(20, 2), 30, None);
+    s.step();
+    while s.running.iter().any(|q| q.tokens.len() - q.kv_len > 1) {
+        s.step();
+    }
+    while !mask_ready(&mut s) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    (s, grammars, constrained, free)
+}
+
+fn mask_ready(s: &mut Scheduler) -> bool {
+    let q = s.running.iter_mut().find(|q| q.id.0 == 1).unwrap();
+    q.constraint.as_mut().unwrap().mask_ready()
+}
+
+/// A grammar's mask that does not come in time holds back its own sequence, not the step: with
+/// the mask threads busy, the free sequence decodes on and the constrained one waits, then both
+/// finish whole, the constrained reply the one it gives on its own.
+#[test]
+fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
+    let grammar = hearth_shared::Grammar::Regex {
+        pattern: "[a-z]{12}".into(),
+    };
+    let alone = {
+        let (mut s, grammars) = tiny_constrained();
+        let r = GenerateRequest::new(1, prompt(20, 1), 30);
+        let mut rx = submit_constrained(&mut s, &grammars, r, &grammar);
+        drain(&mut s, audit);
+        outcome(&mut rx).1
+    };
+    let (mut s, grammars, mut constrained, mut free) = constrained_beside_free(&grammar);
+    let release = busy_mask_threads(&grammars);
     let (mut c, mut f) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
     // Its ready mask is used; the next one is queued behind the busy threads.
     s.step().unwrap();
     let (c1, f1) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
-    assert_eq!(c1, 1);
+    assert_eq!(c1.len(), 1);
     assert!(!mask_ready(&mut s));
-    let summary = s.step().unwrap();
-    let (c2, f2) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
-    assert_eq!(summary.decode_seqs, 1, "{summary:?}");
-    assert_eq!(c2, 0, "the step waited for the late mask");
-    assert!(f2 > 0, "the free sequence decoded on");
-    for tx in release {
-        let _ = tx.send(());
+    // Its grammar kept up so far: it runs, and its sampling gives up on the mask (its position
+    // runs again later). Then its mask is later than a forward pass, and it sits out.
+    s.last_forward = std::time::Duration::from_secs(3600);
+    for round in 0..3 {
+        let summary = s.step().unwrap();
+        audit(&s);
+        let (c2, f2) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
+        assert_eq!(summary.decode_seqs, 1, "step {round}: {summary:?}");
+        assert!(c2.is_empty(), "step {round} waited for the late mask");
+        assert_eq!(f2.len(), 1, "the free sequence decoded on");
+        f.extend(f2);
     }
+    drop(release);
     drain(&mut s, audit);
     let ((c3, c_end), (f3, f_end)) = (tokens_now(&mut constrained), tokens_now(&mut free));
-    (c, f) = (c + c1 + c2 + c3, f + f1 + f2 + f3);
-    assert_eq!((f, f_end), (30, Some(FinishReason::Length)));
+    c.extend(c1.into_iter().chain(c3));
+    f.extend(f1.into_iter().chain(f3));
+    assert_eq!((f.len(), f_end), (30, Some(FinishReason::Length)));
     assert_eq!(
         c_end,
         Some(FinishReason::Stop),
-        "the grammar ended it after {c} tokens"
+        "the grammar ended it after {c:?}"
     );
+    assert_eq!(c, alone, "the reply it gives on its own");
+}
+
+/// A mask still on its way holds nothing back while its grammar keeps up with the forward pass
+/// (the usual case: masks are computed during the forward pass); one later than a forward pass
+/// makes its sequence sit out.
+#[test]
+fn only_a_grammar_slower_than_the_forward_pass_sits_out() {
+    let grammar = hearth_shared::Grammar::Regex {
+        pattern: "[a-z]{12}".into(),
+    };
+    let (mut s, grammars, _constrained, _free) = constrained_beside_free(&grammar);
+    let release = busy_mask_threads(&grammars);
+    s.step().unwrap();
+    assert!(!mask_ready(&mut s), "its next mask is on its way");
+    s.last_forward = std::time::Duration::from_secs(3600);
+    assert!(s.masks_pending().is_empty(), "a forward pass takes longer");
+    s.last_forward = std::time::Duration::ZERO;
+    let held = s.masks_pending();
+    assert_eq!(held.into_iter().map(|id| id.0).collect::<Vec<_>>(), [1]);
+    drop(release);
+    while !mask_ready(&mut s) {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(s.masks_pending().is_empty(), "a mask that is there is used");
 }
 
 /// Fair share of the K/V memory held by one huge sequence: Alice's one long prompt fills the
