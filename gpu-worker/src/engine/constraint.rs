@@ -356,12 +356,14 @@ impl Constraint {
         self.ready.is_some() || self.next.is_none()
     }
 
-    /// Whether the grammar is complete with nothing to follow, waiting for the mask.
-    pub(crate) fn done(&mut self) -> bool {
-        let n = self.wait();
-        let done = matches!(n, Next::Done);
-        self.ready = Some(n);
-        done
+    /// Feeds the reply's last `token` to the matcher here, computing no mask: whether it
+    /// completed the grammar with nothing to follow. Cheap next to a mask, so a reply that
+    /// ends holds up no step waiting for one.
+    pub(crate) fn ends_with(&mut self, token: u32) -> bool {
+        let Ok(mut m) = self.matcher.lock() else {
+            return false;
+        };
+        m.consume_token(token).is_ok() && m.is_stopped()
     }
 
     /// The next step's mask, waiting for it if it is still being computed.

@@ -1204,7 +1204,7 @@ impl Scheduler {
 
     /// Each planned sequence's next token from its rows: plain rows sampled in parallel (262k-wide
     /// rows), drafts verified one row after another (counting the kept tokens in `summary`).
-    /// A decoding sequence whose mask does not come in time samples in a later step instead.
+    /// A sequence whose mask does not come in time samples in a later step instead.
     /// Returns the sequences that finished, with their reasons.
     fn pick(
         &mut self,
@@ -1221,9 +1221,8 @@ impl Scheduler {
         let mut drafts: Vec<(usize, &mut [f32], &[LogitSummary])> = Vec::new();
         let mut rest: &mut [f32] = logits;
         let mut rest_summaries: &[LogitSummary] = summaries;
-        // A decoding sequence's mask later than a quarter of the forward pass is not waited for
-        // (unless the step runs only because of it): its sequence samples in a later step. A
-        // prompt's first mask is waited for.
+        // A mask later than a quarter of the forward pass is not waited for (unless the step
+        // runs only because of it): its sequence samples in a later step.
         let deadline = (!self.waits_for_masks).then(|| Instant::now() + self.last_forward / 4);
         for ((&ix, &r), &(_, n)) in order.iter().zip(rows).zip(plan) {
             if r == 0 {
@@ -1238,14 +1237,18 @@ impl Scheduler {
                 drafts.push((ix, mine, my_summaries));
                 continue;
             }
-            let mask = match masked(s, deadline.filter(|_| n == 1)) {
+            let mask = match masked(s, deadline) {
                 Masked::Free => None,
                 Masked::Mask(m) => Some(m),
                 Masked::Later => {
-                    // Its position is run again, the same, once the mask is there.
+                    // Its last position runs again, the same, once the mask is there.
                     s.kv_len -= 1;
-                    summary.decode_seqs -= 1;
-                    summary.decode_tokens -= 1;
+                    if n == 1 {
+                        summary.decode_seqs -= 1;
+                        summary.decode_tokens -= 1;
+                    } else {
+                        summary.prefill_tokens -= 1;
+                    }
                     continue;
                 }
                 Masked::End(ending) => {
@@ -1313,14 +1316,11 @@ fn take(s: &mut Seq, pick: (u32, f32, Vec<(u32, f32)>), ctx: usize) -> Option<Fi
         }
         // The token that used up the reply's length may be the one that completed its grammar:
         // then the reply is whole, and says so.
-        Some(FinishReason::Length) => {
-            c.advance(token);
-            Some(if c.done() {
-                FinishReason::Stop
-            } else {
-                FinishReason::Length
-            })
-        }
+        Some(FinishReason::Length) => Some(if c.ends_with(token) {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        }),
         end => end,
     }
 }

@@ -831,6 +831,45 @@ fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
     assert_eq!(c, alone, "the reply it gives on its own");
 }
 
+/// A prompt whose first mask does not come in time holds up no step either: its last prompt
+/// position runs again once the mask is there, and its reply is the one it gives on its own.
+#[test]
+fn a_prompt_whose_first_mask_is_late_holds_up_no_step() {
+    let grammar = hearth_shared::Grammar::Regex {
+        pattern: "[a-z]{12}".into(),
+    };
+    let alone = {
+        let (mut s, grammars) = tiny_constrained();
+        let r = GenerateRequest::new(1, prompt(20, 1), 30);
+        let mut rx = submit_constrained(&mut s, &grammars, r, &grammar);
+        drain(&mut s, audit);
+        outcome(&mut rx).1
+    };
+    let (mut s, grammars) = tiny_constrained();
+    let mut free = submit(&mut s, 2, prompt(20, 2), 30, None);
+    s.step();
+    assert_eq!(tokens_now(&mut free).0.len(), 1);
+    let release = busy_mask_threads(&grammars);
+    let r = GenerateRequest::new(1, prompt(20, 1), 30);
+    let mut constrained = submit_constrained(&mut s, &grammars, r, &grammar);
+    s.last_forward = std::time::Duration::from_secs(3600);
+    for step in 0..3 {
+        s.step().unwrap();
+        audit(&s);
+        assert!(tokens_now(&mut constrained).0.is_empty(), "step {step}");
+        assert_eq!(
+            tokens_now(&mut free).0.len(),
+            1,
+            "step {step}: the free one decodes on"
+        );
+    }
+    drop(release);
+    drain(&mut s, audit);
+    let (c, c_end) = tokens_now(&mut constrained);
+    assert_eq!(c_end, Some(FinishReason::Stop));
+    assert_eq!(c, alone, "the reply it gives on its own");
+}
+
 /// A mask still on its way holds nothing back while its grammar keeps up with the forward pass
 /// (the usual case: masks are computed during the forward pass); one later than a forward pass
 /// makes its sequence sit out.
