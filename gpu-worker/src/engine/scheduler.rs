@@ -912,11 +912,13 @@ impl Scheduler {
         id
     }
 
-    /// What this step may prefill: `prefill_chunk` tokens, and while sequences decode, work of
-    /// at most `prefill_share` times theirs (attention over each one's positions included; at
-    /// least `MIN_PREFILL_WITH_DECODES` tokens' at a prompt's start). A step with a prefill then
-    /// takes about `1 + prefill_share` times a decode-only step, however deep in its prompt the
-    /// chunk is.
+    /// What this step may prefill: `prefill_chunk` tokens, and work of at most what those tokens
+    /// take at a prompt's start (attention over each one's positions included), so a chunk deep
+    /// in a long prompt is shorter and no step takes longer than a fresh chunk: another user's
+    /// prompt that arrives meanwhile waits for no more. While sequences decode, the work is at
+    /// most `prefill_share` times theirs (at least `MIN_PREFILL_WITH_DECODES` tokens' at a
+    /// prompt's start): a step with a prefill then takes about `1 + prefill_share` times a
+    /// decode-only step, however deep in its prompt the chunk is.
     /// The sequences `held` sit this step out.
     pub(crate) fn prefill_budget(&self, held: &HashSet<RequestId>) -> PrefillBudget {
         let (tokens, share) = (self.config.prefill_chunk, self.config.prefill_share);
@@ -926,11 +928,12 @@ impl Scheduler {
             .filter(|s| s.tokens.len() - s.kv_len == 1 && !held.contains(&s.id))
             .map(|s| self.work.decode(s.kv_len))
             .sum();
+        let chunk = self.work.prefill(0, tokens);
         let work = if decode == 0.0 || share <= 0.0 {
-            f64::INFINITY
+            chunk
         } else {
             let floor = MIN_PREFILL_WITH_DECODES as f64 * self.work.shallow_token();
-            (share * decode).max(floor)
+            (share * decode).max(floor).min(chunk)
         };
         PrefillBudget { tokens, work }
     }

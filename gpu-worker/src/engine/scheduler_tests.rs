@@ -684,7 +684,7 @@ fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
 
 /// Fair share of the prefill: Alice's two long prompts are being prefilled in chunks when Bob's
 /// short one arrives. The next step prefills all of Bob's (he starts answering at once) and
-/// gives the rest of the chunk to Alice's oldest; every reply is still a cold run's.
+/// gives the rest of the chunk's work to Alice's oldest; every reply is still a cold run's.
 #[test]
 fn a_short_prompt_is_prefilled_beside_another_users_long_ones_not_after_them() {
     let model = tiny();
@@ -703,23 +703,71 @@ fn a_short_prompt_is_prefilled_beside_another_users_long_ones_not_after_them() {
         (a2.clone(), submit_as(&mut s, 2, "alice", &a2, 4)),
     ];
     s.step();
+    let kv = |s: &Scheduler, id: u64| s.running.iter().find(|q| q.id.0 == id).unwrap().kv_len;
+    let (from, second) = (kv(&s, 1), kv(&s, 2));
     let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
     let summary = s.step().unwrap();
     audit(&s);
-    let kv = |s: &Scheduler, id: u64| s.running.iter().find(|q| q.id.0 == id).unwrap().kv_len;
     assert_eq!(kv(&s, 3), b.len(), "Bob's prompt waits behind Alice's");
-    assert_eq!(summary.prefill_tokens, chunk, "the whole chunk is used");
-    assert_eq!(
-        kv(&s, 1),
-        2 * chunk - b.len(),
-        "Alice's oldest takes the rest"
+    let (hers, next) = (kv(&s, 1) - from, kv(&s, 2) - second);
+    assert_eq!(summary.prefill_tokens, b.len() + hers + next);
+    let work =
+        s.work.prefill(0, b.len()) + s.work.prefill(from, hers) + s.work.prefill(second, next);
+    assert!(
+        work <= s.work.prefill(0, chunk) && hers >= chunk - b.len() - 8 && next <= 1,
+        "Alice's oldest takes most of the rest of a chunk's work: {hers} tokens from {from}, \
+         her second {next}"
     );
-    assert_eq!(kv(&s, 2), 0);
     drain(&mut s, audit);
     assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
     for (p, rx) in &mut alice {
         assert_eq!(outcome(rx).1, cold(&model, p.clone(), 4));
     }
+}
+
+/// No step takes longer than a chunk at a prompt's start: deep in Alice's long prompt (each token
+/// attending to hundreds before it), her chunks are shorter, so Bob's prompt that arrives then
+/// waits for no more than a fresh chunk's work, and is prefilled whole in the next step.
+#[test]
+fn a_chunk_deep_in_a_long_prompt_is_held_to_a_fresh_chunks_work() {
+    let model = tiny();
+    let chunk = 64;
+    let mut s = Scheduler::new(
+        model.clone(),
+        EngineConfig {
+            prefill_chunk: chunk,
+            ..unpacked()
+        },
+    )
+    .unwrap();
+    let (a, b) = (prompt(900, 1), prompt(10, 3));
+    let mut alice = submit_as(&mut s, 1, "alice", &a, 4);
+    s.step();
+    let kv = |s: &Scheduler, id: u64| s.running.iter().find(|q| q.id.0 == id).unwrap().kv_len;
+    let budget = s.work.prefill(0, chunk);
+    assert_eq!(kv(&s, 1), chunk, "a fresh chunk is whole");
+    while kv(&s, 1) < 600 {
+        let from = kv(&s, 1);
+        let summary = s.step().unwrap();
+        assert!(
+            s.work.prefill(from, summary.prefill_tokens) <= budget,
+            "a chunk from {from} of {} tokens",
+            summary.prefill_tokens
+        );
+    }
+    let from = kv(&s, 1);
+    let deep = s.step().unwrap().prefill_tokens;
+    assert!(deep < chunk * 3 / 4, "a chunk from {from}: {deep} tokens");
+    let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
+    let from = kv(&s, 1);
+    s.step().unwrap();
+    audit(&s);
+    assert_eq!(kv(&s, 3), b.len(), "Bob's whole prompt in the next step");
+    let work = s.work.prefill(0, b.len()) + s.work.prefill(from, kv(&s, 1) - from);
+    assert!(work <= budget, "the step: {work} of {budget}");
+    drain(&mut s, audit);
+    assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
+    assert_eq!(outcome(&mut alice).1, cold(&model, a, 4));
 }
 
 /// Tokens received on `rx` since last asked, and how it finished if it did.
