@@ -4,7 +4,9 @@
 //! hands it to the engine (compiling its grammar first, which may take seconds) and then relays
 //! its engine events, coalescing tokens that are already queued into one `Tokens` event. The
 //! connection task itself never waits on a request, so one request's grammar never holds up the
-//! requests behind it on the stream (the orchestrator multiplexes every tenant onto one).
+//! requests behind it on the stream (the orchestrator multiplexes every tenant onto one). A
+//! request without a grammar is handed over by the connection task itself, so plain requests
+//! reach the engine in the stream's order.
 //! Cancellation follows ownership: when the client goes away, the connection task drops every
 //! forwarder (and with it the engine event streams) and cancels the requests in the engine, which
 //! frees their slots at its next step.
@@ -223,7 +225,15 @@ impl Connection {
             engine: engine.clone(),
             cancel: Arc::new(Notify::new()),
         };
-        let submitted = submit_unless_cancelled(engine, req, live.cancel.clone());
+        let submitted: Submission = if req.grammar.is_none() {
+            // A plain request is handed over at once, in the stream's order.
+            let events = engine
+                .submit(req)
+                .map_err(|e| (status::code(&e), e.to_string()))?;
+            Box::pin(std::future::ready(Ok(events)))
+        } else {
+            Box::pin(submit_unless_cancelled(engine, req, live.cancel.clone()))
+        };
         let out = self.out.clone();
         let task = self
             .forwarders
@@ -271,6 +281,10 @@ impl Connection {
         self.forwarders.abort_all();
     }
 }
+
+/// A request on its way to its engine: its event stream once there.
+type Submission =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<EventStream, NotSubmitted>> + Send>>;
 
 /// Why a request never reached its engine.
 enum NotSubmitted {
@@ -333,7 +347,7 @@ async fn submit_to_engine(
 /// `UNAVAILABLE`, so the client continues it on another worker.
 async fn forward(
     client_id: u64,
-    submitted: impl std::future::Future<Output = Result<EventStream, NotSubmitted>>,
+    submitted: Submission,
     out: EventTx,
     guards: Guards,
 ) -> (proto::WorkerEvent, Guards) {
