@@ -1,12 +1,11 @@
 //! One `Generate` stream: many requests multiplexed in, request-tagged events out.
 //!
 //! A connection task owns the stream's requests. Each accepted request gets a forwarder task that
-//! hands it to the engine (compiling its grammar first, which may take seconds) and then relays
-//! its engine events, coalescing tokens that are already queued into one `Tokens` event. The
-//! connection task itself never waits on a request, so one request's grammar never holds up the
-//! requests behind it on the stream (the orchestrator multiplexes every tenant onto one). A
-//! request without a grammar is handed over by the connection task itself, so plain requests
-//! reach the engine in the stream's order.
+//! relays its engine events, coalescing tokens that are already queued into one `Tokens` event.
+//! A plain request is handed to the engine by the connection task itself, in the stream's order;
+//! a constrained one by its forwarder, once its grammar is compiled (which may take seconds), so
+//! the connection task never waits on a request and one request's grammar never holds up those
+//! behind it on the stream (the orchestrator multiplexes every tenant onto one).
 //! Cancellation follows ownership: when the client goes away, the connection task drops every
 //! forwarder (and with it the engine event streams) and cancels the requests in the engine, which
 //! frees their slots at its next step.
