@@ -172,6 +172,15 @@ fn with_blocks(model: &Arc<Model>, blocks: usize) -> Scheduler {
     Scheduler::new(model.clone(), config).unwrap()
 }
 
+/// A scheduler that prefills at most `chunk` prompt tokens a step.
+fn with_chunk(model: &Arc<Model>, chunk: usize) -> Scheduler {
+    let config = EngineConfig {
+        prefill_chunk: chunk,
+        ..unpacked()
+    };
+    Scheduler::new(model.clone(), config).unwrap()
+}
+
 /// Bytes of one KV block of `model` at the default element type.
 fn block_bytes(model: &Model) -> usize {
     let c = &model.config;
@@ -689,14 +698,7 @@ fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
 fn a_short_prompt_is_prefilled_beside_another_users_long_ones_not_after_them() {
     let model = tiny();
     let chunk = 64;
-    let mut s = Scheduler::new(
-        model.clone(),
-        EngineConfig {
-            prefill_chunk: chunk,
-            ..unpacked()
-        },
-    )
-    .unwrap();
+    let mut s = with_chunk(&model, chunk);
     let (a1, a2, b) = (prompt(300, 1), prompt(300, 2), prompt(10, 3));
     let mut alice = vec![
         (a1.clone(), submit_as(&mut s, 1, "alice", &a1, 4)),
@@ -732,14 +734,7 @@ fn a_short_prompt_is_prefilled_beside_another_users_long_ones_not_after_them() {
 fn a_chunk_deep_in_a_long_prompt_is_held_to_a_fresh_chunks_work() {
     let model = tiny();
     let chunk = 64;
-    let mut s = Scheduler::new(
-        model.clone(),
-        EngineConfig {
-            prefill_chunk: chunk,
-            ..unpacked()
-        },
-    )
-    .unwrap();
+    let mut s = with_chunk(&model, chunk);
     let (a, b) = (prompt(900, 1), prompt(10, 3));
     let mut alice = submit_as(&mut s, 1, "alice", &a, 4);
     s.step();
