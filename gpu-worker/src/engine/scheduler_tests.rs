@@ -825,21 +825,28 @@ fn mask_ready(s: &mut Scheduler) -> bool {
     q.constraint.as_mut().unwrap().mask_ready()
 }
 
+fn twelve_letters() -> hearth_shared::Grammar {
+    hearth_shared::Grammar::Regex {
+        pattern: "[a-z]{12}".into(),
+    }
+}
+
+/// The reply sequence 1 of the late-mask tests gives under `grammar` on its own.
+fn constrained_alone(grammar: &hearth_shared::Grammar) -> Vec<u32> {
+    let (mut s, grammars) = tiny_constrained();
+    let r = GenerateRequest::new(1, prompt(20, 1), 30);
+    let mut rx = submit_constrained(&mut s, &grammars, r, grammar);
+    drain(&mut s, audit);
+    outcome(&mut rx).1
+}
+
 /// A grammar's mask that does not come in time holds back its own sequence, not the step: with
 /// the mask threads busy, the free sequence decodes on and the constrained one waits, then both
 /// finish whole, the constrained reply the one it gives on its own.
 #[test]
 fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
-    let grammar = hearth_shared::Grammar::Regex {
-        pattern: "[a-z]{12}".into(),
-    };
-    let alone = {
-        let (mut s, grammars) = tiny_constrained();
-        let r = GenerateRequest::new(1, prompt(20, 1), 30);
-        let mut rx = submit_constrained(&mut s, &grammars, r, &grammar);
-        drain(&mut s, audit);
-        outcome(&mut rx).1
-    };
+    let grammar = twelve_letters();
+    let alone = constrained_alone(&grammar);
     let (mut s, grammars, mut constrained, mut free) = constrained_beside_free(&grammar);
     let release = busy_mask_threads(&grammars);
     let (mut c, mut f) = (tokens_now(&mut constrained).0, tokens_now(&mut free).0);
@@ -878,16 +885,8 @@ fn a_sequence_whose_mask_is_late_sits_the_step_out_and_others_decode_on() {
 /// position runs again once the mask is there, and its reply is the one it gives on its own.
 #[test]
 fn a_prompt_whose_first_mask_is_late_holds_up_no_step() {
-    let grammar = hearth_shared::Grammar::Regex {
-        pattern: "[a-z]{12}".into(),
-    };
-    let alone = {
-        let (mut s, grammars) = tiny_constrained();
-        let r = GenerateRequest::new(1, prompt(20, 1), 30);
-        let mut rx = submit_constrained(&mut s, &grammars, r, &grammar);
-        drain(&mut s, audit);
-        outcome(&mut rx).1
-    };
+    let grammar = twelve_letters();
+    let alone = constrained_alone(&grammar);
     let (mut s, grammars) = tiny_constrained();
     let mut free = submit(&mut s, 2, prompt(20, 2), 30, None);
     s.step();
@@ -918,9 +917,7 @@ fn a_prompt_whose_first_mask_is_late_holds_up_no_step() {
 /// makes its sequence sit out.
 #[test]
 fn only_a_grammar_slower_than_the_forward_pass_sits_out() {
-    let grammar = hearth_shared::Grammar::Regex {
-        pattern: "[a-z]{12}".into(),
-    };
+    let grammar = twelve_letters();
     let (mut s, grammars, _constrained, _free) = constrained_beside_free(&grammar);
     let release = busy_mask_threads(&grammars);
     s.step().unwrap();

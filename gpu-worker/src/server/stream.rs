@@ -311,19 +311,16 @@ async fn submit_unless_cancelled(
     }
 }
 
-/// Hands `req` to `engine`. A grammar is compiled against the vocabulary as it is taken
-/// (milliseconds for a large schema, seconds for a hundred tools), so a constrained request is
-/// handed over on the blocking pool, where it cannot hold up the runtime's other streams and
-/// health checks, and at most half the cores compile at once: a tenant's many huge grammars
+/// Hands constrained `req` to `engine`. Its grammar is compiled against the vocabulary as it is
+/// taken (milliseconds for a large schema, seconds for a hundred tools), so the request is handed
+/// over on the blocking pool, where it cannot hold up the runtime's other streams and health
+/// checks, and at most half the cores compile at once: a tenant's many huge grammars
 /// wait for each other, and leave the engine the cores it steps on.
 async fn submit_to_engine(
     engine: EngineHandle,
     req: GenerateRequest,
 ) -> Result<EventStream, EngineError> {
     static COMPILING: std::sync::OnceLock<Arc<tokio::sync::Semaphore>> = std::sync::OnceLock::new();
-    if req.grammar.is_none() {
-        return engine.submit(req);
-    }
     let slots = COMPILING.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(2, usize::from);
         Arc::new(tokio::sync::Semaphore::new((cores / 2).max(1)))
