@@ -13,6 +13,7 @@ pub mod lookup;
 mod mask_queue;
 mod scheduler;
 mod scripted;
+mod share;
 mod types;
 mod work;
 

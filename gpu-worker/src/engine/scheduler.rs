@@ -1,7 +1,7 @@
 //! The scheduler: plain synchronous state driven by the engine thread (and directly by tests).
 //!
 //! Each [`Scheduler::step`] admits waiting requests while KV blocks allow (evicting idle session
-//! caches least-recently-used first), gives every running sequence its slice of the step — one
+//! caches by each user's share of the pool: see [`super::share`]), gives every running sequence its slice of the step — one
 //! token when decoding, a chunk of the prompt when prefilling — runs one batched forward pass, and
 //! samples a token for every sequence that reached the end of its input. Finished sequences leave
 //! at once; their KV stays behind as the session's cache for the next turn.
@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use super::backend::{Backend, Weights};
 use super::constraint::{Constraint, Next};
 use super::lookup;
+use super::share::Shares;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
 use super::work::WorkModel;
 use super::{EngineError, EventSender, ModelInfo};
@@ -66,11 +67,18 @@ enum Placement {
 /// A session's KV left behind by its last turn.
 #[derive(Debug)]
 struct SessionCache {
+    /// Whose session: its blocks count towards that user's share of the pool.
+    user: UserId,
     tokens: Vec<u32>,
     blocks: Vec<BlockId>,
     /// Packed global layers of the table's leading [`NO_BLOCK`] entries.
     packed: Vec<BlockId>,
     last_used: u64,
+}
+
+/// Blocks a table holds: its own (not those packed away) and its packed ones.
+fn held(blocks: &[BlockId], packed: &[BlockId]) -> usize {
+    blocks.iter().filter(|&&b| b != NO_BLOCK).count() + packed.len()
 }
 
 /// Releases a table and its packed blocks.
@@ -427,16 +435,38 @@ impl Scheduler {
         self.clock
     }
 
-    /// Frees the least recently used idle session cache other than `keep`; false if there is
-    /// none.
-    fn evict_one_idle(&mut self, keep: Option<&SessionId>) -> bool {
-        let Some(id) = self
-            .sessions
+    /// Who holds how much of the pool, `asking` counted as a user even if it holds nothing yet.
+    fn shares<'a>(&'a self, asking: Option<&'a UserId>) -> Shares<'a> {
+        let running = self
+            .running
             .iter()
-            .filter(|(id, _)| Some(*id) != keep)
-            .min_by_key(|(_, c)| c.last_used)
-            .map(|(id, _)| id.clone())
-        else {
+            .map(|s| (&s.user, held(&s.blocks, &s.packed)));
+        let idle = self.sessions.values();
+        let idle = idle.map(|c| (&c.user, held(&c.blocks, &c.packed)));
+        Shares::new(self.alloc.total(), running.chain(idle), asking)
+    }
+
+    /// The idle session cache to evict next for a request of `asking` that would hold `extra`
+    /// more blocks: caches of users over their share of the pool first, then the least recently
+    /// used. A user over its share (with `extra`) takes only its own caches and those of users
+    /// over theirs (see [`Shares`]); `None` (nothing else can free memory) takes any.
+    fn idle_victim(&self, asking: Option<(&UserId, usize)>) -> Option<SessionId> {
+        let shares = self.shares(asking.map(|(u, _)| u));
+        let asker_over = asking.is_some_and(|(u, extra)| shares.over(u, extra));
+        self.sessions
+            .iter()
+            .filter_map(|(id, c)| {
+                let over = shares.over(&c.user, 0);
+                let own = asking.is_some_and(|(u, _)| *u == c.user);
+                (own || over || !asker_over).then_some(((!over, c.last_used), id))
+            })
+            .min_by_key(|(rank, _)| *rank)
+            .map(|(_, id)| id.clone())
+    }
+
+    /// Frees the idle session cache [`Self::idle_victim`] picks; false if there is none.
+    fn evict_one_idle(&mut self, asking: Option<(&UserId, usize)>) -> bool {
+        let Some(id) = self.idle_victim(asking) else {
             return false;
         };
         if let Some(mut c) = self.sessions.remove(&id) {
@@ -480,8 +510,15 @@ impl Scheduler {
     }
 
     /// Brings session `id` back from the disk tier as a session cache of its first `n` tokens
-    /// (at most), if that is worth more than `than` tokens found elsewhere and memory allows.
-    fn restore(&mut self, id: &SessionId, want: &[u32], than: usize) -> Option<SessionCache> {
+    /// (at most), if that is worth more than `than` tokens found elsewhere and memory allows
+    /// (`user`'s share of it: see [`Self::idle_victim`]).
+    fn restore(
+        &mut self,
+        user: &UserId,
+        id: &SessionId,
+        want: &[u32],
+        than: usize,
+    ) -> Option<SessionCache> {
         let bs = self.config.block_size;
         let (common, packed) = {
             let disk = self.disk.as_ref()?;
@@ -494,7 +531,7 @@ impl Scheduler {
         }
         let trimmed = packed * self.pack_per();
         let need = packed + common.div_ceil(bs) - trimmed;
-        while self.alloc.free() < need && self.evict_one_idle(None) {}
+        while self.alloc.free() < need && self.evict_one_idle(Some((user, need))) {}
         let mut fresh = Vec::new();
         // Evictions above may have spilled other sessions and pushed this one out.
         if !self.disk.as_ref()?.contains(id) || !self.alloc.grow(&mut fresh, need * bs, bs) {
@@ -527,6 +564,7 @@ impl Scheduler {
         let last_used = self.tick();
         fresh.truncate(packed);
         Some(SessionCache {
+            user: user.clone(),
             tokens,
             blocks,
             packed: fresh,
@@ -585,6 +623,7 @@ impl Scheduler {
                     .truncate(&mut s.blocks, s.kv_len, self.config.block_size);
                 let last_used = self.tick();
                 let cache = SessionCache {
+                    user: s.user.clone(),
                     tokens: std::mem::take(&mut s.tokens),
                     blocks: std::mem::take(&mut s.blocks),
                     packed: std::mem::take(&mut s.packed),
@@ -660,9 +699,7 @@ impl Scheduler {
         let cow = !s.kv_len.is_multiple_of(bs) && !self.alloc.writable(s.blocks[s.kv_len / bs]);
         let need =
             BlockAllocator::blocks_needed(s.blocks.len(), need_tokens, bs) + usize::from(cow);
-        while self.alloc.free() < need && self.evict_one_idle(None) {}
-        while self.alloc.free() < need && self.preempt_for(&s.user) {}
-        if self.alloc.free() < need {
+        if !self.free_for(s, need) {
             if !self.running.is_empty() {
                 self.detach(s);
                 return Placement::Wait;
@@ -700,6 +737,18 @@ impl Scheduler {
         Placement::Ready
     }
 
+    /// Frees `need` blocks for waiting `s`: idle session caches within its user's share of the
+    /// pool (see [`Self::idle_victim`]), then a place another user holds by fair share
+    /// ([`Self::preempt_for`]), and, when nothing runs that would free memory later, any idle
+    /// cache rather than have `s` wait for other users' next turns. Whether they are free.
+    fn free_for(&mut self, s: &Seq, need: usize) -> bool {
+        let asking = Some((&s.user, held(&s.blocks, &s.packed) + need));
+        while self.alloc.free() < need && self.evict_one_idle(asking) {}
+        while self.alloc.free() < need && self.preempt_for(&s.user) {}
+        while self.alloc.free() < need && self.running.is_empty() && self.evict_one_idle(None) {}
+        self.alloc.free() >= need
+    }
+
     fn place_cold(&mut self, s: &mut Seq, need_tokens: usize) -> Placement {
         if self
             .alloc
@@ -720,7 +769,7 @@ impl Scheduler {
         let hits = self.alloc.lookup_prefix(&s.chain, &s.tokens[..limit], bs);
         let mut cache = s.session.as_ref().and_then(|id| self.sessions.remove(id));
         if let (None, Some(id)) = (&cache, s.session.clone()) {
-            cache = self.restore(&id, &s.tokens[..limit], hits.len() * bs);
+            cache = self.restore(&s.user, &id, &s.tokens[..limit], hits.len() * bs);
         }
         let from_session = cache.as_ref().map_or(0, |c| {
             let common = c
@@ -774,6 +823,7 @@ impl Scheduler {
                 self.alloc.truncate(&mut s.blocks, s.kv_len, bs);
                 let last_used = self.tick();
                 let cache = SessionCache {
+                    user: s.user.clone(),
                     tokens: s.tokens[..s.kv_len].to_vec(),
                     blocks: std::mem::take(&mut s.blocks),
                     packed: std::mem::take(&mut s.packed),
@@ -853,10 +903,22 @@ impl Scheduler {
         }
     }
 
-    /// Puts the youngest running sequence back in the queue, freeing its KV for recompute.
-    fn preempt_youngest(&mut self) -> Option<RequestId> {
-        let i = (0..self.running.len()).max_by_key(|&i| self.running[i].arrived)?;
-        Some(self.preempt_at(i))
+    /// Index of the youngest running sequence (of `user`, if given).
+    fn youngest(&self, user: Option<&UserId>) -> Option<usize> {
+        (0..self.running.len())
+            .filter(|&i| user.is_none_or(|u| self.running[i].user == *u))
+            .max_by_key(|&i| self.running[i].arrived)
+    }
+
+    /// Index of the running sequence to preempt when one runs out of memory: the youngest of the
+    /// user holding the most beyond its share of the pool, else the youngest of all.
+    fn memory_victim(&self) -> Option<usize> {
+        let shares = self.shares(None);
+        let heaviest = shares.over_share().into_iter();
+        heaviest
+            .filter_map(|u| self.youngest(Some(u)))
+            .next()
+            .or_else(|| self.youngest(None))
     }
 
     /// Fair share of the K/V memory: a request of `user`, who has no sequence running, that
@@ -885,10 +947,7 @@ impl Scheduler {
             return false;
         };
         let victim = victim.clone();
-        let youngest = (0..self.running.len())
-            .filter(|&i| self.running[i].user == victim)
-            .max_by_key(|&i| self.running[i].arrived);
-        match youngest {
+        match self.youngest(Some(&victim)) {
             Some(i) => {
                 self.preempt_at(i);
                 true
@@ -1026,9 +1085,12 @@ impl Scheduler {
                     continue;
                 }
             }
-            if self.make_room(i, n, &mut plan) {
-                plan.push((self.running[i].id, n));
-                i += 1;
+            match self.make_room(i, n, &mut plan) {
+                Ok(at) => {
+                    plan.push((self.running[at].id, n));
+                    i = at + 1;
+                }
+                Err(at) => i = at,
             }
         }
         plan
@@ -1123,23 +1185,38 @@ impl Scheduler {
         Some(1 + s.draft)
     }
 
-    /// Grows running sequence `i`'s table for `n` more positions, evicting idle sessions and then
-    /// preempting the youngest sequences (taking them out of `plan`); false when it was itself
-    /// preempted (or is gone).
-    fn make_room(&mut self, i: usize, n: usize, plan: &mut Vec<(RequestId, usize)>) -> bool {
+    /// Grows running sequence `i`'s table for `n` more positions, evicting idle sessions within
+    /// its user's share of the pool (any, when it runs alone), then preempting sequences (see
+    /// [`Self::memory_victim`]) and taking them out of `plan`. Its index then (earlier ones may
+    /// have gone), or `Err` with it when it was itself preempted.
+    fn make_room(
+        &mut self,
+        mut i: usize,
+        n: usize,
+        plan: &mut Vec<(RequestId, usize)>,
+    ) -> Result<usize, usize> {
         let bs = self.config.block_size;
-        let (id, want) = (self.running[i].id, self.running[i].kv_len + n);
+        let want = self.running[i].kv_len + n;
+        let user = self.running[i].user.clone();
         while !self.alloc.grow(&mut self.running[i].blocks, want, bs) {
-            if self.evict_one_idle(None) {
+            let extra = BlockAllocator::blocks_needed(self.running[i].blocks.len(), want, bs);
+            let alone = self.running.len() == 1;
+            if self.evict_one_idle(Some((&user, extra))) || alone && self.evict_one_idle(None) {
                 continue;
             }
-            let victim = self.preempt_youngest();
-            plan.retain(|(p, _)| Some(*p) != victim);
-            if victim == Some(id) || i >= self.running.len() {
-                return false;
+            // Sequence `i` itself runs, so there is always one.
+            let Some(v) = self.memory_victim() else {
+                return Err(i);
+            };
+            let victim = self.preempt_at(v);
+            plan.retain(|(p, _)| *p != victim);
+            match v.cmp(&i) {
+                std::cmp::Ordering::Equal => return Err(i),
+                std::cmp::Ordering::Less => i -= 1,
+                std::cmp::Ordering::Greater => {}
             }
         }
-        true
+        Ok(i)
     }
 
     /// The forward pass over the plan (`order`: each planned sequence's index in `running`): its

@@ -82,18 +82,31 @@ fn submit(s: &mut Scheduler, id: u64, p: Vec<u32>, n: u32, session: Option<&str>
     rx
 }
 
-/// Every block table the scheduler holds, packed blocks too.
 /// Queues request `id` of `user`: `n` tokens after prompt `p`; its events.
 fn submit_as(s: &mut Scheduler, id: u64, user: &str, p: &[u32], n: u32) -> Events {
+    submit_turn(s, id, user, None, p, n)
+}
+
+/// [`submit_as`], in `session` when given.
+fn submit_turn(
+    s: &mut Scheduler,
+    id: u64,
+    user: &str,
+    session: Option<&str>,
+    p: &[u32],
+    n: u32,
+) -> Events {
     let mut r = GenerateRequest::new(id, p.to_vec(), n);
     r.ignore_eos = true;
     r.user = hearth_shared::UserId::from(user);
+    r.session = session.map(SessionId::from);
     let v = validate(r, &s.model_info()).unwrap();
     let (tx, rx) = mpsc::unbounded_channel();
     s.enqueue(v, tx);
     rx
 }
 
+/// Every block table the scheduler holds, packed blocks too.
 fn tables(s: &Scheduler) -> Vec<&[BlockId]> {
     s.running
         .iter()
@@ -957,4 +970,113 @@ fn a_user_with_nothing_running_takes_kv_from_one_sequence_holding_most_of_it() {
     drain(&mut s, audit);
     assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
     assert_eq!(outcome(&mut alice).1, cold(&model, a, 8));
+}
+
+/// Runs `user`'s turn of `n` tokens after `p` in `session` to its end; the session's history.
+fn turn(s: &mut Scheduler, id: u64, user: &str, session: &str, p: &[u32], n: u32) -> Vec<u32> {
+    let mut rx = submit_turn(s, id, user, Some(session), p, n);
+    drain(s, audit);
+    [p.to_vec(), outcome(&mut rx).1].concat()
+}
+
+/// Fair share of idle session caches: Alice's long prompts, more than the pool holds at once,
+/// do not evict Bob's idle session cache, which is within his share of the pool. Her second one
+/// waits for her first instead, and Bob's next turn resumes from his cache.
+#[test]
+fn another_users_long_prompts_leave_an_idle_session_cache_within_its_share() {
+    let model = tiny();
+    let mut s = with_blocks(&model, 12);
+    // Bob's cache: 47 positions, 3 blocks. Alice's prompts take 7 blocks each.
+    let history = turn(&mut s, 1, "bob", "bob-s", &prompt(40, 1), 8);
+    let (a1, a2) = (prompt(100, 2), prompt(100, 3));
+    let mut alice = [
+        submit_as(&mut s, 2, "alice", &a1, 8),
+        submit_as(&mut s, 3, "alice", &a2, 8),
+    ];
+    s.step();
+    audit(&s);
+    let waiting: Vec<u64> = s.waiting.iter().map(|q| q.id.0).collect();
+    assert_eq!(
+        waiting,
+        [3],
+        "one of Alice's prompts fits beside Bob's cache"
+    );
+    assert_eq!(s.evictions, 0, "and Bob's cache stays");
+    drain(&mut s, audit);
+    assert_eq!(s.evictions, 0);
+    let next = [history.clone(), prompt(10, 4)].concat();
+    let mut bob = submit_turn(&mut s, 4, "bob", Some("bob-s"), &next, 4);
+    drain(&mut s, audit);
+    let (cached, tokens) = outcome(&mut bob);
+    assert_eq!(
+        cached,
+        history.len() - 1,
+        "Bob's turn resumes from his cache"
+    );
+    assert_eq!(tokens, cold(&model, next, 4));
+    for (rx, p) in alice.iter_mut().zip([a1, a2]) {
+        assert_eq!(outcome(rx).1, cold(&model, p, 8));
+    }
+}
+
+/// A request that needs more than its user's share still runs when nothing else would free
+/// memory: then another user's idle cache gives way rather than the request wait for ever.
+#[test]
+fn a_request_over_its_share_evicts_an_idle_cache_when_nothing_runs() {
+    let model = tiny();
+    let mut s = with_blocks(&model, 12);
+    turn(&mut s, 1, "bob", "bob-s", &prompt(40, 1), 8);
+    // 10 blocks: more than half the pool, and more than is free beside Bob's cache.
+    let a = prompt(150, 2);
+    let mut alice = submit_as(&mut s, 2, "alice", &a, 8);
+    drain(&mut s, audit);
+    assert_eq!(s.evictions, 1, "Bob's cache gave way");
+    assert_eq!(outcome(&mut alice).1, cold(&model, a, 8));
+}
+
+/// A user within its share that must evict takes the caches of users over theirs first, even
+/// ones used more recently than a modest user's.
+#[test]
+fn eviction_takes_the_idle_caches_of_users_over_their_share_first() {
+    let model = tiny();
+    let mut s = with_blocks(&model, 12);
+    // Carol's 2 blocks, then Alice's 8: over a third of the pool.
+    turn(&mut s, 1, "carol", "carol-s", &prompt(20, 1), 4);
+    turn(&mut s, 2, "alice", "alice-s", &prompt(120, 2), 8);
+    // Bob's 3 blocks, with 2 free: one cache must go.
+    let b = prompt(40, 3);
+    let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
+    drain(&mut s, audit);
+    assert_eq!(s.evictions, 1);
+    let cached: Vec<&str> = s.sessions.keys().map(SessionId::as_str).collect();
+    assert_eq!(
+        cached,
+        ["carol-s"],
+        "Alice's cache went, Carol's older one stayed"
+    );
+    assert_eq!(outcome(&mut bob).1, cold(&model, b, 4));
+}
+
+/// Preemption for memory takes from the user holding the most beyond its share: Bob's reply,
+/// the youngest, keeps running while Alice's two long ones grow past the pool, and one of hers
+/// gives way instead. Every reply is still a cold run's.
+#[test]
+fn a_growing_sequence_preempts_the_heaviest_users_youngest_not_a_modest_users() {
+    let model = tiny();
+    let mut s = with_blocks(&model, 12);
+    let (a1, a2, b) = (prompt(60, 1), prompt(60, 2), prompt(10, 3));
+    let mut alice = [
+        submit_as(&mut s, 1, "alice", &a1, 40),
+        submit_as(&mut s, 2, "alice", &a2, 40),
+    ];
+    let mut bob = submit_as(&mut s, 3, "bob", &b, 40);
+    drain(&mut s, |s| {
+        let bob_preempted = s.waiting.iter().any(|q| q.id.0 == 3 && q.preempted);
+        assert!(!bob_preempted, "Bob's reply was preempted");
+    });
+    assert!(s.preemptions > 0, "Alice's replies outgrew the pool");
+    assert_eq!(outcome(&mut bob).1, cold(&model, b, 40));
+    for (rx, p) in alice.iter_mut().zip([a1, a2]) {
+        assert_eq!(outcome(rx).1, cold(&model, p, 40));
+    }
 }
