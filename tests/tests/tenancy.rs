@@ -379,7 +379,13 @@ async fn tenancy_soak() {
     let worker = ["--memory-budget", budget.as_str()];
     let s = Stack::from_repository_with("tenancy_soak", &root, &["alpha"], &worker, &[]).await;
     let (alice_key, bob) = (s.key("alice").await, s.key("bob").await);
-    let sid = new_session_with(s.addr(), &bob, &json!({"model": "alpha"})).await;
+    // Each phase in a new session of Bob's: their turns are at the same depths (a turn's time to
+    // first token grows with the history it follows).
+    let session = json!({"model": "alpha"});
+    let (sid, later) = (
+        new_session_with(s.addr(), &bob, &session).await,
+        new_session_with(s.addr(), &bob, &session).await,
+    );
     let turns: usize = std::env::var("SOAK_TURNS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -389,11 +395,11 @@ async fn tenancy_soak() {
     let stop = std::sync::atomic::AtomicBool::new(false);
     let (attacked, seen) = tokio::join!(
         async {
-            let r = bob_turns(&s, &bob, &sid, turns).await;
+            let r = bob_turns(&s, &bob, &later, turns).await;
             stop.store(true, std::sync::atomic::Ordering::SeqCst);
             r
         },
-        alice(&s, &alice_key, &sid, &stop)
+        alice(&s, &alice_key, &later, &stop)
     );
     let failed: Vec<&String> = alone
         .iter()
