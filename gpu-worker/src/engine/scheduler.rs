@@ -17,7 +17,7 @@ use super::constraint::{Constraint, Next};
 use super::lookup;
 use super::share::Shares;
 use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
-use super::work::WorkModel;
+use super::work::{StepTimes, WorkModel};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
 use crate::kv::{chain_hash, BlockAllocator, BlockId, Chain, DiskTier, Packing, NO_BLOCK};
@@ -185,6 +185,8 @@ pub struct Scheduler {
     config: EngineConfig,
     /// What tokens cost, to hold the prefill beside decoding sequences to a share of their work.
     work: WorkModel,
+    /// What passes take here: the prefill's share beside decoding sequences is one of time.
+    times: StepTimes,
     info: ModelInfo,
     alloc: BlockAllocator,
     /// The forward pass and the K/V storage it reads and writes.
@@ -271,6 +273,7 @@ impl Scheduler {
             alloc: BlockAllocator::new(num_blocks),
             config,
             work: WorkModel::new(c),
+            times: StepTimes::default(),
             info,
             waiting: Vec::new(),
             running: Vec::new(),
@@ -974,11 +977,12 @@ impl Scheduler {
     /// What this step may prefill: `prefill_chunk` tokens, and work of at most what those tokens
     /// take at a prompt's start (attention over each one's positions included), so a chunk deep
     /// in a long prompt is shorter and no step takes longer than a fresh chunk: another user's
-    /// prompt that arrives meanwhile waits for no more. While sequences decode, the work is at
-    /// most `prefill_share` times theirs (at least `MIN_PREFILL_WITH_DECODES` tokens' at a
-    /// prompt's start): a step with a prefill then takes about `1 + prefill_share` times a
-    /// decode-only step, however deep in its prompt the chunk is.
-    /// The sequences `held` sit this step out.
+    /// prompt that arrives meanwhile waits for no more. While sequences decode, the prompt work
+    /// is what adds `prefill_share` times a decode-only pass's time (see [`StepTimes`]): a step
+    /// with a prefill then takes about `1 + prefill_share` times a decode-only step, however
+    /// deep in its prompt the chunk is. Until the times are known, `prefill_share` times the
+    /// decoding sequences' work (at least `MIN_PREFILL_WITH_DECODES` tokens' at a prompt's
+    /// start). The sequences `held` sit this step out.
     pub(crate) fn prefill_budget(&self, held: &HashSet<RequestId>) -> PrefillBudget {
         let (tokens, share) = (self.config.prefill_chunk, self.config.prefill_share);
         let decode: f64 = self
@@ -992,7 +996,11 @@ impl Scheduler {
             chunk
         } else {
             let floor = MIN_PREFILL_WITH_DECODES as f64 * self.work.shallow_token();
-            (share * decode).max(floor).min(chunk)
+            let counted = || (share * decode).max(floor);
+            self.times
+                .prefill_work(share)
+                .unwrap_or_else(counted)
+                .min(chunk)
         };
         PrefillBudget { tokens, work }
     }
@@ -1025,6 +1033,7 @@ impl Scheduler {
             .collect();
         let mut logits = std::mem::take(&mut self.logits);
         let mut summaries = Vec::new();
+        let prefill_work = self.prefill_work(&plan, &order);
         let started = Instant::now();
         let ran = self.forward(&plan, &order, &mut logits, &mut summaries);
         self.last_forward = started.elapsed();
@@ -1032,10 +1041,25 @@ impl Scheduler {
             self.logits = logits;
             return ran.err();
         };
+        let secs = self.last_forward.as_secs_f64();
+        self.times
+            .record(summary.decode_seqs > 0, prefill_work, secs);
         let finished = self.pick(&plan, &order, &rows, &mut logits, &summaries, &mut summary);
         self.settle(&order, finished);
         self.logits = logits;
         Some(summary)
+    }
+
+    /// The prompt work of the plan (`order`: each planned sequence's index in `running`).
+    fn prefill_work(&self, plan: &[(RequestId, usize)], order: &[usize]) -> f64 {
+        let prompts = order
+            .iter()
+            .zip(plan)
+            .map(|(&ix, &(_, n))| (&self.running[ix], n));
+        prompts
+            .filter(|(s, _)| s.draft == 0 && s.tokens.len() - s.kv_len > 1)
+            .map(|(s, n)| self.work.prefill(s.kv_len, n))
+            .sum()
     }
 
     /// Who runs how many tokens this step, oldest first: a decoding sequence its next token (and

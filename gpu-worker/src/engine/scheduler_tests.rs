@@ -11,6 +11,7 @@ use tokio::sync::mpsc;
 use super::*;
 use crate::engine::constraint::{Grammars, Vocabulary};
 use crate::engine::types::validate;
+use crate::engine::work::StepTimes;
 use crate::engine::GenerateRequest;
 use crate::fixtures::{write_tiny_gguf, TinySpec};
 use crate::kv::{KvDtype, KvStore};
@@ -439,6 +440,8 @@ fn a_prompt_arriving_beside_decoding_sequences_is_prefilled_in_shares_and_answer
     let long = prompt(400, 9);
     let want = cold(&model, long.clone(), 4);
     let mut s = Scheduler::new(model, unpacked()).unwrap();
+    // Budgets by work counts: the steps' tokens, not this machine's times.
+    s.times = StepTimes::off();
     let mut decoding: Vec<Events> = (0..4)
         .map(|i| submit(&mut s, 1 + i, prompt(8, i as u32), 40, None))
         .collect();
@@ -1079,4 +1082,48 @@ fn a_growing_sequence_preempts_the_heaviest_users_youngest_not_a_modest_users() 
     for (rx, p) in alice.iter_mut().zip([a1, a2]) {
         assert_eq!(outcome(rx).1, cold(&model, p, 40));
     }
+}
+
+/// Beside decoding sequences, a prompt gets the work that adds a share of a decode-only pass's
+/// measured time, not a share of the decoding sequences' work: where a pass has fixed costs, a
+/// few prompt tokens beside one sequence cost almost nothing, or a lot on a slow machine.
+#[test]
+fn the_prefill_beside_decoding_is_a_share_of_the_measured_time() {
+    let model = tiny();
+    let mut s = with_chunk(&model, 256);
+    let mut bob = submit_as(&mut s, 1, "bob", &prompt(8, 1), 30);
+    s.step();
+    assert_eq!(
+        s.running[0].tokens.len() - s.running[0].kv_len,
+        1,
+        "Bob decodes"
+    );
+    // Decode-only passes of 1 ms, and prompt work costing 1 ms per 20 shallow tokens' worth.
+    let shallow = s.work.shallow_token();
+    let mut times = StepTimes::default();
+    times.record(true, 0.0, 1e-3);
+    times.record(true, 20.0 * shallow, 2e-3);
+    for share in [0.5, 1.0, 2.0] {
+        s.config.prefill_share = share;
+        s.times = times;
+        let work = s.prefill_budget(&HashSet::new()).work;
+        let want = share * 20.0 * shallow;
+        assert!(
+            (work - want).abs() <= 1e-9 * want,
+            "share {share}: {work} for {want}"
+        );
+    }
+    // Twice a decode-only pass's time: 40 shallow tokens' work (fewer tokens: each attends to
+    // those before it). The work counts would allow 32 tokens' (the floor beside one sequence).
+    let a = prompt(100, 2);
+    let mut alice = submit_as(&mut s, 2, "alice", &a, 4);
+    let summary = s.step().unwrap();
+    audit(&s);
+    assert_eq!(summary.decode_seqs, 1);
+    let want = s.work.tokens_within(0, a.len(), 40.0 * shallow);
+    assert!(want > MIN_PREFILL_WITH_DECODES, "{want}");
+    assert_eq!(summary.prefill_tokens, want, "Alice's tokens beside Bob's");
+    drain(&mut s, audit);
+    assert_eq!(outcome(&mut alice).1, cold(&model, a, 4));
+    assert_eq!(outcome(&mut bob).1.len(), 30);
 }

@@ -24,8 +24,9 @@ pub struct EngineConfig {
     /// Prompt tokens prefilled per step across all sequences, so decoding sequences keep streaming
     /// while a long prompt is processed.
     pub prefill_chunk: usize,
-    /// While sequences decode, a step prefills at most this many times their work in
-    /// multiply-adds, attention included (at least 32 tokens' at a prompt's start, at most
+    /// While sequences decode, a step prefills the prompt work (multiply-adds, attention
+    /// included) that adds at most this many times a decode-only step's measured time (until
+    /// measured, this many times their work, at least 32 tokens' at a prompt's start; at most
     /// `prefill_chunk` tokens), so their replies keep streaming while a long prompt is prefilled
     /// over several steps. 0: `prefill_chunk` in every step.
     pub prefill_share: f64,

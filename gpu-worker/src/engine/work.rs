@@ -80,6 +80,69 @@ impl WorkModel {
     }
 }
 
+/// Weight of the newest observation in [`StepTimes`]' moving averages: about the last eight
+/// steps count.
+const SMOOTHING: f64 = 0.25;
+
+/// What forward passes take on this machine, learned from the steps run: a decode-only pass,
+/// and the time a multiply-add of prompt work adds to a pass beside decoding sequences. Work
+/// counts alone mislead where a step has fixed costs (reading every weight once, the threads'
+/// hand-offs): they make a few prompt tokens look free beside one decoding sequence or dear
+/// beside many. Off, [`StepTimes::prefill_work`] knows nothing and the budget counts work.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StepTimes {
+    on: bool,
+    decode_only: Option<f64>,
+    per_prefill_work: Option<f64>,
+}
+
+impl Default for StepTimes {
+    fn default() -> Self {
+        Self {
+            on: true,
+            decode_only: None,
+            per_prefill_work: None,
+        }
+    }
+}
+
+impl StepTimes {
+    /// Learns nothing: budgets by work counts alone (tests that count a step's tokens).
+    #[cfg(test)]
+    pub(crate) fn off() -> Self {
+        Self {
+            on: false,
+            ..Self::default()
+        }
+    }
+
+    /// Records a forward pass of `secs` seconds that decoded (or not) and ran `prefill_work`
+    /// of prompt work.
+    pub(crate) fn record(&mut self, decoded: bool, prefill_work: f64, secs: f64) {
+        if !self.on || !decoded {
+            return;
+        }
+        if prefill_work <= 0.0 {
+            smooth(&mut self.decode_only, secs);
+        } else if let Some(decode) = self.decode_only {
+            // A noisy pass may take less than the decode-only average: the prompt work still
+            // cost something.
+            let added = (secs - decode).max(secs * 0.05);
+            smooth(&mut self.per_prefill_work, added / prefill_work);
+        }
+    }
+
+    /// The prompt work a pass beside decoding sequences may add for it to take `share` times
+    /// longer than a decode-only pass; `None` until both were measured.
+    pub(crate) fn prefill_work(&self, share: f64) -> Option<f64> {
+        Some(share * self.decode_only? / self.per_prefill_work?)
+    }
+}
+
+fn smooth(avg: &mut Option<f64>, x: f64) {
+    *avg = Some(avg.map_or(x, |a| a + SMOOTHING * (x - a)));
+}
+
 /// `min(x, cap)` summed over `x` in `a..=b`.
 fn capped_sum(a: usize, b: usize, cap: usize) -> f64 {
     let (a, b, cap) = (a as f64, b as f64, cap as f64);
@@ -134,6 +197,33 @@ mod tests {
         assert_eq!(capped_sum(3, 10, 5), (3 + 4 + 5 + 5 * 5) as f64);
         assert_eq!(capped_sum(7, 9, 5), 15.0);
         assert_eq!(capped_sum(1, 4, usize::MAX), 10.0);
+    }
+
+    #[test]
+    fn the_prefill_allowance_follows_measured_times() {
+        let mut t = StepTimes::default();
+        assert_eq!(t.prefill_work(1.0), None, "nothing measured");
+        // Decode-only passes of 10 ms; passes with 1e6 of prompt work beside them take 30 ms:
+        // 2e-8 s per unit of work.
+        t.record(true, 0.0, 0.010);
+        assert_eq!(t.prefill_work(1.0), None, "no prompt work measured");
+        t.record(true, 1e6, 0.030);
+        let w = t.prefill_work(1.0).unwrap();
+        assert!((w - 5e5).abs() < 1.0, "10 ms of prompt work: {w}");
+        assert!((t.prefill_work(0.5).unwrap() - 2.5e5).abs() < 1.0);
+        // Prefill-only passes say nothing about either.
+        t.record(false, 1e9, 5.0);
+        assert!((t.prefill_work(1.0).unwrap() - w).abs() < 1e-6);
+        // Slower prompt work shrinks the allowance, gradually.
+        for _ in 0..40 {
+            t.record(true, 1e6, 0.110);
+        }
+        let slower = t.prefill_work(1.0).unwrap();
+        assert!((slower - 1e5).abs() < 1e3, "{slower}");
+        let mut off = StepTimes::off();
+        off.record(true, 0.0, 0.010);
+        off.record(true, 1e6, 0.030);
+        assert_eq!(off.prefill_work(1.0), None);
     }
 
     #[test]

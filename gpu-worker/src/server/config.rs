@@ -136,11 +136,10 @@ pub struct ServeConfig {
     /// Prompt tokens prefilled per engine step across all sequences.
     #[arg(long, env = "HEARTH_WORKER_PREFILL_CHUNK", default_value_t = 512)]
     pub prefill_chunk: usize,
-    /// While sequences decode, a step prefills at most this many times their work, attention
-    /// included (at least 32 tokens' at a prompt's start): a step with a prefill then takes about
-    /// (1 + this) times a decode-only step, so replies keep streaming while a long prompt
-    /// arrives, at the cost of that prompt's time to first token. 0 prefills up to
-    /// --prefill-chunk in every step.
+    /// While sequences decode, a step prefills the prompt work that adds at most this many times
+    /// a decode-only step's measured time: a step with a prefill then takes about (1 + this)
+    /// times a decode-only step, so replies keep streaming while a long prompt arrives, at the
+    /// cost of that prompt's time to first token. 0 prefills up to --prefill-chunk in every step.
     #[arg(long, env = "HEARTH_WORKER_PREFILL_SHARE", default_value_t = 1.0)]
     pub prefill_share: f64,
     /// Speculative decoding by prompt lookup: most draft tokens (runs of the prompt or reply
