@@ -176,6 +176,8 @@ const MIN_PREFILL_WITH_DECODES: usize = 32;
 pub(crate) struct PrefillBudget {
     pub tokens: usize,
     pub work: f64,
+    /// The work is a whole chunk's: a prompt's next token runs even if it costs more.
+    pub full: bool,
 }
 
 #[derive(Debug)]
@@ -187,6 +189,10 @@ pub struct Scheduler {
     work: WorkModel,
     /// What passes take here: the prefill's share beside decoding sequences is one of time.
     times: StepTimes,
+    /// Prompt work allowed beside decoding sequences in earlier steps and not spent because the
+    /// next prompt token cost more: the share holds on average, and a token deep in a long
+    /// prompt runs every few steps instead of lengthening every step.
+    prefill_credit: f64,
     info: ModelInfo,
     alloc: BlockAllocator,
     /// The forward pass and the K/V storage it reads and writes.
@@ -274,6 +280,7 @@ impl Scheduler {
             config,
             work: WorkModel::new(c),
             times: StepTimes::default(),
+            prefill_credit: 0.0,
             info,
             waiting: Vec::new(),
             running: Vec::new(),
@@ -982,7 +989,8 @@ impl Scheduler {
     /// with a prefill then takes about `1 + prefill_share` times a decode-only step, however
     /// deep in its prompt the chunk is. Until the times are known, `prefill_share` times the
     /// decoding sequences' work (at least `MIN_PREFILL_WITH_DECODES` tokens' at a prompt's
-    /// start). The sequences `held` sit this step out.
+    /// start). What earlier steps could not spend adds to it (see `prefill_credit`). The
+    /// sequences `held` sit this step out.
     pub(crate) fn prefill_budget(&self, held: &HashSet<RequestId>) -> PrefillBudget {
         let (tokens, share) = (self.config.prefill_chunk, self.config.prefill_share);
         let decode: f64 = self
@@ -992,17 +1000,21 @@ impl Scheduler {
             .map(|s| self.work.decode(s.kv_len))
             .sum();
         let chunk = self.work.prefill(0, tokens);
-        let work = if decode == 0.0 || share <= 0.0 {
-            chunk
-        } else {
-            let floor = MIN_PREFILL_WITH_DECODES as f64 * self.work.shallow_token();
-            let counted = || (share * decode).max(floor);
-            self.times
-                .prefill_work(share)
-                .unwrap_or_else(counted)
-                .min(chunk)
-        };
-        PrefillBudget { tokens, work }
+        if decode == 0.0 || share <= 0.0 {
+            return PrefillBudget {
+                tokens,
+                work: chunk,
+                full: true,
+            };
+        }
+        let floor = MIN_PREFILL_WITH_DECODES as f64 * self.work.shallow_token();
+        let counted = || (share * decode).max(floor);
+        let work = self.times.prefill_work(share).unwrap_or_else(counted) + self.prefill_credit;
+        PrefillBudget {
+            tokens,
+            work: work.min(chunk),
+            full: work >= chunk,
+        }
     }
 
     /// One engine step. Returns what the forward pass ran, or `None` when there was nothing to do.
@@ -1069,9 +1081,11 @@ impl Scheduler {
     /// unless nothing else would run.
     fn plan(&mut self) -> Vec<(RequestId, usize)> {
         let held = self.masks_pending();
+        let credit = self.prefill_credit;
         let plan = self.plan_without(&held);
         self.waits_for_masks = plan.is_empty() && !held.is_empty();
         if self.waits_for_masks {
+            self.prefill_credit = credit;
             return self.plan_without(&HashSet::new());
         }
         plan
@@ -1085,7 +1099,11 @@ impl Scheduler {
             .filter(|s| s.tokens.len() - s.kv_len == 1)
             .count();
         let prefilling = self.running.len() > decoding;
-        let shares = self.prefill_shares(self.prefill_budget(held));
+        let budget = self.prefill_budget(held);
+        let shares = self.prefill_shares(budget);
+        // Prompts wait and none could move: what the budget allowed carries over.
+        let stalled = !shares.is_empty() && shares.values().all(|&n| n == 0);
+        self.prefill_credit = if stalled { budget.work } else { 0.0 };
         // Drafts only where verifying them is nearly free (see `EngineConfig::spec_max_batch`).
         let speculate =
             self.config.spec_tokens > 0 && !prefilling && decoding <= self.config.spec_max_batch;
@@ -1148,7 +1166,8 @@ impl Scheduler {
     /// between users, so one user's long prompts never hold back another's short one. The user
     /// with the least prompt left goes first and takes at most an equal part of what is left
     /// (tokens and work); what a user does not need goes to the next. Within a user, the oldest
-    /// first. Some prompt always moves: one token, when even one costs more than the budget.
+    /// first. With a whole chunk's budget, some prompt always moves: one token, when even one
+    /// costs more.
     fn prefill_shares(&self, budget: PrefillBudget) -> HashMap<RequestId, usize> {
         type Prompts = Vec<(RequestId, usize, usize)>;
         let mut users: Vec<(&UserId, usize, Prompts)> = Vec::new();
@@ -1182,7 +1201,7 @@ impl Scheduler {
                 shares.insert(id, n);
             }
         }
-        if let Some(id) = first.filter(|_| shares.values().all(|&n| n == 0)) {
+        if let Some(id) = first.filter(|_| budget.full && shares.values().all(|&n| n == 0)) {
             shares.insert(id, 1);
         }
         shares

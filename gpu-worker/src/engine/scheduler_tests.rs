@@ -1127,3 +1127,47 @@ fn the_prefill_beside_decoding_is_a_share_of_the_measured_time() {
     assert_eq!(outcome(&mut alice).1, cold(&model, a, 4));
     assert_eq!(outcome(&mut bob).1.len(), 30);
 }
+
+/// A prompt token that costs more than a step's share beside decoding sequences does not
+/// lengthen every step: the allowance carries over until it pays for the token, so the share
+/// holds on average and most of the decoding steps run at their own pace.
+#[test]
+fn a_prompt_token_dearer_than_a_steps_share_waits_for_the_allowance_to_add_up() {
+    let model = tiny();
+    let mut s = with_chunk(&model, 256);
+    let mut bob = submit_as(&mut s, 1, "bob", &prompt(8, 1), 300);
+    s.step();
+    // Each step beside Bob may add 0.3 of a shallow token's work.
+    let allowance = 0.3 * s.work.shallow_token();
+    s.times = StepTimes::fixed(1e-3, 1e-3 / allowance);
+    let a = prompt(20, 2);
+    let mut alice = submit_as(&mut s, 2, "alice", &a, 4);
+    let (mut steps, mut spent, mut idle) = (0, 0.0, 0);
+    loop {
+        let from = s
+            .running
+            .iter()
+            .find(|q| q.id.0 == 2)
+            .map_or(0, |q| q.kv_len);
+        let summary = s.step().unwrap();
+        audit(&s);
+        assert_eq!(summary.decode_seqs, 1, "Bob decodes in every step");
+        steps += 1;
+        spent += s.work.prefill(from, summary.prefill_tokens);
+        idle += usize::from(summary.prefill_tokens == 0);
+        assert!(
+            spent <= steps as f64 * allowance * (1.0 + 1e-9),
+            "{spent} of prompt work in {steps} steps, allowed {allowance} a step"
+        );
+        if from + summary.prefill_tokens >= a.len() - 1 {
+            break;
+        }
+    }
+    assert!(
+        idle > steps / 2,
+        "{idle} of {steps} steps ran no prompt token"
+    );
+    drain(&mut s, audit);
+    assert_eq!(outcome(&mut alice).1, cold(&model, a, 4));
+    assert_eq!(outcome(&mut bob).1.len(), 300);
+}

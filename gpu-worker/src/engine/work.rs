@@ -88,7 +88,7 @@ const SMOOTHING: f64 = 0.25;
 /// and the time a multiply-add of prompt work adds to a pass beside decoding sequences. Work
 /// counts alone mislead where a step has fixed costs (reading every weight once, the threads'
 /// hand-offs): they make a few prompt tokens look free beside one decoding sequence or dear
-/// beside many. Off, [`StepTimes::prefill_work`] knows nothing and the budget counts work.
+/// beside many. Off, it records nothing.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepTimes {
     on: bool,
@@ -113,6 +113,17 @@ impl StepTimes {
         Self {
             on: false,
             ..Self::default()
+        }
+    }
+
+    /// Times that stay as given: `decode_only` seconds a decode-only pass, and
+    /// `per_prefill_work` seconds per unit of prompt work beside it.
+    #[cfg(test)]
+    pub(crate) fn fixed(decode_only: f64, per_prefill_work: f64) -> Self {
+        Self {
+            on: false,
+            decode_only: Some(decode_only),
+            per_prefill_work: Some(per_prefill_work),
         }
     }
 
