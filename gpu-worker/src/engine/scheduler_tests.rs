@@ -975,6 +975,18 @@ fn a_user_with_nothing_running_takes_kv_from_one_sequence_holding_most_of_it() {
     assert_eq!(outcome(&mut alice).1, cold(&model, a, 8));
 }
 
+/// Each of the replies on `rxs` is the one a cold run of its prompt in `prompts` gives.
+fn each_as_cold<const N: usize>(
+    model: &Arc<Model>,
+    rxs: &mut [Events; N],
+    prompts: [Vec<u32>; N],
+    n: u32,
+) {
+    for (rx, p) in rxs.iter_mut().zip(prompts) {
+        assert_eq!(outcome(rx).1, cold(model, p, n));
+    }
+}
+
 /// Runs `user`'s turn of `n` tokens after `p` in `session` to its end; the session's history.
 fn turn(s: &mut Scheduler, id: u64, user: &str, session: &str, p: &[u32], n: u32) -> Vec<u32> {
     let mut rx = submit_turn(s, id, user, Some(session), p, n);
@@ -1017,9 +1029,7 @@ fn another_users_long_prompts_leave_an_idle_session_cache_within_its_share() {
         "Bob's turn resumes from his cache"
     );
     assert_eq!(tokens, cold(&model, next, 4));
-    for (rx, p) in alice.iter_mut().zip([a1, a2]) {
-        assert_eq!(outcome(rx).1, cold(&model, p, 8));
-    }
+    each_as_cold(&model, &mut alice, [a1, a2], 8);
 }
 
 /// A request that needs more than its user's share still runs when nothing else would free
@@ -1079,9 +1089,7 @@ fn a_growing_sequence_preempts_the_heaviest_users_youngest_not_a_modest_users() 
     });
     assert!(s.preemptions > 0, "Alice's replies outgrew the pool");
     assert_eq!(outcome(&mut bob).1, cold(&model, b, 40));
-    for (rx, p) in alice.iter_mut().zip([a1, a2]) {
-        assert_eq!(outcome(rx).1, cold(&model, p, 40));
-    }
+    each_as_cold(&model, &mut alice, [a1, a2], 40);
 }
 
 /// Beside decoding sequences, a prompt gets the work that adds a share of a decode-only pass's
