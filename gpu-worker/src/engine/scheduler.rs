@@ -1,10 +1,11 @@
 //! The scheduler: plain synchronous state driven by the engine thread (and directly by tests).
 //!
 //! Each [`Scheduler::step`] admits waiting requests while KV blocks allow (evicting idle session
-//! caches by each user's share of the pool: see [`super::share`]), gives every running sequence its slice of the step — one
-//! token when decoding, a chunk of the prompt when prefilling — runs one batched forward pass, and
-//! samples a token for every sequence that reached the end of its input. Finished sequences leave
-//! at once; their KV stays behind as the session's cache for the next turn.
+//! caches by each user's share of the pool: see [`super::share`]), gives every running sequence
+//! its slice of the step — one token when decoding, a chunk of the prompt when prefilling — runs
+//! one batched forward pass, and samples a token for every sequence that reached the end of its
+//! input. Finished sequences leave at once; their KV stays behind as the session's cache for the
+//! next turn.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
