@@ -71,10 +71,7 @@ impl Prometheus {
         }
         let config_path = dir.join("prometheus.yml");
         std::fs::write(&config_path, config).expect("prometheus config");
-        // A free loopback port: bind, note it, release it for Prometheus.
-        let addr = std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("free port");
+        let addr = SocketAddr::from(([127, 0, 0, 1], crate::free_port()));
         let log = std::fs::File::create(dir.join("prometheus.log")).expect("log file");
         let child = Command::new(&bin)
             .arg(format!("--config.file={}", config_path.display()))
