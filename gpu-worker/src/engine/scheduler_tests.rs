@@ -1092,20 +1092,23 @@ fn a_growing_sequence_preempts_the_heaviest_users_youngest_not_a_modest_users() 
     each_as_cold(&model, &mut alice, [a1, a2], 40);
 }
 
+/// A scheduler prefilling up to 256 tokens a step, with Bob's reply of `n` tokens decoding.
+fn bob_decoding(model: &Arc<Model>, n: u32) -> (Scheduler, Events) {
+    let mut s = with_chunk(model, 256);
+    let bob = submit_as(&mut s, 1, "bob", &prompt(8, 1), n);
+    s.step();
+    let q = &s.running[0];
+    assert_eq!(q.tokens.len() - q.kv_len, 1, "Bob decodes");
+    (s, bob)
+}
+
 /// Beside decoding sequences, a prompt gets the work that adds a share of a decode-only pass's
 /// measured time, not a share of the decoding sequences' work: where a pass has fixed costs, a
 /// few prompt tokens beside one sequence cost almost nothing, or a lot on a slow machine.
 #[test]
 fn the_prefill_beside_decoding_is_a_share_of_the_measured_time() {
     let model = tiny();
-    let mut s = with_chunk(&model, 256);
-    let mut bob = submit_as(&mut s, 1, "bob", &prompt(8, 1), 30);
-    s.step();
-    assert_eq!(
-        s.running[0].tokens.len() - s.running[0].kv_len,
-        1,
-        "Bob decodes"
-    );
+    let (mut s, mut bob) = bob_decoding(&model, 30);
     // Decode-only passes of 1 ms, and prompt work costing 1 ms per 20 shallow tokens' worth.
     let shallow = s.work.shallow_token();
     let mut times = StepTimes::default();
@@ -1142,9 +1145,7 @@ fn the_prefill_beside_decoding_is_a_share_of_the_measured_time() {
 #[test]
 fn a_prompt_token_dearer_than_a_steps_share_waits_for_the_allowance_to_add_up() {
     let model = tiny();
-    let mut s = with_chunk(&model, 256);
-    let mut bob = submit_as(&mut s, 1, "bob", &prompt(8, 1), 300);
-    s.step();
+    let (mut s, mut bob) = bob_decoding(&model, 300);
     // Each step beside Bob may add 0.3 of a shallow token's work.
     let allowance = 0.3 * s.work.shallow_token();
     s.times = StepTimes::fixed(1e-3, 1e-3 / allowance);
