@@ -945,9 +945,9 @@ impl Scheduler {
         }
         let mut per_user: HashMap<&UserId, (usize, usize)> = HashMap::new();
         for r in &self.running {
-            let held = per_user.entry(&r.user).or_default();
-            held.0 += 1;
-            held.1 += r.blocks.iter().filter(|&&b| b != NO_BLOCK).count() + r.packed.len();
+            let counts = per_user.entry(&r.user).or_default();
+            counts.0 += 1;
+            counts.1 += held(&r.blocks, &r.packed);
         }
         let equal_share = self.alloc.total() / (per_user.len() + 1);
         let Some((victim, _)) = per_user
