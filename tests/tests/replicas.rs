@@ -8,7 +8,8 @@ use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
 use hearth_e2e::redis::redis_url;
 use hearth_e2e::stack::{
-    metric, new_session, signal, slow_spec, token_text, wait_exit, wait_metric, Db, Hearth, Stack,
+    event_seq as seq, metric, new_session, signal, slow_spec, token_text, wait_exit, wait_metric,
+    Db, Hearth, Stack,
 };
 use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
@@ -157,16 +158,6 @@ async fn a_turn_and_a_regenerate_racing_on_two_replicas_lose_nothing() {
     }
     drop(b);
     s.finish().await;
-}
-
-/// The `<n>` of an event id `<message id>:<n>`.
-fn seq(e: &hearth_e2e::http::Event) -> u64 {
-    let id = e.id.as_deref().expect("an event id");
-    id.rsplit_once(':')
-        .expect("<message>:<n>")
-        .1
-        .parse()
-        .expect("n")
 }
 
 /// The rest of session `sid`'s reply from `addr`, after the last of `head` (`Last-Event-ID`).

@@ -493,12 +493,12 @@ impl SharedReplies {
         StreamState::of(entries)
     }
 
-    /// The reply the session's stream points at, when Redis has one (None: no such reply, or
-    /// Redis cannot say).
-    pub async fn find(&self, session_id: &SessionId) -> Option<SharedReply> {
+    /// The reply the session's stream points at: None when Redis cannot say, `Some(None)`
+    /// when it has none (no reply shared lately, or Redis lost it).
+    pub async fn find(&self, session_id: &SessionId) -> Option<Option<SharedReply>> {
         let cmd = redis::cmd("GET").arg(pointer_key(session_id)).clone();
         let id: Option<String> = self.redis.cmd(&cmd, "finding a shared reply").await?;
-        Some(self.reply(&MessageId::parse(&id?)?))
+        Some(id.and_then(|id| Some(self.reply(&MessageId::parse(&id)?))))
     }
 
     /// The shared stream of the reply `message_id`.

@@ -977,7 +977,11 @@ impl ChatService {
         }
         // A reply finished here may have been followed by one on another replica.
         let shared = match &self.shared_replies {
-            Some(s) => s.find(id).await,
+            Some(s) => match s.find(id).await {
+                Some(found) => found,
+                None if local.is_none() => return Err(self.unreachable_reply(caller, id).await),
+                None => None,
+            },
             None => None,
         };
         let local_id = local
@@ -991,6 +995,23 @@ impl ChatService {
             (_, Some(r)) => Ok(ReplySource::Shared(r)),
             (Some(live), None) => Ok(ReplySource::Local(live)),
             (None, None) => Err(ChatError::NotFound("stream")),
+        }
+    }
+
+    /// Why a resume that Redis cannot answer fails: the reply runs on another replica, whose
+    /// events only Redis holds (try again shortly), or no reply runs (read the history).
+    async fn unreachable_reply(&self, caller: &Caller, id: &SessionId) -> ChatError {
+        let running = self.store.last_message(&caller.user.id, id).await.map(|m| {
+            m.is_some_and(|m| m.role == Role::Assistant && m.status == MessageStatus::Streaming)
+        });
+        match running {
+            Ok(false) => ChatError::NotFound("stream"),
+            Ok(true) => ChatError::Unavailable(
+                "the reply runs on another replica, and Redis, which shares its events, cannot \
+                 be reached now; try again shortly"
+                    .into(),
+            ),
+            Err(e) => e.into(),
         }
     }
 

@@ -35,7 +35,7 @@ pub use process::{
     rss_bytes, scripted_worker, signal, spawn_worker, wait_exit, worker_at, worker_with, Hearth,
     WORKER_TOKEN,
 };
-pub use stream::{finish, fold, read_tokens, token_text, Streamed};
+pub use stream::{event_seq, finish, fold, read_tokens, token_text, Streamed};
 
 use crate::pg::PgDatabase;
 use process::WORKER_FLAGS;

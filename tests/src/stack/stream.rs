@@ -61,3 +61,13 @@ pub async fn finish(sse: &mut Sse) -> (String, Event) {
     let last = events.last().cloned().expect("the stream had no end");
     (token_text(&events), last)
 }
+
+/// The `<n>` of an event's id `<message id>:<n>`.
+pub fn event_seq(e: &Event) -> u64 {
+    let id = e.id.as_deref().expect("an event id");
+    id.rsplit_once(':')
+        .expect("<message>:<n>")
+        .1
+        .parse()
+        .expect("n")
+}

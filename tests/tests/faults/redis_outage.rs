@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use hearth_e2e::http::{Reply, Req};
 use hearth_e2e::redis::RedisServer;
 use hearth_e2e::stack::{
-    completion, fold, json_turn, new_session, read_tokens, stream_turn, Db, Stack, Streamed,
+    completion, event_seq as seq, fold, json_turn, new_session, read_tokens, stream_turn, Db,
+    Hearth, Stack, Streamed,
 };
 use hearth_orchestrator::storage::{MessageStatus, SessionId, Store};
 use hearth_worker::fixtures::TinySpec;
@@ -163,5 +164,78 @@ async fn a_replica_started_while_redis_is_down_waits_for_it() {
     let limited = s.limited_key("carol", 2).await;
     let statuses = until_limited(s.addr(), &limited, 6).await;
     assert_eq!(statuses.last(), Some(&429), "{statuses:?}");
+    s.finish().await;
+}
+
+/// With Redis down, a replica asked to resume a reply that another replica runs cannot read
+/// its events: it answers 503 (try again shortly), not 404, which tells a client that nothing
+/// runs and to read the reply from the history. A session with nothing running still answers
+/// 404. Once Redis is back the resume serves the rest, every event once, and the reply is
+/// stored as its client was shown it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_redis_down_a_resume_on_another_replica_is_503_until_it_is_back() {
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let extra = ["--redis-url", url.as_str()];
+    let s = Stack::scripted("noredis_resume", Db::Postgres, 1, 20, &extra).await;
+    let b = Hearth::spawn(&Stack::args(&s.assets, &s.db_url, &s.workers, &extra));
+    b.wait_ready().await;
+    let (a, k) = (s.addr(), s.key("alice").await);
+    let (sid, idle) = (new_session(a, &k).await, new_session(a, &k).await);
+    let mut sse = stream_turn(a, &k, &sid, 400).await;
+    let head = read_tokens(&mut sse, 3).await;
+    drop(sse);
+    let last = head.last().and_then(|e| e.id.clone()).expect("an id");
+    let (path, idle_path) = (
+        format!("/v1/sessions/{sid}/stream"),
+        format!("/v1/sessions/{idle}/stream"),
+    );
+    let resume = |path| {
+        Req::new("GET", path)
+            .key(Some(&k))
+            .header("Last-Event-ID", last.clone())
+    };
+
+    redis.kill();
+    let r = resume(&path).send(b.addr).await;
+    assert_eq!(r.status, 503, "{}", r.text());
+    assert!(r.text().contains("Redis"), "{}", r.text());
+    let r = resume(&idle_path).send(b.addr).await;
+    assert_eq!(r.status, 404, "nothing runs in {idle}: {}", r.text());
+
+    redis.resume();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut rest = loop {
+        let sse = resume(&path).events(b.addr).await;
+        if sse.status == 200 {
+            break sse;
+        }
+        assert_eq!(sse.status, 503, "only while Redis is not back");
+        assert!(
+            Instant::now() < deadline,
+            "still 503 30 s after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut events = head.clone();
+    events.extend(rest.rest().await);
+    let Streamed { text, last, .. } = fold(&events);
+    assert_eq!(last.event, "message_end", "{last:?}");
+    let seqs: Vec<u64> = events.iter().map(seq).collect();
+    assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
+    let user = s
+        .store
+        .user_by_name("alice")
+        .await
+        .expect("user")
+        .expect("alice");
+    let msgs = s
+        .store
+        .list_messages(&user.id, &SessionId::parse(&sid).expect("a session id"))
+        .await
+        .expect("messages");
+    check_history(&sid, &msgs);
+    assert_eq!(msgs.last().map(|m| m.content.as_str()), Some(text.as_str()));
+    drop(b);
     s.finish().await;
 }
