@@ -147,14 +147,15 @@ impl ChatService {
             return Ok(Swept::Alive);
         }
         let Some(shared) = &self.shared_replies else {
-            return self.claim_and_fail(seen, silent).await;
+            return self.claim_and_fail(seen, silent, "without Redis").await;
         };
         let job = match shared.job(id).await {
             Some(job) => Some(job),
             None => self.store.saved_reply(id).await?.and_then(|r| r.job),
         };
         let Some((record, user_id, ids)) = job.as_deref().and_then(|j| parse(j, id)) else {
-            return self.claim_and_fail(seen, silent).await;
+            let why = "its job is neither in Redis nor in the database";
+            return self.claim_and_fail(seen, silent, why).await;
         };
         // A reply of a session running here is this replica's own: a slow database held its
         // heartbeat back.
@@ -244,7 +245,6 @@ impl ChatService {
                 if live.is_disowned() {
                     return;
                 }
-                tracing::warn!(message_id = %id, error = %e, "a reply whose replica died cannot be continued");
                 if let Some(shared) = self.shared_replies.as_ref() {
                     let why = e.to_string();
                     if let Err(e) = self.fail_taken(shared, &user_id, &ids, &lease, &why).await {
@@ -346,6 +346,7 @@ impl ChatService {
         if !self.store.fail_interrupted(lease).await? {
             return Ok(Swept::Alive);
         }
+        tracing::warn!(message_id = %id, why, "a reply whose replica stopped cannot be continued");
         if let Some(n) = shared.next_event(id).await {
             let stored = self.store.get_message(user_id, &ids.session_id, id).await;
             let live = Live::from_event(Some(ids.clone()), n);
@@ -372,10 +373,12 @@ impl ChatService {
         &self,
         seen: &StreamingReply,
         silent: bool,
+        why: &str,
     ) -> Result<Swept, StoreError> {
         let Some(lease) = self.store.claim_reply(seen, silent).await? else {
             return Ok(Swept::Alive);
         };
+        tracing::warn!(message_id = %seen.id, why, "a reply whose replica stopped cannot be continued");
         Ok(match self.store.fail_interrupted(&lease).await? {
             true => Swept::Failed,
             false => Swept::Alive,

@@ -11,8 +11,8 @@ use serde_json::{json, Value};
 use super::client::{ClientLog, Ending, TurnLog};
 use super::faults::Fault;
 
-/// Counts of what went wrong, over every turn of the run. Every count but `turns`, `faults` and
-/// `stream_lost` must be 0.
+/// Counts of what went wrong, over every turn of the run. Every count but `turns`, `faults`,
+/// `stream_lost` and `read_stored` must be 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Verdict {
     pub turns: usize,
@@ -37,6 +37,9 @@ pub struct Verdict {
     pub left_waiting: usize,
     /// Turns whose client was told its stream was lost (their reply went on and was stored).
     pub stream_lost: usize,
+    /// Turns whose stream no replica had any more (Redis lost it after the reply ended), read
+    /// by their client from the history.
+    pub read_stored: usize,
     /// The longest any client waited for its next event, and the longest after the last fault
     /// was over.
     pub longest_wait: Duration,
@@ -73,6 +76,7 @@ impl Verdict {
             "client_errors": self.client_errors,
             "left_waiting": self.left_waiting,
             "stream_lost": self.stream_lost,
+            "read_stored": self.read_stored,
             "longest_wait_s": self.longest_wait.as_secs_f64(),
             "longest_wait_after_faults_s": self.longest_wait_after_faults.as_secs_f64(),
         })
@@ -129,10 +133,12 @@ fn check_stored(v: &mut Verdict, at: &str, turn: &TurnLog, messages: &Stored) {
         v.not_complete += 1;
         v.notes.push(format!("{at}: stored as {status}"));
     }
-    // A client told its stream was lost was shown a beginning only.
+    // A client told its stream was lost, or that read the reply from the history, was shown a
+    // beginning only.
     let shown = shown_text(turn);
     let same = match &turn.ending {
         Some(Ending::Error(kind)) if kind == "stream_lost" => text.starts_with(&shown),
+        Some(Ending::ReadStored) => text.starts_with(&shown),
         _ => *text == shown,
     };
     if !same {
@@ -181,6 +187,7 @@ fn check_events(v: &mut Verdict, at: &str, turn: &TurnLog, calm_from: Duration) 
     match &turn.ending {
         Some(Ending::Complete) => {}
         Some(Ending::Error(kind)) if kind == "stream_lost" => v.stream_lost += 1,
+        Some(Ending::ReadStored) => v.read_stored += 1,
         Some(Ending::Error(kind)) => {
             v.client_errors += 1;
             v.notes
@@ -188,7 +195,14 @@ fn check_events(v: &mut Verdict, at: &str, turn: &TurnLog, calm_from: Duration) 
         }
         Some(Ending::GaveUp) | None => {
             v.left_waiting += 1;
-            v.notes.push(format!("{at}: its client gave up waiting"));
+            v.notes.push(format!(
+                "{at}: its client gave up waiting on {} after {} resumes; the last: {}",
+                turn.message_id
+                    .as_deref()
+                    .unwrap_or("a reply it never learnt"),
+                turn.resumes,
+                turn.resume_log.join("; ")
+            ));
         }
     }
     let mut seen = std::collections::BTreeSet::new();

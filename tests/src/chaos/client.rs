@@ -1,8 +1,10 @@
 //! A chaos run's client: one session, a few turns in it, through whichever replica it picks,
 //! as a careful real client would. A stream that breaks, or falls silent for [`STALL`], is
-//! resumed on another replica with `Last-Event-ID`; a turn whose post failed is looked for in
-//! the session's history before it is posted again (so a turn the server stored is not sent
-//! twice). Everything it receives is logged, with the time, for the history checker.
+//! resumed on another replica with `Last-Event-ID`; a resume answered 404 (no replica has the
+//! reply's stream any more) looks for the reply in the history, and a reply found ended there
+//! ends the turn, as the web UI does; a turn whose post failed is looked for in the session's
+//! history before it is posted again (so a turn the server stored is not sent twice).
+//! Everything it receives is logged, with the time, for the history checker.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -15,6 +17,9 @@ use crate::rng::Rng;
 
 /// A stream with no event for this long is taken for broken: its replica may be stopped.
 pub const STALL: Duration = Duration::from_secs(4);
+
+/// How many resumes a turn's log describes.
+pub const KEPT_RESUMES: usize = 6;
 
 /// One event as a client received it.
 #[derive(Debug, Clone)]
@@ -36,6 +41,9 @@ pub enum Ending {
     Complete,
     /// An `error` event, with its `error_type`.
     Error(String),
+    /// No replica had the reply's stream any more (404), and the history held the reply as
+    /// ended: the client shows it from there, as the web UI does.
+    ReadStored,
     /// The client gave up (its deadline passed).
     GaveUp,
 }
@@ -51,6 +59,9 @@ pub struct TurnLog {
     pub ending: Option<Ending>,
     /// Streams opened to resume it.
     pub resumes: usize,
+    /// How each resume went (the latest [`KEPT_RESUMES`]), for the report of a turn whose
+    /// client gave up.
+    pub resume_log: Vec<String>,
     /// Posts of the turn that failed before it was known to be stored.
     pub retries: usize,
 }
@@ -147,6 +158,7 @@ impl Client {
             events: Vec::new(),
             ending: None,
             resumes: 0,
+            resume_log: Vec::new(),
             retries: 0,
         };
         let deadline = Instant::now() + plan.turn_deadline;
@@ -196,9 +208,8 @@ impl Client {
         log
     }
 
-    /// The reply to the user message `content`, when the session's history holds it (a post
-    /// that failed on the way back, after the turn was stored).
-    async fn stored(&mut self, sid: &str, content: &str) -> Option<String> {
+    /// The session's messages, from whichever replica answers (None when it does not).
+    async fn history(&mut self, sid: &str) -> Option<Vec<Value>> {
         let addr = self.replica();
         let path = format!("/v1/sessions/{sid}/messages");
         let r = Req::new("GET", &path)
@@ -207,9 +218,27 @@ impl Client {
             .await
             .ok()
             .filter(|r| r.status == 200)?;
-        let messages = r.json()["data"].as_array().cloned().unwrap_or_default();
+        r.json()["data"].as_array().cloned()
+    }
+
+    /// The reply to the user message `content`, when the session's history holds it (a post
+    /// that failed on the way back, after the turn was stored).
+    async fn stored(&mut self, sid: &str, content: &str) -> Option<String> {
+        let messages = self.history(sid).await?;
         let at = messages.iter().position(|m| m["content"] == content)?;
         messages.get(at + 1)?["id"].as_str().map(str::to_string)
+    }
+
+    /// Whether the history holds the turn's reply as ended (not `streaming`).
+    async fn ended(&mut self, sid: &str, log: &TurnLog) -> bool {
+        let Some(id) = &log.message_id else {
+            return false;
+        };
+        let messages = self.history(sid).await.unwrap_or_default();
+        messages
+            .iter()
+            .find(|m| m["id"] == id.as_str())
+            .is_some_and(|m| m["status"] != "streaming")
     }
 
     /// Opens the session's stream on a replica, after the last event received.
@@ -221,11 +250,29 @@ impl Client {
             req = req.header("Last-Event-ID", format!("{m}:{}", last.n));
         }
         log.resumes += 1;
-        if let Ok(mut sse) = req.try_events(addr).await {
-            if sse.status == 200 {
+        let (at, had) = (self.start.elapsed(), log.events.len());
+        let status = match req.try_events(addr).await {
+            Ok(mut sse) if sse.status == 200 => {
                 self.read(&mut sse, log, true).await;
+                "200".to_string()
             }
+            Ok(sse) => {
+                if sse.status == 404 && self.ended(sid, log).await {
+                    log.ending = Some(Ending::ReadStored);
+                }
+                sse.status.to_string()
+            }
+            Err(e) => e.kind().to_string(),
+        };
+        if log.resume_log.len() == KEPT_RESUMES {
+            log.resume_log.remove(0);
         }
+        let last = log.events.last().map(|e| e.n);
+        log.resume_log.push(format!(
+            "{:.1} s {addr}: {status}, {} events (last {last:?})",
+            at.as_secs_f64(),
+            log.events.len() - had,
+        ));
     }
 
     /// Reads events until the turn ends, the stream ends, or it falls silent.

@@ -17,6 +17,12 @@ use crate::proxy::Proxy;
 use crate::redis::RedisServer;
 use crate::stack::{hearth_bin, worker_bin, WORKER_TOKEN};
 
+/// The replicas' `RUST_LOG`: `HEARTH_CHAOS_LOG` when set (`hearth_orchestrator=debug` to
+/// follow each reply), else warnings only.
+fn replica_log_filter() -> String {
+    std::env::var("HEARTH_CHAOS_LOG").unwrap_or_else(|_| "warn".into())
+}
+
 /// What the workers run.
 #[derive(Debug, Clone)]
 pub enum Model {
@@ -225,7 +231,7 @@ impl Cluster {
         for w in &self.workers {
             cmd.args(["--worker", &w.listen]);
         }
-        cmd.env("RUST_LOG", "warn")
+        cmd.env("RUST_LOG", replica_log_filter())
             .env("HEARTH_WORKER_TOKEN", WORKER_TOKEN)
             .stdin(Stdio::null())
             .stdout(Stdio::null())

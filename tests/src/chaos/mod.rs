@@ -90,7 +90,7 @@ impl std::fmt::Display for Report {
             f,
             "  {} turns, {} faults; lost {}, stored as error {}, not complete {}, text differs \
              {}, duplicated {}, id gaps {}, repeats {}, error events {}, left waiting {}, told \
-             stream lost {}",
+             stream lost {}, read from the history {}",
             v.turns,
             v.faults,
             v.lost,
@@ -102,7 +102,8 @@ impl std::fmt::Display for Report {
             v.repeats,
             v.client_errors,
             v.left_waiting,
-            v.stream_lost
+            v.stream_lost,
+            v.read_stored
         )?;
         writeln!(
             f,
