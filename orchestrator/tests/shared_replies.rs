@@ -71,7 +71,7 @@ fn end(content: &str) -> RunEvent {
 
 /// How many events and which tokens the stream holds while it runs (None: not whole, or over).
 async fn running(r: &SharedReplies, id: &MessageId) -> Option<(usize, Vec<u32>)> {
-    match r.read(id).await? {
+    match r.read(id).await?? {
         StreamState::Running(p) => Some((p.events, p.tokens)),
         StreamState::Ended(_) => None,
     }
@@ -107,7 +107,7 @@ async fn a_reply_taken_over_is_published_by_its_new_owner_only() {
     })
     .await;
     assert_eq!(running(&b, &id).await, Some((3, vec![9, 10, 11])));
-    assert_eq!(b.job(&id).await.as_deref(), Some("{\"job\":1}"));
+    assert_eq!(b.job(&id).await.flatten().as_deref(), Some("{\"job\":1}"));
     assert_eq!(shown(&live).await, vec![0, 1, 2], "published, so shown");
 
     // B claims epoch 1 and takes it over: A's next event is not published, A stops,
@@ -145,14 +145,14 @@ async fn a_reply_taken_over_is_published_by_its_new_owner_only() {
         ]
     );
     assert!(read[1].data.contains(" there"), "{:?}", read[1]);
-    let Some(StreamState::Ended(done)) = b.read(&id).await else {
+    let Some(Some(StreamState::Ended(done))) = b.read(&id).await else {
         panic!("the stream has ended");
     };
     assert_eq!(done.content, "Hello there");
     assert_eq!(done.status, MessageStatus::Complete);
     assert_eq!(done.worker.as_deref(), Some("w1"));
     until("the job is gone once the reply ended", || async {
-        b.job(&id).await.is_none()
+        b.job(&id).await == Some(None)
     })
     .await;
 }
@@ -197,7 +197,7 @@ async fn a_stream_redis_lost_is_written_again_whole_by_its_owner() {
     })
     .await;
     assert_eq!(running(&b, &id).await, Some((3, vec![1, 2])));
-    assert_eq!(b.job(&id).await.as_deref(), Some("{\"job\":2}"));
+    assert_eq!(b.job(&id).await.flatten().as_deref(), Some("{\"job\":2}"));
     assert!(!live.is_disowned());
     live.push(end("ab"));
     live.settle();
@@ -253,4 +253,24 @@ async fn a_stream_begun_again_serves_only_the_clients_it_can_serve_truly() {
     }
     on_b.push(end("abcd"));
     on_b.settle();
+}
+
+/// What Redis does not hold is told apart from Redis not answering (`Some(None)` against
+/// `None`): a sweep gives a reply up for the first only, and leaves it to a later sweep for
+/// the second; a resume answers 404 for the first only.
+#[tokio::test]
+async fn redis_not_answering_is_told_apart_from_what_it_does_not_hold() {
+    let mut server = hearth_e2e::redis::RedisServer::start();
+    let url = server.url();
+    let redis = connect_redis(&url).await.expect("Redis");
+    let r = SharedReplies::new(redis, &url).expect("client");
+    let ids = turn();
+    let id = &ids.message_id;
+    assert_eq!(r.read(id).await, Some(None));
+    assert_eq!(r.job(id).await, Some(None));
+    assert!(matches!(r.find(&ids.session_id).await, Some(None)));
+    server.kill();
+    assert_eq!(r.read(id).await, None);
+    assert_eq!(r.job(id).await, None);
+    assert!(r.find(&ids.session_id).await.is_none());
 }

@@ -466,11 +466,21 @@ impl Generator {
                     true
                 }
             };
-            let mut go_on = match job {
-                Some(j) => owned(store.save_job(&lease, &j).await, "job"),
-                None => true,
-            };
-            while go_on && rx.changed().await.is_ok() {
+            // A job the database did not take (down a while) is tried again with each
+            // checkpoint: without it, no replica can continue the reply once Redis loses it.
+            let mut unsaved = job;
+            let mut go_on = true;
+            loop {
+                if let Some(j) = &unsaved {
+                    let r = store.save_job(&lease, j).await;
+                    if r.is_ok() {
+                        unsaved = None;
+                    }
+                    go_on = owned(r, "job");
+                }
+                if !go_on || rx.changed().await.is_err() {
+                    break;
+                }
                 let cp = rx.borrow_and_update().clone();
                 go_on = owned(store.save_progress(&lease, &cp).await, "progress");
             }

@@ -474,23 +474,23 @@ impl SharedReplies {
         top.first().and_then(|(id, _)| entry_number(id))
     }
 
-    /// The job of a running reply, as its replica published it (None once it ended, or when
-    /// Redis cannot say).
-    pub async fn job(&self, message_id: &MessageId) -> Option<String> {
+    /// The job of a running reply, as its replica published it: None when Redis cannot say,
+    /// `Some(None)` when it has none (the reply ended, or Redis lost it).
+    pub async fn job(&self, message_id: &MessageId) -> Option<Option<String>> {
         let cmd = redis::cmd("GET").arg(job_key(message_id)).clone();
-        self.redis.cmd(&cmd, "reading a reply's job").await?
+        self.redis.cmd(&cmd, "reading a reply's job").await
     }
 
-    /// What a reply's stream says, read whole. None when the stream is gone, trimmed or
-    /// broken, or Redis cannot say.
-    pub async fn read(&self, message_id: &MessageId) -> Option<StreamState> {
+    /// What a reply's stream says, read whole: None when Redis cannot say, `Some(None)` when
+    /// the stream is gone, trimmed or broken.
+    pub async fn read(&self, message_id: &MessageId) -> Option<Option<StreamState>> {
         let cmd = redis::cmd("XRANGE")
             .arg(stream_key(message_id))
             .arg("-")
             .arg("+")
             .clone();
         let entries: Entries = self.redis.cmd(&cmd, "reading a reply's events").await?;
-        StreamState::of(entries)
+        Some(StreamState::of(entries))
     }
 
     /// The reply the session's stream points at: None when Redis cannot say, `Some(None)`

@@ -23,7 +23,12 @@
 //!
 //! Without Redis, or when no job was saved, the reply is marked `error`/`interrupted` with its
 //! text, as before; a replica that claimed it then ends its stream with an `error` event, so
-//! that its clients learn it ended.
+//! that its clients learn it ended. Redis configured but not answering at that moment is no
+//! such case: the sweep leaves the reply to a later sweep, which asks again.
+//!
+//! The owner saves the job in the database with its first checkpoint, and again with each
+//! later one while the database refuses it (down at the reply's start), so that a reply whose
+//! replica dies after Redis lost the job can still be continued.
 
 use std::sync::Arc;
 
@@ -125,6 +130,15 @@ pub enum Swept {
     Failed,
 }
 
+/// What a reply whose stream was lost goes on from.
+enum FromCheckpoint {
+    Resume(Resume),
+    /// No checkpoint was saved: it cannot go on.
+    Missing,
+    /// Redis cannot say now, or a later lease owns the reply: a later sweep sees to it.
+    Later,
+}
+
 /// Where a reply taken over goes on from.
 struct Resume {
     /// The events clients may have seen: the taker's log begins after them.
@@ -149,11 +163,16 @@ impl ChatService {
         let Some(shared) = &self.shared_replies else {
             return self.claim_and_fail(seen, silent, "without Redis").await;
         };
-        let job = match shared.job(id).await {
-            Some(job) => Some(job),
-            None => self.store.saved_reply(id).await?.and_then(|r| r.job),
+        let published = shared.job(id).await;
+        let job = match &published {
+            Some(Some(job)) => Some(job.clone()),
+            _ => self.store.saved_reply(id).await?.and_then(|r| r.job),
         };
         let Some((record, user_id, ids)) = job.as_deref().and_then(|j| parse(j, id)) else {
+            // Redis, which may hold the job, does not answer now: a later sweep asks again.
+            if published.is_none() {
+                return Ok(Swept::Alive);
+            }
             let why = "its job is neither in Redis nor in the database";
             return self.claim_and_fail(seen, silent, why).await;
         };
@@ -170,21 +189,24 @@ impl ChatService {
         if shared.take(&lease, false).await.is_none() {
             return Ok(Swept::Alive);
         }
+        // Redis not answering now is no reason to give the reply up: a later sweep tries again.
         let resume = match shared.read(id).await {
-            Some(StreamState::Ended(done)) => {
+            None => return Ok(Swept::Alive),
+            Some(Some(StreamState::Ended(done))) => {
                 return Ok(match self.store.finish_message(&lease, &done).await? {
                     true => Swept::Finished,
                     false => Swept::Alive,
                 });
             }
-            Some(StreamState::Running(p)) => Resume {
+            Some(Some(StreamState::Running(p))) => Resume {
                 events: p.events,
                 tokens: p.tokens,
                 before: Before::Entries(p.entries),
             },
-            None => match self.resume_from_checkpoint(shared, &lease).await? {
-                Some(r) => r,
-                None => {
+            Some(None) => match self.resume_from_checkpoint(shared, &lease).await? {
+                FromCheckpoint::Resume(r) => r,
+                FromCheckpoint::Later => return Ok(Swept::Alive),
+                FromCheckpoint::Missing => {
                     let why = "its events are no longer in Redis, and no checkpoint was saved";
                     return self.fail_taken(shared, &user_id, &ids, &lease, why).await;
                 }
@@ -201,22 +223,23 @@ impl ChatService {
     }
 
     /// The stream was lost (Redis restarted) with the replica that ran the reply: the reply
-    /// goes on from the checkpoint its owner saved last, in a stream begun again there. None
-    /// when there is none.
+    /// goes on from the checkpoint its owner saved last, in a stream begun again there.
     async fn resume_from_checkpoint(
         &self,
         shared: &SharedReplies,
         lease: &ReplyLease,
-    ) -> Result<Option<Resume>, StoreError> {
-        let Some(saved) = self.store.saved_reply(&lease.message_id).await? else {
-            return Ok(None);
+    ) -> Result<FromCheckpoint, StoreError> {
+        let saved = self.store.saved_reply(&lease.message_id).await?;
+        let Some(saved) = saved.filter(|s| s.checkpoint.events > 0) else {
+            return Ok(FromCheckpoint::Missing);
         };
-        if saved.checkpoint.events == 0 || shared.take(lease, true).await.is_none() {
-            return Ok(None);
+        // Redis not answering, or a later lease owning the reply now: not this sweep's to end.
+        if shared.take(lease, true).await.is_none() {
+            return Ok(FromCheckpoint::Later);
         }
         tracing::warn!(message_id = %lease.message_id, events = saved.checkpoint.events, "a reply's stream was lost in Redis; continuing it from its checkpoint");
         let tokens = saved.checkpoint.tokens;
-        Ok(Some(Resume {
+        Ok(FromCheckpoint::Resume(Resume {
             events: saved.checkpoint.events as usize,
             before: Before::Lost(tokens.clone()),
             tokens,
