@@ -2,14 +2,19 @@
 //! API's edge, beside [`super::ValidTurn`]. Each can only be built through its checks.
 //!
 //! What needs the served model (whether a default `max_tokens` fits its context) is checked by
-//! the service when it stores the session.
+//! the service when it stores the session: the second half of this file, the service's session
+//! operations (create, list, read, update, history, delete).
+
+use super::turn::{check_params, check_text};
+use std::time::Duration;
 
 use hearth_shared::SamplingParams;
 
-use super::turn::{check_params, check_text};
-use super::ChatError;
+use super::prompt::check_max_tokens;
+use super::{ChatError, ChatService, Target};
 use crate::ids::SessionId;
-use crate::storage::{NewSession, SessionPatch, SessionQuery};
+use crate::storage::NewSession;
+use crate::storage::{Message, Session, SessionPatch, SessionQuery, User};
 
 const MAX_TITLE_CHARS: usize = 200;
 const MAX_SYSTEM_PROMPT_BYTES: usize = 64 << 10;
@@ -213,6 +218,119 @@ fn stored_params(p: Fields) -> Result<serde_json::Value, ChatError> {
         .map_err(|e| ChatError::Invalid(format!("params: {e}")))?;
     check_params(parsed, "params.")?;
     Ok(serde_json::Value::Object(p))
+}
+
+impl ChatService {
+    // --- Sessions ---
+
+    /// Creates a session, unless the user already keeps the most sessions allowed. Its model
+    /// must be served or loadable; it is not loaded here (its first turn loads it), so its
+    /// `max_tokens` is checked against the model's context only when a worker holds it.
+    pub async fn create_session(
+        &self,
+        user: &User,
+        session: ValidSession,
+    ) -> Result<Session, ChatError> {
+        let cap = self.limits.max_sessions_per_user;
+        if self.store.count_sessions(&user.id).await? >= cap {
+            return Err(ChatError::TooManySessions { max: cap });
+        }
+        let mut new = session.new;
+        let target = self.loaded_target(new.model.as_deref()).await?;
+        new.max_tokens = session
+            .max_tokens
+            .map(|n| session_max_tokens(n, target.as_ref()))
+            .transpose()?;
+        Ok(self.store.create_session(&user.id, new).await?)
+    }
+
+    pub async fn sessions(&self, user: &User, q: &SessionQuery) -> Result<Vec<Session>, ChatError> {
+        Ok(self.store.list_sessions(&user.id, q).await?)
+    }
+
+    pub async fn session(&self, user: &User, id: &SessionId) -> Result<Session, ChatError> {
+        Ok(self.store.get_session(&user.id, id).await?)
+    }
+
+    pub async fn update_session(
+        &self,
+        user: &User,
+        id: &SessionId,
+        patch: ValidPatch,
+    ) -> Result<Session, ChatError> {
+        // The caller's session first: another's (or none) costs nothing. The session's model
+        // after the patch bounds its reply length, when a worker holds it (nothing is loaded).
+        let session = self.store.get_session(&user.id, id).await?;
+        let model = match &patch.patch.model {
+            Some(m) => m.as_deref(),
+            None => session.model.as_deref(),
+        };
+        let target = self.loaded_target(model).await?;
+        let max_tokens = match patch.max_tokens {
+            Some(Some(n)) => Some(Some(session_max_tokens(n, target.as_ref())?)),
+            Some(None) => Some(None),
+            None => None,
+        };
+        let patch = SessionPatch {
+            max_tokens,
+            ..patch.patch
+        };
+        Ok(self.store.update_session(&user.id, id, patch).await?)
+    }
+
+    /// One page of a session's messages, oldest first (a reply still streaming included), and
+    /// the cursor of the page before it when there is one.
+    pub async fn messages(
+        &self,
+        user: &User,
+        id: &SessionId,
+        page: MessagePage,
+    ) -> Result<(Vec<Message>, Option<String>), ChatError> {
+        let data = self
+            .store
+            .list_messages_page(&user.id, id, page.before, page.limit)
+            .await?;
+        let full = data.len() == page.limit as usize;
+        let earlier = data
+            .first()
+            .filter(|m| full && m.seq > 1)
+            .map(|m| m.seq.to_string());
+        Ok((data, earlier))
+    }
+
+    /// Deletes a session: stops its running reply first (here, or on another replica through
+    /// the stop bus) so it is not left generating for nobody, then frees its KV cache on the
+    /// workers.
+    pub async fn delete_session(&self, user: &User, id: &SessionId) -> Result<(), ChatError> {
+        self.store.get_session(&user.id, id).await?;
+        if let Some(live) = self.running(id) {
+            live.stop();
+            let _ = tokio::time::timeout(Duration::from_secs(5), live.outcome()).await;
+        } else if let Some(bus) = &self.stop_bus {
+            bus.publish(id).await;
+        }
+        self.store.delete_session(&user.id, id).await?;
+        // Now and once more a little later, in case a reply stopped on another replica hands
+        // its cache back after the first call.
+        let pool = self.generator.pool.clone();
+        let id = id.clone();
+        tokio::spawn(async move {
+            pool.drop_session(&id).await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            pool.drop_session(&id).await;
+        });
+        Ok(())
+    }
+}
+
+/// A session's `max_tokens`: [`check_max_tokens`] against its model's context when a worker
+/// holds it (`target`), else only against [`MAX_SESSION_MAX_TOKENS`] (its turns check the rest).
+fn session_max_tokens(n: u32, target: Option<&Target>) -> Result<i64, ChatError> {
+    let unloaded = Target {
+        model: None,
+        tokenizer: None,
+    };
+    check_max_tokens(n, target.unwrap_or(&unloaded)).map(i64::from)
 }
 
 #[cfg(test)]
