@@ -21,7 +21,7 @@ use axum::response::Response;
 use serde::Serialize;
 use tokio_stream::{Stream, StreamExt};
 
-use super::chat::sse;
+use super::native::sse;
 use super::ApiError;
 
 /// How often a waiting stream says the model is still loading.

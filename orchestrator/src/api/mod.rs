@@ -9,11 +9,10 @@
 //! - [`web`]: the web UI's static files at `/` (every path the API does not claim).
 
 mod admin;
-mod chat;
-mod completions;
 mod error;
 mod ids;
 pub mod loading;
+mod native;
 mod openai;
 mod openapi;
 mod sessions;
@@ -118,10 +117,10 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi.json", get(openapi::serve))
         .merge(sessions::routes())
         .merge(admin::routes())
-        .route("/v1/chat/completions", post(openai::completions))
-        .route("/v1/completions", post(completions::completions))
-        .route("/v1/models", get(openai::models))
-        .route("/v1/models/{id}", get(openai::model))
+        .route("/v1/chat/completions", post(openai::chat::completions))
+        .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/models", get(openai::models::models))
+        .route("/v1/models/{id}", get(openai::models::model))
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

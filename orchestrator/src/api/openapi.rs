@@ -9,7 +9,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, OpenApi as Document, Ref, RefOr};
 use utoipa::OpenApi;
 
-use super::chat::{ReplyFailed, TokenText};
+use super::native::{ReplyFailed, TokenText};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -26,16 +26,16 @@ use super::chat::{ReplyFailed, TokenText};
         super::sessions::update,
         super::sessions::remove,
         super::sessions::messages,
-        super::chat::post_message,
-        super::chat::regenerate,
-        super::chat::edit,
-        super::chat::stop,
-        super::chat::resume,
+        super::native::post_message,
+        super::native::regenerate,
+        super::native::edit,
+        super::native::stop,
+        super::native::resume,
         super::ws::socket,
-        super::openai::completions,
-        super::completions::completions,
-        super::openai::models,
-        super::openai::model,
+        super::openai::chat::completions,
+        super::openai::completions::completions,
+        super::openai::models::models,
+        super::openai::models::model,
         super::admin::workers,
         super::admin::load,
         super::admin::unload,
@@ -44,8 +44,8 @@ use super::chat::{ReplyFailed, TokenText};
     components(schemas(
         crate::generate::TurnIds,
         TokenText,
-        super::chat::LogprobsEvent,
-        super::chat::ReplyEnd,
+        super::native::LogprobsEvent,
+        super::native::ReplyEnd,
         ReplyFailed,
         super::loading::ModelLoading
     )),
@@ -132,7 +132,7 @@ impl utoipa::PartialSchema for StopList {
 
 impl utoipa::ToSchema for StopList {}
 
-impl utoipa::PartialSchema for super::openai::StopField {
+impl utoipa::PartialSchema for super::openai::wire::StopField {
     fn schema() -> RefOr<Schema> {
         literal_schema(serde_json::json!({"oneOf": [
             stop_string(),
@@ -141,7 +141,7 @@ impl utoipa::PartialSchema for super::openai::StopField {
     }
 }
 
-impl utoipa::ToSchema for super::openai::StopField {}
+impl utoipa::ToSchema for super::openai::wire::StopField {}
 
 fn literal_schema(v: serde_json::Value) -> RefOr<Schema> {
     // The literal above is a valid schema object, so this cannot fail; an empty schema (any

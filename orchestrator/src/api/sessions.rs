@@ -20,18 +20,18 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sessions/{id}", get(fetch).patch(update).delete(remove))
         .route(
             "/v1/sessions/{id}/messages",
-            get(messages).post(super::chat::post_message),
+            get(messages).post(super::native::post_message),
         )
         .route(
             "/v1/sessions/{id}/regenerate",
-            post(super::chat::regenerate),
+            post(super::native::regenerate),
         )
         .route(
             "/v1/sessions/{id}/messages/{message_id}/edit",
-            post(super::chat::edit),
+            post(super::native::edit),
         )
-        .route("/v1/sessions/{id}/stop", post(super::chat::stop))
-        .route("/v1/sessions/{id}/stream", get(super::chat::resume))
+        .route("/v1/sessions/{id}/stop", post(super::native::stop))
+        .route("/v1/sessions/{id}/stream", get(super::native::resume))
         .route("/v1/sessions/{id}/ws", get(super::ws::socket))
 }
 

@@ -38,7 +38,7 @@ use serde_json::{json, Map, Value};
 use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
 
-use super::chat::{resume_from, NativeEvent, StopResult, TurnBody};
+use super::native::{resume_from, NativeEvent, StopResult, TurnBody};
 use super::{bearer, caller_with, ApiError, AppState};
 use crate::generate::{Live, TurnIds};
 use crate::ids::{MessageId, SessionId};

@@ -10,11 +10,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use super::openai::{
-    finished_choices, requested_grammar, streamed, Head, ResponseFormat, Shape, StopField,
-    StopOnDrop, Usage,
-};
-use super::{ApiError, AppState, ValidJson};
+use super::chat::{finished_choices, Head};
+use super::stream::{streamed, Shape, StopOnDrop};
+use super::wire::{requested_grammar, ResponseFormat, StopField, Usage};
+use crate::api::{ApiError, AppState, ValidJson};
 use crate::generate::Outcome;
 use crate::service::{Caller, GenOptions, ModelDefaults, RawPrompt, ValidTurn, MAX_CHOICES};
 
@@ -61,7 +60,7 @@ pub struct CompletionRequest {
     #[serde(default)]
     seed: Option<u64>,
     #[serde(default)]
-    #[schema(value_type = Option<super::openapi::StopList>)]
+    #[schema(value_type = Option<crate::api::openapi::StopList>)]
     stop: Option<StopField>,
     /// Choices to generate (1 to 16).
     #[serde(default)]
@@ -219,10 +218,10 @@ impl CompletionRequest {
     responses(
         (status = 200, description = "The completion", content(
             (TextCompletion = "application/json"),
-            (super::openapi::CompletionEvent = "text/event-stream"),
+            (crate::api::openapi::CompletionEvent = "text/event-stream"),
         )),
-        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`)", body = super::ErrorBody),
-        (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = super::ErrorBody),
+        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`)", body = crate::api::ErrorBody),
+        (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = crate::api::ErrorBody),
     ))]
 pub async fn completions(
     State(s): State<AppState>,

@@ -1,0 +1,288 @@
+//! A chat completion streamed as OpenAI's chunks: one stream per choice, merged, each chunk
+//! shaped for the chat or the legacy completions API.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::Event;
+use axum::response::Response;
+use serde_json::{json, Value};
+use tokio_stream::StreamExt;
+
+use super::chat::*;
+use super::wire::*;
+use crate::api::native::sse;
+use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
+use crate::tools::{ToolCall, Tools};
+
+/// What a streamed choice looks like: a chat completion's delta, or a legacy completion's text.
+#[derive(Debug, Clone)]
+pub(super) enum Shape {
+    /// With the request's tools, a reply that is calls streams as `tool_calls`.
+    Chat { tools: Option<Arc<Tools>> },
+    /// `echo`: the prompt's text, sent first.
+    Text { echo: Option<String> },
+}
+
+impl Shape {
+    /// Bytes of echoed prompt before each choice's text.
+    pub(super) fn echoed_len(&self) -> usize {
+        match self {
+            Self::Chat { .. } | Self::Text { echo: None } => 0,
+            Self::Text { echo: Some(p) } => p.len(),
+        }
+    }
+
+    fn object(&self) -> &'static str {
+        match self {
+            Self::Chat { .. } => "chat.completion.chunk",
+            Self::Text { .. } => "text_completion",
+        }
+    }
+
+    /// One choice of a chunk: `text` (None: the chat's opening role delta, or an empty one).
+    pub(super) fn choice(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        finish: Value,
+        lp: Value,
+    ) -> Value {
+        match self {
+            Self::Chat { .. } => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None if finish.is_null() => json!({"role": "assistant", "content": ""}),
+                    None => json!({}),
+                };
+                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+            Self::Text { .. } => {
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
+            }
+        }
+    }
+
+    /// The tools whose calls a streamed reply may be: its text is held back while it may
+    /// still become one.
+    fn callable_tools(&self) -> Option<&Tools> {
+        match self {
+            Self::Chat { tools: Some(t) } if t.callable() => Some(t),
+            _ => None,
+        }
+    }
+
+    /// A chunk's choice that carries a reply's calls.
+    fn calls_choice(index: usize, calls: &[ToolCall], lp: Value) -> Value {
+        let calls: Vec<Value> = calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| json!({"index": k, "id": c.id, "type": c.kind, "function": c.function}))
+            .collect();
+        json!({"index": index, "delta": {"tool_calls": calls}, "logprobs": lp, "finish_reason": Value::Null})
+    }
+
+    /// The log-probabilities of `tokens` as this shape reports them; `offset` is where the
+    /// first token's text starts in the choice's text (legacy `text_offset`), moved past them.
+    pub(super) fn logprobs(&self, tokens: Vec<TokenLogprob>, offset: &mut usize) -> Value {
+        match self {
+            Self::Chat { .. } => json!({ "content": tokens }),
+            Self::Text { .. } => {
+                let mut offsets = Vec::with_capacity(tokens.len());
+                for t in &tokens {
+                    offsets.push(*offset);
+                    *offset += t.token.len();
+                }
+                let top: Vec<serde_json::Map<String, Value>> = tokens
+                    .iter()
+                    .map(|t| {
+                        t.top_logprobs
+                            .iter()
+                            .map(|a| (a.token.clone(), json!(a.logprob)))
+                            .collect()
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens.iter().map(|t| t.token.as_str()).collect::<Vec<_>>(),
+                    "token_logprobs": tokens.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+}
+
+/// One streamed choice's state: the log-probabilities not sent yet, where its text stands
+/// (legacy `text_offset`), and its text held back while it may still become tool calls (`None`
+/// once it cannot, or without tools).
+struct ChoiceStream {
+    index: usize,
+    pending: Vec<TokenLogprob>,
+    offset: usize,
+    held: Option<String>,
+}
+
+impl ChoiceStream {
+    pub(super) fn new(index: usize, shape: &Shape) -> Self {
+        Self {
+            index,
+            pending: Vec::new(),
+            offset: shape.echoed_len(),
+            held: shape.callable_tools().map(|_| String::new()),
+        }
+    }
+
+    /// The log-probabilities gathered since the last chunk, in `shape`'s form (null without
+    /// `logprobs`).
+    pub(super) fn logprobs(&mut self, shape: &Shape, logprobs: bool) -> Value {
+        if logprobs {
+            shape.logprobs(std::mem::take(&mut self.pending), &mut self.offset)
+        } else {
+            Value::Null
+        }
+    }
+
+    /// The choice to send for new text, if any (none while it is held back).
+    pub(super) fn text(&mut self, shape: &Shape, logprobs: bool, t: String) -> Option<Value> {
+        let t = match (&mut self.held, shape.callable_tools()) {
+            (Some(h), Some(tools)) => {
+                h.push_str(&t);
+                if tools.may_be_call(h) {
+                    return None;
+                }
+                self.held.take().unwrap_or_default()
+            }
+            _ => t,
+        };
+        let lp = self.logprobs(shape, logprobs);
+        Some(shape.choice(self.index, Some(&t), Value::Null, lp))
+    }
+
+    /// The choices that end it: the held text as the reply's calls or as content, what
+    /// log-probabilities are left, and the finish.
+    pub(super) fn end(
+        &mut self,
+        shape: &Shape,
+        o: &Outcome,
+        logprobs: bool,
+        reason: &str,
+    ) -> Vec<Value> {
+        let i = self.index;
+        let text = self.held.take();
+        // Held all along (else the text went out as words): the reply is its calls, if any.
+        if let Some(calls) = o.tool_calls.as_ref().filter(|_| text.is_some()) {
+            let lp = self.logprobs(shape, logprobs);
+            return vec![
+                Shape::calls_choice(i, calls, lp),
+                shape.choice(i, None, json!("tool_calls"), Value::Null),
+            ];
+        }
+        let mut out = Vec::new();
+        if let Some(t) = text.filter(|t| !t.is_empty()) {
+            let lp = self.logprobs(shape, logprobs);
+            out.push(shape.choice(i, Some(&t), Value::Null, lp));
+        }
+        if logprobs && !self.pending.is_empty() {
+            // Tokens whose text the stop matcher held back or cut.
+            let lp = self.logprobs(shape, logprobs);
+            out.push(shape.choice(i, Some(""), Value::Null, lp));
+        }
+        out.push(shape.choice(i, None, json!(reason), Value::Null));
+        out
+    }
+}
+
+/// The completion as chunk events, then `[DONE]`: each choice's chunks as they come, tagged
+/// with its index. With `logprobs`, each text chunk carries the log-probabilities of the tokens
+/// that arrived with or before it.
+pub(super) fn streamed(
+    head: Head,
+    guards: Vec<StopOnDrop>,
+    include_usage: bool,
+    logprobs: bool,
+    shape: Shape,
+) -> Response {
+    sse(streamed_events(
+        head,
+        guards,
+        include_usage,
+        logprobs,
+        shape,
+    ))
+}
+
+/// [`streamed`]'s events.
+pub(super) fn streamed_events(
+    head: Head,
+    guards: Vec<StopOnDrop>,
+    include_usage: bool,
+    logprobs: bool,
+    shape: Shape,
+) -> impl tokio_stream::Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    async_stream::stream! {
+        let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
+        let _guards = guards;
+        let chunk = |choice: Value| json!({
+            "id": head.id, "object": shape.object(), "created": head.created,
+            "model": head.model, "choices": [choice],
+        });
+        let mut merged = tokio_stream::StreamMap::new();
+        for (i, live) in lives.iter().enumerate() {
+            merged.insert(i, Box::pin(live.subscribe(0)));
+        }
+        let mut choices: Vec<ChoiceStream> =
+            (0..lives.len()).map(|i| ChoiceStream::new(i, &shape)).collect();
+        let mut outcomes: Vec<Outcome> = Vec::new();
+        while let Some((i, (_, e))) = merged.next().await {
+            match e {
+                RunEvent::Begin => match &shape {
+                    Shape::Chat { .. } => yield data(chunk(shape.choice(i, None, Value::Null, Value::Null))),
+                    Shape::Text { echo: Some(p) } => {
+                        yield data(chunk(shape.choice(i, Some(p), Value::Null, Value::Null)));
+                    }
+                    Shape::Text { echo: None } => {}
+                },
+                RunEvent::Logprobs(l) => choices[i].pending.extend(l),
+                RunEvent::Text(t) => {
+                    if let Some(c) = choices[i].text(&shape, logprobs, t) {
+                        yield data(chunk(c));
+                    }
+                }
+                RunEvent::End(o) => match o.end.openai_finish_reason() {
+                    Err(e) => {
+                        yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
+                        break;
+                    }
+                    Ok(reason) => {
+                        for c in choices[i].end(&shape, &o, logprobs, reason) {
+                            yield data(chunk(c));
+                        }
+                        outcomes.push(*o);
+                    }
+                },
+            }
+        }
+        if include_usage && outcomes.len() == lives.len() {
+            let mut u = chunk(Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = json!(Usage::of(&outcomes));
+            yield data(u);
+        }
+        yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
+    }
+}
+
+pub(super) fn data(v: Value) -> Result<Event, Infallible> {
+    Ok(Event::default().data(v.to_string()))
+}
+
+pub(super) struct StopOnDrop(pub(super) Arc<Live>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if !self.0.is_finished() {
+            self.0.stop();
+        }
+    }
+}
