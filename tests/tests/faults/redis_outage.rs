@@ -10,11 +10,28 @@ use hearth_e2e::stack::{
     completion, event_seq as seq, fold, json_turn, new_session, read_tokens, stream_turn, Db,
     Hearth, Stack, Streamed,
 };
-use hearth_orchestrator::storage::{MessageStatus, SessionId, Store};
+use hearth_orchestrator::storage::{Message, MessageStatus, SessionId, Store};
 use hearth_worker::fixtures::TinySpec;
 use serde_json::json;
 
 use super::check_history;
+
+/// The session `sid` of user `name` as stored, checked to be whole ([`check_history`]).
+async fn stored_history(s: &Stack, name: &str, sid: &str) -> Vec<Message> {
+    let user = s
+        .store
+        .user_by_name(name)
+        .await
+        .expect("user")
+        .unwrap_or_else(|| panic!("{name} exists"));
+    let msgs = s
+        .store
+        .list_messages(&user.id, &SessionId::parse(sid).expect("a session id"))
+        .await
+        .expect("messages");
+    check_history(sid, &msgs);
+    msgs
+}
 
 /// A two-token completion, whatever the answer.
 async fn ask(addr: SocketAddr, key: &str) -> Reply {
@@ -100,18 +117,7 @@ async fn with_redis_down_chat_keeps_working_limits_lapse_and_stop_still_works() 
             .is_some_and(|n| n < 900),
         "{end}"
     );
-    let user = s
-        .store
-        .user_by_name("bob")
-        .await
-        .expect("user")
-        .expect("bob");
-    let msgs = s
-        .store
-        .list_messages(&user.id, &SessionId::parse(&sid).expect("a session id"))
-        .await
-        .expect("messages");
-    check_history(&sid, &msgs);
+    let msgs = stored_history(&s, "bob", &sid).await;
     let reply = msgs.last().expect("reply");
     assert_eq!(reply.status, MessageStatus::Stopped);
     assert_eq!(reply.content, text);
@@ -223,18 +229,7 @@ async fn with_redis_down_a_resume_on_another_replica_is_503_until_it_is_back() {
     assert_eq!(last.event, "message_end", "{last:?}");
     let seqs: Vec<u64> = events.iter().map(seq).collect();
     assert_eq!(seqs, (1..=events.len() as u64).collect::<Vec<_>>());
-    let user = s
-        .store
-        .user_by_name("alice")
-        .await
-        .expect("user")
-        .expect("alice");
-    let msgs = s
-        .store
-        .list_messages(&user.id, &SessionId::parse(&sid).expect("a session id"))
-        .await
-        .expect("messages");
-    check_history(&sid, &msgs);
+    let msgs = stored_history(&s, "alice", &sid).await;
     assert_eq!(msgs.last().map(|m| m.content.as_str()), Some(text.as_str()));
     drop(b);
     s.finish().await;
