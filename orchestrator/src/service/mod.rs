@@ -8,13 +8,13 @@
 //!
 //! This file holds the service's parts and what every use case shares (callers, charging);
 //! each use case is a file of its own, an `impl ChatService` block with its helpers:
-//! - [`session`]: sessions, their fields checked and stored;
-//! - [`native`]: native turns, stored with their replies;
-//! - [`stateless`]: the OpenAI-compatible requests, nothing stored;
-//! - [`models`]: which model serves a request, loaded on demand;
-//! - [`prompt`]: the prompt fitted to the model's context, and what else goes to the worker;
-//! - [`control`]: resuming and stopping replies, and readiness;
-//! - [`takeover`]: replies whose replica died.
+//! - `session`: sessions, their fields checked and stored;
+//! - `native`: native turns, stored with their replies;
+//! - `stateless`: the OpenAI-compatible requests, nothing stored;
+//! - `models`: which model serves a request, loaded on demand;
+//! - `prompt`: the prompt fitted to the model's context, and what else goes to the worker;
+//! - `control`: resuming and stopping replies, and readiness;
+//! - `takeover`: replies whose replica died.
 
 mod breakers;
 mod control;

@@ -4,11 +4,11 @@
 //! honour are refused with a 422 that names them rather than silently ignored; fields that do
 //! not change the output (`metadata`, …) are accepted.
 //!
-//! - [`wire`]: the request and the answer as clients see them;
-//! - [`chat`]: `POST /v1/chat/completions`;
-//! - [`stream`]: streamed choices as chunks;
-//! - [`completions`]: the legacy `POST /v1/completions`;
-//! - [`models`]: `GET /v1/models`.
+//! - `wire`: the request and the answer as clients see them;
+//! - `chat`: `POST /v1/chat/completions`;
+//! - `stream`: streamed choices as chunks;
+//! - `completions`: the legacy `POST /v1/completions`;
+//! - `models`: `GET /v1/models`.
 
 pub(super) mod chat;
 pub(super) mod completions;
