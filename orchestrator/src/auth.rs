@@ -11,7 +11,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::storage::{now_ms, ApiKey, NewApiKey, Store, StoreError, User};
+use crate::storage::{now_ms, Accounts, ApiKey, NewApiKey, StoreError, User};
 
 /// `hk_` and the first 8 hex characters.
 pub const PREFIX_LEN: usize = 11;
@@ -66,7 +66,7 @@ pub struct KeyOptions {
 
 /// Creates a key for `user_name` (and the user, if new).
 pub async fn issue_key(
-    store: &dyn Store,
+    store: &dyn Accounts,
     user_name: &str,
     options: KeyOptions,
 ) -> Result<IssuedKey, StoreError> {
@@ -87,7 +87,7 @@ pub async fn issue_key(
 }
 
 /// Checks a presented key (the bearer token) and returns its owner.
-pub async fn authenticate(store: &dyn Store, presented: &str) -> Result<Caller, AuthError> {
+pub async fn authenticate(store: &dyn Accounts, presented: &str) -> Result<Caller, AuthError> {
     let well_formed = presented.len() == KEY_LEN
         && presented.starts_with("hk_")
         && presented[3..].bytes().all(|b| b.is_ascii_hexdigit());
@@ -133,7 +133,7 @@ impl KeyChecks {
     /// As [`authenticate`], sharing a lookup in flight for the same key.
     pub async fn authenticate(
         &self,
-        store: &dyn Store,
+        store: &dyn Accounts,
         presented: &str,
     ) -> Result<Caller, AuthError> {
         let hash = hash_key(presented);

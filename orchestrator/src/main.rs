@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use hearth_orchestrator::auth::{hash_key, issue_key, KeyOptions, PREFIX_LEN};
 use hearth_orchestrator::server::{patiently, serve, Config, ServeArgs};
-use hearth_orchestrator::storage::{now_ms, SqlStore, Store, StoreError};
+use hearth_orchestrator::storage::{now_ms, Accounts, SqlStore, StoreError};
 
 #[derive(Parser, Debug)]
 #[command(

@@ -132,7 +132,7 @@ async fn created_keys_authenticate_until_revoked_and_wrong_keys_never_do() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_checks_of_one_key_share_a_lookup_and_never_outlive_a_revocation() {
     use hearth_orchestrator::auth::KeyChecks;
-    use hearth_orchestrator::storage::{now_ms, Store};
+    use hearth_orchestrator::storage::{now_ms, Accounts};
     use std::sync::Arc;
     let dir = std::env::temp_dir().join(format!(
         "hearth-keychecks-{}-{}",

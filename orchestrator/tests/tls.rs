@@ -6,7 +6,7 @@ use hearth_e2e::pg::PgServer;
 use hearth_e2e::redis::RedisServer;
 use hearth_e2e::tls::TestCa;
 use hearth_orchestrator::limits::connect_redis;
-use hearth_orchestrator::storage::{SqlStore, Store};
+use hearth_orchestrator::storage::{Accounts, SqlStore, Store};
 
 #[tokio::test]
 async fn postgres_over_tls_verifies_the_server() {

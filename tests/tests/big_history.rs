@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{history, new_session, Db, Stack};
 use hearth_orchestrator::storage::{
-    Completion, Finish, MessageStatus, ReplyLease, ReplyTimings, ReplyUsage, SessionId, Store,
+    Accounts, Completion, Finish, MessageStatus, ReplyLease, ReplyLog, ReplyTimings, ReplyUsage,
+    SessionId, Transcript,
 };
 use serde_json::json;
 

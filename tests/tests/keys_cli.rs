@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use hearth_e2e::http::Reply;
 use hearth_e2e::stack::{clear_of_a_minute_boundary, completion, hearth_bin, Db, Stack};
-use hearth_orchestrator::storage::{now_ms, Store};
+use hearth_orchestrator::storage::{now_ms, Accounts};
 use serde_json::json;
 
 /// `hearth --database-url <the stack's> keys …`; its stdout (the key) on success.

@@ -7,7 +7,7 @@ use hearth_e2e::stack::{
     worker_metric, Db, Stack,
 };
 use hearth_orchestrator::ids::SessionId;
-use hearth_orchestrator::storage::{SessionPatch, Store};
+use hearth_orchestrator::storage::{Accounts, SessionPatch, Sessions};
 
 use serde_json::{json, Value};
 

@@ -410,7 +410,7 @@ async fn a_key_s_sockets_are_capped_and_closed_when_it_is_revoked_or_stops_readi
     drop(deaf);
 
     // The key is revoked: its open socket's next command closes it (1008).
-    use hearth_orchestrator::storage::Store as _;
+    use hearth_orchestrator::storage::Accounts as _;
     let caller = hearth_orchestrator::auth::authenticate(&s.store, &k)
         .await
         .expect("the key");

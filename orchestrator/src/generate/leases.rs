@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use super::Live;
 use crate::ids::MessageId;
-use crate::storage::{ReplyLease, Store};
+use crate::storage::{ReplyLease, ReplyLog};
 
 /// The leases this replica holds, each with its reply's log.
 #[derive(Debug, Default)]
@@ -88,7 +88,10 @@ impl Leases {
     }
 
     /// Renews every lease held once; a database error is left to the next beat.
-    pub(crate) async fn renew(&self, store: &dyn Store) -> Result<(), crate::storage::StoreError> {
+    pub(crate) async fn renew(
+        &self,
+        store: &dyn ReplyLog,
+    ) -> Result<(), crate::storage::StoreError> {
         let leases = self.snapshot();
         if leases.is_empty() {
             return Ok(());
@@ -107,7 +110,7 @@ pub(crate) fn heartbeat_every(orphan_after: Duration) -> Duration {
 
 /// Renews this replica's leases every `every` for as long as it runs.
 pub(crate) fn heartbeat_task(
-    store: Arc<dyn Store>,
+    store: Arc<dyn ReplyLog>,
     leases: Arc<Leases>,
     every: Duration,
 ) -> tokio::task::JoinHandle<()> {

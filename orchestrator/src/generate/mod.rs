@@ -39,7 +39,7 @@ use tokio::time::Instant;
 
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::limits::Budget;
-use crate::storage::{Checkpoint, ReplyLease, ReplyTimings, ReplyUsage, Store, StoreError};
+use crate::storage::{Checkpoint, ReplyLease, ReplyLog, ReplyTimings, ReplyUsage, StoreError};
 use crate::telemetry;
 use crate::tools::Tools;
 use crate::workers::{Generation, Lease, ModelKey, PoolError, Tenant, WorkerPool};
@@ -50,7 +50,7 @@ use attempt::{request, Attempts, Next};
 #[derive(Debug)]
 pub(crate) struct Generator {
     pub(crate) pool: Arc<WorkerPool>,
-    pub(crate) store: Arc<dyn Store>,
+    pub(crate) store: Arc<dyn ReplyLog>,
     pub(crate) streams: Arc<Streams>,
     /// How many replies' progress savers are running (see [`Generator::saves_done`]).
     pub(crate) savers: tokio::sync::watch::Sender<usize>,

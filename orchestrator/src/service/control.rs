@@ -10,7 +10,7 @@ use super::{Caller, ChatError, ChatService};
 use crate::generate::wire::NativeEvent;
 use crate::generate::{Live, SharedReply};
 use crate::ids::{MessageId, SessionId, UserId};
-use crate::storage::{Message, MessageStatus, Role, Store};
+use crate::storage::{Message, MessageStatus, Role, Transcript};
 
 /// What a stop found.
 #[derive(Debug)]
@@ -209,11 +209,8 @@ impl ChatService {
     }
 }
 
-/// Refuses a reply length (a turn's, or a session's default) of zero or more than the
-/// target model's context can hold, before anything is charged or stored. Until a worker has
-/// reported its context, the bound is [`MAX_SESSION_MAX_TOKENS`].
 /// Waits, at most [`STOP_WAIT`], until the reply is no longer `streaming` in the database.
-async fn wait_stored(store: &dyn Store, user: &UserId, session: &SessionId, id: &MessageId) {
+async fn wait_stored(store: &dyn Transcript, user: &UserId, session: &SessionId, id: &MessageId) {
     let deadline = tokio::time::Instant::now() + STOP_WAIT;
     while tokio::time::Instant::now() < deadline {
         match store.get_message(user, session, id).await {

@@ -1,6 +1,7 @@
 //! Users and API keys, and isolation: another user's session and messages are not found.
 
 use super::*;
+use hearth_orchestrator::storage::{Accounts, Sessions, Transcript};
 
 pub(crate) async fn users_and_keys_suite(s: &SqlStore) {
     let alice = s.create_user("alice").await.expect("alice");

@@ -1,6 +1,7 @@
 //! Sessions: create, page, update, delete, and search titles with LIKE's wildcards escaped.
 
 use super::*;
+use hearth_orchestrator::storage::{Accounts, Sessions, Transcript};
 
 pub(crate) async fn sessions_suite(s: &SqlStore) {
     let u = s.create_user("u").await.expect("user").id;

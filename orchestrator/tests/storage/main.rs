@@ -12,8 +12,8 @@ mod replies;
 
 use hearth_orchestrator::storage::{
     Checkpoint, Completion, Finish, FunctionCall, KeyId, MessageId, MessageStatus, NewApiKey,
-    NewSession, NewToolResult, ReplyLease, ReplyTimings, ReplyUsage, Role, SessionId, SessionPatch,
-    SessionQuery, SqlStore, Store, StoreError, StreamingReply, ToolCall, UserId,
+    NewSession, NewToolResult, ReplyLease, ReplyLog, ReplyTimings, ReplyUsage, Role, SessionId,
+    SessionPatch, SessionQuery, SqlStore, Store, StoreError, StreamingReply, ToolCall, UserId,
 };
 
 use hearth_e2e::pg::PgDatabase;

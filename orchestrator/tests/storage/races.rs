@@ -1,6 +1,7 @@
 //! Concurrent turns: on each session exactly one is written, whatever races it.
 
 use super::*;
+use hearth_orchestrator::storage::{Accounts, Sessions, Transcript};
 
 pub(crate) async fn concurrency_suite(s: &SqlStore) {
     let u = s.create_user("u").await.expect("user").id;

@@ -1,6 +1,7 @@
 //! A turn's messages: begin, stream, finish, fail an interrupted reply, regenerate and edit.
 
 use super::*;
+use hearth_orchestrator::storage::{Accounts, ReplyLog, Sessions, Transcript};
 
 pub(crate) async fn turns_suite(s: &SqlStore) {
     let u = s.create_user("u").await.expect("user").id;

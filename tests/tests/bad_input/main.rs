@@ -24,7 +24,7 @@ mod ranges;
 use hearth_e2e::http::Req;
 use hearth_e2e::rng::{self, Rng};
 use hearth_e2e::stack::{json_turn, new_session_with, Db, Stack};
-use hearth_orchestrator::storage::{now_ms, Store};
+use hearth_orchestrator::storage::{now_ms, Accounts};
 use serde_json::json;
 
 use case::{Case, Ctx};

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use hearth_e2e::pg::PgDatabase;
 use hearth_e2e::proxy::Proxy;
-use hearth_orchestrator::storage::{NewSession, SessionId, SqlStore, Store, UserId};
+use hearth_orchestrator::storage::{
+    Accounts, NewSession, SessionId, Sessions, SqlStore, Transcript, UserId,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_begin_cancelled_mid_way_leaves_no_transaction_open() {

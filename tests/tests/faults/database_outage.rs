@@ -10,7 +10,9 @@ use hearth_e2e::stack::{
     Stack, Streamed,
 };
 use hearth_orchestrator::auth::{issue_key, KeyOptions};
-use hearth_orchestrator::storage::{Finish, MessageStatus, SessionId, SqlStore, Store};
+use hearth_orchestrator::storage::{
+    Accounts, Finish, MessageStatus, SessionId, SqlStore, Transcript,
+};
 use hearth_worker::fixtures::TinySpec;
 use serde_json::json;
 

@@ -10,7 +10,7 @@ use hearth_e2e::stack::{
     completion, event_seq as seq, fold, json_turn, new_session, read_tokens, stream_turn, Db,
     Hearth, Stack, Streamed,
 };
-use hearth_orchestrator::storage::{Message, MessageStatus, SessionId, Store};
+use hearth_orchestrator::storage::{Accounts, Message, MessageStatus, SessionId, Transcript};
 use hearth_worker::fixtures::TinySpec;
 use serde_json::json;
 

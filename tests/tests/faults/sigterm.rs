@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use hearth_e2e::stack::{fold, new_session, stream_turn, wait_exit, Db, Stack, Streamed};
-use hearth_orchestrator::storage::{SessionId, SqlStore, Store};
+use hearth_orchestrator::storage::{Accounts, SessionId, SqlStore, Transcript};
 use hearth_worker::fixtures::TinySpec;
 
 use super::check_history;

@@ -25,7 +25,7 @@ impl Story {
     /// with `params`, and reads its first `tokens` tokens.
     async fn begin(s: &Stack, key: &str, params: &Value, max_tokens: u32, tokens: usize) -> Self {
         let sid = new_session(s.addr(), key).await;
-        let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        let sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
             .key(Some(key))
             .json(
                 &json!({"content": "A long story, please", "max_tokens": max_tokens,

@@ -101,7 +101,7 @@ async fn deleting_a_session_stops_its_reply_and_frees_its_cache_on_the_worker() 
 /// fails it once they stop, keeping its text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_orphan_sweep_fails_a_reply_only_when_its_saves_stop_whatever_the_clocks() {
-    use hearth_orchestrator::storage::{now_ms, SessionId, Store};
+    use hearth_orchestrator::storage::{now_ms, Accounts, SessionId, Transcript};
     let s = Stack::scripted(
         "orphan_clock",
         Db::Postgres,
