@@ -10,7 +10,7 @@ use hearth_shared::tokenizer::Tokenizer;
 use tokio::sync::watch;
 use tokio::time::Interval;
 
-use super::{End, GenerationError, Generator, Job, Progress};
+use super::{End, GenRequest, GenerationError, Generator, Job, Progress};
 use crate::storage::Checkpoint;
 use crate::telemetry;
 use crate::workers::{Excluded, Lease};
@@ -47,7 +47,7 @@ impl Attempts {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         Self {
             detok: Detokenizer::new(),
-            stops: StopMatcher::new(job.stop.clone()),
+            stops: StopMatcher::new(job.request.stopping.stop.clone()),
             failed: Vec::new(),
             busy: false,
             preempted: false,
@@ -118,8 +118,13 @@ impl Saver {
 /// The request for the next worker: the prompt plus what was generated so far, and what is
 /// left of the reply's length.
 pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::GenerateRequest {
-    let mut prompt = job.prompt.clone();
-    prompt.extend_from_slice(&p.generated);
+    let GenRequest {
+        prompt,
+        sampling,
+        stopping,
+        output,
+    } = &job.request;
+    let keep_alive = job.placement.keep_alive;
     proto::GenerateRequest {
         request_id: 0,
         session_id: job
@@ -127,24 +132,25 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
             .session_id()
             .map(|s| s.to_string())
             .unwrap_or_default(),
-        user_id: job.user_id.to_string(),
-        prompt_token_ids: prompt,
-        sampling: Some((&job.params).into()),
+        user_id: job.owner.user_id.to_string(),
+        prompt_token_ids: [prompt.tokens.as_slice(), &p.generated].concat(),
+        sampling: Some((&sampling.params).into()),
         max_new_tokens: remaining,
         stop_token_ids: Vec::new(),
-        ignore_eos: job.ignore_eos,
+        ignore_eos: stopping.ignore_eos,
         sampled_tokens: p.generated.len() as u32,
-        shared_prefix_tokens: job.shared_prefix,
-        dry_breaker_ids: job.dry_breakers.to_vec(),
-        top_logprobs: job.logprobs.unwrap_or(0),
-        grammar: job.grammar.as_ref().map(Into::into),
+        shared_prefix_tokens: prompt.shared_prefix,
+        dry_breaker_ids: sampling.dry_breakers.to_vec(),
+        top_logprobs: sampling.logprobs.unwrap_or(0),
+        grammar: output.grammar.as_ref().map(Into::into),
         model: job
+            .placement
             .model
             .as_ref()
             .map(|m| m.to_string())
             .unwrap_or_default(),
-        keep_alive_ms: job.keep_alive.map(|k| k.ms),
-        keep_alive_may_shorten: job.keep_alive.is_some_and(|k| k.may_shorten),
+        keep_alive_ms: keep_alive.map(|k| k.ms),
+        keep_alive_may_shorten: keep_alive.is_some_and(|k| k.may_shorten),
     }
 }
 

@@ -16,11 +16,15 @@
 
 mod attempt;
 mod end;
+mod job;
 mod leases;
 mod live;
 mod shared;
 pub mod wire;
 
+pub use job::{
+    GenRequest, Job, KeepAlive, Output, Owner, Persistence, Placement, Prompt, Sampling, Stopping,
+};
 pub use leases::Leases;
 pub(crate) use leases::{heartbeat_every, heartbeat_task};
 pub use live::{
@@ -34,15 +38,12 @@ use std::time::Duration;
 
 use hearth_shared::proto::{self, worker_event::Kind};
 use hearth_shared::tokenizer::Tokenizer;
-use hearth_shared::{FinishReason, Grammar, SamplingParams};
+use hearth_shared::FinishReason;
 use tokio::time::Instant;
 
-use crate::ids::{MessageId, SessionId, UserId};
-use crate::limits::Budget;
 use crate::storage::{Checkpoint, ReplyLease, ReplyLog, ReplyTimings, ReplyUsage, StoreError};
 use crate::telemetry;
-use crate::tools::Tools;
-use crate::workers::{Generation, Lease, ModelKey, PoolError, Tenant, WorkerPool};
+use crate::workers::{Generation, Lease, PoolError, Tenant, WorkerPool};
 
 use attempt::{request, Attempts, Next};
 
@@ -56,98 +57,6 @@ pub(crate) struct Generator {
     pub(crate) savers: tokio::sync::watch::Sender<usize>,
     /// The leases of the stored replies running here, renewed by the heartbeat.
     pub(crate) leases: Arc<Leases>,
-}
-
-#[derive(Debug)]
-pub struct Job {
-    pub user_id: UserId,
-    /// Where the reply is kept, if anywhere.
-    pub persistence: Persistence,
-    pub prompt: Vec<u32>,
-    /// Leading prompt tokens that are an operator's shared system prompt, whose prefix cache
-    /// every user shares (see [`crate::service::SharedPrompts`]); 0 for none.
-    pub shared_prefix: u32,
-    pub params: SamplingParams,
-    /// Tokens that end a DRY run (`params.dry_sequence_breakers` as token ids).
-    pub dry_breakers: Arc<[u32]>,
-    pub max_new_tokens: u32,
-    /// Each token's log-probability as [`RunEvent::Logprobs`], with this many alternatives.
-    pub logprobs: Option<u32>,
-    /// The grammar the reply follows (constrained decoding), checked already.
-    pub grammar: Option<Grammar>,
-    /// The tools offered: a reply that stops and is nothing but calls of them ends as
-    /// `tool_calls`.
-    pub tools: Option<Arc<Tools>>,
-    /// The end user the client named (OpenAI's `user`): the fair queue's second level.
-    pub end_user: Option<String>,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
-    /// When the HTTP request arrived (TTFT is measured from here).
-    pub arrived: Instant,
-    /// The tokens set aside for the reply from its key's daily budget.
-    pub budget: Option<Budget>,
-    /// The exact version every worker of the reply must serve (a failover's continuation
-    /// too); none while no worker has reported its model.
-    pub model: Option<ModelKey>,
-    /// That model's tokenizer, which reads the worker's tokens.
-    pub tokenizer: Arc<Tokenizer>,
-    /// How long the model stays loaded once idle, from this request on.
-    pub keep_alive: Option<KeepAlive>,
-    /// The worker already chosen at admission.
-    pub lease: Option<Lease>,
-}
-
-/// A request's `keep_alive`, as its worker takes it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KeepAlive {
-    /// How long the model stays loaded once idle, in milliseconds; negative: for good.
-    pub ms: i64,
-    /// An operator's request: it may shorten the model's stay, or unload it. Any other only
-    /// lengthens it (the worker ignores a shorter value): the model is every tenant's.
-    pub may_shorten: bool,
-}
-
-/// Whether a generation belongs to a stored session or to no one.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Persistence {
-    /// A native turn: the worker keeps `session_id`'s KV cache between turns, and the reply is
-    /// saved to its stored assistant message as it streams and when it ends, under `lease`.
-    Stored {
-        session_id: SessionId,
-        lease: ReplyLease,
-        /// What another replica needs to take the reply over (the service's `JobRecord`, as
-        /// JSON), saved with the reply; None when it is saved already (a reply taken over).
-        record: Option<String>,
-    },
-    /// An OpenAI request: nothing is stored, and the worker caches by prefix only.
-    Stateless,
-}
-
-impl Persistence {
-    pub(super) fn session_id(&self) -> Option<&SessionId> {
-        match self {
-            Self::Stored { session_id, .. } => Some(session_id),
-            Self::Stateless => None,
-        }
-    }
-
-    pub(crate) fn message_id(&self) -> Option<&MessageId> {
-        self.lease().map(|l| &l.message_id)
-    }
-
-    fn record(&self) -> Option<String> {
-        match self {
-            Self::Stored { record, .. } => record.clone(),
-            Self::Stateless => None,
-        }
-    }
-
-    pub(crate) fn lease(&self) -> Option<&ReplyLease> {
-        match self {
-            Self::Stored { lease, .. } => Some(lease),
-            Self::Stateless => None,
-        }
-    }
 }
 
 struct Progress {
@@ -204,7 +113,7 @@ impl Generator {
             self.leases.hold(lease, &live);
         }
         let mut a = Attempts::new(&job, &self);
-        let text = a.replay(&job.tokenizer, &generated);
+        let text = a.replay(&job.placement.tokenizer, &generated);
         let mut p = Progress {
             first_token: None,
             streamed: generated.len(),
@@ -217,7 +126,7 @@ impl Generator {
             worker: None,
         };
         let end = self.attempts(&mut job, &live, &mut p, a).await;
-        let tool_calls = match (&job.tools, &end) {
+        let tool_calls = match (&job.request.output.tools, &end) {
             (Some(tools), End::Finished(FinishReason::Stop)) => tools.calls(&p.text),
             _ => None,
         };
@@ -226,7 +135,7 @@ impl Generator {
             end,
             tool_calls,
             usage: ReplyUsage {
-                prompt_tokens: job.prompt.len() as u64,
+                prompt_tokens: job.request.prompt.tokens.len() as u64,
                 cached_tokens: p.cached_tokens.unwrap_or(0),
                 completion_tokens: p.generated.len() as u64,
             },
@@ -234,17 +143,17 @@ impl Generator {
                 ttft_ms: p
                     .first_token
                     .filter(|_| !p.taken_over)
-                    .map(|t| t.duration_since(job.arrived).as_millis() as u64),
-                duration_ms: job.arrived.elapsed().as_millis() as u64,
+                    .map(|t| t.duration_since(job.owner.arrived).as_millis() as u64),
+                duration_ms: job.owner.arrived.elapsed().as_millis() as u64,
             },
             worker: p.worker,
         };
-        if let Some(b) = job.budget.take() {
+        if let Some(b) = job.owner.budget.take() {
             b.settle(outcome.usage.completion_tokens).await;
         }
         telemetry::observe(
             telemetry::REQUEST_DURATION,
-            job.arrived.elapsed().as_secs_f64(),
+            job.owner.arrived.elapsed().as_secs_f64(),
         );
         let usage = outcome.usage;
         metrics::counter!(telemetry::PROMPT_TOKENS).increment(usage.prompt_tokens);
@@ -277,14 +186,18 @@ impl Generator {
             if live.stop_requested() {
                 return End::Finished(FinishReason::Cancelled);
             }
-            let lease = match job.lease.take() {
+            let lease = match job.placement.lease.take() {
                 Some(l) => l,
                 None => match self.admit(job, live, &mut a).await {
                     Ok(l) => l,
                     Err(end) => return end,
                 },
             };
-            let remaining = job.max_new_tokens.saturating_sub(p.generated.len() as u32);
+            let remaining = job
+                .request
+                .stopping
+                .max_new_tokens
+                .saturating_sub(p.generated.len() as u32);
             if remaining == 0 {
                 return End::Finished(FinishReason::Length);
             }
@@ -307,8 +220,8 @@ impl Generator {
 
     /// Waits for a worker's place: ahead of the user's new requests after a preemption.
     async fn admit(&self, job: &Job, live: &Live, a: &mut Attempts) -> Result<Lease, End> {
-        let user = Tenant::within(&job.user_id, job.end_user.as_deref());
-        let (session, model) = (job.persistence.session_id(), job.model.as_ref());
+        let user = Tenant::within(&job.owner.user_id, job.owner.end_user.as_deref());
+        let (session, model) = (job.persistence.session_id(), job.placement.model.as_ref());
         // Every admission here is of a reply already under way (a new turn's first place is
         // taken before it starts), but for a stateless choice beyond the first: it goes ahead
         // of its user's new requests, and waits for a worker to come back.
@@ -398,12 +311,15 @@ impl Generator {
             );
         }
         p.last_token = Some(now);
-        if job.logprobs.is_some() {
-            live.push(RunEvent::Logprobs(logprobs(&job.tokenizer, &t)));
+        if job.request.sampling.logprobs.is_some() {
+            live.push(RunEvent::Logprobs(logprobs(&job.placement.tokenizer, &t)));
         }
         for id in t.ids {
             p.generated.push(id);
-            let piece = a.detok.push(&job.tokenizer, id).unwrap_or_default();
+            let piece = a
+                .detok
+                .push(&job.placement.tokenizer, id)
+                .unwrap_or_default();
             if piece.is_empty() {
                 continue;
             }
@@ -435,7 +351,7 @@ impl Generator {
                 "the worker ended the reply with an unknown finish reason ({reason})"
             ))));
         };
-        let tail = a.detok.finish(&job.tokenizer).unwrap_or_default();
+        let tail = a.detok.finish(&job.placement.tokenizer).unwrap_or_default();
         let mut rest = a.stops.push(&tail).text;
         rest.push_str(&a.stops.flush());
         self.emit(job, live, p, rest);
@@ -506,7 +422,7 @@ impl Generator {
             if !p.taken_over {
                 telemetry::observe(
                     telemetry::TTFT,
-                    now.duration_since(job.arrived).as_secs_f64(),
+                    now.duration_since(job.owner.arrived).as_secs_f64(),
                 );
             }
         }

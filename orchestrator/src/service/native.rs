@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
 
-use super::prompt::{check_max_tokens, compile_grammars};
+use super::prompt::{check_max_tokens, compile_grammars, owner};
 use super::{Caller, ChatError, ChatService, JobRecord, NativeTurn, ToolResult, ValidTurn};
 use crate::generate::{Before, Job, Live, Persistence, Reservation, TurnIds};
 use crate::ids::{MessageId, SessionId, UserId};
@@ -55,18 +55,17 @@ impl ChatService {
                     .await?
             }
         };
-        let (prompt, max_new_tokens, shared_prefix) = self.plan(convo, max_tokens, &target).await?;
+        let plan = self.plan(convo, max_tokens, &target).await?;
         let params = match opts.params() {
             Some(p) => p.clone(),
             None => target.defaults().with_session(session.params.as_ref()),
         };
-        let tokenizer = self.tokenizer(&target);
-        let dry_breakers = self.dry_breakers(&params, &tokenizer).await?;
-        let (tenant, model) = (Tenant::user(user_id), target.key().cloned());
+        let request = self.gen_request(&plan, &opts, params).await?;
+        let tenant = Tenant::user(user_id);
         let place = self
             .generator
             .pool
-            .admit(&tenant, model.as_ref(), Some(session_id), &[])
+            .admit(&tenant, plan.model.as_ref(), Some(session_id), &[])
             .await?;
         let (user_message_id, message_id) = self.store_turn(user_id, session_id, store).await?;
         let ids = TurnIds {
@@ -75,29 +74,14 @@ impl ChatService {
             message_id: message_id.clone(),
         };
         let job = Job {
-            user_id: user_id.clone(),
+            request,
+            owner: owner(caller, &opts, arrived, budget),
+            placement: self.placement(caller, &plan, &opts, Some(place)),
             persistence: Persistence::Stored {
                 session_id: session_id.clone(),
                 lease: ReplyLease::first(message_id),
                 record: None,
             },
-            prompt,
-            shared_prefix,
-            params,
-            dry_breakers,
-            max_new_tokens,
-            logprobs: opts.logprobs(),
-            grammar: opts.grammar().cloned(),
-            tools: opts.tools().cloned(),
-            end_user: opts.end_user().map(str::to_string),
-            stop: opts.stop().to_vec(),
-            ignore_eos: opts.ignore_eos(),
-            arrived,
-            budget,
-            model,
-            tokenizer: tokenizer.tok,
-            keep_alive: self.keep_alive(caller, opts.keep_alive_ms()),
-            lease: Some(place),
         };
         Ok(self.launch(ids, job, reservation))
     }

@@ -7,7 +7,12 @@ use std::time::Duration;
 use hearth_shared::chat::{render, ChatError as TemplateError, Message as ChatMessage};
 use hearth_shared::SamplingParams;
 
-use super::{ChatError, ChatService, GenOptions, ModelTokenizer, Target};
+use tokio::time::Instant;
+
+use super::{Caller, ChatError, ChatService, GenOptions, ModelTokenizer, Target};
+use crate::generate::{GenRequest, Output, Owner, Placement, Prompt, Sampling, Stopping};
+use crate::limits::Budget;
+use crate::workers::Lease;
 
 /// Largest default reply length a session may store when no worker has reported its context yet.
 const MAX_SESSION_MAX_TOKENS: u32 = 1 << 20;
@@ -29,17 +34,17 @@ impl ChatService {
             .map_err(|e| ChatError::Internal(format!("resolving DRY breakers failed: {e}")))
     }
 
-    /// Prompt tokens for `convo`, the number of tokens to generate, and how many leading tokens
-    /// are an operator's shared prompt (see [`SharedPrompts`]): the oldest whole turns are
-    /// dropped until the prompt leaves room for the reply. Tokenizing runs on the blocking
-    /// pool, so a long history never holds up the runtime's other requests (or its health
-    /// checks).
+    /// The prompt for `convo` on `target` (with how many leading tokens are an operator's
+    /// shared prompt, see [`SharedPrompts`]) and the number of tokens to generate: the oldest
+    /// whole turns are dropped until the prompt leaves room for the reply. Tokenizing runs on
+    /// the blocking pool, so a long history never holds up the runtime's other requests (or
+    /// its health checks).
     pub(super) async fn plan(
         &self,
         convo: Vec<ChatMessage>,
         max_tokens: Option<u32>,
         target: &Target,
-    ) -> Result<(Vec<u32>, u32, u32), ChatError> {
+    ) -> Result<Planned, ChatError> {
         let ctx = target
             .context_length()
             .ok_or_else(|| ChatError::Unavailable("no worker is ready".into()))?;
@@ -49,7 +54,7 @@ impl ChatService {
         let reserve = (want as usize).min(ctx / 2);
         let tokenizer = self.tokenizer(target);
         let default = self.tokenizers.is_default(&tokenizer);
-        let tok = tokenizer.tok;
+        let tok = tokenizer.tok.clone();
         let rendered = tokio::task::spawn_blocking(move || render(&tok, &convo, ctx - reserve))
             .await
             .map_err(|e| ChatError::Internal(format!("prompt rendering failed: {e}")))?;
@@ -72,7 +77,75 @@ impl ChatService {
             }
             None => 0,
         };
-        Ok((prompt.tokens, want.min(room), shared))
+        Ok(Planned {
+            prompt: Prompt {
+                tokens: prompt.tokens,
+                shared_prefix: shared,
+            },
+            max_new_tokens: want.min(room),
+            model: target.key().cloned(),
+            tokenizer,
+        })
+    }
+
+    /// The generation request for `plan`, sampled with `params`, as `opts` asks: built once,
+    /// for every worker the reply goes to.
+    pub(super) async fn gen_request(
+        &self,
+        plan: &Planned,
+        opts: &GenOptions,
+        params: SamplingParams,
+    ) -> Result<GenRequest, ChatError> {
+        let dry_breakers = self.dry_breakers(&params, &plan.tokenizer).await?;
+        Ok(GenRequest {
+            prompt: plan.prompt.clone(),
+            sampling: Sampling {
+                params,
+                dry_breakers,
+                logprobs: opts.logprobs(),
+            },
+            stopping: Stopping {
+                max_new_tokens: plan.max_new_tokens,
+                stop: opts.stop().to_vec(),
+                ignore_eos: opts.ignore_eos(),
+            },
+            output: Output {
+                grammar: opts.grammar().cloned(),
+                tools: opts.tools().cloned(),
+            },
+        })
+    }
+
+    /// Where `caller`'s generation of `plan` runs: on `plan`'s model, on the worker `lease`
+    /// holds if one was chosen.
+    pub(super) fn placement(
+        &self,
+        caller: &Caller,
+        plan: &Planned,
+        opts: &GenOptions,
+        lease: Option<Lease>,
+    ) -> Placement {
+        Placement {
+            model: plan.model.clone(),
+            tokenizer: plan.tokenizer.tok.clone(),
+            keep_alive: self.keep_alive(caller, opts.keep_alive_ms()),
+            lease,
+        }
+    }
+}
+
+/// Whose generation it is: `caller`'s, for the end user `opts` names, charged `budget`.
+pub(super) fn owner(
+    caller: &Caller,
+    opts: &GenOptions,
+    arrived: Instant,
+    budget: Option<Budget>,
+) -> Owner {
+    Owner {
+        user_id: caller.user.id.clone(),
+        end_user: opts.end_user().map(str::to_string),
+        arrived,
+        budget,
     }
 }
 
@@ -136,10 +209,8 @@ pub(super) async fn compile_grammars(opts: &GenOptions) -> Result<(), ChatError>
 
 /// A prompt ready for a worker.
 pub(super) struct Planned {
-    pub(super) prompt: Vec<u32>,
+    pub(super) prompt: Prompt,
     pub(super) max_new_tokens: u32,
-    /// Leading tokens that are an operator's shared prompt (see [`SharedPrompts`]).
-    pub(super) shared_prefix: u32,
     /// The exact version every worker of it must serve.
     pub(super) model: Option<crate::workers::ModelKey>,
     /// That model's tokenizer.

@@ -3,14 +3,12 @@
 
 use std::sync::Arc;
 
-use hearth_shared::SamplingParams;
-
-use super::prompt::{check_max_tokens, compile_grammars, Planned};
+use super::prompt::{check_max_tokens, compile_grammars, owner, Planned};
 use super::{
     Caller, ChatError, ChatService, Conversation, GenOptions, RawPrompt, Target, ValidTurn,
     MAX_CHOICES,
 };
-use crate::generate::{Job, Live, Persistence};
+use crate::generate::{Job, Live, Persistence, Prompt};
 use crate::limits::Budget;
 use crate::workers::Tenant;
 
@@ -31,15 +29,7 @@ impl ChatService {
         }
         let budget = self.charge_choices(caller, max_tokens, n).await?;
         compile_grammars(&opts).await?;
-        let (prompt, max_new_tokens, shared_prefix) =
-            self.plan(convo.into_messages(), max_tokens, target).await?;
-        let plan = Planned {
-            prompt,
-            max_new_tokens,
-            shared_prefix,
-            model: target.key().cloned(),
-            tokenizer: self.tokenizer(target),
-        };
+        let plan = self.plan(convo.into_messages(), max_tokens, target).await?;
         self.start_choices(caller, plan, opts, arrived, budget, n)
             .await
     }
@@ -94,8 +84,10 @@ impl ChatService {
         compile_grammars(&opts).await?;
         let plan = Planned {
             max_new_tokens: want.min((ctx - prompt.len()) as u32),
-            shared_prefix: 0,
-            prompt,
+            prompt: Prompt {
+                tokens: prompt,
+                shared_prefix: 0,
+            },
             model: target.key().cloned(),
             tokenizer,
         };
@@ -130,51 +122,39 @@ impl ChatService {
         n: u32,
     ) -> Result<Vec<Arc<Live>>, ChatError> {
         let n = n.clamp(1, MAX_CHOICES);
-        let Planned {
-            prompt,
-            max_new_tokens,
-            shared_prefix,
-            model,
-            tokenizer,
-        } = plan;
-        let keys = crate::workers::prefix_keys(&caller.user.id, &prompt, shared_prefix as usize);
+        let prompt = &plan.prompt;
+        let keys = crate::workers::prefix_keys(
+            &caller.user.id,
+            &prompt.tokens,
+            prompt.shared_prefix as usize,
+        );
         let tenant = Tenant::within(&caller.user.id, opts.end_user());
         let pool = &self.generator.pool;
-        let lease = pool.admit_prefix(&tenant, model.as_ref(), &keys).await?;
+        let lease = pool
+            .admit_prefix(&tenant, plan.model.as_ref(), &keys)
+            .await?;
         let params = opts.params().cloned().unwrap_or_default();
-        let dry_breakers = self.dry_breakers(&params, &tokenizer).await?;
+        let request = self.gen_request(&plan, &opts, params).await?;
         let mut budgets: Vec<Option<Budget>> = match budget {
             Some(b) => b.split(n as usize).into_iter().map(Some).collect(),
             None => (0..n).map(|_| None).collect(),
         };
-        let job = |i: u32, budget: Option<Budget>| Job {
-            user_id: caller.user.id.clone(),
-            persistence: Persistence::Stateless,
-            prompt: prompt.clone(),
-            shared_prefix,
-            params: SamplingParams {
-                seed: params.seed.map(|s| s.wrapping_add(u64::from(i))),
-                ..params.clone()
-            },
-            dry_breakers: dry_breakers.clone(),
-            max_new_tokens,
-            logprobs: opts.logprobs(),
-            grammar: opts.grammar().cloned(),
-            tools: opts.tools().cloned(),
-            end_user: opts.end_user().map(str::to_string),
-            stop: opts.stop().to_vec(),
-            ignore_eos: opts.ignore_eos(),
-            arrived,
-            budget,
-            model: model.clone(),
-            tokenizer: tokenizer.tok.clone(),
-            keep_alive: self.keep_alive(caller, opts.keep_alive_ms()),
-            lease: None,
+        // Choice `i` is the same request with the seed `seed + i`.
+        let job = |i: u32, budget: Option<Budget>| {
+            let mut request = request.clone();
+            let seed = &mut request.sampling.params.seed;
+            *seed = seed.map(|s| s.wrapping_add(u64::from(i)));
+            Job {
+                request,
+                owner: owner(caller, &opts, arrived, budget),
+                placement: self.placement(caller, &plan, &opts, None),
+                persistence: Persistence::Stateless,
+            }
         };
         let first = Live::new(None);
         let mut lives = vec![first.clone()];
         let mut lead = job(0, budgets.remove(0));
-        lead.lease = Some(lease);
+        lead.placement.lease = Some(lease);
         tokio::spawn(self.generator.clone().run(lead, first.clone()));
         for (i, budget) in (1..n).zip(budgets) {
             let live = Live::new(None);
@@ -184,8 +164,9 @@ impl ChatService {
             tokio::spawn(async move {
                 first.first_progress().await;
                 // Failing here, the generation waits in the queue like a failover.
-                let model = follower.model.clone();
-                follower.lease = g.pool.admit_prefix(&user, model.as_ref(), &keys).await.ok();
+                let model = follower.placement.model.clone();
+                follower.placement.lease =
+                    g.pool.admit_prefix(&user, model.as_ref(), &keys).await.ok();
                 g.run(follower, live).await;
             });
         }

@@ -37,8 +37,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{ChatError, ChatService};
 use crate::generate::{
-    Before, End, GenerationError, Job, KeepAlive, Live, Outcome, Persistence, RunEvent,
-    SharedReplies, StreamState, TurnIds,
+    Before, End, GenRequest, GenerationError, Job, KeepAlive, Live, Outcome, Output, Owner,
+    Persistence, Placement, Prompt, RunEvent, Sampling, SharedReplies, Stopping, StreamState,
+    TurnIds,
 };
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::storage::{ReplyLease, ReplyTimings, ReplyUsage, StoreError, StreamingReply};
@@ -79,24 +80,31 @@ pub struct JobRecord {
 impl JobRecord {
     /// The record of a native reply's job, as JSON; None for a stateless one.
     pub fn of(job: &Job, ids: &TurnIds) -> Option<String> {
+        let GenRequest {
+            prompt,
+            sampling,
+            stopping,
+            output,
+        } = &job.request;
+        let keep_alive = job.placement.keep_alive;
         let record = Self {
-            user_id: job.user_id.as_str().to_string(),
+            user_id: job.owner.user_id.as_str().to_string(),
             session_id: ids.session_id.as_str().to_string(),
             user_message_id: ids.user_message_id.as_ref().map(|m| m.as_str().to_string()),
             message_id: job.persistence.message_id()?.as_str().to_string(),
-            prompt: job.prompt.clone(),
-            shared_prefix: job.shared_prefix,
-            params: job.params.clone(),
-            max_new_tokens: job.max_new_tokens,
-            logprobs: job.logprobs,
-            grammar: job.grammar.clone(),
-            tools: job.tools.as_deref().cloned(),
-            end_user: job.end_user.clone(),
-            stop: job.stop.clone(),
-            ignore_eos: job.ignore_eos,
-            model: job.model.as_ref().map(ToString::to_string),
-            keep_alive_ms: job.keep_alive.map(|k| k.ms),
-            keep_alive_may_shorten: job.keep_alive.is_some_and(|k| k.may_shorten),
+            prompt: prompt.tokens.clone(),
+            shared_prefix: prompt.shared_prefix,
+            params: sampling.params.clone(),
+            max_new_tokens: stopping.max_new_tokens,
+            logprobs: sampling.logprobs,
+            grammar: output.grammar.clone(),
+            tools: output.tools.as_deref().cloned(),
+            end_user: job.owner.end_user.clone(),
+            stop: stopping.stop.clone(),
+            ignore_eos: stopping.ignore_eos,
+            model: job.placement.model.as_ref().map(ToString::to_string),
+            keep_alive_ms: keep_alive.map(|k| k.ms),
+            keep_alive_may_shorten: keep_alive.is_some_and(|k| k.may_shorten),
         };
         serde_json::to_string(&record).ok()
     }
@@ -421,32 +429,46 @@ impl ChatService {
         let tokenizer = self.tokenizer(&target);
         let dry_breakers = self.dry_breakers(&r.params, &tokenizer).await?;
         Ok(Job {
-            user_id,
+            request: GenRequest {
+                prompt: Prompt {
+                    tokens: r.prompt,
+                    shared_prefix: r.shared_prefix,
+                },
+                sampling: Sampling {
+                    params: r.params,
+                    dry_breakers,
+                    logprobs: r.logprobs,
+                },
+                stopping: Stopping {
+                    max_new_tokens: r.max_new_tokens,
+                    stop: r.stop,
+                    ignore_eos: r.ignore_eos,
+                },
+                output: Output {
+                    grammar: r.grammar,
+                    tools: r.tools.map(Arc::new),
+                },
+            },
+            owner: Owner {
+                user_id,
+                end_user: r.end_user,
+                arrived: tokio::time::Instant::now(),
+                budget: None,
+            },
+            placement: Placement {
+                model: target.key().cloned(),
+                tokenizer: tokenizer.tok,
+                keep_alive: r.keep_alive_ms.map(|ms| KeepAlive {
+                    ms,
+                    may_shorten: r.keep_alive_may_shorten,
+                }),
+                lease: None,
+            },
             persistence: Persistence::Stored {
                 session_id: ids.session_id.clone(),
                 lease: lease.clone(),
                 record: None,
             },
-            prompt: r.prompt,
-            shared_prefix: r.shared_prefix,
-            params: r.params,
-            dry_breakers,
-            max_new_tokens: r.max_new_tokens,
-            logprobs: r.logprobs,
-            grammar: r.grammar,
-            tools: r.tools.map(Arc::new),
-            end_user: r.end_user,
-            stop: r.stop,
-            ignore_eos: r.ignore_eos,
-            arrived: tokio::time::Instant::now(),
-            budget: None,
-            model: target.key().cloned(),
-            tokenizer: tokenizer.tok,
-            keep_alive: r.keep_alive_ms.map(|ms| KeepAlive {
-                ms,
-                may_shorten: r.keep_alive_may_shorten,
-            }),
-            lease: None,
         })
     }
 }

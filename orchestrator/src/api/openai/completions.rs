@@ -12,7 +12,7 @@ use utoipa::ToSchema;
 
 use super::chat::{finished_choices, Head};
 use super::stream::{streamed, Shape, StopOnDrop};
-use super::wire::{requested_grammar, ResponseFormat, StopField, Usage};
+use super::wire::{refuse, requested_grammar, ResponseFormat, StopField, Usage};
 use crate::api::{ApiError, AppState, ValidJson};
 use crate::generate::Outcome;
 use crate::service::{Caller, GenOptions, ModelDefaults, RawPrompt, ValidTurn, MAX_CHOICES};
@@ -112,10 +112,6 @@ enum PromptField {
     Tokens(Vec<u32>),
     Texts(Vec<String>),
     TokenLists(Vec<Vec<u32>>),
-}
-
-fn refuse(field: &str, why: &str) -> ApiError {
-    ApiError::Validation(format!("{field}: {why}"))
 }
 
 impl CompletionRequest {
