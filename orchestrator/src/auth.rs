@@ -11,7 +11,7 @@ use std::sync::Arc;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
-use crate::storage::{now_ms, Accounts, ApiKey, NewApiKey, StoreError, User};
+use crate::storage::{now_ms, Accounts, ApiKey, KeyRole, NewApiKey, StoreError, User};
 
 /// `hk_` and the first 8 hex characters.
 pub const PREFIX_LEN: usize = 11;
@@ -60,8 +60,7 @@ pub struct KeyOptions {
     pub requests_per_minute: Option<i64>,
     pub tokens_per_day: Option<i64>,
     pub expires_at: Option<i64>,
-    /// An admin key: it may also load and unload models.
-    pub admin: bool,
+    pub role: KeyRole,
 }
 
 /// Creates a key for `user_name` (and the user, if new).
@@ -80,7 +79,7 @@ pub async fn issue_key(
             requests_per_minute: options.requests_per_minute,
             tokens_per_day: options.tokens_per_day,
             expires_at: options.expires_at,
-            admin: options.admin,
+            role: options.role,
         })
         .await?;
     Ok(IssuedKey { key, record })

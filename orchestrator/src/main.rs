@@ -7,7 +7,7 @@ use std::process::ExitCode;
 use clap::{Args, Parser, Subcommand};
 use hearth_orchestrator::auth::{hash_key, issue_key, KeyOptions, PREFIX_LEN};
 use hearth_orchestrator::server::{patiently, serve, Config, ServeArgs};
-use hearth_orchestrator::storage::{now_ms, Accounts, SqlStore, StoreError};
+use hearth_orchestrator::storage::{now_ms, Accounts, KeyRole, SqlStore, StoreError};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -132,7 +132,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 requests_per_minute: requests_per_minute.map(i64::from),
                 tokens_per_day: tokens_per_day.map(i64::from),
                 expires_at: expires_in_days.map(|d| now_ms() + i64::from(d) * 86_400_000),
-                admin,
+                role: if admin { KeyRole::Admin } else { KeyRole::User },
             };
             let issued = issue_key(&store, &user, options).await?;
             let kind = if admin { "admin key" } else { "API key" };

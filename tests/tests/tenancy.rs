@@ -12,6 +12,7 @@
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{metric, new_session_with, post, Stack};
 use hearth_orchestrator::auth::KeyOptions;
+use hearth_orchestrator::storage::KeyRole;
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
 use serde_json::{json, Value};
 
@@ -82,7 +83,7 @@ async fn no_tenant_loads_or_swaps_the_models_others_use() {
     let (alice, bob) = (s.key("alice").await, s.key("bob").await);
     let carol = s.limited_key("carol", 1).await;
     let admin = KeyOptions {
-        admin: true,
+        role: KeyRole::Admin,
         ..KeyOptions::default()
     };
     let admin = s.key_with("root", admin).await;

@@ -699,12 +699,8 @@ export interface components {
             version: string | null;
             /** @description For people: the repository manifest's display name, else the id. */
             display_name: string;
-            /**
-             * @description `ready` while a worker serves the version `id` means, `loading` while one loads it and
-             *     none has it ready, `available` when only a worker's repository holds it (a request loads
-             *     it), else `unavailable` (no worker is up).
-             */
-            state: string;
+            /** @description Of the version `id` means. */
+            state: components["schemas"]["ModelState"];
             /**
              * Format: u-int32
              * @description Workers serving that version now.
@@ -739,6 +735,13 @@ export interface components {
              */
             waited_s: number;
         };
+        /**
+         * @description Where a model version stands: `ready` while a worker serves it, `loading` while one loads
+         *     it and none has it ready, `available` when only a worker's repository holds it (a request
+         *     loads it), else `unavailable` (no worker that has it is up).
+         * @enum {string}
+         */
+        ModelState: "ready" | "loading" | "available" | "unavailable";
         /** @description One version of a model. */
         ModelVersion: {
             /** @description Empty for a model its worker was given by path. */
@@ -746,8 +749,7 @@ export interface components {
             display_name: string;
             /** Format: u-int64 */
             max_model_len: number | null;
-            /** @description `ready`, `loading`, `available` or `unavailable`, as the card's. */
-            state: string;
+            state: components["schemas"]["ModelState"];
             /**
              * Format: u-int32
              * @description Workers serving it now.

@@ -86,7 +86,7 @@ describe("settings form ↔ session fields", () => {
   });
 
   it("the model list names each model, pins versions when there are several, and says what is not ready", () => {
-    const version = (v: string, state = "ready") => ({
+    const version = (v: string, state: ModelCard["state"] = "ready") => ({
       version: v,
       display_name: "x",
       max_model_len: 100,

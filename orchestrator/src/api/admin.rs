@@ -25,7 +25,7 @@ pub fn routes() -> Router<AppState> {
 }
 
 fn admin_only(caller: &Caller) -> Result<(), ApiError> {
-    if caller.admin {
+    if caller.role.is_admin() {
         return Ok(());
     }
     Err(ApiError::Forbidden(

@@ -49,7 +49,7 @@ use crate::bus::StopBus;
 use crate::generate::{Generator, Leases, SharedReplies, Streams};
 use crate::ids::MessageId;
 use crate::limits::{Budget, Limiter, Quota};
-use crate::storage::{Store, User};
+use crate::storage::{KeyRole, Store, User};
 use crate::workers::WorkerPool;
 
 /// Server-wide limits and defaults of the chat service.
@@ -133,9 +133,9 @@ pub const MAX_CHOICES: u32 = 16;
 pub struct Caller {
     pub user: User,
     pub quota: Quota,
-    /// May use the admin API: an admin key's owner, or the local user of a server without
-    /// keys (which listens on loopback only).
-    pub admin: bool,
+    /// [`KeyRole::Admin`] (the admin API, a `keep_alive` that shortens) for an admin key's
+    /// owner, and for the local user of a server without keys (which listens on loopback only).
+    pub role: KeyRole,
 }
 
 impl ChatService {
@@ -172,7 +172,7 @@ impl ChatService {
     /// The local user of a server without keys, with the server's limits.
     pub fn local_caller(&self, user: &User) -> Caller {
         Caller {
-            admin: true,
+            role: KeyRole::Admin,
             user: user.clone(),
             quota: Quota {
                 bucket: user.id.to_string(),
@@ -190,7 +190,7 @@ impl ChatService {
             .await
         {
             Ok(c) => Ok(Caller {
-                admin: c.key.admin,
+                role: c.key.role,
                 quota: Quota {
                     bucket: c.key.id.to_string(),
                     requests_per_minute: c

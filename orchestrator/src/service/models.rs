@@ -248,7 +248,7 @@ impl ChatService {
                 model: spec.to_string(),
                 why,
                 retry_after_secs,
-                detail: caller.is_some_and(|c| c.admin).then_some(detail),
+                detail: caller.is_some_and(|c| c.role.is_admin()).then_some(detail),
             }
         };
         match loaded.await {
@@ -304,8 +304,8 @@ impl ChatService {
         self.generator.pool.models()
     }
 
-    /// Every `name@version` the workers' repositories hold, loaded or not.
-    pub fn available(&self) -> Vec<String> {
+    /// Every version the workers' repositories hold, loaded or not.
+    pub fn available(&self) -> Vec<crate::workers::ModelKey> {
         self.generator.pool.available()
     }
 
@@ -373,7 +373,7 @@ impl ChatService {
     /// good means that long).
     pub(super) fn keep_alive(&self, caller: &Caller, asked: Option<i64>) -> Option<KeepAlive> {
         let ms = asked?;
-        if caller.admin {
+        if caller.role.is_admin() {
             return Some(KeepAlive {
                 ms,
                 may_shorten: true,
@@ -390,7 +390,7 @@ impl ChatService {
     /// key's loads per hour (`--max-loads-per-hour`). A load takes a worker's memory and
     /// time from every tenant: an admin key's is not counted.
     async fn charge_load(&self, caller: &Caller) -> Result<(), ChatError> {
-        if caller.admin {
+        if caller.role.is_admin() {
             return Ok(());
         }
         let per_hour = self.limits.max_loads_per_hour;

@@ -21,8 +21,24 @@ pub struct NewApiKey {
     pub requests_per_minute: Option<i64>,
     pub tokens_per_day: Option<i64>,
     pub expires_at: Option<i64>,
-    /// May load and unload models (the admin API).
-    pub admin: bool,
+    pub role: KeyRole,
+}
+
+/// What a key may do beyond its user's own sessions and requests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeyRole {
+    /// Its user's sessions and requests only.
+    #[default]
+    User,
+    /// Also what every tenant shares: the admin API (loading and unloading models), and a
+    /// `keep_alive` that may shorten a model's stay or unload it.
+    Admin,
+}
+
+impl KeyRole {
+    pub fn is_admin(self) -> bool {
+        self == Self::Admin
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -36,8 +52,7 @@ pub struct ApiKey {
     pub created_at: i64,
     pub expires_at: Option<i64>,
     pub revoked_at: Option<i64>,
-    /// May load and unload models (the admin API).
-    pub admin: bool,
+    pub role: KeyRole,
 }
 
 /// A chat session. Timestamps are Unix milliseconds.

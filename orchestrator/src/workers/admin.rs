@@ -183,7 +183,8 @@ impl WorkerPool {
             s.state().info.as_ref().is_some_and(|i| {
                 i.available
                     .iter()
-                    .any(|a| a == model || a.rsplit_once('@').is_some_and(|(n, _)| n == model))
+                    .filter_map(|a| ModelKey::from_repository(a))
+                    .any(|k| k.named_by(model))
             })
         };
         let slots = self.slots();

@@ -81,6 +81,16 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
 }
 
 impl ModelKey {
+    /// A repository version as a worker lists it (`name@version`), read once here: everything
+    /// after reads its parts. None when it has no `@`.
+    pub fn from_repository(entry: &str) -> Option<Self> {
+        let (id, version) = entry.rsplit_once('@')?;
+        Some(Self {
+            id: id.to_string(),
+            version: version.to_string(),
+        })
+    }
+
     /// Whether `asked` names this model: its id (which may hold an `@`, as a file's name can),
     /// or `id@version`.
     pub fn named_by(&self, asked: &str) -> bool {
@@ -183,9 +193,9 @@ impl WorkerPool {
         }
         let available = self.available();
         let mut served: Vec<String> = models.iter().map(|m| m.key.to_string()).collect();
-        for a in &available {
-            if !served.contains(a) {
-                served.push(a.clone());
+        for a in available.iter().map(ModelKey::to_string) {
+            if !served.contains(&a) {
+                served.push(a);
             }
         }
         Err(UnknownModel {
@@ -195,14 +205,18 @@ impl WorkerPool {
         })
     }
 
-    /// Every `name@version` some ready worker's repository holds.
-    pub fn available(&self) -> Vec<String> {
-        let mut out: Vec<String> = Vec::new();
+    /// Every version some ready worker's repository holds.
+    pub fn available(&self) -> Vec<ModelKey> {
+        let mut out: Vec<ModelKey> = Vec::new();
         for slot in self.slots().iter().filter(|s| s.conn().is_some()) {
             if let Some(info) = slot.state().info.as_ref() {
-                for a in &info.available {
-                    if !out.contains(a) {
-                        out.push(a.clone());
+                for a in info
+                    .available
+                    .iter()
+                    .filter_map(|a| ModelKey::from_repository(a))
+                {
+                    if !out.contains(&a) {
+                        out.push(a);
                     }
                 }
             }
@@ -211,17 +225,17 @@ impl WorkerPool {
     }
 }
 
-/// The repository version `asked` names among `available` (`name@version` each): itself, or
-/// for a name the newest version of it.
-fn loadable(available: &[String], asked: &str) -> Option<String> {
-    if available.iter().any(|a| a == asked) {
-        return Some(asked.to_string());
+/// The repository version `asked` names among `available` (`name@version`): itself, or for a
+/// name the newest version of it.
+fn loadable(available: &[ModelKey], asked: &str) -> Option<String> {
+    if let Some(k) = available.iter().find(|k| k.to_string() == asked) {
+        return Some(k.to_string());
     }
     available
         .iter()
-        .filter_map(|a| a.rsplit_once('@').filter(|(n, _)| *n == asked))
-        .max_by(|x, y| compare_versions(x.1, y.1))
-        .map(|(n, v)| format!("{n}@{v}"))
+        .filter(|k| k.id == asked)
+        .max_by(|x, y| compare_versions(&x.version, &y.version))
+        .map(ModelKey::to_string)
 }
 
 /// Counts one worker's report of a model (`up`: the worker is ready) into `out`.
@@ -278,9 +292,9 @@ mod tests {
 
     #[test]
     fn a_repository_name_means_its_newest_version() {
-        let available: Vec<String> = ["a@1", "a@10", "a@9", "b@x"]
+        let available: Vec<ModelKey> = ["a@1", "a@10", "a@9", "b@x"]
             .iter()
-            .map(|s| s.to_string())
+            .filter_map(|s| ModelKey::from_repository(s))
             .collect();
         assert_eq!(loadable(&available, "a").as_deref(), Some("a@10"));
         assert_eq!(loadable(&available, "a@9").as_deref(), Some("a@9"));

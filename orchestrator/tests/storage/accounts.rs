@@ -36,7 +36,7 @@ pub(crate) async fn users_and_keys_suite(s: &SqlStore) {
             requests_per_minute: Some(60),
             tokens_per_day: None,
             expires_at: Some(4_000_000_000_000),
-            admin: true,
+            role: KeyRole::Admin,
         })
         .await
         .expect("key");
@@ -45,7 +45,11 @@ pub(crate) async fn users_and_keys_suite(s: &SqlStore) {
         .await
         .expect("by prefix");
     assert_eq!(found, vec![(key.clone(), alice.clone())]);
-    assert!(found[0].0.admin, "an admin key reads back as one");
+    assert_eq!(
+        found[0].0.role,
+        KeyRole::Admin,
+        "an admin key reads back as one"
+    );
     assert!(s
         .api_keys_by_prefix("hk_other")
         .await
@@ -60,7 +64,7 @@ pub(crate) async fn users_and_keys_suite(s: &SqlStore) {
             requests_per_minute: None,
             tokens_per_day: None,
             expires_at: None,
-            admin: false,
+            role: KeyRole::User,
         })
         .await;
     assert_eq!(dup, Err(StoreError::Conflict("api key")));

@@ -227,7 +227,7 @@ pub(crate) async fn search_and_values_suite(s: &SqlStore) {
             requests_per_minute: None,
             tokens_per_day: None,
             expires_at: Some(1),
-            admin: false,
+            role: KeyRole::User,
         })
         .await
         .expect("key");

@@ -11,9 +11,10 @@ mod races;
 mod replies;
 
 use hearth_orchestrator::storage::{
-    Checkpoint, Completion, Finish, FunctionCall, KeyId, MessageId, MessageStatus, NewApiKey,
-    NewSession, NewToolResult, ReplyLease, ReplyLog, ReplyTimings, ReplyUsage, Role, SessionId,
-    SessionPatch, SessionQuery, SqlStore, Store, StoreError, StreamingReply, ToolCall, UserId,
+    Checkpoint, Completion, Finish, FunctionCall, KeyId, KeyRole, MessageId, MessageStatus,
+    NewApiKey, NewSession, NewToolResult, ReplyLease, ReplyLog, ReplyTimings, ReplyUsage, Role,
+    SessionId, SessionPatch, SessionQuery, SqlStore, Store, StoreError, StreamingReply, ToolCall,
+    UserId,
 };
 
 use hearth_e2e::pg::PgDatabase;

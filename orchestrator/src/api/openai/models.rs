@@ -8,7 +8,7 @@ use utoipa::ToSchema;
 
 use crate::api::{ApiError, AppState};
 use crate::service::{Caller, ChatError, Target};
-use crate::workers::ServedModel;
+use crate::workers::{ModelKey, ServedModel};
 use hearth_shared::versions::compare_versions;
 
 /// The served models.
@@ -36,10 +36,8 @@ pub struct ModelCard {
     pub version: Option<String>,
     /// For people: the repository manifest's display name, else the id.
     pub display_name: String,
-    /// `ready` while a worker serves the version `id` means, `loading` while one loads it and
-    /// none has it ready, `available` when only a worker's repository holds it (a request loads
-    /// it), else `unavailable` (no worker is up).
-    pub state: String,
+    /// Of the version `id` means.
+    pub state: ModelState,
     /// Workers serving that version now.
     pub workers: u32,
     /// Every version some worker has reported, newest first.
@@ -60,8 +58,7 @@ pub struct ModelVersion {
     pub display_name: String,
     #[schema(required = true)]
     pub max_model_len: Option<u64>,
-    /// `ready`, `loading`, `available` or `unavailable`, as the card's.
-    pub state: String,
+    pub state: ModelState,
     /// Workers serving it now.
     pub workers: u32,
     /// Workers that reported it, ready or not.
@@ -100,8 +97,9 @@ pub async fn models(State(s): State<AppState>, _caller: Caller) -> Json<ModelLis
 /// The versions workers' repositories hold that no worker has loaded (`name@version` each), as
 /// `available` versions of their cards, and cards of their own for models no worker serves: a
 /// request for one loads it on demand.
-fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
-    for (name, version) in available.iter().filter_map(|a| a.rsplit_once('@')) {
+fn add_available(data: &mut Vec<ModelCard>, available: Vec<ModelKey>) {
+    for ModelKey { id: name, version } in &available {
+        let (name, version) = (name.as_str(), version.as_str());
         let i = match data.iter().position(|c| c.id == name) {
             Some(i) => i,
             None => {
@@ -113,7 +111,7 @@ fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
                     max_model_len: None,
                     version: Some(version.to_string()),
                     display_name: name.to_string(),
-                    state: "available".into(),
+                    state: ModelState::Available,
                     workers: 0,
                     versions: Vec::new(),
                     fetched_bytes: None,
@@ -130,7 +128,7 @@ fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
             version: version.to_string(),
             display_name: name.to_string(),
             max_model_len: None,
-            state: "available".into(),
+            state: ModelState::Available,
             workers: 0,
             known_workers: 0,
             fetched_bytes: None,
@@ -139,19 +137,36 @@ fn add_available(data: &mut Vec<ModelCard>, available: Vec<String>) {
         card.versions
             .sort_by(|a, b| compare_versions(&b.version, &a.version));
         // A card of repository versions only names the newest.
-        if card.workers == 0 && card.state == "available" {
+        if card.workers == 0 && card.state == ModelState::Available {
             card.version = card.versions.first().map(|v| v.version.clone());
         }
     }
 }
 
-pub(super) fn state(m: &ServedModel) -> String {
-    match (m.ready_workers, m.loading_workers) {
-        (0, 0) => "unavailable",
-        (0, _) => "loading",
-        _ => "ready",
+/// Where a model version stands: `ready` while a worker serves it, `loading` while one loads
+/// it and none has it ready, `available` when only a worker's repository holds it (a request
+/// loads it), else `unavailable` (no worker that has it is up).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelState {
+    /// A worker serves it.
+    Ready,
+    /// A worker loads it, and none has it ready.
+    Loading,
+    /// Only a worker's repository holds it: a request for it loads it.
+    Available,
+    /// No worker that has it is up.
+    Unavailable,
+}
+
+impl ModelState {
+    fn of(m: &ServedModel) -> Self {
+        match (m.ready_workers, m.loading_workers) {
+            (0, 0) => Self::Unavailable,
+            (0, _) => Self::Loading,
+            _ => Self::Ready,
+        }
     }
-    .into()
 }
 
 /// The card of `target`'s model, the version it names first among `served`'s of that id.
@@ -165,7 +180,7 @@ fn model_card(target: &Target, served: &[ServedModel]) -> ModelCard {
             version: v.key.version.clone(),
             display_name: v.display_name.clone(),
             max_model_len: v.context_length.map(|n| n as u64),
-            state: state(v),
+            state: ModelState::of(v),
             workers: v.ready_workers as u32,
             known_workers: v.workers as u32,
             fetched_bytes: v.fetch.map(|f| f.0),
@@ -180,7 +195,7 @@ fn model_card(target: &Target, served: &[ServedModel]) -> ModelCard {
         owned_by: "hearth".into(),
         max_model_len: target.context_length().map(|n| n as u64),
         version: m.map(|m| m.key.version.clone()).filter(|v| !v.is_empty()),
-        state: m.map_or_else(|| "unavailable".into(), state),
+        state: m.map_or(ModelState::Unavailable, ModelState::of),
         workers: m.map_or(0, |m| m.ready_workers as u32),
         versions,
         fetched_bytes: m.and_then(|m| m.fetch).map(|f| f.0),

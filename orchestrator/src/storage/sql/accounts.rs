@@ -19,7 +19,11 @@ fn api_key_from(r: &AnyRow) -> StoreResult<(ApiKey, User)> {
         created_at: r.try_get("created_at").map_err(db_err)?,
         expires_at: r.try_get("expires_at").map_err(db_err)?,
         revoked_at: r.try_get("revoked_at").map_err(db_err)?,
-        admin: r.try_get::<i64, _>("admin").map_err(db_err)? != 0,
+        // Stored as the `admin` flag: 1 for an admin key.
+        role: match r.try_get::<i64, _>("admin").map_err(db_err)? {
+            0 => KeyRole::User,
+            _ => KeyRole::Admin,
+        },
     };
     let user = User {
         id: key.user_id.clone(),
@@ -90,7 +94,7 @@ impl Accounts for SqlStore {
             created_at: now_ms(),
             expires_at: k.expires_at,
             revoked_at: None,
-            admin: k.admin,
+            role: k.role,
         };
         sqlx::query(
             "INSERT INTO api_keys (id, user_id, prefix, key_hash, requests_per_minute, \
@@ -105,7 +109,7 @@ impl Accounts for SqlStore {
         .bind(key.tokens_per_day)
         .bind(key.created_at)
         .bind(key.expires_at)
-        .bind(i64::from(key.admin))
+        .bind(i64::from(key.role.is_admin()))
         .execute(&self.pool)
         .await
         .map_err(conflict("api key"))?;

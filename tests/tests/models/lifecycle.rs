@@ -17,6 +17,7 @@ use hearth_e2e::stack::{
     stream_turn, token_text, Stack, WORKER_TOKEN,
 };
 use hearth_orchestrator::auth::KeyOptions;
+use hearth_orchestrator::storage::KeyRole;
 use hearth_worker::fixtures::{write_tiny_gguf, TinySpec};
 use serde_json::{json, Value};
 
@@ -57,7 +58,7 @@ fn repository(tag: &str) -> (std::path::PathBuf, u64) {
 
 async fn admin_key(s: &Stack) -> String {
     let options = KeyOptions {
-        admin: true,
+        role: KeyRole::Admin,
         ..KeyOptions::default()
     };
     s.key_with("root", options).await

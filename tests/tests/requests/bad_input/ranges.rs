@@ -4,8 +4,8 @@
 use hearth_e2e::rng::Rng;
 use serde_json::{json, Value};
 
-use crate::bodies::{bad_params, long_text_over};
-use crate::case::{with, without, BodyRoute};
+use super::bodies::{bad_params, long_text_over};
+use super::case::{with, without, BodyRoute};
 
 /// A well-formed body with a value the route refuses (422).
 pub(crate) fn out_of_range(rng: &mut Rng, route: BodyRoute) -> (String, Value) {

@@ -5,7 +5,7 @@
 use hearth_e2e::rng::Rng;
 use serde_json::{json, Value};
 
-use crate::case::{BodyRoute, Kind};
+use super::case::{BodyRoute, Kind};
 
 /// A JSON value that is not of `kind` (never `null`: several fields take it as "absent").
 pub(crate) fn wrong_type(rng: &mut Rng, kind: Kind) -> Value {

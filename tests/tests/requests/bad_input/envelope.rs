@@ -3,7 +3,7 @@
 
 use hearth_e2e::rng::Rng;
 
-use crate::case::{bearer, Ctx};
+use super::case::{bearer, Ctx};
 
 /// Ids that name no session: `(text for the path, label)`.
 pub(crate) fn bad_id(rng: &mut Rng, ctx: &Ctx) -> (String, String) {

@@ -4,13 +4,13 @@
 use hearth_e2e::rng::Rng;
 use serde_json::{json, Value};
 
-use crate::bodies::{long_text, not_json, wrong_type};
-use crate::case::{
+use super::bodies::{long_text, not_json, wrong_type};
+use super::case::{
     auth, body_case, json_ct, trim, with, BodyRoute, Case, Ctx, BODY_LIMIT, BODY_ROUTES, ID_ROUTES,
     STRICT_ROUTES,
 };
-use crate::envelope::{bad_auth, bad_content_type, bad_id};
-use crate::ranges::out_of_range;
+use super::envelope::{bad_auth, bad_content_type, bad_id};
+use super::ranges::out_of_range;
 
 /// The kinds of malformed request, each tested on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

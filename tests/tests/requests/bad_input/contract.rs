@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use hearth_e2e::http::{Reply, Req};
 use serde_json::{json, Value};
 
-use crate::case::{trim, trim_to, Case};
+use super::case::{trim, trim_to, Case};
 
 /// What must not change: the caller's sessions, the used session and its messages, and another
 /// user's session and messages.
