@@ -179,14 +179,7 @@ impl WorkerPool {
         worker: Option<&str>,
         evict: bool,
     ) -> Result<(String, WorkerModel), AdminError> {
-        let has = |s: &WorkerSlot| {
-            s.state().info.as_ref().is_some_and(|i| {
-                i.available
-                    .iter()
-                    .filter_map(|a| ModelKey::from_repository(a))
-                    .any(|k| k.named_by(model))
-            })
-        };
+        let has = |s: &WorkerSlot| s.state().available.iter().any(|k| k.named_by(model));
         let slots = self.slots();
         let mut candidates: Vec<(&WorkerSlot, (bool, u64))> = match worker {
             Some(w) => vec![(Self::named(&slots, w)?, (true, 0))],

@@ -25,6 +25,8 @@ pub(super) struct SlotState {
     /// `info`'s models (see [`reported`]), made once when it arrives: routing reads them for
     /// every request.
     pub(super) models: Vec<Reported>,
+    /// `info`'s repository versions (`available`), read into keys once when it arrives.
+    pub(super) available: Vec<ModelKey>,
     /// The worker's `models_epoch` when `info` was fetched: a new one means its models changed.
     pub(super) epoch: u64,
     pub(super) conn: Option<Arc<WorkerConnection>>,
@@ -44,6 +46,11 @@ impl SlotState {
     /// Stores a new `Info`, fetched when the worker's `models_epoch` was `epoch`.
     pub(super) fn set_info(&mut self, info: proto::InfoResponse, epoch: u64) {
         self.models = reported(&info);
+        self.available = info
+            .available
+            .iter()
+            .filter_map(|a| ModelKey::from_repository(a))
+            .collect();
         self.info = Some(info);
         self.epoch = epoch;
     }

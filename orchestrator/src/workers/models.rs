@@ -81,8 +81,8 @@ pub(super) fn reported(info: &proto::InfoResponse) -> Vec<Reported> {
 }
 
 impl ModelKey {
-    /// A repository version as a worker lists it (`name@version`), read once here: everything
-    /// after reads its parts. None when it has no `@`.
+    /// A repository version as a worker lists it (`name@version`), read once when the worker's
+    /// `Info` arrives: everything after reads its parts. None when it has no `@`.
     pub fn from_repository(entry: &str) -> Option<Self> {
         let (id, version) = entry.rsplit_once('@')?;
         Some(Self {
@@ -209,15 +209,9 @@ impl WorkerPool {
     pub fn available(&self) -> Vec<ModelKey> {
         let mut out: Vec<ModelKey> = Vec::new();
         for slot in self.slots().iter().filter(|s| s.conn().is_some()) {
-            if let Some(info) = slot.state().info.as_ref() {
-                for a in info
-                    .available
-                    .iter()
-                    .filter_map(|a| ModelKey::from_repository(a))
-                {
-                    if !out.contains(&a) {
-                        out.push(a);
-                    }
+            for a in &slot.state().available {
+                if !out.contains(a) {
+                    out.push(a.clone());
                 }
             }
         }
