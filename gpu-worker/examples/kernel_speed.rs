@@ -2,14 +2,16 @@
 //! batch sizes, then Gemma 3 270M's layer shapes at one row (decode), 16 rows (a batched decode
 //! step) and 512 rows (prefill), in the row layout and, where this CPU has AVX-512 VNNI, the panel
 //! layout the model loads into; last, the layer shapes in the formats the Q4_K_M file holds them
-//! (Q5_0 for the 640-wide matrices, Q4_K and Q6_K for the others), as the model loads them:
+//! (Q5_0 for the 640-wide matrices, Q4_K and Q6_K for the others), as the model loads them.
+//! Where AMX is granted, each panel product runs on the VNNI kernel and on the AMX one:
 //! `cargo run --release -p hearth-worker --example kernel_speed`.
 #![allow(clippy::print_stdout)]
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use hearth_worker::kernels::{
-    for_this_cpu, k_quant_for_this_cpu, matmul_q8, quantize_activations, Layout, Q8Matrix,
+    for_this_cpu, k_quant_for_this_cpu, kernel_isa, matmul_q8_with, quantize_activations, Isa,
+    Layout, Q8Matrix,
 };
 use std::time::Instant;
 
@@ -41,18 +43,30 @@ fn from_file_format(rows: usize, cols: usize, dtype: GgmlDType) -> Q8Matrix {
     }
 }
 
-/// Seconds per call of `w · x` for `m` activation rows, averaged over calls worth `macs` in all.
-fn time(w: &Q8Matrix, m: usize, macs: usize) -> f64 {
+/// The kernels to time `w` with: this CPU's, and where that is AMX, VNNI's too (panels only).
+fn kernels_for(w: &Q8Matrix) -> Vec<Isa> {
+    let isa = kernel_isa();
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Amx && w.layout != Layout::Rows {
+        return vec![Isa::Avx512Vnni, Isa::Amx];
+    }
+    let _ = w;
+    vec![isa]
+}
+
+/// Seconds per call of `w · x` for `m` activation rows on `isa`'s kernel, averaged over calls
+/// worth `macs` in all.
+fn time(isa: Isa, w: &Q8Matrix, m: usize, macs: usize) -> f64 {
     let x: Vec<f32> = (0..m * w.cols)
         .map(|i| ((i * 31) % 17) as f32 / 8.0 - 1.0)
         .collect();
     let xq = quantize_activations(&x, m, w.cols);
     let mut out = vec![0f32; m * w.rows];
-    matmul_q8(w, &xq, &mut out);
+    matmul_q8_with(isa, w, &xq, &mut out);
     let iters = (macs / (w.rows * w.cols * m)).max(2);
     let t = Instant::now();
     for _ in 0..iters {
-        matmul_q8(w, &xq, &mut out);
+        matmul_q8_with(isa, w, &xq, &mut out);
     }
     t.elapsed().as_secs_f64() / iters as f64
 }
@@ -101,10 +115,13 @@ fn main() {
         );
     }
     for w in matrices(262_144, 640) {
-        for m in [1usize, 4, 16, 64] {
-            let s = time(&w, m, 64 * 262_144 * 640);
+        for (isa, m) in kernels_for(&w)
+            .into_iter()
+            .flat_map(|isa| [1usize, 4, 16, 64].map(|m| (isa, m)))
+        {
+            let s = time(isa, &w, m, 64 * 262_144 * 640);
             println!(
-                "output 262144x640 {:?}, m={m:3}: {:7.2} ms/call  {:6.1} GMAC/s  {:5.1} GB/s of weights",
+                "output 262144x640 {:?} {isa:?}, m={m:3}: {:7.2} ms/call  {:6.1} GMAC/s  {:5.1} GB/s of weights",
                 w.layout,
                 s * 1e3,
                 (w.rows * w.cols * m) as f64 / s / 1e9,
@@ -133,10 +150,13 @@ fn main() {
 
 /// A layer-sized product at 1 row (decode), 16 (a batched step) and 512 (prefill).
 fn layer(label: &str, w: &Q8Matrix) {
-    for m in [1usize, 16, 512] {
-        let s = time(w, m, 20_000_000_000);
+    for (isa, m) in kernels_for(w)
+        .into_iter()
+        .flat_map(|isa| [1usize, 16, 64, 512].map(|m| (isa, m)))
+    {
+        let s = time(isa, w, m, 20_000_000_000);
         println!(
-            "layer {label}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
+            "layer {label} {isa:?}, m={m:3}: {:8.3} ms/call  {:6.1} GMAC/s",
             s * 1e3,
             (w.rows * w.cols * m) as f64 / s / 1e9,
         );

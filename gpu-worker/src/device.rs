@@ -164,6 +164,8 @@ fn cpu() -> Device {
         Isa::Avx2 => "avx2",
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => "avx512-vnni",
+        #[cfg(target_arch = "x86_64")]
+        Isa::Amx => "amx + avx512-vnni",
     };
     let threads = std::thread::available_parallelism().map_or(1, usize::from);
     Device {

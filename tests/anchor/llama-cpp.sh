@@ -24,10 +24,10 @@ tar xzf "$tarball" -C "$src" --strip-components=1
 cd "$src/llama.cpp"
 echo "llama-cpp.sh: building llama-server and llama-bench (minutes)" >&2
 # On a host with AMX, -march=native builds ggml's AMX kernels, which die with an illegal
-# instruction (the process never asks for the tile permission): undefine their macros.
+# instruction (the process never asks for the tile permission): build without AMX.
 flags=()
 if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
-  noamx="-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
+  noamx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
   flags=("-DCMAKE_C_FLAGS=$noamx" "-DCMAKE_CXX_FLAGS=$noamx")
 fi
 cmake -S . -B "$root/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \

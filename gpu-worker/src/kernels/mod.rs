@@ -24,6 +24,8 @@ mod q8;
 mod x86;
 
 pub use amx::{amx, Amx};
+#[cfg(target_arch = "x86_64")]
+pub use amx::{model::Model as TileModel, tiles::Hardware as TileInstructions};
 pub use panels::{from_q4_k, from_q6_k, to_five_bit, to_panels, PANEL, QK_K};
 pub use pool::SpinPool;
 pub use q8::{
@@ -43,9 +45,28 @@ pub enum Isa {
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512Vnni,
+    /// AVX-512 VNNI's panels, whose products of [`AMX_MIN_ROWS`] activation rows or more run on
+    /// AMX tiles (bit for bit the VNNI kernel's results), but for Q6_K matrices: scaled each 16
+    /// values, they take two tile products a block, and measured slower there than on VNNI.
+    #[cfg(target_arch = "x86_64")]
+    Amx,
 }
 
-/// The best kernel this CPU can run.
+impl Isa {
+    /// Whether the AVX-512 VNNI kernels run (alone, or beside the AMX one).
+    pub fn has_vnni(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        return matches!(self, Isa::Avx512Vnni | Isa::Amx);
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+}
+
+/// Fewest activation rows whose products run on AMX tiles; fewer run on the VNNI kernel (the
+/// same results), which reads the weights as fast where a product is bound by reading them.
+pub const AMX_MIN_ROWS: usize = 12;
+
+/// The best kernel this CPU can run (asking Linux for AMX's tile state the first time).
 pub fn detect_isa() -> Isa {
     #[cfg(target_arch = "x86_64")]
     {
@@ -55,6 +76,9 @@ pub fn detect_isa() -> Isa {
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
         {
+            if *amx() == Amx::Granted {
+                return Isa::Amx;
+            }
             return Isa::Avx512Vnni;
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
@@ -81,6 +105,8 @@ pub fn kernel_isa() -> Isa {
 pub enum KernelChoice {
     #[default]
     Auto,
+    /// AMX tiles for products of many rows, AVX-512 VNNI for the rest (panels).
+    Amx,
     /// AVX-512 VNNI (panels).
     Vnni,
     Avx2,
@@ -91,17 +117,25 @@ pub enum KernelChoice {
 /// The kernels `choice` names on a CPU whose best is `best`, or why they cannot run there.
 pub fn pick(choice: KernelChoice, best: Isa) -> Result<Isa, String> {
     #[cfg(target_arch = "x86_64")]
-    let (vnni, avx2) = (
-        (best == Isa::Avx512Vnni).then_some(Isa::Avx512Vnni),
+    let (amx_tiles, vnni, avx2) = (
+        (best == Isa::Amx).then_some(Isa::Amx),
+        best.has_vnni().then_some(Isa::Avx512Vnni),
         (best != Isa::Scalar).then_some(Isa::Avx2),
     );
     #[cfg(not(target_arch = "x86_64"))]
-    let (vnni, avx2) = (None, None);
+    let (amx_tiles, vnni, avx2) = (None, None, None);
     let lacks =
         |what: &str| format!("this CPU lacks {what} (the best kernels it runs are {best:?})");
     match choice {
         KernelChoice::Auto => Ok(best),
         KernelChoice::Scalar => Ok(Isa::Scalar),
+        KernelChoice::Amx => amx_tiles.ok_or_else(|| match amx() {
+            Amx::Refused(why) => format!(
+                "Linux refused this process AMX's tile state ({why}); the best kernels here are \
+                 {best:?}"
+            ),
+            _ => lacks("AMX int8 tiles with AVX-512 VNNI"),
+        }),
         KernelChoice::Vnni => vnni.ok_or_else(|| lacks("AVX-512 VNNI")),
         KernelChoice::Avx2 => avx2.ok_or_else(|| lacks("AVX2 and FMA")),
     }
@@ -137,7 +171,7 @@ pub fn for_this_cpu(m: Q8Matrix) -> Q8Matrix {
         return m;
     }
     match cached_isa() {
-        Isa::Avx512Vnni => to_panels(&m).unwrap_or(m),
+        isa if isa.has_vnni() => to_panels(&m).unwrap_or(m),
         // The AVX2 panel kernel takes values of at most 6 bits: five-bit panels where they fit
         // (GGUF's Q5_0), rows otherwise.
         #[cfg(target_arch = "x86_64")]
@@ -165,7 +199,7 @@ pub fn blocks_for_this_cpu(
     };
     let direct = match cached_isa() {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => true,
+        Isa::Avx512Vnni | Isa::Amx => true,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => dtype == GgmlDType::Q5_0,
         Isa::Scalar => false,
@@ -252,6 +286,57 @@ fn matmul_tasks(
     then: Option<(usize, Then<'_>)>,
 ) {
     assert_eq!(w.cols, x.cols, "weight and activation widths differ");
+    let panels = w.layout != Layout::Rows;
+    // The VNNI row kernel's per-activation vectors, made once here rather than by every task.
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: only for the VNNI kernel, which `detect_isa` (or the caller, in tests) checked.
+    let prepared = (!panels && isa.has_vnni()).then(|| unsafe { x86::vnni512::prepare(x) });
+    let kernel = |r0: usize, r1: usize, out: &mut [f32]| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features, and chose
+        // AMX only where Linux granted the tile state.
+        Isa::Amx if panels && x.rows >= AMX_MIN_ROWS && w.layout != Layout::PanelsQ6K => unsafe {
+            let mut tiles = TileInstructions::new().expect("AMX is chosen only where granted");
+            amx::kernel::matmul_rows(&mut tiles, w, x, r0, r1, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
+        Isa::Avx512Vnni | Isa::Amx if panels => unsafe {
+            panels::vnni512::matmul_rows(w, x, r0, r1, out)
+        },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 if panels && panels::avx2::takes(w.layout) => unsafe {
+            panels::avx2::matmul_rows(w, x, r0, r1, out)
+        },
+        _ if panels => panels::matmul_rows_scalar(w, x, r0, r1, out),
+        Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx2 => unsafe { x86::avx2::matmul_rows(w, x, r0, r1, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512Vnni | Isa::Amx => unsafe {
+            let px = prepared.as_ref().expect("prepared above for this kernel");
+            x86::vnni512::matmul_rows(w, x, px, r0, r1, out)
+        },
+    };
+    run_tasks(w, x, out, then, &kernel);
+}
+
+/// A kernel's work on one task: output columns `r0..r1` of every activation row, into the whole
+/// output.
+type Kernel<'a> = &'a (dyn Fn(usize, usize, &mut [f32]) + Sync);
+
+/// `kernel` over the pool's tasks, each owning whole panels' output columns (whole pieces, when
+/// `then` is given, which each task calls on its own outputs).
+fn run_tasks(
+    w: &Q8Matrix,
+    x: &ActQ8,
+    out: &mut [f32],
+    then: Option<(usize, Then<'_>)>,
+    kernel: Kernel<'_>,
+) {
     assert_eq!(out.len(), w.rows * x.rows, "output has the wrong size");
     let n = w.rows;
     let ptr = OutPtr(out.as_mut_ptr());
@@ -279,42 +364,14 @@ fn matmul_tasks(
                 .next_multiple_of(if panels { PANEL } else { 4 })
         }
     };
-    let tasks = n.div_ceil(per_task);
-    // The VNNI row kernel's per-activation vectors, made once here rather than by every task.
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: only for the VNNI kernel, which `detect_isa` (or the caller, in tests) checked.
-    let prepared = (!panels && isa == Isa::Avx512Vnni).then(|| unsafe { x86::vnni512::prepare(x) });
-    pool.run(tasks, &|t| {
+    pool.run(n.div_ceil(per_task), &|t| {
         let r0 = t * per_task;
         let r1 = (r0 + per_task).min(n);
-        {
-            // SAFETY: this task writes only columns r0..r1 of each output row, which no other
-            // task touches, and `out` outlives the parallel loop.
-            let out = unsafe { std::slice::from_raw_parts_mut(ptr.get(), n * x.rows) };
-            match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `detect_isa` (or the caller, in tests) checked the CPU features.
-                Isa::Avx512Vnni if panels => unsafe {
-                    panels::vnni512::matmul_rows(w, x, r0, r1, out)
-                },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                Isa::Avx2 if panels && panels::avx2::takes(w.layout) => unsafe {
-                    panels::avx2::matmul_rows(w, x, r0, r1, out)
-                },
-                _ if panels => panels::matmul_rows_scalar(w, x, r0, r1, out),
-                Isa::Scalar => q8::matmul_rows_scalar(w, x, r0, r1, out),
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                Isa::Avx2 => unsafe { x86::avx2::matmul_rows(w, x, r0, r1, out) },
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: as above.
-                Isa::Avx512Vnni => unsafe {
-                    let px = prepared.as_ref().expect("prepared above for this kernel");
-                    x86::vnni512::matmul_rows(w, x, px, r0, r1, out)
-                },
-            }
-        }
+        // SAFETY: this task writes only columns r0..r1 of each output row, which no other task
+        // touches, and `out` outlives the parallel loop.
+        kernel(r0, r1, unsafe {
+            std::slice::from_raw_parts_mut(ptr.get(), n * x.rows)
+        });
         if let Some((_, then)) = then {
             let mut rows: Vec<&mut [f32]> = (0..x.rows)
                 // SAFETY: columns r0..r1 of row m are this task's alone (as above), and the

@@ -58,12 +58,18 @@ fn all_isas() -> Vec<Isa> {
             ("fma", is_x86_feature_detected!("fma")),
         ];
         if cpu_runs("AVX-512 VNNI", &lacking(&vnni)) {
-            assert_eq!(
-                detect_isa(),
-                Isa::Avx512Vnni,
-                "the features detect_isa asks"
-            );
+            assert!(detect_isa().has_vnni(), "the features detect_isa asks");
             v.push(Isa::Avx512Vnni);
+            let why = format!("AMX tile state ({})", amx());
+            let amx_missing = if *amx() == Amx::Granted {
+                vec![]
+            } else {
+                vec![why.as_str()]
+            };
+            if cpu_runs("AMX", &amx_missing) {
+                assert_eq!(detect_isa(), Isa::Amx, "the best where AMX is granted");
+                v.push(Isa::Amx);
+            }
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -620,5 +626,24 @@ fn kernels_are_chosen_only_where_the_cpu_runs_them() {
         assert!(e.contains("AVX-512 VNNI") && e.contains("Avx2"), "{e}");
         let e = pick(K::Avx2, Isa::Scalar).expect_err("no AVX2");
         assert!(e.contains("AVX2"), "{e}");
+        assert_eq!(pick(K::Auto, Isa::Amx), Ok(Isa::Amx));
+        assert_eq!(pick(K::Amx, Isa::Amx), Ok(Isa::Amx));
+        assert_eq!(pick(K::Vnni, Isa::Amx), Ok(Isa::Avx512Vnni));
+        assert_eq!(pick(K::Avx2, Isa::Amx), Ok(Isa::Avx2));
+        // Where AMX is not granted, `--kernels amx` says why; granted, the best is AMX.
+        let e = pick(K::Amx, Isa::Avx512Vnni).expect_err("AMX where the best is VNNI");
+        match amx() {
+            Amx::Refused(_) => assert!(e.contains("refused") && e.contains("Avx512Vnni"), "{e}"),
+            _ => assert!(
+                e.contains("lacks AMX int8") && e.contains("Avx512Vnni"),
+                "{e}"
+            ),
+        }
+        let e = pick(K::Amx, Isa::Avx2).expect_err("no AMX");
+        assert!(e.contains("AMX") && e.contains("Avx2"), "{e}");
+        assert_eq!(
+            detect_isa() == Isa::Amx,
+            *amx() == Amx::Granted && detect_isa().has_vnni()
+        );
     }
 }

@@ -189,7 +189,7 @@ pub struct RunOn {
     /// (`false` issues every kernel of every step; for comparing the two).
     #[arg(long, env = "HEARTH_WORKER_CUDA_GRAPHS", default_value_t = true, action = clap::ArgAction::Set)]
     pub cuda_graphs: bool,
-    /// Which CPU kernels run the model: `auto` (the best this CPU has), `vnni`, `avx2` or
+    /// Which CPU kernels run the model: `auto` (the best this CPU has), `amx`, `vnni`, `avx2` or
     /// `scalar`, for comparing them. One this CPU cannot run is refused.
     #[arg(long, env = "HEARTH_WORKER_KERNELS", value_enum, default_value_t = crate::kernels::KernelChoice::Auto)]
     pub kernels: crate::kernels::KernelChoice,
@@ -742,12 +742,12 @@ mod tests {
 
     #[test]
     fn the_kernels_flag_names_kernels_this_cpu_runs() {
-        use crate::kernels::{detect_isa, pick, KernelChoice};
+        use crate::kernels::{detect_isa, pick, KernelChoice as K};
         let c = validate(&[]).unwrap();
-        assert_eq!(c.run_on.kernels, KernelChoice::Auto);
+        assert_eq!(c.run_on.kernels, K::Auto);
         let c = validate(&["--kernels", "scalar"]).unwrap();
-        assert_eq!(c.run_on.kernels, KernelChoice::Scalar);
-        for (flag, choice) in [("vnni", KernelChoice::Vnni), ("avx2", KernelChoice::Avx2)] {
+        assert_eq!(c.run_on.kernels, K::Scalar);
+        for (flag, choice) in [("amx", K::Amx), ("vnni", K::Vnni), ("avx2", K::Avx2)] {
             let got = validate(&["--kernels", flag]);
             match pick(choice, detect_isa()) {
                 Ok(_) => assert_eq!(got.unwrap().run_on.kernels, choice),

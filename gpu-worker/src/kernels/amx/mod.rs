@@ -3,8 +3,21 @@
 //! (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`) before any of its threads runs a tile
 //! instruction; a thread that does so without it is killed with an illegal instruction. The
 //! worker asks once, at start, before its kernel threads exist ([`amx`]), and reports the
-//! answer in its device description, its log and the bench JSON. No kernel uses the tiles yet:
-//! where AMX is granted the AVX-512 VNNI kernels run, as where it is absent.
+//! answer in its device description, its log and the bench JSON.
+//!
+//! Where it is granted, products of many activation rows (prefill, batched decode) run on the
+//! tiles ([`kernel`]), written once over a small interface to the few tile instructions used
+//! ([`tiles::Tiles`]) with two implementations: the instructions, and a plain-Rust model of them
+//! ([`model::Model`]). Packing, tiling, edge cases and scales are the same code for both, so the
+//! tests prove the kernel bit for bit against the VNNI kernel through the model on any x86
+//! machine with AVX-512, and through the instructions too where the CPU has them.
+
+#[cfg(target_arch = "x86_64")]
+pub mod kernel;
+#[cfg(test)]
+mod kernel_tests;
+pub mod model;
+pub mod tiles;
 
 use std::fmt;
 use std::sync::OnceLock;
@@ -25,7 +38,7 @@ impl fmt::Display for Amx {
         match self {
             Self::Absent => f.write_str("absent"),
             Self::Refused(why) => write!(f, "refused by the kernel ({why})"),
-            Self::Granted => f.write_str("granted, unused (no AMX kernels yet)"),
+            Self::Granted => f.write_str("granted"),
         }
     }
 }
