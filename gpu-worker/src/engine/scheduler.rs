@@ -982,42 +982,6 @@ impl Scheduler {
         id
     }
 
-    /// What this step may prefill: `prefill_chunk` tokens, and work of at most what those tokens
-    /// take at a prompt's start (attention over each one's positions included), so a chunk deep
-    /// in a long prompt is shorter and no step takes longer than a fresh chunk: another user's
-    /// prompt that arrives meanwhile waits for no more. While sequences decode, the prompt work
-    /// is what adds `prefill_share` times a decode-only pass's time (see [`StepTimes`]): a step
-    /// with a prefill then takes about `1 + prefill_share` times a decode-only step, however
-    /// deep in its prompt the chunk is. Until the times are known, `prefill_share` times the
-    /// decoding sequences' work (at least `MIN_PREFILL_WITH_DECODES` tokens' at a prompt's
-    /// start). What earlier steps could not spend adds to it (see `prefill_credit`). The
-    /// sequences `held` sit this step out.
-    pub(crate) fn prefill_budget(&self, held: &HashSet<RequestId>) -> PrefillBudget {
-        let (tokens, share) = (self.config.prefill_chunk, self.config.prefill_share);
-        let decode: f64 = self
-            .running
-            .iter()
-            .filter(|s| s.tokens.len() - s.kv_len == 1 && !held.contains(&s.id))
-            .map(|s| self.work.decode(s.kv_len))
-            .sum();
-        let chunk = self.work.prefill(0, tokens);
-        if decode == 0.0 || share <= 0.0 {
-            return PrefillBudget {
-                tokens,
-                work: chunk,
-                full: true,
-            };
-        }
-        let floor = MIN_PREFILL_WITH_DECODES as f64 * self.work.shallow_token();
-        let counted = || (share * decode).max(floor);
-        let work = self.times.prefill_work(share).unwrap_or_else(counted) + self.prefill_credit;
-        PrefillBudget {
-            tokens,
-            work: work.min(chunk),
-            full: work >= chunk,
-        }
-    }
-
     /// One engine step. Returns what the forward pass ran, or `None` when there was nothing to do.
     /// Its phases: admit work, plan who runs how many tokens (growing block tables, drafting,
     /// evicting and preempting as memory needs), run the forward pass, sample or verify each
@@ -1046,7 +1010,7 @@ impl Scheduler {
             .collect();
         let mut logits = std::mem::take(&mut self.logits);
         let mut summaries = Vec::new();
-        let prefill_work = self.prefill_work(&plan, &order);
+        let work = self.step_work(&plan, &order);
         let started = Instant::now();
         let ran = self.forward(&plan, &order, &mut logits, &mut summaries);
         self.last_forward = started.elapsed();
@@ -1055,24 +1019,11 @@ impl Scheduler {
             return ran.err();
         };
         let secs = self.last_forward.as_secs_f64();
-        self.times
-            .record(summary.decode_seqs > 0, prefill_work, secs);
+        self.times.record(summary.decode_seqs > 0, work, secs);
         let finished = self.pick(&plan, &order, &rows, &mut logits, &summaries, &mut summary);
         self.settle(&order, finished);
         self.logits = logits;
         Some(summary)
-    }
-
-    /// The prompt work of the plan (`order`: each planned sequence's index in `running`).
-    fn prefill_work(&self, plan: &[(RequestId, usize)], order: &[usize]) -> f64 {
-        let prompts = order
-            .iter()
-            .zip(plan)
-            .map(|(&ix, &(_, n))| (&self.running[ix], n));
-        prompts
-            .filter(|(s, _)| s.draft == 0 && s.tokens.len() - s.kv_len > 1)
-            .map(|(s, n)| self.work.prefill(s.kv_len, n))
-            .sum()
     }
 
     /// Who runs how many tokens this step, oldest first: a decoding sequence its next token (and
@@ -1161,51 +1112,6 @@ impl Scheduler {
             return HashSet::new();
         }
         held
-    }
-
-    /// This step's prompt tokens for each prefilling sequence: `budget` shared max-min fairly
-    /// between users, so one user's long prompts never hold back another's short one. The user
-    /// with the least prompt left goes first and takes at most an equal part of what is left
-    /// (tokens and work); what a user does not need goes to the next. Within a user, the oldest
-    /// first. With a whole chunk's budget, some prompt always moves: one token, when even one
-    /// costs more.
-    fn prefill_shares(&self, budget: PrefillBudget) -> HashMap<RequestId, usize> {
-        type Prompts = Vec<(RequestId, usize, usize)>;
-        let mut users: Vec<(&UserId, usize, Prompts)> = Vec::new();
-        for s in self.running.iter() {
-            let pending = s.tokens.len() - s.kv_len;
-            if pending <= 1 {
-                continue;
-            }
-            let prompt = (s.id, s.kv_len, pending);
-            match users.iter_mut().find(|(u, ..)| *u == &s.user) {
-                Some((_, total, prompts)) => {
-                    *total += pending;
-                    prompts.push(prompt);
-                }
-                None => users.push((&s.user, pending, vec![prompt])),
-            }
-        }
-        // Stable: equal needs keep the order of their oldest sequences.
-        users.sort_by_key(|(_, total, _)| *total);
-        let first = users.first().and_then(|(_, _, p)| p.first()).map(|p| p.0);
-        let (mut tokens_left, mut work_left, count) = (budget.tokens, budget.work, users.len());
-        let mut shares = HashMap::new();
-        for (k, (_, _, prompts)) in users.into_iter().enumerate() {
-            let mut tokens = tokens_left.div_ceil(count - k);
-            let mut work = work_left / (count - k) as f64;
-            for (id, from, pending) in prompts {
-                let n = self.work.tokens_within(from, pending.min(tokens), work);
-                let cost = self.work.prefill(from, n);
-                (tokens, work) = (tokens - n, work - cost);
-                (tokens_left, work_left) = (tokens_left - n, work_left - cost);
-                shares.insert(id, n);
-            }
-        }
-        if let Some(id) = first.filter(|_| budget.full && shares.values().all(|&n| n == 0)) {
-            shares.insert(id, 1);
-        }
-        shares
     }
 
     /// Drafts tokens after running sequence `i`'s next one by prompt lookup, where free blocks
@@ -1613,6 +1519,7 @@ fn verify(
     (kept, drafted, end)
 }
 
+mod prefill;
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;

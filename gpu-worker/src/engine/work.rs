@@ -84,15 +84,75 @@ impl WorkModel {
 /// steps count.
 const SMOOTHING: f64 = 0.25;
 
-/// What forward passes take on this machine, learned from the steps run: a decode-only pass,
-/// and the time a multiply-add of prompt work adds to a pass beside decoding sequences. Work
-/// counts alone mislead where a step has fixed costs (reading every weight once, the threads'
-/// hand-offs): they make a few prompt tokens look free beside one decoding sequence or dear
-/// beside many. Off, it records nothing.
+/// What a step ran, in multiply-adds: its decoding sequences' tokens and its prompt work.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub(crate) struct StepWork {
+    pub(crate) decode: f64,
+    pub(crate) prefill: f64,
+}
+
+/// A straight line through `(work, seconds)` observations by least squares, the newest weighted
+/// most (as [`SMOOTHING`] weighs a moving average).
+#[derive(Debug, Clone, Copy, Default)]
+struct Line {
+    weight: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+}
+
+impl Line {
+    /// A line that is `y` everywhere.
+    #[cfg(test)]
+    fn flat(y: f64) -> Self {
+        Line {
+            weight: 1.0,
+            y,
+            ..Line::default()
+        }
+    }
+
+    fn add(&mut self, x: f64, y: f64) {
+        let old = 1.0 - SMOOTHING;
+        *self = Line {
+            weight: old * self.weight + SMOOTHING,
+            x: old * self.x + SMOOTHING * x,
+            y: old * self.y + SMOOTHING * y,
+            xx: old * self.xx + SMOOTHING * x * x,
+            xy: old * self.xy + SMOOTHING * x * y,
+        };
+    }
+
+    /// The line's value at `x`; `None` before any observation. Where the observations lie too
+    /// close together to show a slope (under a tenth of their mean apart), their mean time; a
+    /// pass never takes less than a tenth of it, whatever the slope says far from them.
+    fn at(&self, x: f64) -> Option<f64> {
+        if self.weight <= 0.0 {
+            return None;
+        }
+        let (mx, my) = (self.x / self.weight, self.y / self.weight);
+        let var = self.xx / self.weight - mx * mx;
+        let slope = if var > (0.1 * mx).powi(2) {
+            ((self.xy / self.weight - mx * my) / var).max(0.0)
+        } else {
+            0.0
+        };
+        Some((my + slope * (x - mx)).max(0.1 * my))
+    }
+}
+
+/// What forward passes take on this machine, learned from the steps run: a decode-only pass, as
+/// a line in its decoding work (a pass has fixed costs, reading every weight once, and grows
+/// with the sequences it decodes), and the time a multiply-add of prompt work adds to a pass
+/// beside decoding sequences. Work counts alone mislead where a step has fixed costs: they make
+/// a few prompt tokens look free beside one decoding sequence or dear beside many. A decode-only
+/// time that ignored the batch would charge a larger batch's decoding to the prompt beside it,
+/// and admit new prompts the more slowly the more sequences decode. Off, it records nothing.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepTimes {
     on: bool,
-    decode_only: Option<f64>,
+    decode_only: Line,
     per_prefill_work: Option<f64>,
 }
 
@@ -100,7 +160,7 @@ impl Default for StepTimes {
     fn default() -> Self {
         Self {
             on: true,
-            decode_only: None,
+            decode_only: Line::default(),
             per_prefill_work: None,
         }
     }
@@ -116,37 +176,36 @@ impl StepTimes {
         }
     }
 
-    /// Times that stay as given: `decode_only` seconds a decode-only pass, and
-    /// `per_prefill_work` seconds per unit of prompt work beside it.
+    /// Times that stay as given: `decode_only` seconds a decode-only pass (whatever it decodes),
+    /// and `per_prefill_work` seconds per unit of prompt work beside it.
     #[cfg(test)]
     pub(crate) fn fixed(decode_only: f64, per_prefill_work: f64) -> Self {
         Self {
             on: false,
-            decode_only: Some(decode_only),
+            decode_only: Line::flat(decode_only),
             per_prefill_work: Some(per_prefill_work),
         }
     }
 
-    /// Records a forward pass of `secs` seconds that decoded (or not) and ran `prefill_work`
-    /// of prompt work.
-    pub(crate) fn record(&mut self, decoded: bool, prefill_work: f64, secs: f64) {
+    /// Records a forward pass of `secs` seconds that decoded (or not) and ran `work`.
+    pub(crate) fn record(&mut self, decoded: bool, work: StepWork, secs: f64) {
         if !self.on || !decoded {
             return;
         }
-        if prefill_work <= 0.0 {
-            smooth(&mut self.decode_only, secs);
-        } else if let Some(decode) = self.decode_only {
-            // A noisy pass may take less than the decode-only average: the prompt work still
+        if work.prefill <= 0.0 {
+            self.decode_only.add(work.decode, secs);
+        } else if let Some(decode) = self.decode_only.at(work.decode) {
+            // A noisy pass may take less than the decode-only estimate: the prompt work still
             // cost something.
             let added = (secs - decode).max(secs * 0.05);
-            smooth(&mut self.per_prefill_work, added / prefill_work);
+            smooth(&mut self.per_prefill_work, added / work.prefill);
         }
     }
 
-    /// The prompt work a pass beside decoding sequences may add for it to take `share` times
-    /// longer than a decode-only pass; `None` until both were measured.
-    pub(crate) fn prefill_work(&self, share: f64) -> Option<f64> {
-        Some(share * self.decode_only? / self.per_prefill_work?)
+    /// The prompt work a pass beside decoding sequences of `decode` work may add for it to take
+    /// `share` times longer than their decode-only pass; `None` until both were measured.
+    pub(crate) fn prefill_work(&self, share: f64, decode: f64) -> Option<f64> {
+        Some(share * self.decode_only.at(decode)? / self.per_prefill_work?)
     }
 }
 
@@ -210,31 +269,71 @@ mod tests {
         assert_eq!(capped_sum(1, 4, usize::MAX), 10.0);
     }
 
+    /// A step of `decode` decoding work and `prefill` prompt work.
+    fn ran(decode: f64, prefill: f64) -> StepWork {
+        StepWork { decode, prefill }
+    }
+
     #[test]
     fn the_prefill_allowance_follows_measured_times() {
         let mut t = StepTimes::default();
-        assert_eq!(t.prefill_work(1.0), None, "nothing measured");
+        assert_eq!(t.prefill_work(1.0, 1e6), None, "nothing measured");
         // Decode-only passes of 10 ms; passes with 1e6 of prompt work beside them take 30 ms:
         // 2e-8 s per unit of work.
-        t.record(true, 0.0, 0.010);
-        assert_eq!(t.prefill_work(1.0), None, "no prompt work measured");
-        t.record(true, 1e6, 0.030);
-        let w = t.prefill_work(1.0).unwrap();
+        t.record(true, ran(1e6, 0.0), 0.010);
+        assert_eq!(t.prefill_work(1.0, 1e6), None, "no prompt work measured");
+        t.record(true, ran(1e6, 1e6), 0.030);
+        let w = t.prefill_work(1.0, 1e6).unwrap();
         assert!((w - 5e5).abs() < 1.0, "10 ms of prompt work: {w}");
-        assert!((t.prefill_work(0.5).unwrap() - 2.5e5).abs() < 1.0);
+        assert!((t.prefill_work(0.5, 1e6).unwrap() - 2.5e5).abs() < 1.0);
         // Prefill-only passes say nothing about either.
-        t.record(false, 1e9, 5.0);
-        assert!((t.prefill_work(1.0).unwrap() - w).abs() < 1e-6);
+        t.record(false, ran(0.0, 1e9), 5.0);
+        assert!((t.prefill_work(1.0, 1e6).unwrap() - w).abs() < 1e-6);
         // Slower prompt work shrinks the allowance, gradually.
         for _ in 0..40 {
-            t.record(true, 1e6, 0.110);
+            t.record(true, ran(1e6, 1e6), 0.110);
         }
-        let slower = t.prefill_work(1.0).unwrap();
+        let slower = t.prefill_work(1.0, 1e6).unwrap();
         assert!((slower - 1e5).abs() < 1e3, "{slower}");
         let mut off = StepTimes::off();
-        off.record(true, 0.0, 0.010);
-        off.record(true, 1e6, 0.030);
-        assert_eq!(off.prefill_work(1.0), None);
+        off.record(true, ran(1e6, 0.0), 0.010);
+        off.record(true, ran(1e6, 1e6), 0.030);
+        assert_eq!(off.prefill_work(1.0, 1e6), None);
+    }
+
+    /// Decode-only passes seen at a few sequences, then a prompt beside many: the decoding of
+    /// the many is not charged to the prompt, and the prompt's allowance is a share of the many's
+    /// pass. Before, one decode-only average stood for every batch: the larger batch's extra
+    /// decoding (here 32 of 50 ms) was charged to the prompt, its allowance shrank as the batch
+    /// grew, and 64 streams arriving behind 16 were admitted about ten at a time.
+    #[test]
+    fn a_larger_batch_s_decoding_is_not_charged_to_the_prompt_beside_it() {
+        let mut t = StepTimes::default();
+        // A pass: 8 ms of fixed costs and 1 ms per unit of decoding work (one sequence's token).
+        let decode = |n: f64| 0.008 + 0.001 * n;
+        for n in [16.0, 12.0, 8.0, 6.0, 4.0, 3.0, 2.0, 1.0] {
+            t.record(true, ran(n, 0.0), decode(n));
+        }
+        // 40 units of prompt work beside 40 sequences add 20 ms: 0.5 ms a unit.
+        for _ in 0..8 {
+            t.record(true, ran(40.0, 40.0), decode(40.0) + 0.020);
+        }
+        let per = t.per_prefill_work.unwrap();
+        assert!((per - 5e-4).abs() < 5e-6, "{per} s a unit of prompt work");
+        // Beside 40 sequences (48 ms a pass) the prompt may add 48 ms: 96 units; beside 2, 10 ms.
+        let (many, few) = (
+            t.prefill_work(1.0, 40.0).unwrap(),
+            t.prefill_work(1.0, 2.0).unwrap(),
+        );
+        assert!(
+            (many - 96.0).abs() < 1.0 && (few - 20.0).abs() < 0.5,
+            "{many} {few}"
+        );
+        // Passes seen at one batch size only: their mean time, whatever the batch.
+        let mut one = StepTimes::default();
+        one.record(true, ran(4.0, 0.0), 0.012);
+        one.record(true, ran(4.0, 0.0), 0.012);
+        assert_eq!(one.decode_only.at(40.0), Some(0.012));
     }
 
     #[test]
