@@ -84,67 +84,81 @@ impl WorkModel {
 /// steps count.
 const SMOOTHING: f64 = 0.25;
 
-/// What a step ran, in multiply-adds: its decoding sequences' tokens and its prompt work.
+/// What a step ran: how many sequences it decoded, and its prompt work in multiply-adds.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub(crate) struct StepWork {
-    pub(crate) decode: f64,
+    pub(crate) decoding: usize,
     pub(crate) prefill: f64,
 }
 
-/// A straight line through `(work, seconds)` observations by least squares, the newest weighted
-/// most (as [`SMOOTHING`] weighs a moving average).
+/// Batch-size classes of decode-only passes: 1, 2–3, 4–7, … and 128 or more sequences.
+const CLASSES: usize = 8;
+
+/// Decode-only passes' time by how many sequences they decoded: per power-of-two class, a
+/// moving average of the time and of the batch size. A batch between two classes seen is read
+/// between them; below the smallest seen, as that one; above the largest, along the slope of the
+/// two largest (as that one where only one was seen). Unlike one line fitted through every pass,
+/// a few slow passes at one batch size never move the estimate at another.
 #[derive(Debug, Clone, Copy, Default)]
-struct Line {
-    weight: f64,
-    x: f64,
-    y: f64,
-    xx: f64,
-    xy: f64,
+struct ByBatch {
+    /// `(mean batch size, mean seconds)` of each class seen.
+    classes: [Option<(f64, f64)>; CLASSES],
 }
 
-impl Line {
-    /// A line that is `y` everywhere.
+impl ByBatch {
+    /// A pass of `secs` whatever the batch.
     #[cfg(test)]
-    fn flat(y: f64) -> Self {
-        Line {
-            weight: 1.0,
-            y,
-            ..Line::default()
-        }
+    fn flat(secs: f64) -> Self {
+        let mut b = ByBatch::default();
+        b.classes[0] = Some((1.0, secs));
+        b
     }
 
-    fn add(&mut self, x: f64, y: f64) {
-        let old = 1.0 - SMOOTHING;
-        *self = Line {
-            weight: old * self.weight + SMOOTHING,
-            x: old * self.x + SMOOTHING * x,
-            y: old * self.y + SMOOTHING * y,
-            xx: old * self.xx + SMOOTHING * x * x,
-            xy: old * self.xy + SMOOTHING * x * y,
-        };
+    fn class(n: usize) -> usize {
+        (n.max(1).ilog2() as usize).min(CLASSES - 1)
     }
 
-    /// The line's value at `x`; `None` before any observation. Where the observations lie too
-    /// close together to show a slope (under a tenth of their mean apart), their mean time; a
-    /// pass never takes less than a tenth of it, whatever the slope says far from them.
-    fn at(&self, x: f64) -> Option<f64> {
-        if self.weight <= 0.0 {
-            return None;
-        }
-        let (mx, my) = (self.x / self.weight, self.y / self.weight);
-        let var = self.xx / self.weight - mx * mx;
-        let slope = if var > (0.1 * mx).powi(2) {
-            ((self.xy / self.weight - mx * my) / var).max(0.0)
-        } else {
-            0.0
+    fn add(&mut self, n: usize, secs: f64) {
+        let slot = &mut self.classes[Self::class(n)];
+        let (mut size, mut time) = (slot.map(|c| c.0), slot.map(|c| c.1));
+        smooth(&mut size, n as f64);
+        smooth(&mut time, secs);
+        *slot = size.zip(time);
+    }
+
+    /// A decode-only pass of `n` sequences; `None` before any was seen.
+    fn at(&self, n: usize) -> Option<f64> {
+        let seen: Vec<(f64, f64)> = self.classes.iter().flatten().copied().collect();
+        let n = n as f64;
+        let (&first, &last) = (seen.first()?, seen.last()?);
+        let line = |(x0, y0): (f64, f64), (x1, y1): (f64, f64)| {
+            let slope = if x1 > x0 {
+                ((y1 - y0) / (x1 - x0)).max(0.0)
+            } else {
+                0.0
+            };
+            y0 + slope * (n - x0)
         };
-        Some((my + slope * (x - mx)).max(0.1 * my))
+        if n <= first.0 {
+            return Some(first.1);
+        }
+        if n >= last.0 {
+            return Some(match seen.len() {
+                1 => last.1,
+                k => line(seen[k - 2], last).max(last.1),
+            });
+        }
+        let k = seen.iter().position(|c| c.0 >= n).unwrap_or(seen.len() - 1);
+        Some(
+            line(seen[k - 1], seen[k])
+                .clamp(seen[k - 1].1.min(seen[k].1), seen[k - 1].1.max(seen[k].1)),
+        )
     }
 }
 
-/// What forward passes take on this machine, learned from the steps run: a decode-only pass, as
-/// a line in its decoding work (a pass has fixed costs, reading every weight once, and grows
-/// with the sequences it decodes), and the time a multiply-add of prompt work adds to a pass
+/// What forward passes take on this machine, learned from the steps run: a decode-only pass, by
+/// how many sequences it decodes ([`ByBatch`]: a pass has fixed costs, reading every weight
+/// once, and grows with its batch), and the time a multiply-add of prompt work adds to a pass
 /// beside decoding sequences. Work counts alone mislead where a step has fixed costs: they make
 /// a few prompt tokens look free beside one decoding sequence or dear beside many. A decode-only
 /// time that ignored the batch would charge a larger batch's decoding to the prompt beside it,
@@ -152,7 +166,7 @@ impl Line {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StepTimes {
     on: bool,
-    decode_only: Line,
+    decode_only: ByBatch,
     per_prefill_work: Option<f64>,
 }
 
@@ -160,7 +174,7 @@ impl Default for StepTimes {
     fn default() -> Self {
         Self {
             on: true,
-            decode_only: Line::default(),
+            decode_only: ByBatch::default(),
             per_prefill_work: None,
         }
     }
@@ -182,7 +196,7 @@ impl StepTimes {
     pub(crate) fn fixed(decode_only: f64, per_prefill_work: f64) -> Self {
         Self {
             on: false,
-            decode_only: Line::flat(decode_only),
+            decode_only: ByBatch::flat(decode_only),
             per_prefill_work: Some(per_prefill_work),
         }
     }
@@ -193,8 +207,8 @@ impl StepTimes {
             return;
         }
         if work.prefill <= 0.0 {
-            self.decode_only.add(work.decode, secs);
-        } else if let Some(decode) = self.decode_only.at(work.decode) {
+            self.decode_only.add(work.decoding, secs);
+        } else if let Some(decode) = self.decode_only.at(work.decoding) {
             // A noisy pass may take less than the decode-only estimate: the prompt work still
             // cost something.
             let added = (secs - decode).max(secs * 0.05);
@@ -202,10 +216,10 @@ impl StepTimes {
         }
     }
 
-    /// The prompt work a pass beside decoding sequences of `decode` work may add for it to take
-    /// `share` times longer than their decode-only pass; `None` until both were measured.
-    pub(crate) fn prefill_work(&self, share: f64, decode: f64) -> Option<f64> {
-        Some(share * self.decode_only.at(decode)? / self.per_prefill_work?)
+    /// The prompt work a pass beside `decoding` sequences may add for it to take `share` times
+    /// longer than their decode-only pass; `None` until both were measured.
+    pub(crate) fn prefill_work(&self, share: f64, decoding: usize) -> Option<f64> {
+        Some(share * self.decode_only.at(decoding)? / self.per_prefill_work?)
     }
 }
 
@@ -269,36 +283,36 @@ mod tests {
         assert_eq!(capped_sum(1, 4, usize::MAX), 10.0);
     }
 
-    /// A step of `decode` decoding work and `prefill` prompt work.
-    fn ran(decode: f64, prefill: f64) -> StepWork {
-        StepWork { decode, prefill }
+    /// A step of `decoding` sequences and `prefill` prompt work.
+    fn ran(decoding: usize, prefill: f64) -> StepWork {
+        StepWork { decoding, prefill }
     }
 
     #[test]
     fn the_prefill_allowance_follows_measured_times() {
         let mut t = StepTimes::default();
-        assert_eq!(t.prefill_work(1.0, 1e6), None, "nothing measured");
+        assert_eq!(t.prefill_work(1.0, 4), None, "nothing measured");
         // Decode-only passes of 10 ms; passes with 1e6 of prompt work beside them take 30 ms:
         // 2e-8 s per unit of work.
-        t.record(true, ran(1e6, 0.0), 0.010);
-        assert_eq!(t.prefill_work(1.0, 1e6), None, "no prompt work measured");
-        t.record(true, ran(1e6, 1e6), 0.030);
-        let w = t.prefill_work(1.0, 1e6).unwrap();
+        t.record(true, ran(4, 0.0), 0.010);
+        assert_eq!(t.prefill_work(1.0, 4), None, "no prompt work measured");
+        t.record(true, ran(4, 1e6), 0.030);
+        let w = t.prefill_work(1.0, 4).unwrap();
         assert!((w - 5e5).abs() < 1.0, "10 ms of prompt work: {w}");
-        assert!((t.prefill_work(0.5, 1e6).unwrap() - 2.5e5).abs() < 1.0);
+        assert!((t.prefill_work(0.5, 4).unwrap() - 2.5e5).abs() < 1.0);
         // Prefill-only passes say nothing about either.
-        t.record(false, ran(0.0, 1e9), 5.0);
-        assert!((t.prefill_work(1.0, 1e6).unwrap() - w).abs() < 1e-6);
+        t.record(false, ran(0, 1e9), 5.0);
+        assert!((t.prefill_work(1.0, 4).unwrap() - w).abs() < 1e-6);
         // Slower prompt work shrinks the allowance, gradually.
         for _ in 0..40 {
-            t.record(true, ran(1e6, 1e6), 0.110);
+            t.record(true, ran(4, 1e6), 0.110);
         }
-        let slower = t.prefill_work(1.0, 1e6).unwrap();
+        let slower = t.prefill_work(1.0, 4).unwrap();
         assert!((slower - 1e5).abs() < 1e3, "{slower}");
         let mut off = StepTimes::off();
-        off.record(true, ran(1e6, 0.0), 0.010);
-        off.record(true, ran(1e6, 1e6), 0.030);
-        assert_eq!(off.prefill_work(1.0, 1e6), None);
+        off.record(true, ran(4, 0.0), 0.010);
+        off.record(true, ran(4, 1e6), 0.030);
+        assert_eq!(off.prefill_work(1.0, 4), None);
     }
 
     /// Decode-only passes seen at a few sequences, then a prompt beside many: the decoding of
@@ -309,31 +323,50 @@ mod tests {
     #[test]
     fn a_larger_batch_s_decoding_is_not_charged_to_the_prompt_beside_it() {
         let mut t = StepTimes::default();
-        // A pass: 8 ms of fixed costs and 1 ms per unit of decoding work (one sequence's token).
-        let decode = |n: f64| 0.008 + 0.001 * n;
-        for n in [16.0, 12.0, 8.0, 6.0, 4.0, 3.0, 2.0, 1.0] {
+        // A pass: 8 ms of fixed costs and 1 ms per sequence decoded.
+        let decode = |n: usize| 0.008 + 0.001 * n as f64;
+        for n in [16, 12, 8, 6, 4, 3, 2, 1] {
             t.record(true, ran(n, 0.0), decode(n));
         }
         // 40 units of prompt work beside 40 sequences add 20 ms: 0.5 ms a unit.
         for _ in 0..8 {
-            t.record(true, ran(40.0, 40.0), decode(40.0) + 0.020);
+            t.record(true, ran(40, 40.0), decode(40) + 0.020);
         }
         let per = t.per_prefill_work.unwrap();
-        assert!((per - 5e-4).abs() < 5e-6, "{per} s a unit of prompt work");
-        // Beside 40 sequences (48 ms a pass) the prompt may add 48 ms: 96 units; beside 2, 10 ms.
-        let (many, few) = (
-            t.prefill_work(1.0, 40.0).unwrap(),
-            t.prefill_work(1.0, 2.0).unwrap(),
-        );
-        assert!(
-            (many - 96.0).abs() < 1.0 && (few - 20.0).abs() < 0.5,
-            "{many} {few}"
-        );
-        // Passes seen at one batch size only: their mean time, whatever the batch.
-        let mut one = StepTimes::default();
-        one.record(true, ran(4.0, 0.0), 0.012);
-        one.record(true, ran(4.0, 0.0), 0.012);
-        assert_eq!(one.decode_only.at(40.0), Some(0.012));
+        assert!((per - 5e-4).abs() < 5e-5, "{per} s a unit of prompt work");
+        // Beside 40 sequences (48 ms a pass) the prompt may add about 48 ms: 96 units.
+        let many = t.prefill_work(1.0, 40).unwrap();
+        assert!((many - 96.0).abs() < 8.0, "{many}");
+        let few = t.prefill_work(1.0, 1).unwrap();
+        assert!((few - 18.0).abs() < 1.0, "{few}");
+    }
+
+    /// Slow decode-only passes at one batch size (a grammar's masks, a busy machine) do not
+    /// change what a pass at another size is taken to cost: a prompt beside one sequence is
+    /// measured against that sequence's own passes. A line fitted through every pass let a few
+    /// slow large batches raise the estimate for one sequence, under-charge the prompt, and let
+    /// whole chunks run beside it.
+    #[test]
+    fn slow_passes_at_one_batch_size_leave_the_others_alone() {
+        let mut b = ByBatch::default();
+        for _ in 0..4 {
+            b.add(1, 0.001);
+        }
+        for n in [16, 17, 16, 17] {
+            b.add(n, 0.030);
+        }
+        assert_eq!(b.at(1), Some(0.001));
+        let mid = b.at(8).unwrap();
+        assert!(mid > 0.001 && mid < 0.030, "{mid}");
+        assert!(b.at(64).unwrap() >= 0.030);
+        // Between two classes: on the line between their means.
+        let mut two = ByBatch::default();
+        two.add(2, 0.002);
+        two.add(8, 0.008);
+        assert!((two.at(5).unwrap() - 0.005).abs() < 1e-9);
+        assert_eq!(two.at(1), Some(0.002));
+        assert!((two.at(16).unwrap() - 0.016).abs() < 1e-9);
+        assert_eq!(ByBatch::default().at(3), None);
     }
 
     #[test]

@@ -22,12 +22,13 @@ impl Scheduler {
     /// sequences `held` sit this step out.
     pub(crate) fn prefill_budget(&self, held: &HashSet<RequestId>) -> PrefillBudget {
         let (tokens, share) = (self.config.prefill_chunk, self.config.prefill_share);
-        let decode: f64 = self
+        let decoding: Vec<f64> = self
             .running
             .iter()
             .filter(|s| s.tokens.len() - s.kv_len == 1 && !held.contains(&s.id))
             .map(|s| self.work.decode(s.kv_len))
-            .sum();
+            .collect();
+        let decode: f64 = decoding.iter().sum();
         let chunk = self.work.prefill(0, tokens);
         if decode == 0.0 || share <= 0.0 {
             return PrefillBudget {
@@ -40,7 +41,7 @@ impl Scheduler {
         let counted = || (share * decode).max(floor);
         let work = self
             .times
-            .prefill_work(share, decode)
+            .prefill_work(share, decoding.len())
             .unwrap_or_else(counted);
         let work = work + self.prefill_credit;
         PrefillBudget {
@@ -106,7 +107,7 @@ impl Scheduler {
         {
             match s.draft == 0 && s.tokens.len() - s.kv_len > 1 {
                 true => work.prefill += self.work.prefill(s.kv_len, n),
-                false => work.decode += self.work.decode(s.kv_len),
+                false => work.decoding += 1,
             }
         }
         work

@@ -23,13 +23,13 @@ fn the_prefill_beside_decoding_is_a_share_of_the_measured_time() {
     // Decode-only passes of 1 ms, and prompt work costing 1 ms per 20 shallow tokens' worth.
     let shallow = s.work.shallow_token();
     let mut times = StepTimes::default();
-    let (decode, prefill) = (s.work.decode(30), 20.0 * shallow);
+    let (decoding, prefill) = (1, 20.0 * shallow);
     let only = StepWork {
+        decoding,
         prefill: 0.0,
-        decode,
     };
     times.record(true, only, 1e-3);
-    times.record(true, StepWork { decode, prefill }, 2e-3);
+    times.record(true, StepWork { decoding, prefill }, 2e-3);
     for share in [0.5, 1.0, 2.0] {
         s.config.prefill_share = share;
         s.times = times;
