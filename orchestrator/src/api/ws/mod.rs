@@ -25,6 +25,9 @@
 //! `--socket-write-timeout-secs` closes the socket (1008) and frees its place. At most
 //! [`MAX_SOCKETS`] are open at once, and `--max-sockets-per-key` for one key.
 
+mod command;
+
+use command::Command;
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -34,14 +37,14 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket, WebSocketUpgrade};
 use axum::extract::State;
 use axum::http::{header, HeaderMap};
 use axum::response::Response;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
 
-use super::native::{resume_from, NativeEvent, StopResult, TurnBody};
+use super::native::{resume_from, NativeEvent, StopResult};
 use super::{bearer, caller_with, ApiError, AppState};
 use crate::generate::{Live, TurnIds};
-use crate::ids::{MessageId, SessionId};
+use crate::ids::SessionId;
 use crate::limits::Limited;
 use crate::service::{Caller, NativeTurn, ReplySource};
 
@@ -343,69 +346,43 @@ impl Session {
 
     /// Runs one command; what to send back (a reply's events follow as they come).
     async fn command(&mut self, message: &str) -> Result<Vec<Message>, ApiError> {
-        let mut fields = match serde_json::from_str(message) {
-            Ok(Value::Object(m)) => m,
-            Ok(_) => return Err(ApiError::BadRequest("a command is a JSON object".into())),
-            Err(e) => return Err(ApiError::BadRequest(format!("not JSON: {e}"))),
-        };
-        let kind = match fields.remove("type") {
-            Some(Value::String(t)) => t,
-            _ => {
-                return Err(ApiError::Validation(
-                    "type: required: message, regenerate, edit, stop or resume".into(),
-                ))
-            }
-        };
-        match kind.as_str() {
-            "message" => {
-                let body = turn_body(fields)?;
-                self.start(body.turn(body.posted()?)?).await
-            }
-            "regenerate" => self.start(turn_body(fields)?.regenerated()?).await,
-            "edit" => {
-                let message_id = take_str(&mut fields, "message_id")?
-                    .and_then(|m| MessageId::parse(&m))
-                    .ok_or_else(|| {
-                        ApiError::Validation("message_id: required, a message's id".into())
-                    })?;
-                self.start(turn_body(fields)?.edited(message_id)?).await
-            }
-            "stop" => {
-                no_more(&fields)?;
+        match Command::parse(message)? {
+            Command::Message(body) => self.start(body.turn(body.posted()?)?).await,
+            Command::Regenerate(body) => self.start(body.regenerated()?).await,
+            Command::Edit { message_id, turn } => self.start(turn.edited(message_id)?).await,
+            Command::Stop => {
                 let r = StopResult::of(self.s.chat.stop(&self.caller, &self.id).await?);
                 Ok(vec![text(json!({"event": "stopped", "data": r}))])
             }
-            "resume" => {
-                let last = take_str(&mut fields, "last_event_id")?;
-                no_more(&fields)?;
-                let live = match self.s.chat.reply_stream(&self.caller, &self.id).await? {
-                    ReplySource::Local(live) => live,
-                    ReplySource::Shared(reply) => {
-                        let from = resume_from(&reply.message_id, last.as_deref());
-                        let events = self
-                            .s
-                            .chat
-                            .shared_events(&self.caller, &self.id, reply, from)
-                            .await?;
-                        let events = events.ok_or(ApiError::NotFound("stream"))?;
-                        self.following = Some(Following {
-                            live: None,
-                            events: Box::pin(events),
-                        });
-                        return Ok(Vec::new());
-                    }
-                };
-                let ids = live.ids.clone().ok_or_else(|| {
-                    ApiError::Internal("a session's reply without its stored turn".into())
-                })?;
-                let from = resume_from(&ids.message_id, last.as_deref());
-                self.follow(live, ids, from);
-                Ok(Vec::new())
-            }
-            other => Err(ApiError::Validation(format!(
-                "type: `{other}` is not one of message, regenerate, edit, stop, resume"
-            ))),
+            Command::Resume { last_event_id } => self.resume(last_event_id.as_deref()).await,
         }
+    }
+
+    /// Follows the running (or just finished) reply from after `last` (all of it without).
+    async fn resume(&mut self, last: Option<&str>) -> Result<Vec<Message>, ApiError> {
+        let live = match self.s.chat.reply_stream(&self.caller, &self.id).await? {
+            ReplySource::Local(live) => live,
+            ReplySource::Shared(reply) => {
+                let from = resume_from(&reply.message_id, last);
+                let events = self
+                    .s
+                    .chat
+                    .shared_events(&self.caller, &self.id, reply, from)
+                    .await?;
+                let events = events.ok_or(ApiError::NotFound("stream"))?;
+                self.following = Some(Following {
+                    live: None,
+                    events: Box::pin(events),
+                });
+                return Ok(Vec::new());
+            }
+        };
+        let ids = live.ids.clone().ok_or_else(|| {
+            ApiError::Internal("a session's reply without its stored turn".into())
+        })?;
+        let from = resume_from(&ids.message_id, last);
+        self.follow(live, ids, from);
+        Ok(Vec::new())
     }
 
     async fn start(
@@ -429,34 +406,5 @@ impl Session {
             live: Some(live),
             events: Box::pin(events),
         });
-    }
-}
-
-/// A turn's fields (those of `POST …/messages`), checked as there.
-fn turn_body(fields: Map<String, Value>) -> Result<TurnBody, ApiError> {
-    if fields.get("stream") == Some(&Value::Bool(false)) {
-        return Err(ApiError::Validation(
-            "stream: replies over the WebSocket always stream".into(),
-        ));
-    }
-    serde_json::from_value(Value::Object(fields)).map_err(|e| ApiError::Validation(e.to_string()))
-}
-
-/// A text field taken out of a command (absent: `None`; not text: an error naming it).
-fn take_str(fields: &mut Map<String, Value>, name: &str) -> Result<Option<String>, ApiError> {
-    match fields.remove(name) {
-        None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(ApiError::Validation(format!("{name}: must be text"))),
-    }
-}
-
-/// Refuses fields a command does not take.
-fn no_more(fields: &Map<String, Value>) -> Result<(), ApiError> {
-    match fields.keys().next() {
-        Some(k) => Err(ApiError::Validation(format!(
-            "{k}: not a field of this command"
-        ))),
-        None => Ok(()),
     }
 }
