@@ -16,6 +16,7 @@
 //! - [`server`]: start-up, including the quick start's local worker.
 //! - [`http_server`]: the HTTP accept loop (header deadline, connection cap, bounded shutdown).
 //! - [`ids`]: session and message ids, well formed by construction.
+//! - [`invalid`]: a bad value and the request field it is in, for every layer's validation.
 //! - [`tools`]: tool calling: the tools a turn offers, their prompt, calls parsed from a reply.
 //! - [`telemetry`]: Prometheus metrics.
 
@@ -26,6 +27,7 @@ pub mod config;
 pub mod generate;
 pub mod http_server;
 pub mod ids;
+pub mod invalid;
 pub mod limits;
 mod redis_conn;
 pub mod server;

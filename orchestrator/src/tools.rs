@@ -12,6 +12,7 @@
 //!   JSON Schema (the tool's parameters inside it), so even a base model returns a call that
 //!   parses and validates.
 
+use crate::invalid::Invalid;
 use hearth_shared::Grammar;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -22,12 +23,12 @@ pub use crate::storage::{FunctionCall, ToolCall};
 /// A request's tools or tool messages that cannot be served; the message starts with the field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ToolError {
-    /// A value out of range or inconsistent (a 422).
+    /// A value out of range or inconsistent (a 422), and the field it is in.
     #[error("{0}")]
-    Invalid(String),
+    Invalid(Invalid),
     /// A tool's parameters schema does not compile (a 400, as for any grammar).
     #[error("{0}")]
-    InvalidGrammar(String),
+    InvalidGrammar(Invalid),
 }
 
 /// Most tools a request may offer (OpenAI's limit).
@@ -117,7 +118,7 @@ pub struct Tools {
 }
 
 fn refuse(field: &str, why: &str) -> ToolError {
-    ToolError::Invalid(format!("{field}: {why}"))
+    ToolError::Invalid(Invalid::field(field, why))
 }
 
 fn valid_name(n: &str) -> bool {
@@ -174,7 +175,10 @@ impl Tools {
                 // [`Tools::schemas`]).
                 let g = Grammar::JsonSchema { schema: p.clone() };
                 g.check_shape().map_err(|e| {
-                    ToolError::InvalidGrammar(format!("{field}.function.parameters: {e}"))
+                    ToolError::InvalidGrammar(Invalid::field(
+                        format!("{field}.function.parameters"),
+                        format!("{e}"),
+                    ))
                 })?;
             }
             defs.push(f.clone());
@@ -534,7 +538,7 @@ mod tests {
         .expect("tools");
         assert!(matches!(
             Tools::new(Some(&not_a_schema), None),
-            Err(ToolError::InvalidGrammar(m)) if m.starts_with("tools[0].function.parameters")
+            Err(ToolError::InvalidGrammar(m)) if m.param.as_deref() == Some("tools[0].function.parameters")
         ));
     }
 
@@ -572,7 +576,7 @@ mod tests {
         assert_eq!(text, "Result of `now`:\n12:00");
         let e = tool_text("messages[2]", "x", Some("call_9"), &earlier);
         assert!(
-            matches!(e, Err(ToolError::Invalid(m)) if m.starts_with("messages[2].tool_call_id"))
+            matches!(e, Err(ToolError::Invalid(m)) if m.param.as_deref() == Some("messages[2].tool_call_id"))
         );
     }
 }

@@ -528,6 +528,11 @@ export interface components {
         ErrorBody: {
             error: components["schemas"]["ErrorDetail"];
         };
+        /**
+         * @description What went wrong, for programs: the error body's `code`.
+         * @enum {string}
+         */
+        ErrorCode: "invalid_value" | "invalid_json" | "invalid_grammar" | "unsupported_media_type" | "not_a_user_message" | "too_many_sessions" | "session_full" | "invalid_api_key" | "forbidden" | "not_found" | "model_not_found" | "insufficient_memory" | "method_not_allowed" | "conflict" | "body_too_large" | "body_timeout" | "rate_limit_exceeded" | "unavailable" | "model_loading" | "model_no_room" | "model_load_failed" | "internal";
         ErrorDetail: {
             /** @description For people: names the problem (and the field, for a bad value). */
             message: string;
@@ -536,8 +541,13 @@ export interface components {
              *     `rate_limit_error`, …
              */
             type: string;
-            /** @description Stable, for programs: `invalid_value`, `invalid_json`, `not_found`, `body_timeout`, … */
-            code: string;
+            /** @description Stable, for programs: what went wrong. */
+            code: components["schemas"]["ErrorCode"];
+            /**
+             * @description The request field at fault (`temperature`, `messages[2].content`), or `null` when the
+             *     problem is not one field's.
+             */
+            param?: string | null;
         };
         /**
          * @description Why a reply ended: how its generation finished (`stop`: end of turn or a stop string,

@@ -2,6 +2,7 @@
 //! admin keys (`hearth keys create --admin`) may call these routes; another key gets 403. A
 //! server without keys listens on loopback only, and there its local user may.
 
+use crate::invalid::Invalid;
 use std::time::Duration;
 
 use axum::extract::State;
@@ -10,7 +11,7 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
-use super::{ApiError, AppState, ValidJson};
+use super::{ApiError, AppState, ErrorCode, ValidJson};
 use crate::service::Caller;
 use crate::workers::{AdminError, WorkerModel, WorkerModels};
 
@@ -37,11 +38,11 @@ impl From<AdminError> for ApiError {
     fn from(e: AdminError) -> Self {
         match e {
             AdminError::UnknownWorker(_) | AdminError::NotFound(_) => ApiError::Unprocessable {
-                kind: "not_found",
+                kind: ErrorCode::NotFound,
                 message: e.to_string(),
             },
             AdminError::NoRoom { detail, .. } => ApiError::Unprocessable {
-                kind: "insufficient_memory",
+                kind: ErrorCode::InsufficientMemory,
                 message: detail,
             },
             AdminError::NoWorker => ApiError::Unavailable(e.to_string()),
@@ -159,8 +160,9 @@ pub async fn unload(
     let model = check_model(&req.model)?;
     let deadline = match req.deadline_ms {
         Some(ms) if ms > MAX_DEADLINE_MS => {
-            return Err(ApiError::Validation(format!(
-                "deadline_ms: at most {MAX_DEADLINE_MS}"
+            return Err(ApiError::Validation(Invalid::field(
+                "deadline_ms",
+                format!("at most {MAX_DEADLINE_MS}"),
             )))
         }
         Some(ms) => Some(Duration::from_millis(u64::from(ms))),
@@ -181,9 +183,10 @@ pub async fn unload(
 fn check_model(m: &str) -> Result<&str, ApiError> {
     let m = m.trim();
     if m.is_empty() || m.len() > 256 {
-        return Err(ApiError::Validation(
-            "model: must be 1 to 256 characters, `name` or `name@version`".into(),
-        ));
+        return Err(ApiError::Validation(Invalid::field(
+            "model",
+            "must be 1 to 256 characters, `name` or `name@version`",
+        )));
     }
     Ok(m)
 }

@@ -1,7 +1,9 @@
 //! The API's one error type, mapped to an HTTP status in one place. Bodies are
-//! `{"error": {"message", "type", "code"}}` (OpenAI's shape); internal details are logged, never
-//! returned.
+//! `{"error": {"message", "type", "code", "param"}}` (OpenAI's shape: `code` one of
+//! [`ErrorCode`], `param` the request field at fault or `null`); internal details are logged,
+//! never returned.
 
+use crate::invalid::Invalid;
 use axum::extract::rejection::{JsonRejection, QueryRejection};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -9,7 +11,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use crate::generate::GenerationError;
-use crate::service::ChatError;
+use crate::service::{ChatError, LoadRefusal};
 use crate::storage::StoreError;
 
 /// Every error's body (OpenAI's shape).
@@ -26,26 +28,97 @@ pub struct ErrorDetail {
     /// `rate_limit_error`, …
     #[serde(rename = "type")]
     pub kind: String,
-    /// Stable, for programs: `invalid_value`, `invalid_json`, `not_found`, `body_timeout`, …
-    pub code: String,
+    /// Stable, for programs: what went wrong.
+    pub code: ErrorCode,
+    /// The request field at fault (`temperature`, `messages[2].content`), or `null` when the
+    /// problem is not one field's.
+    pub param: Option<String>,
+}
+
+/// What went wrong, for programs: the error body's `code`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    /// A value out of range or of the wrong kind (`param` names it).
+    InvalidValue,
+    /// Not JSON, or not the JSON the route takes.
+    InvalidJson,
+    /// A grammar, JSON Schema or tool schema that does not compile.
+    InvalidGrammar,
+    UnsupportedMediaType,
+    /// An edit aimed at a message that is not a user message.
+    NotAUserMessage,
+    /// The caller keeps the most sessions the server allows.
+    TooManySessions,
+    /// The session holds the most messages or bytes it may.
+    SessionFull,
+    InvalidApiKey,
+    Forbidden,
+    NotFound,
+    ModelNotFound,
+    /// An admin load that no worker has the memory for.
+    InsufficientMemory,
+    MethodNotAllowed,
+    Conflict,
+    BodyTooLarge,
+    BodyTimeout,
+    RateLimitExceeded,
+    Unavailable,
+    /// The model is loading: retry after `Retry-After`.
+    ModelLoading,
+    /// No worker has room for the model now.
+    ModelNoRoom,
+    /// A worker tried to load the model and failed.
+    ModelLoadFailed,
+    Internal,
+}
+
+impl ErrorCode {
+    /// The code as the body spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::InvalidValue => "invalid_value",
+            Self::InvalidJson => "invalid_json",
+            Self::InvalidGrammar => "invalid_grammar",
+            Self::UnsupportedMediaType => "unsupported_media_type",
+            Self::NotAUserMessage => "not_a_user_message",
+            Self::TooManySessions => "too_many_sessions",
+            Self::SessionFull => "session_full",
+            Self::InvalidApiKey => "invalid_api_key",
+            Self::Forbidden => "forbidden",
+            Self::NotFound => "not_found",
+            Self::ModelNotFound => "model_not_found",
+            Self::InsufficientMemory => "insufficient_memory",
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::Conflict => "conflict",
+            Self::BodyTooLarge => "body_too_large",
+            Self::BodyTimeout => "body_timeout",
+            Self::RateLimitExceeded => "rate_limit_exceeded",
+            Self::Unavailable => "unavailable",
+            Self::ModelLoading => "model_loading",
+            Self::ModelNoRoom => "model_no_room",
+            Self::ModelLoadFailed => "model_load_failed",
+            Self::Internal => "internal",
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
-    /// Well-formed JSON with a value out of range or of the wrong kind.
+    /// Well-formed JSON with a value out of range or of the wrong kind, and the field it is in.
     #[error("{0}")]
-    Validation(String),
+    Validation(Invalid),
     /// Well-formed, but asks for something the target cannot do; `kind` names the problem
     /// (it is the body's `type` and `code`).
     #[error("{message}")]
-    Unprocessable { kind: &'static str, message: String },
+    Unprocessable { kind: ErrorCode, message: String },
     /// Not JSON, or not the JSON the route takes.
     #[error("{0}")]
     BadRequest(String),
-    /// A grammar (a JSON Schema, a Lark grammar, a regular expression) that does not compile;
-    /// a 400, as OpenAI answers an invalid schema.
+    /// A grammar (a JSON Schema, a Lark grammar, a regular expression) that does not compile,
+    /// and the field it is in; a 400, as OpenAI answers an invalid schema.
     #[error("{0}")]
-    InvalidGrammar(String),
+    InvalidGrammar(Invalid),
     #[error("{0}")]
     UnsupportedMediaType(String),
     #[error("missing or invalid API key")]
@@ -78,7 +151,7 @@ pub enum ApiError {
     /// A model that could not be loaded on demand: 503, with `Retry-After` when waiting helps.
     #[error("{message}")]
     LoadRefused {
-        code: &'static str,
+        code: ErrorCode,
         message: String,
         retry_after_secs: Option<u64>,
     },
@@ -93,7 +166,8 @@ impl ApiError {
             error: ErrorDetail {
                 message: self.to_string(),
                 kind: self.error_type().to_string(),
-                code: self.code().to_string(),
+                code: self.code(),
+                param: self.param().map(str::to_string),
             },
         }
     }
@@ -123,7 +197,7 @@ impl ApiError {
     pub fn error_type(&self) -> &'static str {
         match self {
             Self::Validation(_) => "invalid_request_error",
-            Self::Unprocessable { kind, .. } => kind,
+            Self::Unprocessable { kind, .. } => kind.as_str(),
             Self::BadRequest(_) | Self::InvalidGrammar(_) => "invalid_request_error",
             Self::UnsupportedMediaType(_) => "invalid_request_error",
             Self::Unauthorized => "authentication_error",
@@ -142,26 +216,34 @@ impl ApiError {
         }
     }
 
-    pub fn code(&self) -> &'static str {
+    pub fn code(&self) -> ErrorCode {
         match self {
-            Self::Validation(_) => "invalid_value",
-            Self::Unprocessable { kind, .. } => kind,
-            Self::BadRequest(_) => "invalid_json",
-            Self::InvalidGrammar(_) => "invalid_grammar",
-            Self::UnsupportedMediaType(_) => "unsupported_media_type",
-            Self::Unauthorized => "invalid_api_key",
-            Self::Forbidden(_) => "forbidden",
-            Self::NotFound(_) => "not_found",
-            Self::ModelNotFound(_) => "model_not_found",
-            Self::MethodNotAllowed => "method_not_allowed",
-            Self::Conflict(_) => "conflict",
-            Self::PayloadTooLarge => "body_too_large",
-            Self::BodyTimeout(_) => "body_timeout",
-            Self::RateLimited(_) => "rate_limit_exceeded",
-            Self::Unavailable(_) => "unavailable",
-            Self::Loading(_) => "model_loading",
-            Self::LoadRefused { code, .. } => code,
-            Self::Internal(_) => "internal",
+            Self::Validation(_) => ErrorCode::InvalidValue,
+            Self::Unprocessable { kind, .. } => *kind,
+            Self::BadRequest(_) => ErrorCode::InvalidJson,
+            Self::InvalidGrammar(_) => ErrorCode::InvalidGrammar,
+            Self::UnsupportedMediaType(_) => ErrorCode::UnsupportedMediaType,
+            Self::Unauthorized => ErrorCode::InvalidApiKey,
+            Self::Forbidden(_) => ErrorCode::Forbidden,
+            Self::NotFound(_) => ErrorCode::NotFound,
+            Self::ModelNotFound(_) => ErrorCode::ModelNotFound,
+            Self::MethodNotAllowed => ErrorCode::MethodNotAllowed,
+            Self::Conflict(_) => ErrorCode::Conflict,
+            Self::PayloadTooLarge => ErrorCode::BodyTooLarge,
+            Self::BodyTimeout(_) => ErrorCode::BodyTimeout,
+            Self::RateLimited(_) => ErrorCode::RateLimitExceeded,
+            Self::Unavailable(_) => ErrorCode::Unavailable,
+            Self::Loading(_) => ErrorCode::ModelLoading,
+            Self::LoadRefused { code, .. } => *code,
+            Self::Internal(_) => ErrorCode::Internal,
+        }
+    }
+
+    /// The request field at fault, where the error is one field's.
+    pub fn param(&self) -> Option<&str> {
+        match self {
+            Self::Validation(i) | Self::InvalidGrammar(i) => i.param.as_deref(),
+            _ => None,
         }
     }
 }
@@ -170,7 +252,7 @@ impl ApiError {
     /// An edit aimed at a message that is not a user message.
     pub fn not_a_user_message(message: String) -> Self {
         Self::Unprocessable {
-            kind: "not_a_user_message",
+            kind: ErrorCode::NotAUserMessage,
             message,
         }
     }
@@ -223,6 +305,24 @@ impl From<StoreError> for ApiError {
     }
 }
 
+/// A body whose JSON is not the route's: the field serde stopped at (axum reads bodies through
+/// `serde_path_to_error`), when it is one, as the `param`.
+fn json_data_error(e: &axum::extract::rejection::JsonDataError) -> Invalid {
+    type AtPath = serde_path_to_error::Error<serde_json::Error>;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(at) = err.downcast_ref::<AtPath>() {
+            let path = at.path().to_string();
+            return match path.as_str() {
+                "." | "" => Invalid::request(at.inner().to_string()),
+                _ => Invalid::field(path, at.inner().to_string()),
+            };
+        }
+        source = err.source();
+    }
+    Invalid::request(e.body_text())
+}
+
 impl From<crate::tools::ToolError> for ApiError {
     fn from(e: crate::tools::ToolError) -> Self {
         match e {
@@ -235,7 +335,7 @@ impl From<crate::tools::ToolError> for ApiError {
 impl From<JsonRejection> for ApiError {
     fn from(r: JsonRejection) -> Self {
         match r {
-            JsonRejection::JsonDataError(e) => Self::Validation(e.body_text()),
+            JsonRejection::JsonDataError(e) => Self::Validation(json_data_error(&e)),
             JsonRejection::JsonSyntaxError(e) => Self::BadRequest(e.body_text()),
             JsonRejection::MissingJsonContentType(e) => Self::UnsupportedMediaType(e.body_text()),
             JsonRejection::BytesRejection(e) if e.status() == StatusCode::PAYLOAD_TOO_LARGE => {
@@ -248,7 +348,7 @@ impl From<JsonRejection> for ApiError {
 
 impl From<QueryRejection> for ApiError {
     fn from(r: QueryRejection) -> Self {
-        Self::Validation(r.body_text())
+        Self::Validation(Invalid::request(r.body_text()))
     }
 }
 
@@ -280,12 +380,12 @@ impl From<ChatError> for ApiError {
             ChatError::Invalid(m) => Self::Validation(m),
             ChatError::InvalidGrammar(m) => Self::InvalidGrammar(m),
             ChatError::TooManySessions { .. } => Self::Unprocessable {
-                kind: "too_many_sessions",
+                kind: ErrorCode::TooManySessions,
                 message: e.to_string(),
             },
             ChatError::SessionFull { .. } | ChatError::SessionTooLarge { .. } => {
                 Self::Unprocessable {
-                    kind: "session_full",
+                    kind: ErrorCode::SessionFull,
                     message: e.to_string(),
                 }
             }
@@ -300,7 +400,10 @@ impl From<ChatError> for ApiError {
                 retry_after_secs,
                 ..
             } => Self::LoadRefused {
-                code: why.code(),
+                code: match why {
+                    LoadRefusal::NoRoom => ErrorCode::ModelNoRoom,
+                    LoadRefusal::Failed => ErrorCode::ModelLoadFailed,
+                },
                 message: e.to_string(),
                 retry_after_secs,
             },
@@ -316,7 +419,7 @@ impl From<ChatError> for ApiError {
 impl From<GenerationError> for ApiError {
     fn from(e: GenerationError) -> Self {
         match e {
-            GenerationError::Refused(m) => Self::Validation(m),
+            GenerationError::Refused(m) => Self::Validation(Invalid::request(m)),
             // The worker's detail was logged where it happened; the message names none.
             GenerationError::Unavailable(m) | GenerationError::Internal(m) => Self::Unavailable(m),
         }

@@ -20,9 +20,10 @@ mod web;
 pub mod ws;
 
 pub use crate::ids::{MessageId, SessionId};
-pub use error::{ApiError, ErrorBody};
+pub use error::{ApiError, ErrorBody, ErrorCode};
 pub use openapi::json as openapi_json;
 
+use crate::invalid::Invalid;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -359,13 +360,18 @@ where
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let axum::Json(v) = axum::Json::<serde_json::Value>::from_request(req, state).await?;
         if !v.is_object() {
-            return Err(ApiError::Validation(
-                "the request body must be a JSON object".into(),
-            ));
+            return Err(ApiError::Validation(Invalid::request(
+                "the request body must be a JSON object",
+            )));
         }
-        serde_json::from_value(v)
-            .map(Self)
-            .map_err(|e| ApiError::Validation(format!("invalid request body: {e}")))
+        // Through `serde_path_to_error`: a wrong value's error names its field (the `param`).
+        serde_path_to_error::deserialize(v).map(Self).map_err(|e| {
+            let (path, why) = (e.path().to_string(), e.inner().to_string());
+            ApiError::Validation(match path.as_str() {
+                "." => Invalid::request(format!("invalid request body: {why}")),
+                _ => Invalid::field(path, why),
+            })
+        })
     }
 }
 

@@ -7,6 +7,7 @@
 //! reply is saved as it streams and finalized when it ends, whether or not anyone is still
 //! listening (unless the server runs with `--cancel-on-disconnect`).
 
+use crate::invalid::Invalid;
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
@@ -123,17 +124,19 @@ impl TurnBody {
     /// What a new message posts: its text, or the results of the last reply's calls.
     pub(super) fn posted(&self) -> Result<NativeTurn, ApiError> {
         match (self.content.as_deref(), self.tool_results.as_deref()) {
-            (Some(_), Some(_)) => Err(ApiError::Validation(
-                "content: not accepted with `tool_results`; post one or the other".into(),
-            )),
-            (None, None) => Err(ApiError::Validation("content: required".into())),
-            (Some(c), None) => Ok(NativeTurn::Post(UserText::new("content", c)?)),
-            (None, Some([])) => Err(ApiError::Validation(
-                "tool_results: must not be empty".into(),
-            )),
-            (None, Some(r)) if r.len() > MAX_TOOL_RESULTS => Err(ApiError::Validation(format!(
-                "tool_results: at most {MAX_TOOL_RESULTS}"
+            (Some(_), Some(_)) => Err(ApiError::Validation(Invalid::field(
+                "content",
+                "not accepted with `tool_results`; post one or the other",
             ))),
+            (None, None) => Err(ApiError::Validation(Invalid::field("content", "required"))),
+            (Some(c), None) => Ok(NativeTurn::Post(UserText::new("content", c)?)),
+            (None, Some([])) => Err(ApiError::Validation(Invalid::field(
+                "tool_results",
+                "must not be empty",
+            ))),
+            (None, Some(r)) if r.len() > MAX_TOOL_RESULTS => Err(ApiError::Validation(
+                Invalid::field("tool_results", format!("at most {MAX_TOOL_RESULTS}")),
+            )),
             (None, Some(r)) => {
                 let results = r
                     .iter()
@@ -150,7 +153,7 @@ impl TurnBody {
     /// Refuses `tool_results` where the turn cannot take them (regenerate, edit).
     fn no_results(&self, why: &str) -> Result<(), ApiError> {
         match self.tool_results {
-            Some(_) => Err(ApiError::Validation(format!("tool_results: {why}"))),
+            Some(_) => Err(ApiError::Validation(Invalid::field("tool_results", why))),
             None => Ok(()),
         }
     }
@@ -158,9 +161,10 @@ impl TurnBody {
     /// The body as a regenerate, which takes neither content nor tool results.
     pub(super) fn regenerated(&self) -> Result<ValidTurn<NativeTurn>, ApiError> {
         if self.content.is_some() {
-            return Err(ApiError::Validation(
-                "content: not accepted here; regenerate answers the last user message again".into(),
-            ));
+            return Err(ApiError::Validation(Invalid::field(
+                "content",
+                "not accepted here; regenerate answers the last user message again",
+            )));
         }
         self.no_results("not accepted here; post them as a new message")?;
         self.turn(NativeTurn::Regenerate)
@@ -169,7 +173,10 @@ impl TurnBody {
     /// The body as an edit of `message_id`: its `content` is the message's new text.
     pub(super) fn edited(&self, message_id: MessageId) -> Result<ValidTurn<NativeTurn>, ApiError> {
         let content = self.content.as_deref().ok_or_else(|| {
-            ApiError::Validation("content: required (the message's new text)".into())
+            ApiError::Validation(Invalid::field(
+                "content",
+                "required (the message's new text)",
+            ))
         })?;
         self.no_results("not accepted on an edit")?;
         self.turn(NativeTurn::Edit {

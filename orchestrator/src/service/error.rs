@@ -3,6 +3,7 @@
 //! one exhaustive match (`api/error.rs`).
 
 use crate::generate::{Busy, GenerationError};
+use crate::invalid::Invalid;
 use crate::limits::Limited;
 use crate::storage::StoreError;
 use crate::workers::PoolError;
@@ -38,12 +39,12 @@ pub enum ChatError {
         retry_after_secs: Option<u64>,
         detail: Option<String>,
     },
-    /// A value out of range or of the wrong kind; the message names the field.
+    /// A value out of range or of the wrong kind, and the field it is in.
     #[error("{0}")]
-    Invalid(String),
-    /// A grammar that does not compile; the message names the field and the problem.
+    Invalid(Invalid),
+    /// A grammar that does not compile, and the field it is in.
     #[error("{0}")]
-    InvalidGrammar(String),
+    InvalidGrammar(Invalid),
     /// The user keeps the most sessions the server allows.
     #[error(
         "you have {max} sessions, the most this server keeps for one user; delete some to \
@@ -107,14 +108,6 @@ impl LoadRefusal {
         match self {
             Self::NoRoom => "no worker has room for it",
             Self::Failed => "its load failed",
-        }
-    }
-
-    /// The error code the APIs answer with.
-    pub fn code(self) -> &'static str {
-        match self {
-            Self::NoRoom => "model_no_room",
-            Self::Failed => "model_load_failed",
         }
     }
 }

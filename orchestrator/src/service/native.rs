@@ -1,6 +1,7 @@
 //! Native turns: a user message (or tool results) in a stored session, its prompt built from
 //! the history, stored with an empty reply in one transaction, and the reply run to its end.
 
+use crate::invalid::Invalid;
 use std::sync::Arc;
 
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
@@ -271,25 +272,28 @@ fn answered_calls(
     last: Option<&Message>,
     results: &[ToolResult],
 ) -> Result<Vec<String>, ChatError> {
-    let invalid = |m: String| Err(ChatError::Invalid(m));
+    let invalid = |field: &str, why: String| Err(ChatError::Invalid(Invalid::field(field, why)));
     let calls = match last {
         Some(m) if m.role == Role::Assistant => m.tool_calls.as_deref().unwrap_or_default(),
         _ => &[],
     };
     if calls.is_empty() {
-        return invalid("tool_results: the session's last reply made no tool calls".into());
+        return invalid(
+            "tool_results",
+            "the session's last reply made no tool calls".into(),
+        );
     }
     let mut names: Vec<String> = Vec::with_capacity(results.len());
     for (i, r) in results.iter().enumerate() {
         let field = format!("tool_results[{i}].tool_call_id");
         let Some(call) = calls.iter().find(|c| c.id == r.call_id) else {
-            return invalid(format!(
-                "{field}: `{}` names no call of the last reply",
-                r.call_id
-            ));
+            return invalid(
+                &field,
+                format!("`{}` names no call of the last reply", r.call_id),
+            );
         };
         if results[..i].iter().any(|e| e.call_id == r.call_id) {
-            return invalid(format!("{field}: `{}` is answered twice", r.call_id));
+            return invalid(&field, format!("`{}` is answered twice", r.call_id));
         }
         names.push(call.function.name.clone());
     }
@@ -297,10 +301,13 @@ fn answered_calls(
         .iter()
         .find(|c| !results.iter().any(|r| r.call_id == c.id))
     {
-        return invalid(format!(
-            "tool_results: no result for call `{}` (`{}`); answer every call of the last reply",
-            c.id, c.function.name
-        ));
+        return invalid(
+            "tool_results",
+            format!(
+                "no result for call `{}` (`{}`); answer every call of the last reply",
+                c.id, c.function.name
+            ),
+        );
     }
     Ok(names)
 }

@@ -1,6 +1,7 @@
 //! What a request sends the worker, fitted: the prompt rendered and cut to the model's context,
 //! the reply's length, DRY's breakers, and grammars compiled within a budget.
 
+use crate::invalid::Invalid;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -60,7 +61,7 @@ impl ChatService {
             .map_err(|e| ChatError::Internal(format!("prompt rendering failed: {e}")))?;
         let prompt = rendered.map_err(|e| match e {
             TemplateError::Tokenizer(e) => ChatError::Internal(e.to_string()),
-            other => ChatError::Invalid(other.to_string()),
+            other => ChatError::Invalid(Invalid::request(other.to_string())),
         })?;
         let room = (ctx - prompt.tokens.len()) as u32;
         // Shared prompts are rendered with the default tokenizer: a model with its own shares
@@ -158,8 +159,9 @@ pub(super) fn check_max_tokens(n: u32, target: &Target) -> Result<u32, ChatError
         let why = ctx.map_or_else(String::new, |ctx| {
             format!(" (the model's context is {ctx} tokens)")
         });
-        return Err(ChatError::Invalid(format!(
-            "max_tokens: must be between 1 and {limit}{why}"
+        return Err(ChatError::Invalid(Invalid::field(
+            "max_tokens",
+            format!("must be between 1 and {limit}{why}"),
         )));
     }
     Ok(n)
@@ -192,7 +194,7 @@ pub(super) async fn compile_grammars(opts: &GenOptions) -> Result<(), ChatError>
         let _slot = slot;
         pending
             .iter()
-            .try_for_each(|(field, g)| g.check().map_err(|e| format!("{field}: {e}")))
+            .try_for_each(|(field, g)| g.check().map_err(|e| Invalid::field(field, e.to_string())))
     });
     match tokio::time::timeout(GRAMMAR_COMPILE_BUDGET, work).await {
         Ok(Ok(Ok(()))) => Ok(()),
@@ -200,10 +202,10 @@ pub(super) async fn compile_grammars(opts: &GenOptions) -> Result<(), ChatError>
         Ok(Err(e)) => Err(ChatError::Internal(format!(
             "a grammar's compile failed: {e}"
         ))),
-        Err(_) => Err(ChatError::InvalidGrammar(format!(
+        Err(_) => Err(ChatError::InvalidGrammar(Invalid::request(format!(
             "the request's grammars take longer than {} s to compile; send simpler ones",
             GRAMMAR_COMPILE_BUDGET.as_secs()
-        ))),
+        )))),
     }
 }
 

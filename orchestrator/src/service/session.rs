@@ -6,6 +6,7 @@
 //! operations (create, list, read, update, history, delete).
 
 use super::turn::{check_params, check_text};
+use crate::invalid::Invalid;
 use std::time::Duration;
 
 use hearth_shared::SamplingParams;
@@ -38,16 +39,16 @@ impl MessagePage {
     pub fn new(limit: Option<u32>, before: Option<&str>) -> Result<Self, ChatError> {
         let limit = limit.unwrap_or(MAX_MESSAGE_PAGE);
         if !(1..=MAX_MESSAGE_PAGE).contains(&limit) {
-            return Err(ChatError::Invalid(format!(
-                "limit: must be between 1 and {MAX_MESSAGE_PAGE}"
+            return Err(ChatError::Invalid(Invalid::field(
+                "limit",
+                format!("must be between 1 and {MAX_MESSAGE_PAGE}"),
             )));
         }
         let before = before
             .map(|c| {
-                c.parse::<i64>()
-                    .ok()
-                    .filter(|&seq| seq > 0)
-                    .ok_or_else(|| ChatError::Invalid("before: not a cursor from this API".into()))
+                c.parse::<i64>().ok().filter(|&seq| seq > 0).ok_or_else(|| {
+                    ChatError::Invalid(Invalid::field("before", "not a cursor from this API"))
+                })
             })
             .transpose()?;
         Ok(Self { before, limit })
@@ -102,8 +103,9 @@ const MAX_MODEL_CHARS: usize = 256;
 
 fn check_model_name(m: String) -> Result<String, ChatError> {
     if m.is_empty() || m.chars().count() > MAX_MODEL_CHARS {
-        return Err(ChatError::Invalid(format!(
-            "model: must be 1 to {MAX_MODEL_CHARS} characters"
+        return Err(ChatError::Invalid(Invalid::field(
+            "model",
+            format!("must be 1 to {MAX_MODEL_CHARS} characters"),
         )));
     }
     check_text("model", &m)?;
@@ -159,22 +161,26 @@ pub fn session_query(
 ) -> Result<SessionQuery, ChatError> {
     let limit = limit.unwrap_or(DEFAULT_PAGE);
     if !(1..=MAX_PAGE).contains(&limit) {
-        return Err(ChatError::Invalid(format!(
-            "limit: must be between 1 and {MAX_PAGE}"
+        return Err(ChatError::Invalid(Invalid::field(
+            "limit",
+            format!("must be between 1 and {MAX_PAGE}"),
         )));
     }
     let before = before
         .map(|c| {
             c.split_once('_')
                 .and_then(|(at, id)| Some((at.parse::<i64>().ok()?, SessionId::parse(id)?)))
-                .ok_or_else(|| ChatError::Invalid("before: not a cursor from this API".into()))
+                .ok_or_else(|| {
+                    ChatError::Invalid(Invalid::field("before", "not a cursor from this API"))
+                })
         })
         .transpose()?;
     if let Some(q) = &q {
         check_text("q", q)?;
         if q.len() > MAX_QUERY_BYTES {
-            return Err(ChatError::Invalid(format!(
-                "q: longer than {MAX_QUERY_BYTES} bytes"
+            return Err(ChatError::Invalid(Invalid::field(
+                "q",
+                format!("longer than {MAX_QUERY_BYTES} bytes"),
             )));
         }
     }
@@ -190,8 +196,9 @@ fn check_title(t: &str) -> Result<String, ChatError> {
     check_text("title", t)?;
     let t = t.trim();
     if t.chars().count() > MAX_TITLE_CHARS {
-        return Err(ChatError::Invalid(format!(
-            "title: longer than {MAX_TITLE_CHARS} characters"
+        return Err(ChatError::Invalid(Invalid::field(
+            "title",
+            format!("longer than {MAX_TITLE_CHARS} characters"),
         )));
     }
     Ok(t.to_string())
@@ -200,8 +207,9 @@ fn check_title(t: &str) -> Result<String, ChatError> {
 fn check_system(s: &str) -> Result<(), ChatError> {
     check_text("system_prompt", s)?;
     if s.len() > MAX_SYSTEM_PROMPT_BYTES {
-        return Err(ChatError::Invalid(format!(
-            "system_prompt: longer than {MAX_SYSTEM_PROMPT_BYTES} bytes"
+        return Err(ChatError::Invalid(Invalid::field(
+            "system_prompt",
+            format!("longer than {MAX_SYSTEM_PROMPT_BYTES} bytes"),
         )));
     }
     Ok(())
@@ -215,7 +223,7 @@ pub type Fields = serde_json::Map<String, serde_json::Value>;
 /// fields left out take the served model's defaults at each turn.
 fn stored_params(p: Fields) -> Result<serde_json::Value, ChatError> {
     let parsed: SamplingParams = serde_json::from_value(serde_json::Value::Object(p.clone()))
-        .map_err(|e| ChatError::Invalid(format!("params: {e}")))?;
+        .map_err(|e| ChatError::Invalid(Invalid::field("params", format!("{e}"))))?;
     check_params(parsed, "params.")?;
     Ok(serde_json::Value::Object(p))
 }

@@ -1,6 +1,7 @@
 //! Stateless requests (the OpenAI-compatible APIs): the whole conversation or a raw prompt
 //! with each request, `n` choices from one prefill, nothing stored.
 
+use crate::invalid::Invalid;
 use std::sync::Arc;
 
 use super::prompt::{check_max_tokens, compile_grammars, owner, Planned};
@@ -65,18 +66,22 @@ impl ChatService {
             RawPrompt::Tokens(ids) => {
                 let vocab = tok.vocab_size();
                 if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-                    return Err(ChatError::Invalid(format!(
-                        "prompt[{i}]: token id {id} is outside the vocabulary of {vocab}"
+                    return Err(ChatError::Invalid(Invalid::field(
+                        format!("prompt[{i}]"),
+                        format!("token id {id} is outside the vocabulary of {vocab}"),
                     )));
                 }
                 ids
             }
         };
         if prompt.len() >= ctx {
-            return Err(ChatError::Invalid(format!(
-                "prompt: {} tokens do not fit the model's context of {ctx} (one position is \
+            return Err(ChatError::Invalid(Invalid::field(
+                "prompt",
+                format!(
+                    "{} tokens do not fit the model's context of {ctx} (one position is \
                  needed to generate)",
-                prompt.len()
+                    prompt.len()
+                ),
             )));
         }
         let want = max_tokens.unwrap_or(LEGACY_DEFAULT_MAX_TOKENS);

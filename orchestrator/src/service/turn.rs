@@ -6,6 +6,7 @@
 //! (its defaults, whether the edited message exists) is checked by the service, before anything
 //! is charged or stored.
 
+use crate::invalid::Invalid;
 use std::sync::Arc;
 
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
@@ -124,8 +125,9 @@ impl GenOptions {
     pub fn with_end_user(mut self, user: Option<&str>) -> Result<Self, ChatError> {
         if let Some(u) = user.filter(|u| !u.is_empty()) {
             if u.len() > MAX_END_USER_BYTES {
-                return Err(ChatError::Invalid(format!(
-                    "user: longer than {MAX_END_USER_BYTES} bytes"
+                return Err(ChatError::Invalid(Invalid::field(
+                    "user",
+                    format!("longer than {MAX_END_USER_BYTES} bytes"),
                 )));
             }
             check_text("user", u)?;
@@ -142,9 +144,12 @@ impl GenOptions {
     pub fn with_keep_alive(mut self, secs: Option<f64>) -> Result<Self, ChatError> {
         if let Some(s) = secs {
             if !s.is_finite() || s > MAX_KEEP_ALIVE_SECS {
-                return Err(ChatError::Invalid(format!(
-                    "keep_alive: seconds up to {MAX_KEEP_ALIVE_SECS} (a week), or negative to keep \
+                return Err(ChatError::Invalid(Invalid::field(
+                    "keep_alive",
+                    format!(
+                        "seconds up to {MAX_KEEP_ALIVE_SECS} (a week), or negative to keep \
                      the model loaded for good"
+                    ),
                 )));
             }
             self.keep_alive_ms = Some(if s < 0.0 { -1 } else { (s * 1000.0) as i64 });
@@ -166,7 +171,7 @@ impl GenOptions {
     ) -> Result<Self, ChatError> {
         if let Some(g) = &grammar {
             g.check_shape()
-                .map_err(|e| ChatError::InvalidGrammar(format!("{field}: {e}")))?;
+                .map_err(|e| ChatError::InvalidGrammar(Invalid::field(field, e.to_string())))?;
         }
         self.grammar = grammar;
         self.grammar_field = field.to_string();
@@ -192,12 +197,14 @@ impl GenOptions {
     /// OpenAI's `top_logprobs`, which needs `logprobs`).
     pub fn with_logprobs(mut self, logprobs: bool, top: Option<u32>) -> Result<Self, ChatError> {
         match (logprobs, top) {
-            (_, Some(n)) if n > MAX_TOP_LOGPROBS => Err(ChatError::Invalid(format!(
-                "top_logprobs: at most {MAX_TOP_LOGPROBS}, got {n}"
+            (_, Some(n)) if n > MAX_TOP_LOGPROBS => Err(ChatError::Invalid(Invalid::field(
+                "top_logprobs",
+                format!("at most {MAX_TOP_LOGPROBS}, got {n}"),
             ))),
-            (false, Some(n)) if n > 0 => Err(ChatError::Invalid(
-                "top_logprobs: needs `logprobs: true`".into(),
-            )),
+            (false, Some(n)) if n > 0 => Err(ChatError::Invalid(Invalid::field(
+                "top_logprobs",
+                "needs `logprobs: true`",
+            ))),
             (true, top) => {
                 self.logprobs = Some(top.unwrap_or(0));
                 Ok(self)
@@ -278,8 +285,9 @@ impl ToolResult {
     /// `field` names the result in errors (`tool_results[0]`).
     pub fn new(field: &str, call_id: &str, content: &str) -> Result<Self, ChatError> {
         if call_id.is_empty() {
-            return Err(ChatError::Invalid(format!(
-                "{field}.tool_call_id: must not be empty"
+            return Err(ChatError::Invalid(Invalid::field(
+                format!("{field}.tool_call_id"),
+                "must not be empty",
             )));
         }
         check_text(&format!("{field}.tool_call_id"), call_id)?;
@@ -299,7 +307,10 @@ impl UserText {
     /// `field` names the text in the error (`content`, `messages[2].content`).
     pub fn new(field: &str, text: &str) -> Result<Self, ChatError> {
         if text.trim().is_empty() {
-            return Err(ChatError::Invalid(format!("{field}: must not be empty")));
+            return Err(ChatError::Invalid(Invalid::field(
+                field,
+                "must not be empty",
+            )));
         }
         check_storable(field, text)?;
         Ok(Self(text.to_string()))
@@ -320,7 +331,10 @@ impl Conversation {
     /// messages into one system prompt. Errors name `messages[i].content`.
     pub fn new(messages: Vec<(ChatRole, String)>) -> Result<Self, ChatError> {
         if messages.is_empty() {
-            return Err(ChatError::Invalid("messages: must not be empty".into()));
+            return Err(ChatError::Invalid(Invalid::field(
+                "messages",
+                "must not be empty",
+            )));
         }
         let mut out: Vec<ChatMessage> = Vec::with_capacity(messages.len());
         for (i, (role, text)) in messages.into_iter().enumerate() {
@@ -371,7 +385,10 @@ impl RawPrompt {
     pub fn text(text: String) -> Result<Self, ChatError> {
         check_storable("prompt", &text)?;
         if text.is_empty() {
-            return Err(ChatError::Invalid("prompt: must not be empty".into()));
+            return Err(ChatError::Invalid(Invalid::field(
+                "prompt",
+                "must not be empty",
+            )));
         }
         Ok(Self::Text(text))
     }
@@ -379,7 +396,10 @@ impl RawPrompt {
     /// Token ids (at least one; the service checks them against the vocabulary) as the prompt.
     pub fn tokens(ids: Vec<u32>) -> Result<Self, ChatError> {
         if ids.is_empty() {
-            return Err(ChatError::Invalid("prompt: must not be empty".into()));
+            return Err(ChatError::Invalid(Invalid::field(
+                "prompt",
+                "must not be empty",
+            )));
         }
         Ok(Self::Tokens(ids))
     }
@@ -389,8 +409,9 @@ impl RawPrompt {
 /// PostgreSQL cannot store).
 fn check_storable(field: &str, c: &str) -> Result<(), ChatError> {
     if c.len() > MAX_CONTENT_BYTES {
-        return Err(ChatError::Invalid(format!(
-            "{field}: longer than {MAX_CONTENT_BYTES} bytes"
+        return Err(ChatError::Invalid(Invalid::field(
+            field,
+            format!("longer than {MAX_CONTENT_BYTES} bytes"),
         )));
     }
     check_text(field, c)
@@ -399,8 +420,9 @@ fn check_storable(field: &str, c: &str) -> Result<(), ChatError> {
 /// Text a database column can hold: PostgreSQL refuses NUL characters.
 pub(super) fn check_text(field: &str, t: &str) -> Result<(), ChatError> {
     if t.contains('\0') {
-        return Err(ChatError::Invalid(format!(
-            "{field}: must not contain NUL characters"
+        return Err(ChatError::Invalid(Invalid::field(
+            field,
+            "must not contain NUL characters",
         )));
     }
     Ok(())
@@ -408,14 +430,16 @@ pub(super) fn check_text(field: &str, t: &str) -> Result<(), ChatError> {
 
 fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ChatError> {
     if stop.len() > MAX_STOPS {
-        return Err(ChatError::Invalid(format!(
-            "{field}: at most {MAX_STOPS} stop strings"
+        return Err(ChatError::Invalid(Invalid::field(
+            field,
+            format!("at most {MAX_STOPS} stop strings"),
         )));
     }
     for s in &stop {
         if s.is_empty() || s.chars().count() > MAX_STOP_CHARS {
-            return Err(ChatError::Invalid(format!(
-                "{field}: each stop string must be 1 to {MAX_STOP_CHARS} characters"
+            return Err(ChatError::Invalid(Invalid::field(
+                field,
+                format!("each stop string must be 1 to {MAX_STOP_CHARS} characters"),
             )));
         }
     }
@@ -424,8 +448,9 @@ fn check_stops(stop: Vec<String>, field: &str) -> Result<Vec<String>, ChatError>
 
 /// Sampling parameters in range; `prefix` goes before the field's name in the error.
 pub fn check_params(p: SamplingParams, prefix: &str) -> Result<SamplingParams, ChatError> {
-    p.validate()
-        .map_err(|e| ChatError::Invalid(format!("{prefix}{}: {}", e.field, e.reason)))?;
+    p.validate().map_err(|e| {
+        ChatError::Invalid(Invalid::field(format!("{prefix}{}", e.field), e.reason))
+    })?;
     Ok(p)
 }
 
@@ -435,7 +460,7 @@ mod tests {
 
     fn message(e: ChatError) -> String {
         match e {
-            ChatError::Invalid(m) => m,
+            ChatError::Invalid(m) => m.to_string(),
             other => panic!("not a validation error: {other:?}"),
         }
     }

@@ -265,3 +265,85 @@ async fn a_body_without_a_valid_key_is_refused_before_it_is_read() {
     let answer = header_then_wait(s.addr(), Some(&k), b"{}").await;
     assert!(answer.starts_with("HTTP/1.1 201"), "{answer}");
 }
+
+/// A refused value's error names its field in OpenAI's `param` (beside a message that names it
+/// too) and says what went wrong in `code`, on both APIs and whether the value failed a range
+/// check or did not parse; a request wrong as a whole has `param` null.
+#[tokio::test]
+async fn a_refused_value_names_its_field_in_param() {
+    let s = Stack::scripted("param", Db::Sqlite, 1, 5, &[]).await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let chat = |extra: serde_json::Value| {
+        let mut body =
+            json!({"model": "scripted", "messages": [{"role": "user", "content": "hi"}]});
+        for (f, v) in extra.as_object().expect("fields") {
+            body[f] = v.clone();
+        }
+        body
+    };
+    let turn = format!("/v1/sessions/{sid}/messages");
+    for (path, body, code, param) in [
+        (
+            "/v1/chat/completions",
+            chat(json!({"temperature": -1})),
+            "invalid_value",
+            Some("temperature"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"max_tokens": "many"})),
+            "invalid_value",
+            Some("max_tokens"),
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "scripted", "messages": [{"role": "wizard", "content": "hi"}]}),
+            "invalid_value",
+            Some("messages[0].role"),
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"top_logprobs": 3})),
+            "invalid_value",
+            Some("top_logprobs"),
+        ),
+        (
+            turn.as_str(),
+            json!({"content": "hi", "params": {"top_p": 2}}),
+            "invalid_value",
+            Some("params.top_p"),
+        ),
+        (
+            turn.as_str(),
+            json!({"content": " "}),
+            "invalid_value",
+            Some("content"),
+        ),
+        (
+            turn.as_str(),
+            json!({"contnet": "hi"}),
+            "invalid_value",
+            Some("contnet"),
+        ),
+        (turn.as_str(), json!([1]), "invalid_value", None),
+    ] {
+        let r = Req::new("POST", path)
+            .key(Some(&k))
+            .json(&body)
+            .send(s.addr())
+            .await;
+        let e = &r.json()["error"];
+        assert_eq!(r.status, 422, "{body}: {}", r.text());
+        assert_eq!(e["code"], code, "{body}: {}", r.text());
+        assert_eq!(e["param"].as_str(), param, "{body}: {}", r.text());
+        if let Some(p) = param {
+            let m = e["message"].as_str().expect("a message");
+            assert!(m.starts_with(&format!("{p}: ")), "{body}: {m}");
+        }
+    }
+    assert!(
+        history(s.addr(), &k, &sid).await.is_empty(),
+        "a refused turn was stored"
+    );
+}

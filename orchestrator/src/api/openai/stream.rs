@@ -251,7 +251,7 @@ pub(super) fn streamed_events(
                 }
                 RunEvent::End(o) => match o.end.openai_finish_reason() {
                     Err(e) => {
-                        yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null}}));
+                        yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null, "param": Value::Null}}));
                         break;
                     }
                     Ok(reason) => {

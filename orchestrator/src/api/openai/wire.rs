@@ -1,6 +1,7 @@
 //! The wire types of the OpenAI chat completions API: the request as clients send it (checked
 //! into a turn, fields Hearth cannot honour refused by name) and the answer as they get it.
 
+use crate::invalid::Invalid;
 use hearth_shared::chat::Role as ChatRole;
 use hearth_shared::{Grammar, SamplingParams};
 use serde::{Deserialize, Serialize};
@@ -243,7 +244,7 @@ pub(super) struct Part {
 }
 
 pub(super) fn refuse(field: &str, why: &str) -> ApiError {
-    ApiError::Validation(format!("{field}: {why}"))
+    ApiError::Validation(Invalid::field(field, why))
 }
 
 impl InMessage {

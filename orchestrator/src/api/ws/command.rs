@@ -1,6 +1,7 @@
 //! A client's command over the WebSocket, parsed from its JSON text into one typed value before
 //! anything runs: its `type` picks the variant, and each variant takes only its own fields.
 
+use crate::invalid::Invalid;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -47,12 +48,13 @@ impl Command {
         };
         let kind: Kind = match fields.remove("type") {
             None | Some(Value::Null) => {
-                return Err(ApiError::Validation(
-                    "type: required: message, regenerate, edit, stop or resume".into(),
-                ))
+                return Err(ApiError::Validation(Invalid::field(
+                    "type",
+                    "required: message, regenerate, edit, stop or resume",
+                )))
             }
             Some(kind) => serde_json::from_value(kind)
-                .map_err(|e| ApiError::Validation(format!("type: {e}")))?,
+                .map_err(|e| ApiError::Validation(Invalid::field("type", format!("{e}"))))?,
         };
         Ok(match kind {
             Kind::Message => Command::Message(turn_body(fields)?),
@@ -61,7 +63,10 @@ impl Command {
                 let message_id = take_str(&mut fields, "message_id")?
                     .and_then(|m| MessageId::parse(&m))
                     .ok_or_else(|| {
-                        ApiError::Validation("message_id: required, a message's id".into())
+                        ApiError::Validation(Invalid::field(
+                            "message_id",
+                            "required, a message's id",
+                        ))
                     })?;
                 let turn = turn_body(fields)?;
                 Command::Edit { message_id, turn }
@@ -82,11 +87,13 @@ impl Command {
 /// A turn's fields (those of `POST …/messages`), checked as there.
 fn turn_body(fields: Map<String, Value>) -> Result<TurnBody, ApiError> {
     if fields.get("stream") == Some(&Value::Bool(false)) {
-        return Err(ApiError::Validation(
-            "stream: replies over the WebSocket always stream".into(),
-        ));
+        return Err(ApiError::Validation(Invalid::field(
+            "stream",
+            "replies over the WebSocket always stream",
+        )));
     }
-    serde_json::from_value(Value::Object(fields)).map_err(|e| ApiError::Validation(e.to_string()))
+    serde_json::from_value(Value::Object(fields))
+        .map_err(|e| ApiError::Validation(Invalid::request(e.to_string())))
 }
 
 /// A text field taken out of a command (absent: `None`; not text: an error naming it).
@@ -94,15 +101,16 @@ fn take_str(fields: &mut Map<String, Value>, name: &str) -> Result<Option<String
     match fields.remove(name) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(_) => Err(ApiError::Validation(format!("{name}: must be text"))),
+        Some(_) => Err(ApiError::Validation(Invalid::field(name, "must be text"))),
     }
 }
 
 /// Refuses fields a command does not take.
 fn no_more(fields: &Map<String, Value>) -> Result<(), ApiError> {
     match fields.keys().next() {
-        Some(k) => Err(ApiError::Validation(format!(
-            "{k}: not a field of this command"
+        Some(k) => Err(ApiError::Validation(Invalid::field(
+            k.as_str(),
+            "not a field of this command",
         ))),
         None => Ok(()),
     }

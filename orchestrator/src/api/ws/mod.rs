@@ -11,7 +11,7 @@
 //!
 //! Each event of a reply is `{"id": "<message id>:<n>", "event": "message_start" | "token" |
 //! "logprobs" | "message_end" | "error", "data": {…}}`. A command that is refused gets
-//! `{"event": "refused", "status": <HTTP status>, "error": {"message", "type", "code"}}`, the
+//! `{"event": "refused", "status": <HTTP status>, "error": {"message", "type", "code", "param"}}`, the
 //! answer its HTTP route would give, and the socket stays open.
 //!
 //! Authentication is the API's: the key as a bearer header, or (browsers cannot set headers on
