@@ -421,8 +421,7 @@ export interface components {
             message: components["schemas"]["AssistantMessage"];
             /** @description `{"content": [TokenLogprob, …]}` when the request set `logprobs`, else `null`. */
             logprobs: Record<string, never> | null;
-            /** @description `stop`, `length` or `tool_calls`. */
-            finish_reason: string;
+            finish_reason: components["schemas"]["OpenAiFinish"];
         };
         CompletionEvent: {
             data: string;
@@ -781,6 +780,12 @@ export interface components {
         NamedFunction: {
             name: string;
         };
+        /**
+         * @description OpenAI's `finish_reason`: `stop` (end of turn, a stop string, or a cancel), `length`, or
+         *     `tool_calls` (a reply that is nothing but calls of the request's tools).
+         * @enum {string}
+         */
+        OpenAiFinish: "stop" | "length" | "tool_calls";
         /** @description A content part; only `text` parts are supported. */
         Part: {
             type: string;
@@ -1042,7 +1047,7 @@ export interface components {
              */
             logprobs: Record<string, never> | null;
             /** @description `stop` or `length`. */
-            finish_reason: string;
+            finish_reason: components["schemas"]["OpenAiFinish"];
         };
         /** @description A finished text completion. */
         TextCompletion: {

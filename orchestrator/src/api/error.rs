@@ -431,7 +431,7 @@ mod tests {
     use hearth_shared::FinishReason;
 
     use super::*;
-    use crate::generate::End;
+    use crate::generate::{End, OpenAiFinish};
     use crate::storage::MessageStatus;
 
     #[test]
@@ -439,7 +439,13 @@ mod tests {
         use FinishReason::*;
         use GenerationError::*;
         use MessageStatus::*;
-        let ok = |r: &'static str| Ok::<_, StatusCode>(r);
+        let ok = |r: &'static str| {
+            let reason = match r {
+                "stop" => OpenAiFinish::Stop,
+                _ => OpenAiFinish::Length,
+            };
+            Ok::<_, StatusCode>(reason)
+        };
         let cases = [
             (End::Finished(Stop), Complete, "stop", None, ok("stop")),
             (

@@ -8,6 +8,16 @@ use hearth_shared::FinishReason;
 
 use crate::storage::{Finish, MessageStatus};
 
+/// OpenAI's `finish_reason`: `stop` (end of turn, a stop string, or a cancel), `length`, or
+/// `tool_calls` (a reply that is nothing but calls of the request's tools).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OpenAiFinish {
+    Stop,
+    Length,
+    ToolCalls,
+}
+
 /// The end of a generation: finished for a reason, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End {
@@ -42,10 +52,12 @@ impl End {
     /// OpenAI's `finish_reason`, for a reply that finished: it has no word for a full context
     /// (the reply was cut by length) or for a cancel (only a client that went away cancels
     /// there, so no one reads it). A failed reply gets an error instead.
-    pub fn openai_finish_reason(&self) -> Result<&'static str, &GenerationError> {
+    pub fn openai_finish_reason(&self) -> Result<OpenAiFinish, &GenerationError> {
         match self {
-            Self::Finished(FinishReason::Stop | FinishReason::Cancelled) => Ok("stop"),
-            Self::Finished(FinishReason::Length | FinishReason::ContextFull) => Ok("length"),
+            Self::Finished(FinishReason::Stop | FinishReason::Cancelled) => Ok(OpenAiFinish::Stop),
+            Self::Finished(FinishReason::Length | FinishReason::ContextFull) => {
+                Ok(OpenAiFinish::Length)
+            }
             Self::Failed(e) => Err(e),
         }
     }

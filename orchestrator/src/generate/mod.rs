@@ -22,6 +22,7 @@ mod live;
 mod shared;
 pub mod wire;
 
+pub use end::OpenAiFinish;
 pub use job::{
     GenRequest, Job, KeepAlive, Output, Owner, Persistence, Placement, Prompt, Sampling, Stopping,
 };

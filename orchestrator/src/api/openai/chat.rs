@@ -13,6 +13,7 @@ use super::stream::*;
 use super::wire::*;
 use crate::api::native::sse;
 use crate::api::{ApiError, AppState, ValidJson};
+use crate::generate::OpenAiFinish;
 use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
 use crate::service::Caller;
 use crate::tools::Tools;
@@ -73,8 +74,8 @@ pub async fn completions(
             CompletionChoice {
                 index,
                 finish_reason: match &calls {
-                    Some(_) => "tool_calls".into(),
-                    None => f.finish_reason.clone(),
+                    Some(_) => OpenAiFinish::ToolCalls,
+                    None => f.finish_reason,
                 },
                 message: AssistantMessage {
                     role: "assistant".into(),
@@ -134,7 +135,7 @@ fn check_before_load(req: &ChatRequest) -> Result<(), ApiError> {
 /// A choice of a finished (non-streamed) completion.
 pub(super) struct FinishedChoice {
     pub(super) outcome: Outcome,
-    pub(super) finish_reason: String,
+    pub(super) finish_reason: OpenAiFinish,
     /// In `shape`'s form with `logprobs`, else null.
     pub(super) logprobs: Value,
 }
@@ -164,7 +165,7 @@ pub(super) async fn finished_choices(
         };
         out.push(FinishedChoice {
             outcome,
-            finish_reason: reason.into(),
+            finish_reason: reason,
             logprobs,
         });
     }

@@ -14,6 +14,7 @@ use super::chat::{finished_choices, Head};
 use super::stream::{streamed, Shape, StopOnDrop};
 use super::wire::{refuse, requested_grammar, ResponseFormat, StopField, Usage};
 use crate::api::{ApiError, AppState, ValidJson};
+use crate::generate::OpenAiFinish;
 use crate::generate::Outcome;
 use crate::service::{Caller, GenOptions, ModelDefaults, RawPrompt, ValidTurn, MAX_CHOICES};
 
@@ -257,7 +258,7 @@ pub async fn completions(
             index,
             text: format!("{}{}", echo.as_deref().unwrap_or(""), f.outcome.content),
             logprobs: f.logprobs.clone(),
-            finish_reason: f.finish_reason.clone(),
+            finish_reason: f.finish_reason,
         })
         .collect();
     let outcomes: Vec<Outcome> = finished.into_iter().map(|f| f.outcome).collect();
@@ -296,7 +297,7 @@ pub struct TextChoice {
     #[schema(value_type = Option<Object>, required = true)]
     pub logprobs: Value,
     /// `stop` or `length`.
-    pub finish_reason: String,
+    pub finish_reason: OpenAiFinish,
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ use tokio_stream::StreamExt;
 use super::chat::*;
 use super::wire::*;
 use crate::api::native::sse;
-use crate::generate::{Live, Outcome, RunEvent, TokenLogprob};
+use crate::generate::{Live, OpenAiFinish, Outcome, RunEvent, TokenLogprob};
 use crate::tools::{ToolCall, Tools};
 
 /// What a streamed choice looks like: a chat completion's delta, or a legacy completion's text.
@@ -166,7 +166,7 @@ impl ChoiceStream {
         shape: &Shape,
         o: &Outcome,
         logprobs: bool,
-        reason: &str,
+        reason: OpenAiFinish,
     ) -> Vec<Value> {
         let i = self.index;
         let text = self.held.take();
@@ -175,7 +175,7 @@ impl ChoiceStream {
             let lp = self.logprobs(shape, logprobs);
             return vec![
                 Shape::calls_choice(i, calls, lp),
-                shape.choice(i, None, json!("tool_calls"), Value::Null),
+                shape.choice(i, None, json!(OpenAiFinish::ToolCalls), Value::Null),
             ];
         }
         let mut out = Vec::new();

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use utoipa::ToSchema;
 
 use crate::api::ApiError;
-use crate::generate::Outcome;
+use crate::generate::{OpenAiFinish, Outcome};
 use crate::service::{Conversation, GenOptions, ModelDefaults, ValidTurn, MAX_CHOICES};
 use crate::tools::{
     assistant_text, call_names, tool_text, turn_grammar, InToolCall, Tool, ToolCall, ToolChoice,
@@ -409,8 +409,7 @@ pub struct CompletionChoice {
     /// `{"content": [TokenLogprob, …]}` when the request set `logprobs`, else `null`.
     #[schema(value_type = Option<Object>, required = true)]
     pub logprobs: Option<Value>,
-    /// `stop`, `length` or `tool_calls`.
-    pub finish_reason: String,
+    pub finish_reason: OpenAiFinish,
 }
 
 #[derive(Debug, Serialize, ToSchema)]
