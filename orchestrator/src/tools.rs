@@ -165,20 +165,15 @@ impl Tools {
                 ));
             }
             if let Some(p) = &f.parameters {
+                let params = format!("{field}.function.parameters");
                 if !p.is_object() {
-                    return Err(refuse(
-                        &format!("{field}.function.parameters"),
-                        "must be a JSON Schema object",
-                    ));
+                    return Err(refuse(&params, "must be a JSON Schema object"));
                 }
                 // Only its shape here: the compile waits for the request's charge (see
                 // [`Tools::schemas`]).
                 let g = Grammar::JsonSchema { schema: p.clone() };
                 g.check_shape().map_err(|e| {
-                    ToolError::InvalidGrammar(Invalid::field(
-                        format!("{field}.function.parameters"),
-                        format!("{e}"),
-                    ))
+                    ToolError::InvalidGrammar(Invalid::field(params, e.to_string()))
                 })?;
             }
             defs.push(f.clone());

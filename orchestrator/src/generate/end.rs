@@ -18,6 +18,16 @@ pub enum OpenAiFinish {
     ToolCalls,
 }
 
+impl OpenAiFinish {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Stop => "stop",
+            Self::Length => "length",
+            Self::ToolCalls => "tool_calls",
+        }
+    }
+}
+
 /// The end of a generation: finished for a reason, or failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End {

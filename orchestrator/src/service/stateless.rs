@@ -12,6 +12,7 @@ use super::{
 use crate::generate::{Job, Live, Persistence, Prompt};
 use crate::limits::Budget;
 use crate::workers::Tenant;
+use hearth_shared::tokenizer::Tokenizer;
 
 impl ChatService {
     /// Starts a stateless completion of a whole conversation (OpenAI's API), `n` choices of
@@ -53,27 +54,7 @@ impl ChatService {
             check_max_tokens(n, target)?;
         }
         let tokenizer = self.tokenizer(target);
-        let tok = &tokenizer.tok;
-        let prompt = match raw {
-            RawPrompt::Text(text) => {
-                let mut ids = vec![tok.bos_id];
-                ids.extend(
-                    tok.encode(&text)
-                        .map_err(|e| ChatError::Internal(e.to_string()))?,
-                );
-                ids
-            }
-            RawPrompt::Tokens(ids) => {
-                let vocab = tok.vocab_size();
-                if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
-                    return Err(ChatError::Invalid(Invalid::field(
-                        format!("prompt[{i}]"),
-                        format!("token id {id} is outside the vocabulary of {vocab}"),
-                    )));
-                }
-                ids
-            }
-        };
+        let prompt = raw_ids(&tokenizer.tok, raw)?;
         if prompt.len() >= ctx {
             return Err(ChatError::Invalid(Invalid::field(
                 "prompt",
@@ -181,3 +162,28 @@ impl ChatService {
 
 /// OpenAI's default reply length on the legacy completions API.
 const LEGACY_DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// A legacy completion's prompt as token ids: its text encoded after the beginning of
+/// sequence, or its ids, each within the vocabulary.
+fn raw_ids(tok: &Tokenizer, raw: RawPrompt) -> Result<Vec<u32>, ChatError> {
+    match raw {
+        RawPrompt::Text(text) => {
+            let mut ids = vec![tok.bos_id];
+            ids.extend(
+                tok.encode(&text)
+                    .map_err(|e| ChatError::Internal(e.to_string()))?,
+            );
+            Ok(ids)
+        }
+        RawPrompt::Tokens(ids) => {
+            let vocab = tok.vocab_size();
+            if let Some((i, id)) = ids.iter().enumerate().find(|(_, &t)| t as usize >= vocab) {
+                return Err(ChatError::Invalid(Invalid::field(
+                    format!("prompt[{i}]"),
+                    format!("token id {id} is outside the vocabulary of {vocab}"),
+                )));
+            }
+            Ok(ids)
+        }
+    }
+}
