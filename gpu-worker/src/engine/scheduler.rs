@@ -17,7 +17,7 @@ use super::backend::{Backend, Weights};
 use super::constraint::{Constraint, Next};
 use super::lookup;
 use super::share::Shares;
-use super::types::{EngineConfig, EngineEvent, EngineStats, Timings, ValidRequest};
+use super::types::{EngineConfig, EngineEvent, EngineStats, ValidRequest};
 use super::work::{StepTimes, WorkModel};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
@@ -25,6 +25,10 @@ use crate::kv::{chain_hash, BlockAllocator, BlockId, Chain, DiskTier, Packing, N
 use crate::model::SeqChunk;
 use crate::sampling::{LogitSummary, Sampler};
 use llguidance::toktrie::SimpleVob;
+use seq::{Cancel, Seq, SeqState};
+
+mod prefill;
+mod seq;
 
 /// Most remembered cancels of requests not yet seen.
 const EARLY_CANCELS_MAX: usize = 4096;
@@ -86,86 +90,6 @@ fn held(blocks: &[BlockId], packed: &[BlockId]) -> usize {
 fn release(alloc: &mut BlockAllocator, blocks: &mut Vec<BlockId>, packed: &mut Vec<BlockId>) {
     alloc.release(blocks);
     alloc.release(packed);
-}
-
-/// A request being served (or waiting, or preempted).
-#[derive(Debug)]
-struct Seq {
-    id: RequestId,
-    user: UserId,
-    session: Option<SessionId>,
-    /// Prompt followed by every generated token.
-    tokens: Vec<u32>,
-    prompt_len: usize,
-    /// Positions whose K/V are in `blocks` (and `packed`).
-    kv_len: usize,
-    blocks: Vec<BlockId>,
-    /// Packed global layers of the table's leading [`NO_BLOCK`] entries.
-    packed: Vec<BlockId>,
-    /// Chain hashes of the leading full blocks already offered to the prefix cache.
-    hashes: Vec<u64>,
-    /// Where each block's chain hangs from: the user's own root, so no other user's prompt ever
-    /// matches, but for an operator's shared system prompt.
-    chain: Chain,
-    generated: usize,
-    max_new: usize,
-    stop_ids: Vec<u32>,
-    sampler: Sampler,
-    /// The grammar its tokens follow, with the next step's mask on the way.
-    constraint: Option<Constraint>,
-    /// Draft tokens at the end of `tokens` this step verifies (speculative decoding); 0 between
-    /// steps.
-    draft: usize,
-    /// Most draft tokens for its next step (see [`verify`]).
-    draft_cap: usize,
-    cached_tokens: usize,
-    events: EventSender,
-    arrived: Instant,
-    admitted: Option<Instant>,
-    first_token: Option<Instant>,
-    preempted: bool,
-    cancelled: bool,
-    /// Cancelled by a shutdown rather than by its client: it ends with `ShuttingDown`, so the
-    /// caller continues it elsewhere instead of taking it as stopped.
-    shut_down: bool,
-}
-
-impl Seq {
-    /// Takes back an unverified draft (a step that will not verify it).
-    fn drop_draft(&mut self) {
-        self.tokens.truncate(self.tokens.len() - self.draft);
-        self.draft = 0;
-    }
-
-    fn send(&self, e: EngineEvent) {
-        // A closed receiver is noticed (and the sequence cancelled) at the next step.
-        let _ = self.events.send(e);
-    }
-
-    fn end_cancelled(&self) {
-        if self.shut_down {
-            self.send(EngineEvent::Error(EngineError::ShuttingDown));
-        } else {
-            self.finish(FinishReason::Cancelled);
-        }
-    }
-
-    fn finish(&self, reason: FinishReason) {
-        let ms = |t: Option<Instant>| {
-            t.map_or(0.0, |t| t.duration_since(self.arrived).as_secs_f64() * 1e3)
-        };
-        self.send(EngineEvent::Finished {
-            reason,
-            prompt_tokens: self.prompt_len,
-            cached_tokens: self.cached_tokens,
-            completion_tokens: self.generated,
-            timings: Timings {
-                queue_ms: ms(self.admitted),
-                time_to_first_token_ms: ms(self.first_token),
-                total_ms: self.arrived.elapsed().as_secs_f64() * 1e3,
-            },
-        });
-    }
 }
 
 /// Fewest prompt tokens' work (at a prompt's start) a step with decoding sequences prefills when
@@ -391,9 +315,7 @@ impl Scheduler {
             arrived,
             admitted: None,
             first_token: None,
-            preempted: false,
-            cancelled: self.early_cancels.remove(&inner.id),
-            shut_down: false,
+            state: SeqState::new(self.early_cancels.remove(&inner.id)),
         });
     }
 
@@ -401,7 +323,7 @@ impl Scheduler {
         let mut found = false;
         for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
             if s.id == id {
-                s.cancelled = true;
+                s.cancel(Cancel::Client);
                 found = true;
             }
         }
@@ -416,8 +338,7 @@ impl Scheduler {
     /// Ends every sequence because the worker is shutting down (a drain past its deadline).
     pub(crate) fn cancel_all(&mut self) {
         for s in self.running.iter_mut().chain(self.waiting.iter_mut()) {
-            s.cancelled = true;
-            s.shut_down = true;
+            s.cancel(Cancel::Shutdown);
         }
     }
 
@@ -588,7 +509,7 @@ impl Scheduler {
         let mut i = 0;
         while i < self.running.len() {
             let s = &self.running[i];
-            if s.cancelled || s.events.is_closed() {
+            if s.cancelled() || s.events.is_closed() {
                 let s = self.running.swap_remove(i);
                 s.end_cancelled();
                 self.retire(s);
@@ -597,7 +518,7 @@ impl Scheduler {
             }
         }
         self.waiting.retain(|s| {
-            let gone = s.cancelled || s.events.is_closed();
+            let gone = s.cancelled() || s.events.is_closed();
             if gone {
                 s.end_cancelled();
             }
@@ -659,7 +580,7 @@ impl Scheduler {
             let s = &self.waiting[i];
             (
                 per_user.get(&s.user).copied().unwrap_or(0),
-                !s.preempted,
+                !s.was_preempted(),
                 s.arrived,
             )
         })
@@ -686,7 +607,7 @@ impl Scheduler {
                 }
             }
             let now = Instant::now();
-            if !s.preempted {
+            if !s.was_preempted() {
                 self.prefix_queries += s.prompt_len;
                 self.prefix_hits += s.kv_len;
                 s.cached_tokens = s.kv_len;
@@ -974,7 +895,7 @@ impl Scheduler {
         release(&mut self.alloc, &mut s.blocks, &mut s.packed);
         s.kv_len = 0;
         s.hashes.clear();
-        s.preempted = true;
+        s.mark_preempted();
         self.preemptions += 1;
         tracing::debug!(request = %s.id, "preempted for recompute");
         let id = s.id;
@@ -1519,7 +1440,6 @@ fn verify(
     (kept, drafted, end)
 }
 
-mod prefill;
 #[cfg(test)]
 #[path = "scheduler_tests.rs"]
 mod tests;

@@ -1087,7 +1087,7 @@ fn a_growing_sequence_preempts_the_heaviest_users_youngest_not_a_modest_users() 
     ];
     let mut bob = submit_as(&mut s, 3, "bob", &b, 40);
     drain(&mut s, |s| {
-        let bob_preempted = s.waiting.iter().any(|q| q.id.0 == 3 && q.preempted);
+        let bob_preempted = s.waiting.iter().any(|q| q.id.0 == 3 && q.was_preempted());
         assert!(!bob_preempted, "Bob's reply was preempted");
     });
     assert!(s.preemptions > 0, "Alice's replies outgrew the pool");
