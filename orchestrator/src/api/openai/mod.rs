@@ -11,6 +11,7 @@
 //! - `models`: `GET /v1/models`.
 
 pub(super) mod chat;
+mod chunk;
 pub(super) mod completions;
 pub(super) mod models;
 pub(super) mod stream;

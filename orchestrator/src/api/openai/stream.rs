@@ -10,6 +10,7 @@ use serde_json::{json, Value};
 use tokio_stream::StreamExt;
 
 use super::chat::*;
+use super::chunk::{data, error, Chunk, ChunkChoice, Delta};
 use super::wire::*;
 use crate::api::native::sse;
 use crate::generate::{Live, OpenAiFinish, Outcome, RunEvent, TokenLogprob};
@@ -45,21 +46,29 @@ impl Shape {
         &self,
         index: usize,
         text: Option<&str>,
-        finish: Value,
-        lp: Value,
-    ) -> Value {
+        finish_reason: Option<OpenAiFinish>,
+        logprobs: Value,
+    ) -> ChunkChoice {
         match self {
             Self::Chat { .. } => {
-                let delta = match text {
-                    Some(t) => json!({"content": t}),
-                    None if finish.is_null() => json!({"role": "assistant", "content": ""}),
-                    None => json!({}),
+                let delta = match (text, finish_reason) {
+                    (Some(t), _) => Delta::text(t),
+                    (None, None) => Delta::opening(),
+                    (None, Some(_)) => Delta::default(),
                 };
-                json!({"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+                ChunkChoice::Chat {
+                    index,
+                    delta,
+                    logprobs,
+                    finish_reason,
+                }
             }
-            Self::Text { .. } => {
-                json!({"index": index, "text": text.unwrap_or(""), "logprobs": lp, "finish_reason": finish})
-            }
+            Self::Text { .. } => ChunkChoice::Text {
+                index,
+                text: text.unwrap_or("").to_string(),
+                logprobs,
+                finish_reason,
+            },
         }
     }
 
@@ -73,13 +82,13 @@ impl Shape {
     }
 
     /// A chunk's choice that carries a reply's calls.
-    fn calls_choice(index: usize, calls: &[ToolCall], lp: Value) -> Value {
-        let calls: Vec<Value> = calls
-            .iter()
-            .enumerate()
-            .map(|(k, c)| json!({"index": k, "id": c.id, "type": c.kind, "function": c.function}))
-            .collect();
-        json!({"index": index, "delta": {"tool_calls": calls}, "logprobs": lp, "finish_reason": Value::Null})
+    fn calls_choice(index: usize, calls: &[ToolCall], logprobs: Value) -> ChunkChoice {
+        ChunkChoice::Chat {
+            index,
+            delta: Delta::calls(calls),
+            logprobs,
+            finish_reason: None,
+        }
     }
 
     /// The log-probabilities of `tokens` as this shape reports them; `offset` is where the
@@ -144,7 +153,7 @@ impl ChoiceStream {
     }
 
     /// The choice to send for new text, if any (none while it is held back).
-    pub(super) fn text(&mut self, shape: &Shape, logprobs: bool, t: String) -> Option<Value> {
+    pub(super) fn text(&mut self, shape: &Shape, logprobs: bool, t: String) -> Option<ChunkChoice> {
         let t = match (&mut self.held, shape.callable_tools()) {
             (Some(h), Some(tools)) => {
                 h.push_str(&t);
@@ -156,7 +165,7 @@ impl ChoiceStream {
             _ => t,
         };
         let lp = self.logprobs(shape, logprobs);
-        Some(shape.choice(self.index, Some(&t), Value::Null, lp))
+        Some(shape.choice(self.index, Some(&t), None, lp))
     }
 
     /// The choices that end it: the held text as the reply's calls or as content, what
@@ -167,7 +176,7 @@ impl ChoiceStream {
         o: &Outcome,
         logprobs: bool,
         reason: OpenAiFinish,
-    ) -> Vec<Value> {
+    ) -> Vec<ChunkChoice> {
         let i = self.index;
         let text = self.held.take();
         // Held all along (else the text went out as words): the reply is its calls, if any.
@@ -175,20 +184,20 @@ impl ChoiceStream {
             let lp = self.logprobs(shape, logprobs);
             return vec![
                 Shape::calls_choice(i, calls, lp),
-                shape.choice(i, None, json!(OpenAiFinish::ToolCalls), Value::Null),
+                shape.choice(i, None, Some(OpenAiFinish::ToolCalls), Value::Null),
             ];
         }
         let mut out = Vec::new();
         if let Some(t) = text.filter(|t| !t.is_empty()) {
             let lp = self.logprobs(shape, logprobs);
-            out.push(shape.choice(i, Some(&t), Value::Null, lp));
+            out.push(shape.choice(i, Some(&t), None, lp));
         }
         if logprobs && !self.pending.is_empty() {
             // Tokens whose text the stop matcher held back or cut.
             let lp = self.logprobs(shape, logprobs);
-            out.push(shape.choice(i, Some(""), Value::Null, lp));
+            out.push(shape.choice(i, Some(""), None, lp));
         }
-        out.push(shape.choice(i, None, json!(reason), Value::Null));
+        out.push(shape.choice(i, None, Some(reason), Value::Null));
         out
     }
 }
@@ -223,10 +232,14 @@ pub(super) fn streamed_events(
     async_stream::stream! {
         let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
         let _guards = guards;
-        let chunk = |choice: Value| json!({
-            "id": head.id, "object": shape.object(), "created": head.created,
-            "model": head.model, "choices": [choice],
-        });
+        let chunk = |choices: Vec<ChunkChoice>, usage: Option<Usage>| Chunk {
+            id: &head.id,
+            object: shape.object(),
+            created: head.created,
+            model: &head.model,
+            choices,
+            usage,
+        };
         let mut merged = tokio_stream::StreamMap::new();
         for (i, live) in lives.iter().enumerate() {
             merged.insert(i, Box::pin(live.subscribe(0)));
@@ -237,26 +250,28 @@ pub(super) fn streamed_events(
         while let Some((i, (_, e))) = merged.next().await {
             match e {
                 RunEvent::Begin => match &shape {
-                    Shape::Chat { .. } => yield data(chunk(shape.choice(i, None, Value::Null, Value::Null))),
+                    Shape::Chat { .. } => {
+                        yield data(&chunk(vec![shape.choice(i, None, None, Value::Null)], None));
+                    }
                     Shape::Text { echo: Some(p) } => {
-                        yield data(chunk(shape.choice(i, Some(p), Value::Null, Value::Null)));
+                        yield data(&chunk(vec![shape.choice(i, Some(p), None, Value::Null)], None));
                     }
                     Shape::Text { echo: None } => {}
                 },
                 RunEvent::Logprobs(l) => choices[i].pending.extend(l),
                 RunEvent::Text(t) => {
                     if let Some(c) = choices[i].text(&shape, logprobs, t) {
-                        yield data(chunk(c));
+                        yield data(&chunk(vec![c], None));
                     }
                 }
                 RunEvent::End(o) => match o.end.openai_finish_reason() {
                     Err(e) => {
-                        yield data(json!({"error": {"message": e.to_string(), "type": e.kind(), "code": Value::Null, "param": Value::Null}}));
+                        yield data(&error(e));
                         break;
                     }
                     Ok(reason) => {
                         for c in choices[i].end(&shape, &o, logprobs, reason) {
-                            yield data(chunk(c));
+                            yield data(&chunk(vec![c], None));
                         }
                         outcomes.push(*o);
                     }
@@ -264,17 +279,10 @@ pub(super) fn streamed_events(
             }
         }
         if include_usage && outcomes.len() == lives.len() {
-            let mut u = chunk(Value::Null);
-            u["choices"] = json!([]);
-            u["usage"] = json!(Usage::of(&outcomes));
-            yield data(u);
+            yield data(&chunk(Vec::new(), Some(Usage::of(&outcomes))));
         }
         yield Ok::<Event, Infallible>(Event::default().data("[DONE]"));
     }
-}
-
-pub(super) fn data(v: Value) -> Result<Event, Infallible> {
-    Ok(Event::default().data(v.to_string()))
 }
 
 pub(super) struct StopOnDrop(pub(super) Arc<Live>);
