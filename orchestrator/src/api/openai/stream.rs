@@ -221,6 +221,23 @@ pub(super) fn streamed(
     ))
 }
 
+/// A chunk of `head`'s completion in `shape`'s form.
+fn chunk_of<'a>(
+    head: &'a Head,
+    shape: &Shape,
+    choices: Vec<ChunkChoice>,
+    usage: Option<Usage>,
+) -> Chunk<'a> {
+    Chunk {
+        id: &head.id,
+        object: shape.object(),
+        created: head.created,
+        model: &head.model,
+        choices,
+        usage,
+    }
+}
+
 /// [`streamed`]'s events.
 pub(super) fn streamed_events(
     head: Head,
@@ -232,14 +249,7 @@ pub(super) fn streamed_events(
     async_stream::stream! {
         let lives: Vec<Arc<Live>> = guards.iter().map(|g| g.0.clone()).collect();
         let _guards = guards;
-        let chunk = |choices: Vec<ChunkChoice>, usage: Option<Usage>| Chunk {
-            id: &head.id,
-            object: shape.object(),
-            created: head.created,
-            model: &head.model,
-            choices,
-            usage,
-        };
+        let chunk = |choices, usage| chunk_of(&head, &shape, choices, usage);
         let mut merged = tokio_stream::StreamMap::new();
         for (i, live) in lives.iter().enumerate() {
             merged.insert(i, Box::pin(live.subscribe(0)));
