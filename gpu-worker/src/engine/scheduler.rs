@@ -21,9 +21,9 @@ use super::types::{EngineConfig, EngineEvent, EngineStats, ValidRequest};
 use super::work::{StepTimes, WorkModel};
 use super::{EngineError, EventSender, ModelInfo};
 use crate::kernels::SpinPool;
-use crate::kv::{chain_hash, BlockAllocator, BlockId, Chain, DiskTier, Packing, NO_BLOCK};
+use crate::kv::{chain_hash, BlockAllocator, BlockId, DiskTier, Packing, NO_BLOCK};
 use crate::model::SeqChunk;
-use crate::sampling::{LogitSummary, Sampler};
+use crate::sampling::LogitSummary;
 use llguidance::toktrie::SimpleVob;
 use seq::{Cancel, Seq, SeqState};
 
@@ -257,20 +257,10 @@ impl Scheduler {
 
     /// Queues a validated request, or answers it at once with an error.
     pub(crate) fn enqueue(&mut self, req: ValidRequest, events: EventSender) {
-        let ValidRequest {
-            inner,
-            stop_ids,
-            arrived,
-            constraint,
-        } = req;
-        self.max_id_seen = self.max_id_seen.max(inner.id.0);
-        let in_flight = self
-            .running
-            .iter()
-            .chain(&self.waiting)
-            .any(|s| s.id == inner.id);
-        if in_flight {
-            let _ = events.send(EngineEvent::Error(EngineError::DuplicateRequest(inner.id)));
+        let id = req.inner.id;
+        self.max_id_seen = self.max_id_seen.max(id.0);
+        if self.running.iter().chain(&self.waiting).any(|s| s.id == id) {
+            let _ = events.send(EngineEvent::Error(EngineError::DuplicateRequest(id)));
             return;
         }
         // Requests the next step will admit into free batch slots are not really waiting.
@@ -281,42 +271,13 @@ impl Scheduler {
             }));
             return;
         }
-        let prompt_len = inner.prompt.len();
-        let max_new = inner.max_new_tokens as usize;
-        self.waiting.push(Seq {
-            id: inner.id,
-            chain: Chain::new(
-                inner.user.as_str(),
-                (inner.shared_prefix as usize).min(prompt_len),
-                self.config.block_size,
-            ),
-            user: inner.user,
-            session: inner.session,
-            tokens: inner.prompt,
-            prompt_len,
-            kv_len: 0,
-            blocks: Vec::new(),
-            packed: Vec::new(),
-            hashes: Vec::new(),
-            generated: 0,
-            max_new,
-            stop_ids,
-            sampler: Sampler::continuing(inner.params, inner.sampled_before)
-                .for_sequence(
-                    prompt_len.saturating_sub(inner.sampled_before as usize),
-                    inner.dry_breakers,
-                )
-                .with_top_logprobs(inner.top_logprobs as usize),
-            constraint,
-            draft: 0,
-            draft_cap: self.config.spec_tokens,
-            cached_tokens: 0,
+        let cancelled = self.early_cancels.remove(&id);
+        self.waiting.push(Seq::new(
+            req,
             events,
-            arrived,
-            admitted: None,
-            first_token: None,
-            state: SeqState::new(self.early_cancels.remove(&inner.id)),
-        });
+            &self.config,
+            SeqState::new(cancelled),
+        ));
     }
 
     pub(crate) fn cancel(&mut self, id: RequestId) {

@@ -14,7 +14,7 @@ use crate::engine::types::validate;
 use crate::engine::work::StepTimes;
 use crate::engine::GenerateRequest;
 use crate::fixtures::{write_tiny_gguf, TinySpec};
-use crate::kv::{KvDtype, KvStore};
+use crate::kv::{Chain, KvDtype, KvStore};
 use crate::model::{load_gguf, Model};
 
 #[path = "scheduler/prefill_tests.rs"]

@@ -6,7 +6,7 @@ use std::time::Instant;
 use hearth_shared::{FinishReason, RequestId, SessionId, UserId};
 
 use crate::engine::constraint::Constraint;
-use crate::engine::types::{EngineEvent, Timings};
+use crate::engine::types::{EngineConfig, EngineEvent, Timings, ValidRequest};
 use crate::engine::{EngineError, EventSender};
 use crate::kv::{BlockId, Chain};
 use crate::sampling::Sampler;
@@ -80,6 +80,57 @@ pub(super) enum Cancel {
 }
 
 impl Seq {
+    /// A validated request as a sequence to admit, its events going to `events`.
+    pub(super) fn new(
+        req: ValidRequest,
+        events: EventSender,
+        config: &EngineConfig,
+        state: SeqState,
+    ) -> Self {
+        let ValidRequest {
+            inner,
+            stop_ids,
+            arrived,
+            constraint,
+        } = req;
+        let prompt_len = inner.prompt.len();
+        let sampled_before = inner.sampled_before as usize;
+        Seq {
+            id: inner.id,
+            chain: Chain::new(
+                inner.user.as_str(),
+                (inner.shared_prefix as usize).min(prompt_len),
+                config.block_size,
+            ),
+            user: inner.user,
+            session: inner.session,
+            tokens: inner.prompt,
+            prompt_len,
+            kv_len: 0,
+            blocks: Vec::new(),
+            packed: Vec::new(),
+            hashes: Vec::new(),
+            generated: 0,
+            max_new: inner.max_new_tokens as usize,
+            stop_ids,
+            sampler: Sampler::continuing(inner.params, inner.sampled_before)
+                .for_sequence(
+                    prompt_len.saturating_sub(sampled_before),
+                    inner.dry_breakers,
+                )
+                .with_top_logprobs(inner.top_logprobs as usize),
+            constraint,
+            draft: 0,
+            draft_cap: config.spec_tokens,
+            cached_tokens: 0,
+            events,
+            arrived,
+            admitted: None,
+            first_token: None,
+            state,
+        }
+    }
+
     pub(super) fn cancelled(&self) -> bool {
         matches!(self.state, SeqState::Cancelled(_))
     }
