@@ -5,6 +5,7 @@
 
 use std::sync::Arc;
 
+use super::scheduler::kv::BlockStore;
 use super::{EngineConfig, EngineError};
 use crate::generic::{DeviceKv, GenericModel};
 use crate::kv::{BlockId, KvStore, Packing};
@@ -183,19 +184,24 @@ impl Backend {
         }
     }
 
+    pub(super) fn saved_bytes(&self, n: usize) -> usize {
+        match self {
+            Self::Native { kv, .. } => kv.saved_bytes(n),
+            Self::Generic { kv, .. } => kv.saved_bytes(n),
+        }
+    }
+}
+
+/// Block contents move in the backend's storage: the host store, or the device's.
+impl BlockStore for Backend {
     /// Packs blocks `src` into `dst` (host store only: [`Backend::packing`] is `None` otherwise).
-    pub(super) fn pack(&mut self, src: &[BlockId], dst: BlockId) {
+    fn pack(&mut self, src: &[BlockId], dst: BlockId) {
         if let Self::Native { kv, .. } = self {
             kv.pack(src, dst);
         }
     }
 
-    pub(super) fn copy_block(
-        &mut self,
-        src: BlockId,
-        dst: BlockId,
-        n: usize,
-    ) -> Result<(), ModelError> {
+    fn copy_block(&mut self, src: BlockId, dst: BlockId, n: usize) -> Result<(), ModelError> {
         match self {
             Self::Native { kv, .. } => {
                 kv.copy_block(src, dst, n);
@@ -205,19 +211,7 @@ impl Backend {
         }
     }
 
-    pub(super) fn saved_bytes(&self, n: usize) -> usize {
-        match self {
-            Self::Native { kv, .. } => kv.saved_bytes(n),
-            Self::Generic { kv, .. } => kv.saved_bytes(n),
-        }
-    }
-
-    pub(super) fn save_block(
-        &self,
-        b: BlockId,
-        n: usize,
-        out: &mut Vec<u8>,
-    ) -> Result<(), ModelError> {
+    fn save_block(&self, b: BlockId, n: usize, out: &mut Vec<u8>) -> Result<(), ModelError> {
         match self {
             Self::Native { kv, .. } => {
                 kv.save_block(b, n, out);
@@ -227,12 +221,7 @@ impl Backend {
         }
     }
 
-    pub(super) fn load_block(
-        &mut self,
-        b: BlockId,
-        n: usize,
-        src: &[u8],
-    ) -> Result<(), ModelError> {
+    fn load_block(&mut self, b: BlockId, n: usize, src: &[u8]) -> Result<(), ModelError> {
         match self {
             Self::Native { kv, .. } => {
                 kv.load_block(b, n, src);

@@ -14,7 +14,7 @@ use crate::engine::types::validate;
 use crate::engine::work::StepTimes;
 use crate::engine::GenerateRequest;
 use crate::fixtures::{write_tiny_gguf, TinySpec};
-use crate::kv::{Chain, KvDtype, KvStore};
+use crate::kv::{BlockId, Chain, KvDtype, KvStore, NO_BLOCK};
 use crate::model::{load_gguf, Model};
 
 #[path = "scheduler/prefill_tests.rs"]
@@ -117,7 +117,7 @@ fn tables(s: &Scheduler) -> Vec<&[BlockId]> {
         .chain(&s.waiting)
         .flat_map(|q| [q.blocks.as_slice(), q.packed.as_slice()])
         .chain(
-            s.sessions
+            s.kv.sessions()
                 .values()
                 .flat_map(|c| [c.blocks.as_slice(), c.packed.as_slice()]),
         )
@@ -125,7 +125,7 @@ fn tables(s: &Scheduler) -> Vec<&[BlockId]> {
 }
 
 fn audit(s: &Scheduler) {
-    s.alloc.audit(tables(s)).unwrap();
+    s.kv.alloc().audit(tables(s)).unwrap();
 }
 
 /// Steps until idle, auditing after every step and calling `each` too.
@@ -157,7 +157,7 @@ fn outcome(rx: &mut Events) -> (usize, Vec<u32>) {
 
 /// The K/V of every position of `blocks`, every layer, as stored.
 fn contents(s: &Scheduler, blocks: &[BlockId]) -> Vec<(Vec<f32>, Vec<f32>)> {
-    let layers = s.model_config.num_layers;
+    let layers = TinySpec::default().layers;
     let kv = s.backend.host_store().unwrap();
     (0..layers)
         .flat_map(|l| (0..blocks.len() * BS).map(move |p| (l, p)))
@@ -221,10 +221,10 @@ fn shared_prefix_blocks_are_never_written_and_answers_match_cold_ones() {
     assert_eq!(outcome(&mut a).0, 0);
     // A stateless request leaves its full blocks (43 positions computed: two) in the prefix
     // cache, unreferenced; its partial last block is freed.
-    assert_eq!((s.alloc.used(), s.alloc.cached()), (0, 2));
-    let shared = s
-        .alloc
-        .lookup_prefix(&Chain::private("anonymous"), &base[..32], BS);
+    assert_eq!((s.kv.alloc().used(), s.kv.alloc().cached()), (0, 2));
+    let shared =
+        s.kv.alloc()
+            .lookup_prefix(&Chain::private("anonymous"), &base[..32], BS);
     assert_eq!(shared.len(), 2);
     let before = contents(&s, &shared);
 
@@ -247,7 +247,7 @@ fn shared_prefix_blocks_are_never_written_and_answers_match_cold_ones() {
             for q in &s.running {
                 assert_eq!(q.blocks[..2], shared[..]);
             }
-            assert!(shared.iter().all(|&b| s.alloc.refs(b) == 2));
+            assert!(shared.iter().all(|&b| s.kv.alloc().refs(b) == 2));
             saw_sharing = true;
         }
         assert!(contents(s, &shared) == before, "a shared block was written");
@@ -258,7 +258,7 @@ fn shared_prefix_blocks_are_never_written_and_answers_match_cold_ones() {
         assert_eq!(cached, 32);
         assert_eq!(tokens, cold(&model, p.clone(), 12));
     }
-    assert_eq!(s.alloc.used(), 0);
+    assert_eq!(s.kv.alloc().used(), 0);
     assert_eq!(s.stats().prefix_cache_hits_tokens, 64);
 }
 
@@ -270,9 +270,9 @@ fn rewinding_a_session_into_a_registered_block_copies_it_first() {
     let mut a = submit(&mut s, 1, base.clone(), 4, Some("s"));
     drain(&mut s, |_| {});
     outcome(&mut a);
-    let shared = s
-        .alloc
-        .lookup_prefix(&Chain::private("anonymous"), &base[..32], BS);
+    let shared =
+        s.kv.alloc()
+            .lookup_prefix(&Chain::private("anonymous"), &base[..32], BS);
     assert_eq!(shared.len(), 2);
     let before = contents(&s, &shared);
     // An edit at token 25 rewinds into the second (registered) block.
@@ -326,10 +326,10 @@ fn under_memory_pressure_eviction_never_frees_a_referenced_block() {
         for q in &s.running {
             // Every block a running sequence reads is referenced (never free, never cached).
             let held = q.blocks.iter().chain(&q.packed).filter(|&&b| b != NO_BLOCK);
-            assert!(held.into_iter().all(|&b| s.alloc.refs(b) > 0));
+            assert!(held.into_iter().all(|&b| s.kv.alloc().refs(b) > 0));
         }
     });
-    assert!(s.preemptions > 0 || s.evictions > 0);
+    assert!(s.preemptions > 0 || s.kv.counts().evictions > 0);
     for (p, mut rx) in streams {
         let (_, tokens) = outcome(&mut rx);
         assert_eq!(tokens, cold(&model, p, 30));
@@ -348,8 +348,8 @@ fn packed_history_answers_like_the_full_history_in_fewer_blocks() {
         let mut a = submit(&mut s, 1, first.clone(), 60, Some("s"));
         drain(&mut s, |_| {});
         let (_, reply) = outcome(&mut a);
-        let held = s.alloc.used();
-        let packed = s.sessions[&SessionId::from("s")].packed.len();
+        let held = s.kv.alloc().used();
+        let packed = s.kv.sessions()[&SessionId::from("s")].packed.len();
         let mut second = first;
         second.extend(&reply);
         second.extend(prompt(20, 6));
@@ -381,7 +381,7 @@ fn rewinds_within_the_margin_resume_and_deeper_ones_recompute_the_same_answer() 
     let mut a = submit(&mut s, 1, first.clone(), 40, Some("s"));
     drain(&mut s, |_| {});
     let (_, reply) = outcome(&mut a);
-    assert_eq!(s.sessions[&SessionId::from("s")].packed.len(), 5);
+    assert_eq!(s.kv.sessions()[&SessionId::from("s")].packed.len(), 5);
     // Regenerating the reply rewinds 40 tokens, within the 48-token margin.
     let mut b = submit(&mut s, 2, first.clone(), 40, Some("s"));
     drain(&mut s, |_| {});
@@ -695,7 +695,7 @@ fn a_user_with_nothing_running_takes_kv_from_the_user_holding_the_most() {
     s.step();
     audit(&s);
     assert_eq!(s.running.len(), 2, "both of Alice's replies run");
-    assert_eq!(s.alloc.free(), 0, "and fill the pool");
+    assert_eq!(s.kv.alloc().free(), 0, "and fill the pool");
     let before = s.preemptions;
     let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
     s.step();
@@ -965,7 +965,7 @@ fn a_user_with_nothing_running_takes_kv_from_one_sequence_holding_most_of_it() {
     let mut alice = submit_as(&mut s, 1, "alice", &a, 8);
     s.step();
     audit(&s);
-    assert_eq!(s.alloc.free(), 0, "Alice's one prompt fills the pool");
+    assert_eq!(s.kv.alloc().free(), 0, "Alice's one prompt fills the pool");
     let before = s.preemptions;
     let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
     s.step();
@@ -1019,9 +1019,9 @@ fn another_users_long_prompts_leave_an_idle_session_cache_within_its_share() {
         [3],
         "one of Alice's prompts fits beside Bob's cache"
     );
-    assert_eq!(s.evictions, 0, "and Bob's cache stays");
+    assert_eq!(s.kv.counts().evictions, 0, "and Bob's cache stays");
     drain(&mut s, audit);
-    assert_eq!(s.evictions, 0);
+    assert_eq!(s.kv.counts().evictions, 0);
     let next = [history.clone(), prompt(10, 4)].concat();
     let mut bob = submit_turn(&mut s, 4, "bob", Some("bob-s"), &next, 4);
     drain(&mut s, audit);
@@ -1046,7 +1046,7 @@ fn a_request_over_its_share_evicts_an_idle_cache_when_nothing_runs() {
     let a = prompt(150, 2);
     let mut alice = submit_as(&mut s, 2, "alice", &a, 8);
     drain(&mut s, audit);
-    assert_eq!(s.evictions, 1, "Bob's cache gave way");
+    assert_eq!(s.kv.counts().evictions, 1, "Bob's cache gave way");
     assert_eq!(outcome(&mut alice).1, cold(&model, a, 8));
 }
 
@@ -1063,8 +1063,8 @@ fn eviction_takes_the_idle_caches_of_users_over_their_share_first() {
     let b = prompt(40, 3);
     let mut bob = submit_as(&mut s, 3, "bob", &b, 4);
     drain(&mut s, audit);
-    assert_eq!(s.evictions, 1);
-    let cached: Vec<&str> = s.sessions.keys().map(SessionId::as_str).collect();
+    assert_eq!(s.kv.counts().evictions, 1);
+    let cached: Vec<&str> = s.kv.sessions().keys().map(SessionId::as_str).collect();
     assert_eq!(
         cached,
         ["carol-s"],

@@ -188,49 +188,9 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
             max: info.context_length - 1,
         });
     }
-    if let Some((index, &id)) = req
-        .prompt
-        .iter()
-        .enumerate()
-        .find(|(_, &t)| t as usize >= info.vocab_size)
-    {
-        return Err(EngineError::TokenOutOfRange {
-            index,
-            id,
-            vocab: info.vocab_size,
-        });
-    }
-    if let Some(&id) = req
-        .stop_token_ids
-        .iter()
-        .find(|&&t| t as usize >= info.vocab_size)
-    {
-        return Err(EngineError::StopTokenOutOfRange {
-            id,
-            vocab: info.vocab_size,
-        });
-    }
+    check_token_ids(&req, info.vocab_size)?;
     req.params.validate()?;
-    if let Some(&id) = req
-        .params
-        .logit_bias
-        .keys()
-        .find(|&&t| t as usize >= info.vocab_size)
-    {
-        return Err(EngineError::InvalidSampling(hearth_shared::SamplingError {
-            field: "logit_bias",
-            reason: format!(
-                "token {id} is not in the model's vocabulary of {}",
-                info.vocab_size
-            ),
-        }));
-    }
-    if req.top_logprobs > MAX_TOP_LOGPROBS {
-        return Err(EngineError::InvalidSampling(hearth_shared::SamplingError {
-            field: "top_logprobs",
-            reason: format!("at most {MAX_TOP_LOGPROBS}, got {}", req.top_logprobs),
-        }));
-    }
+    check_sampling_limits(&req, info.vocab_size)?;
     if req.max_new_tokens == 0 {
         return Err(EngineError::InvalidMaxNewTokens);
     }
@@ -251,6 +211,40 @@ pub fn validate(req: GenerateRequest, info: &ModelInfo) -> Result<ValidRequest, 
         arrived: Instant::now(),
         constraint: None,
     })
+}
+
+/// Every token id the request names (its prompt's, its stop tokens) is in the vocabulary.
+fn check_token_ids(req: &GenerateRequest, vocab: usize) -> Result<(), EngineError> {
+    if let Some((index, &id)) = req
+        .prompt
+        .iter()
+        .enumerate()
+        .find(|(_, &t)| t as usize >= vocab)
+    {
+        return Err(EngineError::TokenOutOfRange { index, id, vocab });
+    }
+    if let Some(&id) = req.stop_token_ids.iter().find(|&&t| t as usize >= vocab) {
+        return Err(EngineError::StopTokenOutOfRange { id, vocab });
+    }
+    Ok(())
+}
+
+/// The sampling options that depend on the model or the engine's limits: logit biases of
+/// tokens in the vocabulary, and at most [`MAX_TOP_LOGPROBS`] alternatives.
+fn check_sampling_limits(req: &GenerateRequest, vocab: usize) -> Result<(), EngineError> {
+    if let Some(&id) = req.params.logit_bias.keys().find(|&&t| t as usize >= vocab) {
+        return Err(EngineError::InvalidSampling(hearth_shared::SamplingError {
+            field: "logit_bias",
+            reason: format!("token {id} is not in the model's vocabulary of {}", vocab),
+        }));
+    }
+    if req.top_logprobs > MAX_TOP_LOGPROBS {
+        return Err(EngineError::InvalidSampling(hearth_shared::SamplingError {
+            field: "top_logprobs",
+            reason: format!("at most {MAX_TOP_LOGPROBS}, got {}", req.top_logprobs),
+        }));
+    }
+    Ok(())
 }
 
 /// Wall-clock timings of a finished request, in milliseconds.

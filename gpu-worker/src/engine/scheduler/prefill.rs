@@ -1,13 +1,26 @@
 //! What a step prefills: the budget beside decoding sequences (a share of their measured pass,
 //! [`StepTimes`]), that budget shared between users, and the work a planned step runs.
 
-use super::{PrefillBudget, RequestId, Scheduler, MIN_PREFILL_WITH_DECODES};
+use super::{RequestId, Scheduler};
 use crate::engine::work::StepWork;
 use hearth_shared::UserId;
 use std::collections::{HashMap, HashSet};
 
 #[cfg(doc)]
 use crate::engine::work::StepTimes;
+
+/// Fewest prompt tokens' work (at a prompt's start) a step with decoding sequences prefills when
+/// prompts wait, so a prompt arriving beside one or two streams is not cut into tiny steps.
+pub(super) const MIN_PREFILL_WITH_DECODES: usize = 32;
+
+/// A step's prefill budget: prompt tokens, and their work in multiply-adds.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PrefillBudget {
+    pub tokens: usize,
+    pub work: f64,
+    /// The work is a whole chunk's: a prompt's next token runs even if it costs more.
+    pub full: bool,
+}
 
 impl Scheduler {
     /// What this step may prefill: `prefill_chunk` tokens, and work of at most what those tokens

@@ -1,6 +1,7 @@
 //! The prefill beside decoding sequences, held to a share of their measured pass.
 
 use super::*;
+use crate::engine::scheduler::prefill::MIN_PREFILL_WITH_DECODES;
 use crate::engine::work::StepWork;
 
 /// A scheduler prefilling up to 256 tokens a step, with Bob's reply of `n` tokens decoding.
