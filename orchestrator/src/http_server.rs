@@ -76,15 +76,7 @@ pub async fn serve(
     mut shutdown: watch::Receiver<bool>,
     hard_deadline: Duration,
 ) {
-    // HTTP/1 only, served directly: an HTTP/1-or-2 server first reads a connection's opening
-    // bytes to tell the versions apart, with no deadline, so a client that connects and sends
-    // nothing would hold its place for good. Here the header deadline runs from the start.
-    let mut builder = http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_timeout)
-        .max_buf_size(MAX_CONNECTION_BUFFER);
-    let builder = Arc::new(builder);
+    let builder = Arc::new(http1_builder(&limits));
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     // Every connection task holds a receiver; all dropped means all closed.
     let (open_tx, open_rx) = watch::channel(());
@@ -130,6 +122,19 @@ pub async fn serve(
             "connections still open at the shutdown deadline; closing them"
         );
     }
+}
+
+/// The connections' HTTP/1 settings. HTTP/1 only, served directly: an HTTP/1-or-2 server first
+/// reads a connection's opening bytes to tell the versions apart, with no deadline, so a client
+/// that connects and sends nothing would hold its place for good. Here the header deadline runs
+/// from the start.
+fn http1_builder(limits: &HttpLimits) -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_buf_size(MAX_CONNECTION_BUFFER);
+    builder
 }
 
 /// Serves one connection until it ends, shutting it down gracefully once `stop` is set. An

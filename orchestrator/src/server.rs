@@ -349,12 +349,7 @@ impl App {
             chat.leases(),
             crate::generate::heartbeat_every(config.orphan_after),
         );
-        let sweeper = spawn_orphan_sweep(
-            store.clone(),
-            chat.clone(),
-            config.orphan_after,
-            shared.released,
-        );
+        let sweeper = spawn_orphan_sweep(store, chat.clone(), config.orphan_after, shared.released);
         let state = AppState {
             chat,
             auth,
@@ -365,14 +360,7 @@ impl App {
             )),
             sockets: Arc::default(),
         };
-        let listener = bind(config.listen)
-            .with_context(|| format!("--listen {}: cannot bind", config.listen))?;
-        let metrics = match config.metrics_listen {
-            Some(addr) => {
-                Some(bind(addr).with_context(|| format!("--metrics-listen {addr}: cannot bind"))?)
-            }
-            None => None,
-        };
+        let (listener, metrics) = bind_listeners(&config)?;
         let mut tasks = vec![sweeper, database_check, heartbeat];
         tasks.extend(shared.listener);
         Ok(Self {
@@ -417,42 +405,24 @@ impl App {
             tasks,
             local,
         } = self;
-        let (signalled_tx, mut signalled) = tokio::sync::watch::channel(false);
+        let (signalled_tx, signalled) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             shutdown.await;
             let _ = signalled_tx.send(true);
         });
-        let mut on_signal = signalled.clone();
         let http_shutdown = signalled.clone();
-        // After the grace period, running replies are handed over, or stopped (and stored as
-        // `stopped`).
         let grace_over = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let mut stopper = tokio::spawn({
-            let (streams, chat, grace_over) =
-                (streams.clone(), state.chat.clone(), grace_over.clone());
-            async move {
-                let _ = signalled.wait_for(|s| *s).await;
-                tokio::time::sleep(shutdown_timeout).await;
-                grace_over.store(true, std::sync::atomic::Ordering::Release);
-                chat.hand_over().await;
-                streams.stop_all();
-            }
-        });
-        tokio::spawn(async move {
-            let _ = on_signal.wait_for(|s| *s).await;
-            eprintln!("hearth: shutting down; letting running replies finish");
-        });
+        let mut stopper = spawn_stopper(
+            signalled,
+            shutdown_timeout,
+            (streams.clone(), state.chat.clone()),
+            grace_over.clone(),
+        );
+        announce_shutdown(http_shutdown.clone());
         // Open connections get the replies' grace period and a little more to send their ends.
         let hard_deadline = shutdown_timeout + Duration::from_secs(5);
         // Scraped until the very end; a tiny router with nothing to drain.
-        let metrics_task = metrics.map(|l| {
-            let app = crate::api::metrics_router(state.metrics.clone());
-            tokio::spawn(async move {
-                if let Err(e) = axum::serve(l, app).await {
-                    tracing::warn!(error = %e, "the metrics listener stopped");
-                }
-            })
-        });
+        let metrics_task = metrics.map(|l| serve_metrics(l, &state));
         crate::http_server::serve(
             listener,
             router(state),
@@ -462,10 +432,7 @@ impl App {
         )
         .await;
         // Replies whose clients already left are still running as tasks: let them end and store.
-        let deadline = tokio::time::Instant::now() + shutdown_timeout + Duration::from_secs(5);
-        while streams.running() > 0 && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let_replies_end(&streams, shutdown_timeout + Duration::from_secs(5)).await;
         // Handing replies over: their last events published and the other replicas told.
         if grace_over.load(std::sync::atomic::Ordering::Acquire) {
             let _ = tokio::time::timeout(Duration::from_secs(10), &mut stopper).await;
@@ -482,6 +449,67 @@ impl App {
         drop(local);
         Ok(())
     }
+}
+
+/// After `signalled` and the grace period, hands running replies over to the other replicas, or
+/// stops them (stored as `stopped`), and raises `grace_over`.
+fn spawn_stopper(
+    mut signalled: tokio::sync::watch::Receiver<bool>,
+    grace: Duration,
+    (streams, chat): (Arc<Streams>, Arc<ChatService>),
+    grace_over: Arc<std::sync::atomic::AtomicBool>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let _ = signalled.wait_for(|s| *s).await;
+        tokio::time::sleep(grace).await;
+        grace_over.store(true, std::sync::atomic::Ordering::Release);
+        chat.hand_over().await;
+        streams.stop_all();
+    })
+}
+
+/// Says on stderr when `signalled` rises that the server is shutting down.
+fn announce_shutdown(mut signalled: tokio::sync::watch::Receiver<bool>) {
+    tokio::spawn(async move {
+        let _ = signalled.wait_for(|s| *s).await;
+        eprintln!("hearth: shutting down; letting running replies finish");
+    });
+}
+
+/// Waits, for at most `within`, until no reply runs.
+async fn let_replies_end(streams: &Streams, within: Duration) {
+    let deadline = tokio::time::Instant::now() + within;
+    while streams.running() > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Serves `/metrics` on `listener` (`--metrics-listen`): a tiny router with nothing to drain.
+fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    state: &AppState,
+) -> tokio::task::JoinHandle<()> {
+    let app = crate::api::metrics_router(state.metrics.clone());
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::warn!(error = %e, "the metrics listener stopped");
+        }
+    })
+}
+
+/// Binds `--listen` and, when given, `--metrics-listen`.
+fn bind_listeners(
+    config: &Config,
+) -> anyhow::Result<(tokio::net::TcpListener, Option<tokio::net::TcpListener>)> {
+    let listener =
+        bind(config.listen).with_context(|| format!("--listen {}: cannot bind", config.listen))?;
+    let metrics = match config.metrics_listen {
+        Some(addr) => {
+            Some(bind(addr).with_context(|| format!("--metrics-listen {addr}: cannot bind"))?)
+        }
+        None => None,
+    };
+    Ok((listener, metrics))
 }
 
 /// Connection backlog: a burst of clients (a page of tabs reconnecting, a load test) must

@@ -147,63 +147,9 @@ impl Tools {
         }
         let mut defs: Vec<FunctionDef> = Vec::with_capacity(tools.len());
         for (i, t) in tools.iter().enumerate() {
-            let field = format!("tools[{i}]");
-            if t.kind != "function" {
-                return Err(refuse(&format!("{field}.type"), "only `function`"));
-            }
-            let f = &t.function;
-            if !valid_name(&f.name) {
-                return Err(refuse(
-                    &format!("{field}.function.name"),
-                    "1 to 64 letters, digits, `_` or `-`",
-                ));
-            }
-            if defs.iter().any(|d| d.name == f.name) {
-                return Err(refuse(
-                    &format!("{field}.function.name"),
-                    &format!("`{}` is offered twice", f.name),
-                ));
-            }
-            if let Some(p) = &f.parameters {
-                let params = format!("{field}.function.parameters");
-                if !p.is_object() {
-                    return Err(refuse(&params, "must be a JSON Schema object"));
-                }
-                // Only its shape here: the compile waits for the request's charge (see
-                // [`Tools::schemas`]).
-                let g = Grammar::JsonSchema { schema: p.clone() };
-                g.check_shape().map_err(|e| {
-                    ToolError::InvalidGrammar(Invalid::field(params, e.to_string()))
-                })?;
-            }
-            defs.push(f.clone());
+            defs.push(check_tool(i, t, &defs)?.clone());
         }
-        let choice = match choice {
-            None => Choice::Auto,
-            Some(ToolChoice::Mode(m)) => match m.as_str() {
-                "none" => Choice::None,
-                "auto" => Choice::Auto,
-                "required" => Choice::Required,
-                other => {
-                    return Err(refuse(
-                        "tool_choice",
-                        &format!("`{other}` is not one of none, auto, required"),
-                    ))
-                }
-            },
-            Some(ToolChoice::Named { kind, function }) => {
-                if kind != "function" {
-                    return Err(refuse("tool_choice.type", "only `function`"));
-                }
-                if !defs.iter().any(|d| d.name == function.name) {
-                    return Err(refuse(
-                        "tool_choice.function.name",
-                        &format!("`{}` is not among the tools", function.name),
-                    ));
-                }
-                Choice::Named(function.name.clone())
-            }
-        };
+        let choice = parse_choice(choice, &defs)?;
         Ok(Some(Self { defs, choice }))
     }
 
@@ -344,6 +290,74 @@ impl Tools {
             || "```".starts_with(t)
             || t.starts_with("```")
     }
+}
+
+/// Tool `i` of a request, checked: a function with a valid name not offered before (in `defs`)
+/// and, if it has parameters, a JSON Schema object of a shape the grammar engine takes.
+fn check_tool<'a>(
+    i: usize,
+    t: &'a Tool,
+    defs: &[FunctionDef],
+) -> Result<&'a FunctionDef, ToolError> {
+    let field = format!("tools[{i}]");
+    if t.kind != "function" {
+        return Err(refuse(&format!("{field}.type"), "only `function`"));
+    }
+    let f = &t.function;
+    if !valid_name(&f.name) {
+        return Err(refuse(
+            &format!("{field}.function.name"),
+            "1 to 64 letters, digits, `_` or `-`",
+        ));
+    }
+    if defs.iter().any(|d| d.name == f.name) {
+        return Err(refuse(
+            &format!("{field}.function.name"),
+            &format!("`{}` is offered twice", f.name),
+        ));
+    }
+    if let Some(p) = &f.parameters {
+        let params = format!("{field}.function.parameters");
+        if !p.is_object() {
+            return Err(refuse(&params, "must be a JSON Schema object"));
+        }
+        // Only its shape here: the compile waits for the request's charge (see
+        // [`Tools::schemas`]).
+        let g = Grammar::JsonSchema { schema: p.clone() };
+        g.check_shape()
+            .map_err(|e| ToolError::InvalidGrammar(Invalid::field(params, e.to_string())))?;
+    }
+    Ok(f)
+}
+
+/// A request's `tool_choice` (auto when absent), a named function among `defs`.
+fn parse_choice(choice: Option<&ToolChoice>, defs: &[FunctionDef]) -> Result<Choice, ToolError> {
+    Ok(match choice {
+        None => Choice::Auto,
+        Some(ToolChoice::Mode(m)) => match m.as_str() {
+            "none" => Choice::None,
+            "auto" => Choice::Auto,
+            "required" => Choice::Required,
+            other => {
+                return Err(refuse(
+                    "tool_choice",
+                    &format!("`{other}` is not one of none, auto, required"),
+                ))
+            }
+        },
+        Some(ToolChoice::Named { kind, function }) => {
+            if kind != "function" {
+                return Err(refuse("tool_choice.type", "only `function`"));
+            }
+            if !defs.iter().any(|d| d.name == function.name) {
+                return Err(refuse(
+                    "tool_choice.function.name",
+                    &format!("`{}` is not among the tools", function.name),
+                ));
+            }
+            Choice::Named(function.name.clone())
+        }
+    })
 }
 
 /// `text` without a surrounding Markdown code fence (```` ``` ```` or ```` ```json ````).

@@ -12,7 +12,7 @@ use super::tokenizers::ModelTokenizer;
 use super::{Caller, ChatError, ChatService, LoadRefusal};
 use crate::generate::KeepAlive;
 use crate::ids::SessionId;
-use crate::workers::{ModelKey, ServedModel, UnknownModel};
+use crate::workers::{AdminError, Eviction, ModelKey, ServedModel, UnknownModel};
 
 /// The model a request is for, resolved against what the workers serve (see
 /// [`crate::workers::WorkerPool::resolve`]).
@@ -240,8 +240,25 @@ impl ChatService {
             "loading a model on demand"
         );
         metrics::counter!(crate::telemetry::MODEL_LOADS).increment(1);
-        let loaded =
-            tokio::time::timeout(ON_DEMAND_LOAD_TIMEOUT, pool.load_model(spec, None, true));
+        let load = pool.load_model(spec, None, Eviction::IdleModels);
+        match tokio::time::timeout(ON_DEMAND_LOAD_TIMEOUT, load).await {
+            Ok(Ok(_)) => Ok(Target {
+                model: pool.resolve(Some(asked))?,
+                tokenizer: None,
+            }),
+            Ok(Err(e)) => Err(self.load_failed(caller, (spec, asked), e)),
+            Err(_) => Err(ChatError::ModelLoading(spec.to_string())),
+        }
+    }
+
+    /// What the caller of a load on demand of `spec` (which `asked` names) is told when the
+    /// load failed with `e`: the same to every caller, the workers' words only to an admin key.
+    fn load_failed(
+        &self,
+        caller: Option<&Caller>,
+        (spec, asked): (&str, &str),
+        e: AdminError,
+    ) -> ChatError {
         let refused = |why, retry_after_secs, detail: String| {
             tracing::warn!(model = spec, %detail, "a load on demand did not happen");
             ChatError::LoadRefused {
@@ -251,25 +268,17 @@ impl ChatService {
                 detail: caller.is_some_and(|c| c.role.is_admin()).then_some(detail),
             }
         };
-        match loaded.await {
-            Ok(Ok(_)) => {}
-            Ok(Err(crate::workers::AdminError::NotFound(_))) => {
-                return Err(pool.resolve(Some(asked)).err().map_or_else(
-                    || ChatError::Unavailable(format!("the model {spec} could not be loaded")),
-                    ChatError::from,
-                ))
-            }
-            Ok(Err(crate::workers::AdminError::NoRoom {
+        match e {
+            AdminError::NotFound(_) => self.generator.pool.resolve(Some(asked)).err().map_or_else(
+                || ChatError::Unavailable(format!("the model {spec} could not be loaded")),
+                ChatError::from,
+            ),
+            AdminError::NoRoom {
                 detail,
                 retry_after_secs,
-            })) => return Err(refused(LoadRefusal::NoRoom, retry_after_secs, detail)),
-            Ok(Err(e)) => return Err(refused(LoadRefusal::Failed, None, e.to_string())),
-            Err(_) => return Err(ChatError::ModelLoading(spec.to_string())),
+            } => refused(LoadRefusal::NoRoom, retry_after_secs, detail),
+            e => refused(LoadRefusal::Failed, None, e.to_string()),
         }
-        Ok(Target {
-            model: pool.resolve(Some(asked))?,
-            tokenizer: None,
-        })
     }
 
     /// The repository version (`name@version`) that [`Self::target`] would load on demand
@@ -322,7 +331,10 @@ impl ChatService {
         model: &str,
         worker: Option<&str>,
     ) -> Result<(String, crate::workers::WorkerModel), crate::workers::AdminError> {
-        self.generator.pool.load_model(model, worker, false).await
+        self.generator
+            .pool
+            .load_model(model, worker, Eviction::Never)
+            .await
     }
 
     /// Unloads `model` from the workers that hold it (or from `worker`).

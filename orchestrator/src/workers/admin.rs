@@ -125,6 +125,16 @@ fn free_bytes(info: &proto::InfoResponse) -> u64 {
     info.device.as_ref().map_or(0, |d| d.memory_free_bytes)
 }
 
+/// Whether a load may make room on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Eviction {
+    /// Only where the model fits beside what is loaded (an operator's load).
+    Never,
+    /// The worker first unloads its least recently used idle models, never a pinned one nor one
+    /// used within its `--min-resident-secs` (a load on demand).
+    IdleModels,
+}
+
 impl WorkerPool {
     /// Every worker and the models it holds.
     pub fn worker_models(&self) -> Vec<WorkerModels> {
@@ -170,41 +180,24 @@ impl WorkerPool {
     }
 
     /// Loads `model` (`name` or `name@version`) on `worker`, else on the ready worker with the
-    /// most free memory whose repository has it and where it fits (with `evict`, a worker
-    /// first unloads its least recently used idle models to make room). Returns the worker's
-    /// name and the model as it reports it.
+    /// most free memory whose repository has it and where it fits (or where `eviction` makes
+    /// room). Returns the worker's name and the model as it reports it.
     pub async fn load_model(
         &self,
         model: &str,
         worker: Option<&str>,
-        evict: bool,
+        eviction: Eviction,
     ) -> Result<(String, WorkerModel), AdminError> {
-        let has = |s: &WorkerSlot| s.state().available.iter().any(|k| k.named_by(model));
         let slots = self.slots();
-        let mut candidates: Vec<(&WorkerSlot, (bool, u64))> = match worker {
-            Some(w) => vec![(Self::named(&slots, w)?, (true, 0))],
-            None => slots
-                .iter()
-                .filter(|s| s.conn().is_some())
-                .map(|s| {
-                    let free = s.state().info.as_ref().map_or(0, free_bytes);
-                    (&**s, (has(s), free))
-                })
-                .collect(),
-        };
-        if candidates.is_empty() {
-            return Err(AdminError::NoWorker);
-        }
-        // Workers whose repository lists it first, then the most free memory.
-        candidates.sort_by_key(|&(_, rank)| std::cmp::Reverse(rank));
+        let candidates = Self::load_candidates(&slots, model, worker)?;
         let (mut missing, mut full) = (Vec::new(), Vec::new());
         // The soonest a full worker said it may have room.
         let mut retry: Option<u64> = None;
-        for (slot, _) in candidates {
+        for slot in candidates {
             let mut client = self.admin_client(slot).await?;
             let req = proto::LoadModelRequest {
                 model: model.to_string(),
-                evict_idle: evict,
+                evict_idle: eviction == Eviction::IdleModels,
             };
             match client.load_model(req).await {
                 Ok(r) => {
@@ -240,6 +233,33 @@ impl WorkerPool {
             "no worker can load the model {model}: {}",
             missing.join("; ")
         )))
+    }
+
+    /// The workers to try loading `model` on, in order: `worker` alone when named, else every
+    /// connected worker, those whose repository lists the model first, then the most free
+    /// memory first.
+    fn load_candidates<'a>(
+        slots: &'a Slots,
+        model: &str,
+        worker: Option<&str>,
+    ) -> Result<Vec<&'a WorkerSlot>, AdminError> {
+        if let Some(w) = worker {
+            return Ok(vec![Self::named(slots, w)?]);
+        }
+        let has = |s: &WorkerSlot| s.state().available.iter().any(|k| k.named_by(model));
+        let mut ranked: Vec<(&WorkerSlot, (bool, u64))> = slots
+            .iter()
+            .filter(|s| s.conn().is_some())
+            .map(|s| {
+                let free = s.state().info.as_ref().map_or(0, free_bytes);
+                (&**s, (has(s), free))
+            })
+            .collect();
+        if ranked.is_empty() {
+            return Err(AdminError::NoWorker);
+        }
+        ranked.sort_by_key(|&(_, rank)| std::cmp::Reverse(rank));
+        Ok(ranked.into_iter().map(|(s, _)| s).collect())
     }
 
     /// Unloads `model` from every worker that holds it (or from `worker`), letting its running

@@ -169,16 +169,9 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
     let Some(link) = pool.upgrade().map(|p| slot.link(&p.config)) else {
         return;
     };
-    let endpoint = match link.endpoint(&slot.addr) {
-        Ok(e) => e
-            .connect_timeout(Duration::from_secs(1))
-            .timeout(Duration::from_secs(2)),
-        Err(e) => {
-            tracing::error!(worker = %slot.addr, error = %e, "not a worker address");
-            return;
-        }
+    let Some(mut client) = health_client(&slot, &link) else {
+        return;
     };
-    let mut client = link.client(endpoint.connect_lazy());
     let _ = slot.client.set(client.clone());
     // Ready at the end of the last round: a connection that broke between rounds counts too.
     let mut was_up = false;
@@ -226,6 +219,23 @@ pub(super) async fn poll(pool: std::sync::Weak<WorkerPool>, slot: Arc<WorkerSlot
         was_up = ready_now;
         drop(p);
         tokio::time::sleep(interval).await;
+    }
+}
+
+/// A client of `slot`'s worker for its health rounds (connecting when first used); `None`
+/// when its address is not one.
+fn health_client(slot: &WorkerSlot, link: &WorkerLink) -> Option<Client> {
+    match link.endpoint(&slot.addr) {
+        Ok(e) => {
+            let e = e
+                .connect_timeout(Duration::from_secs(1))
+                .timeout(Duration::from_secs(2));
+            Some(link.client(e.connect_lazy()))
+        }
+        Err(e) => {
+            tracing::error!(worker = %slot.addr, error = %e, "not a worker address");
+            None
+        }
     }
 }
 

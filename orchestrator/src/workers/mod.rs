@@ -14,7 +14,7 @@ mod lease;
 mod models;
 pub mod pool;
 
-pub use admin::{AdminError, WorkerModel, WorkerModels};
+pub use admin::{AdminError, Eviction, WorkerModel, WorkerModels};
 pub use affinity::{prefix_keys, Affinity, PrefixKey};
 pub use connection::{BatchConfig, Generation, WorkerConnection, WorkerError, WorkerLink};
 pub use discovery::{discover, Discovery, DnsWorkers, DNS_PREFIX};
