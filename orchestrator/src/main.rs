@@ -145,31 +145,35 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                 println!("{}", issued.key);
             }
         }
-        KeysCommand::Revoke { prefix } => {
-            let keys = if prefix.len() > PREFIX_LEN {
-                // A whole key: only the one whose hash matches.
-                let lookup: String = prefix.chars().take(PREFIX_LEN).collect();
-                let hash = hash_key(&prefix);
-                let mut keys = store.api_keys_by_prefix(&lookup).await?;
-                keys.retain(|(k, _)| k.key_hash == hash);
-                keys
-            } else {
-                store.api_keys_by_prefix(&prefix).await?
-            };
-            match keys.as_slice() {
-                [] => anyhow::bail!("--prefix: no API key starts with `{prefix}`"),
-                [(key, user)] => {
-                    store.revoke_api_key(&key.id, now_ms()).await?;
-                    eprintln!("revoked API key {}… of user {}", key.prefix, user.name);
-                }
-                _ => anyhow::bail!(
-                    "--prefix: {} keys start with `{prefix}`; none revoked",
-                    keys.len()
-                ),
-            }
-        }
+        KeysCommand::Revoke { prefix } => revoke_key(&store, &prefix).await?,
     }
     store.close().await;
+    Ok(())
+}
+
+/// Revokes the one key `prefix` starts (or is): refused when none or several match.
+async fn revoke_key(store: &SqlStore, prefix: &str) -> anyhow::Result<()> {
+    let keys = if prefix.len() > PREFIX_LEN {
+        // A whole key: only the one whose hash matches.
+        let lookup: String = prefix.chars().take(PREFIX_LEN).collect();
+        let hash = hash_key(prefix);
+        let mut keys = store.api_keys_by_prefix(&lookup).await?;
+        keys.retain(|(k, _)| k.key_hash == hash);
+        keys
+    } else {
+        store.api_keys_by_prefix(prefix).await?
+    };
+    match keys.as_slice() {
+        [] => anyhow::bail!("--prefix: no API key starts with `{prefix}`"),
+        [(key, user)] => {
+            store.revoke_api_key(&key.id, now_ms()).await?;
+            eprintln!("revoked API key {}… of user {}", key.prefix, user.name);
+        }
+        _ => anyhow::bail!(
+            "--prefix: {} keys start with `{prefix}`; none revoked",
+            keys.len()
+        ),
+    }
     Ok(())
 }
 

@@ -127,46 +127,12 @@ impl Generator {
             worker: None,
         };
         let end = self.attempts(&mut job, &live, &mut p, a).await;
-        let tool_calls = match (&job.request.output.tools, &end) {
-            (Some(tools), End::Finished(FinishReason::Stop)) => tools.calls(&p.text),
-            _ => None,
-        };
-        let outcome = Outcome {
-            content: p.text,
-            end,
-            tool_calls,
-            usage: ReplyUsage {
-                prompt_tokens: job.request.prompt.tokens.len() as u64,
-                cached_tokens: p.cached_tokens.unwrap_or(0),
-                completion_tokens: p.generated.len() as u64,
-            },
-            timings: ReplyTimings {
-                ttft_ms: p
-                    .first_token
-                    .filter(|_| !p.taken_over)
-                    .map(|t| t.duration_since(job.owner.arrived).as_millis() as u64),
-                duration_ms: job.owner.arrived.elapsed().as_millis() as u64,
-            },
-            worker: p.worker,
-        };
+        let first_token = p.first_token;
+        let outcome = outcome_of(&job, p, end);
         if let Some(b) = job.owner.budget.take() {
             b.settle(outcome.usage.completion_tokens).await;
         }
-        telemetry::observe(
-            telemetry::REQUEST_DURATION,
-            job.owner.arrived.elapsed().as_secs_f64(),
-        );
-        let usage = outcome.usage;
-        metrics::counter!(telemetry::PROMPT_TOKENS).increment(usage.prompt_tokens);
-        metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(usage.cached_tokens);
-        metrics::counter!(telemetry::GENERATED_TOKENS).increment(usage.completion_tokens);
-        telemetry::record_reply_end(&telemetry::ReplyEnd {
-            finish_reason: outcome.finish_reason().as_str(),
-            error_type: outcome.end.error().map(GenerationError::kind),
-            prompt_tokens: usage.prompt_tokens,
-            completion_tokens: usage.completion_tokens,
-            decode: p.first_token.map(|t| t.elapsed()),
-        });
+        record_end(&job, &outcome, first_token);
         live.push(RunEvent::End(Box::new(outcome.clone())));
         if let Some(lease) = job.persistence.lease() {
             self.store_end(lease, &live, &outcome).await;
@@ -469,6 +435,52 @@ impl Generator {
         }
         true
     }
+}
+
+/// How `job` ended, from its progress `p` and its `end`: text, tool calls, usage, timings.
+fn outcome_of(job: &Job, p: Progress, end: End) -> Outcome {
+    let tool_calls = match (&job.request.output.tools, &end) {
+        (Some(tools), End::Finished(FinishReason::Stop)) => tools.calls(&p.text),
+        _ => None,
+    };
+    Outcome {
+        content: p.text,
+        end,
+        tool_calls,
+        usage: ReplyUsage {
+            prompt_tokens: job.request.prompt.tokens.len() as u64,
+            cached_tokens: p.cached_tokens.unwrap_or(0),
+            completion_tokens: p.generated.len() as u64,
+        },
+        timings: ReplyTimings {
+            ttft_ms: p
+                .first_token
+                .filter(|_| !p.taken_over)
+                .map(|t| t.duration_since(job.owner.arrived).as_millis() as u64),
+            duration_ms: job.owner.arrived.elapsed().as_millis() as u64,
+        },
+        worker: p.worker,
+    }
+}
+
+/// Records a reply's end in the metrics: its duration, tokens and finish reason (the decode
+/// time from its `first_token`).
+fn record_end(job: &Job, outcome: &Outcome, first_token: Option<Instant>) {
+    telemetry::observe(
+        telemetry::REQUEST_DURATION,
+        job.owner.arrived.elapsed().as_secs_f64(),
+    );
+    let usage = outcome.usage;
+    metrics::counter!(telemetry::PROMPT_TOKENS).increment(usage.prompt_tokens);
+    metrics::counter!(telemetry::CACHED_PROMPT_TOKENS).increment(usage.cached_tokens);
+    metrics::counter!(telemetry::GENERATED_TOKENS).increment(usage.completion_tokens);
+    telemetry::record_reply_end(&telemetry::ReplyEnd {
+        finish_reason: outcome.finish_reason().as_str(),
+        error_type: outcome.end.error().map(GenerationError::kind),
+        prompt_tokens: usage.prompt_tokens,
+        completion_tokens: usage.completion_tokens,
+        decode: first_token.map(|t| t.elapsed()),
+    });
 }
 
 /// Longest a reply's end waits to be in its shared stream before it is stored anyway (the

@@ -39,11 +39,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio_stream::Stream;
-
 use super::live::KEEP_FINISHED;
 use super::wire::NativeEvent;
 use super::{Live, RunEvent, TurnIds};
+
+mod reader;
 use crate::ids::{MessageId, SessionId};
 use crate::limits::Redis;
 use crate::storage::{decode_tokens, encode_tokens, Completion, ReplyLease};
@@ -347,9 +347,7 @@ impl SharedReplies {
                     next = last_n + 1;
                     failing_since = None;
                     from_start = false;
-                    if refresh {
-                        refreshed = Some(tokio::time::Instant::now());
-                    }
+                    refreshed = refresh.then(tokio::time::Instant::now).or(refreshed);
                     if ended {
                         return;
                     }
@@ -370,14 +368,9 @@ impl SharedReplies {
             }
             // Not written: the same events go again, with whatever comes meanwhile.
             let since = *failing_since.get_or_insert_with(tokio::time::Instant::now);
-            if since.elapsed() > UNGATE_AFTER {
-                p.live.unshared();
-            }
-            if ended && since.elapsed() > GIVE_UP_AFTER {
-                tracing::warn!(message_id = %p.ids.message_id, "a reply's events could not be shared: only its own replica resumes it");
+            if !retry_after_failing(p, since.elapsed(), ended).await {
                 return;
             }
-            tokio::time::sleep(RETRY_EVERY).await;
         }
     }
 
@@ -519,169 +512,19 @@ impl SharedReplies {
     }
 }
 
-impl SharedReply {
-    /// The events after the first `from` (0-based), then each as it comes, until the reply's
-    /// last. None when the stream is gone or no longer holds event `from + 1` (trimmed: the
-    /// client reads the stored message instead). A stream begun again by a replica that took
-    /// the reply over without it (Redis lost it) serves only a client that has exactly the
-    /// events before its first: any other gets one `error` event (`stream_lost`), as does a
-    /// reader that finds the stream begun again under it.
-    pub async fn events(
-        self,
-        from: usize,
-    ) -> Result<Option<impl Stream<Item = NativeEvent> + Send + 'static>, redis::RedisError> {
-        let config = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Duration::from_millis(500))
-            .set_response_timeout(BLOCK + Duration::from_secs(2));
-        let mut conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&config)
-            .await?;
-        let key = stream_key(&self.message_id);
-        let (lost, first) = match start(&mut conn, &key, from).await? {
-            Start::Missing => return Ok(None),
-            Start::Lost => (true, Vec::new()),
-            Start::At(first) => (false, first),
-        };
-        let message_id = self.message_id.clone();
-        Ok(Some(async_stream::stream! {
-            if lost {
-                yield stream_lost(&message_id, from);
-                return;
-            }
-            let mut last = from;
-            let mut entries = first;
-            let mut quiet = tokio::time::Instant::now();
-            loop {
-                for (id, mut fields) in entries {
-                    let n = entry_number(&id).unwrap_or_default();
-                    // Begun again under this reader, elsewhere than where it is: what it
-                    // showed is not what the stream now goes on from.
-                    if last.checked_add(1) != Some(n) {
-                        yield stream_lost(&message_id, last);
-                        return;
-                    }
-                    let e = NativeEvent {
-                        id: format!("{message_id}:{n}"),
-                        name: fields.remove("e").unwrap_or_default().into(),
-                        data: fields.remove("d").unwrap_or_default(),
-                    };
-                    last = n;
-                    quiet = tokio::time::Instant::now();
-                    let end = e.is_last();
-                    yield e;
-                    if end {
-                        return;
-                    }
-                }
-                if quiet.elapsed() > QUIET_LIMIT {
-                    return;
-                }
-                let read: redis::RedisResult<Option<Vec<(String, Entries)>>> = redis::cmd("XREAD")
-                    .arg("BLOCK")
-                    .arg(BLOCK.as_millis() as u64)
-                    .arg("STREAMS")
-                    .arg(&key)
-                    .arg(format!("0-{last}"))
-                    .query_async(&mut conn)
-                    .await;
-                entries = match read {
-                    Ok(r) => r.into_iter().flatten().flat_map(|(_, e)| e).collect(),
-                    // Redis went away: the client reconnects, and is served where it can be.
-                    Err(_) => return,
-                };
-            }
-        }))
+/// After writing `p`'s events has failed for `failing`: its clients stop waiting for the
+/// stream past [`UNGATE_AFTER`], and an ended reply gives up past [`GIVE_UP_AFTER`] (false);
+/// else waits [`RETRY_EVERY`] before the next try (true).
+async fn retry_after_failing(p: &Publisher, failing: Duration, ended: bool) -> bool {
+    if failing > UNGATE_AFTER {
+        p.live.unshared();
     }
-}
-
-/// Where a reader after the first `from` events of a stream begins.
-enum Start {
-    /// The stream is gone, or no longer holds event `from + 1`.
-    Missing,
-    /// The stream was begun again after another number of events than the reader has.
-    Lost,
-    /// These entries, from event `from + 1` on.
-    At(Entries),
-}
-
-async fn start(
-    conn: &mut redis::aio::MultiplexedConnection,
-    key: &str,
-    from: usize,
-) -> redis::RedisResult<Start> {
-    let oldest: Entries = redis::cmd("XRANGE")
-        .arg(key)
-        .arg("-")
-        .arg("+")
-        .arg("COUNT")
-        .arg(1)
-        .query_async(conn)
-        .await?;
-    // Empty: a replica that just took the reply over (its stream lost) writes its first
-    // event soon.
-    let oldest = match oldest.is_empty() {
-        true => first_entry(conn, key).await?,
-        false => oldest,
-    };
-    let Some((id, fields)) = oldest.first() else {
-        return Ok(Start::Missing);
-    };
-    let origin = entry_number(id).unwrap_or(usize::MAX);
-    // A reader's count comes from its client: no stream holds an event past `usize::MAX`.
-    let Some(next) = from.checked_add(1) else {
-        return Ok(Start::Missing);
-    };
-    if fields.contains_key("r") && origin != next {
-        return Ok(Start::Lost);
+    if ended && failing > GIVE_UP_AFTER {
+        tracing::warn!(message_id = %p.ids.message_id, "a reply's events could not be shared: only its own replica resumes it");
+        return false;
     }
-    if origin > next {
-        return Ok(Start::Missing);
-    }
-    let first = redis::cmd("XRANGE")
-        .arg(key)
-        .arg(format!("0-{next}"))
-        .arg("+")
-        .query_async(conn)
-        .await?;
-    Ok(Start::At(first))
-}
-
-/// The stream's first entry, waited for (at most [`BLOCK`]) while there is none.
-async fn first_entry(
-    conn: &mut redis::aio::MultiplexedConnection,
-    key: &str,
-) -> redis::RedisResult<Entries> {
-    let read: Option<Vec<(String, Entries)>> = redis::cmd("XREAD")
-        .arg("COUNT")
-        .arg(1)
-        .arg("BLOCK")
-        .arg(BLOCK.as_millis() as u64)
-        .arg("STREAMS")
-        .arg(key)
-        .arg("0-0")
-        .query_async(conn)
-        .await?;
-    Ok(read.into_iter().flatten().flat_map(|(_, e)| e).collect())
-}
-
-/// The event a client gets when the stream cannot show it the rest of the reply as it was
-/// shown so far (see [`SharedReply::events`]): the reply goes on, and is stored; the client
-/// reads it from the session's messages. Its id repeats the client's last.
-fn stream_lost(message_id: &MessageId, last: usize) -> NativeEvent {
-    let data = serde_json::json!({
-        "error_type": super::wire::STREAM_LOST,
-        "message": "the replica running this reply stopped and its shared stream was lost: \
-                    the rest of the reply cannot be shown here as it was begun; it goes on and \
-                    is stored, so read it from the session's messages",
-        "message_id": message_id,
-        "content": "",
-    });
-    NativeEvent {
-        id: format!("{message_id}:{last}"),
-        name: "error".into(),
-        data: data.to_string(),
-    }
+    tokio::time::sleep(RETRY_EVERY).await;
+    true
 }
 
 #[cfg(test)]

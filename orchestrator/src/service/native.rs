@@ -203,24 +203,7 @@ fn prepare(
             convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
             Ok((convo, StoreTurn::Post(content.as_str().to_string())))
         }
-        NativeTurn::ToolResults(results) => {
-            let names = answered_calls(history.last(), results)?;
-            let mut convo = conversation(session, &history, tools);
-            for (r, name) in results.iter().zip(&names) {
-                convo.push(ChatMessage::new(
-                    ChatRole::User,
-                    result_text(name, &r.content),
-                ));
-            }
-            let store = results
-                .iter()
-                .map(|r| NewToolResult {
-                    tool_call_id: r.call_id.clone(),
-                    content: r.content.clone(),
-                })
-                .collect();
-            Ok((convo, StoreTurn::ToolResults(store)))
-        }
+        NativeTurn::ToolResults(results) => prepare_results(session, &history, results, tools),
         NativeTurn::Regenerate => {
             // The reply to replace is the last message; what came before must end with a user
             // message.
@@ -239,19 +222,7 @@ fn prepare(
             message_id,
             content,
         } => {
-            let target = history
-                .iter()
-                .find(|m| m.id == *message_id)
-                .ok_or(ChatError::NotFound("message"))?;
-            if target.role != Role::User {
-                return Err(ChatError::NotAUserMessage(format!(
-                    "message {message_id} is an {} message; only user messages can be edited \
-                     (POST /v1/sessions/{}/regenerate answers the last one again)",
-                    target.role.as_str(),
-                    session.id
-                )));
-            }
-            let from = target.seq;
+            let from = edited(session, &history, message_id)?.seq;
             let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
             let mut convo = conversation(session, &earlier, tools);
             convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
@@ -264,6 +235,54 @@ fn prepare(
             ))
         }
     }
+}
+
+/// A turn of tool results: the conversation with each result as a user message, and the
+/// results to store. Refused unless they answer the last reply's calls.
+fn prepare_results(
+    session: &Session,
+    history: &[Message],
+    results: &[ToolResult],
+    tools: Option<&Tools>,
+) -> Result<(Vec<ChatMessage>, StoreTurn), ChatError> {
+    let names = answered_calls(history.last(), results)?;
+    let mut convo = conversation(session, history, tools);
+    for (r, name) in results.iter().zip(&names) {
+        convo.push(ChatMessage::new(
+            ChatRole::User,
+            result_text(name, &r.content),
+        ));
+    }
+    let store = results
+        .iter()
+        .map(|r| NewToolResult {
+            tool_call_id: r.call_id.clone(),
+            content: r.content.clone(),
+        })
+        .collect();
+    Ok((convo, StoreTurn::ToolResults(store)))
+}
+
+/// The message an edit replaces: one of the session's user messages (404 when missing, 422
+/// when not a user's).
+fn edited<'a>(
+    session: &Session,
+    history: &'a [Message],
+    message_id: &MessageId,
+) -> Result<&'a Message, ChatError> {
+    let target = history
+        .iter()
+        .find(|m| m.id == *message_id)
+        .ok_or(ChatError::NotFound("message"))?;
+    if target.role != Role::User {
+        return Err(ChatError::NotAUserMessage(format!(
+            "message {message_id} is an {} message; only user messages can be edited \
+             (POST /v1/sessions/{}/regenerate answers the last one again)",
+            target.role.as_str(),
+            session.id
+        )));
+    }
+    Ok(target)
 }
 
 /// The names of the functions whose results `results` are, in order: each must answer a call

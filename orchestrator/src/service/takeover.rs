@@ -30,6 +30,7 @@
 //! later one while the database refuses it (down at the reply's start), so that a reply whose
 //! replica dies after Redis lost the job can still be continued.
 
+use std::ops::ControlFlow;
 use std::sync::Arc;
 
 use hearth_shared::{Grammar, SamplingParams};
@@ -197,28 +198,9 @@ impl ChatService {
         if shared.take(&lease, false).await.is_none() {
             return Ok(Swept::Alive);
         }
-        // Redis not answering now is no reason to give the reply up: a later sweep tries again.
-        let resume = match shared.read(id).await {
-            None => return Ok(Swept::Alive),
-            Some(Some(StreamState::Ended(done))) => {
-                return Ok(match self.store.finish_message(&lease, &done).await? {
-                    true => Swept::Finished,
-                    false => Swept::Alive,
-                });
-            }
-            Some(Some(StreamState::Running(p))) => Resume {
-                events: p.events,
-                tokens: p.tokens,
-                before: Before::Entries(p.entries),
-            },
-            Some(None) => match self.resume_from_checkpoint(shared, &lease).await? {
-                FromCheckpoint::Resume(r) => r,
-                FromCheckpoint::Later => return Ok(Swept::Alive),
-                FromCheckpoint::Missing => {
-                    let why = "its events are no longer in Redis, and no checkpoint was saved";
-                    return self.fail_taken(shared, &user_id, &ids, &lease, why).await;
-                }
-            },
+        let resume = match self.resume_point(shared, &lease, (&user_id, &ids)).await? {
+            ControlFlow::Continue(resume) => resume,
+            ControlFlow::Break(swept) => return Ok(swept),
         };
         // Finding the model's tokenizer (or loading the model) may take a while: the sweep
         // goes on meanwhile.
@@ -228,6 +210,40 @@ impl ChatService {
                 .await;
         });
         Ok(Swept::TakenOver)
+    }
+
+    /// Where claimed reply `lease` goes on from: its shared stream, else its checkpoint. `Break`
+    /// with how the sweep ends instead: it ended already (now stored), Redis does not answer
+    /// (a later sweep tries again), or nothing is left to go on from (it fails).
+    async fn resume_point(
+        &self,
+        shared: &SharedReplies,
+        lease: &ReplyLease,
+        (user_id, ids): (&UserId, &TurnIds),
+    ) -> Result<ControlFlow<Swept, Resume>, StoreError> {
+        // Redis not answering now is no reason to give the reply up: a later sweep tries again.
+        Ok(match shared.read(&lease.message_id).await {
+            None => ControlFlow::Break(Swept::Alive),
+            Some(Some(StreamState::Ended(done))) => {
+                ControlFlow::Break(match self.store.finish_message(lease, &done).await? {
+                    true => Swept::Finished,
+                    false => Swept::Alive,
+                })
+            }
+            Some(Some(StreamState::Running(p))) => ControlFlow::Continue(Resume {
+                events: p.events,
+                tokens: p.tokens,
+                before: Before::Entries(p.entries),
+            }),
+            Some(None) => match self.resume_from_checkpoint(shared, lease).await? {
+                FromCheckpoint::Resume(r) => ControlFlow::Continue(r),
+                FromCheckpoint::Later => ControlFlow::Break(Swept::Alive),
+                FromCheckpoint::Missing => {
+                    let why = "its events are no longer in Redis, and no checkpoint was saved";
+                    ControlFlow::Break(self.fail_taken(shared, user_id, ids, lease, why).await?)
+                }
+            },
+        })
     }
 
     /// The stream was lost (Redis restarted) with the replica that ran the reply: the reply

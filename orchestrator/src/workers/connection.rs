@@ -290,19 +290,8 @@ async fn connection_task(
             },
             cancel = inputs.cancels.recv() => match cancel {
                 Some(id) => {
-                    if let Some(i) = pending.iter().position(|r| r.request_id == id) {
-                        // Never sent: answer it here.
-                        pending.remove(i);
-                        deliver(&mut routes, cancelled(id));
-                    } else if routes.contains_key(&id) {
-                        let cancel = proto::WorkerRequest {
-                            kind: Some(proto::worker_request::Kind::Cancel(proto::Cancel {
-                                request_id: id,
-                            })),
-                        };
-                        if out.send(cancel).await.is_err() {
-                            break "the stream to the worker closed".to_string();
-                        }
+                    if !send_cancel(&out, &mut pending, &mut routes, id).await {
+                        break "the stream to the worker closed".to_string();
                     }
                 }
                 // The connection and every request it started are gone.
@@ -321,6 +310,12 @@ async fn connection_task(
         }
     };
     open.store(false, Ordering::SeqCst);
+    fail_open(&addr, &reason, routes);
+}
+
+/// Ends every request still open on a connection that closed for `reason`: `Unavailable`, which
+/// fails it over to another worker.
+fn fail_open(addr: &str, reason: &str, mut routes: Routes) {
     tracing::warn!(worker = %addr, %reason, open_requests = routes.len(), "worker connection closed");
     let message = format!("worker {addr}: {reason}");
     for (id, tx) in routes.drain() {
@@ -332,6 +327,30 @@ async fn connection_task(
             })),
         });
     }
+}
+
+/// Cancels request `id`: answered here when it was never sent, else the worker is told. False
+/// when the stream to the worker is gone.
+async fn send_cancel(
+    out: &mpsc::Sender<proto::WorkerRequest>,
+    pending: &mut Vec<proto::GenerateRequest>,
+    routes: &mut Routes,
+    id: u64,
+) -> bool {
+    if let Some(i) = pending.iter().position(|r| r.request_id == id) {
+        pending.remove(i);
+        deliver(routes, cancelled(id));
+        return true;
+    }
+    if !routes.contains_key(&id) {
+        return true;
+    }
+    let cancel = proto::WorkerRequest {
+        kind: Some(proto::worker_request::Kind::Cancel(proto::Cancel {
+            request_id: id,
+        })),
+    };
+    out.send(cancel).await.is_ok()
 }
 
 async fn sleep_until(at: Option<Instant>) {

@@ -67,25 +67,7 @@ pub async fn completions(
         tools: tools.clone(),
     };
     let finished = finished_choices(&lives, logprobs, &shape).await?;
-    let choices = (0u32..)
-        .zip(&finished)
-        .map(|(index, f)| {
-            let calls = f.outcome.tool_calls.clone();
-            CompletionChoice {
-                index,
-                finish_reason: match &calls {
-                    Some(_) => OpenAiFinish::ToolCalls,
-                    None => f.finish_reason,
-                },
-                message: AssistantMessage {
-                    role: "assistant".into(),
-                    content: calls.is_none().then(|| f.outcome.content.clone()),
-                    tool_calls: calls,
-                },
-                logprobs: (!f.logprobs.is_null()).then(|| f.logprobs.clone()),
-            }
-        })
-        .collect();
+    let choices = (0u32..).zip(&finished).map(completion_choice).collect();
     let outcomes: Vec<Outcome> = finished.into_iter().map(|f| f.outcome).collect();
     drop(guards);
     Ok(Json(ChatCompletion {
@@ -130,6 +112,24 @@ fn check_before_load(req: &ChatRequest) -> Result<(), ApiError> {
     let tools = req.tools()?;
     req.turn(tools.as_ref(), &Default::default())?;
     Ok(())
+}
+
+/// Choice `index` of a chat completion, as answered: its text, or its tool calls.
+fn completion_choice((index, f): (u32, &FinishedChoice)) -> CompletionChoice {
+    let calls = f.outcome.tool_calls.clone();
+    CompletionChoice {
+        index,
+        finish_reason: match &calls {
+            Some(_) => OpenAiFinish::ToolCalls,
+            None => f.finish_reason,
+        },
+        message: AssistantMessage {
+            role: "assistant".into(),
+            content: calls.is_none().then(|| f.outcome.content.clone()),
+            tool_calls: calls,
+        },
+        logprobs: (!f.logprobs.is_null()).then(|| f.logprobs.clone()),
+    }
 }
 
 /// A choice of a finished (non-streamed) completion.
