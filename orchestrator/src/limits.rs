@@ -199,6 +199,11 @@ impl Limiter {
         Ok(())
     }
 
+    /// Counts a request that generates nothing (tokenizing) against the per-minute limit.
+    pub async fn admit_request(&self, q: &Quota) -> Result<(), Limited> {
+        self.count_request(q, self.clock.now()).await
+    }
+
     /// Counts one request in the key's current minute; refused once past its limit.
     async fn count_request(&self, q: &Quota, now: i64) -> Result<(), Limited> {
         let Some(limit) = q.requests_per_minute else {

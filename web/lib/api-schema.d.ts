@@ -4,6 +4,47 @@
  */
 
 export interface paths {
+    "/detokenize": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * The text of token ids (vLLM's `/detokenize`); an id outside the model's vocabulary is a 422
+         *     that names it (`tokens[i]`).
+         */
+        post: operations["detokenize"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/tokenize": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * A prompt's tokens, or chat messages' as a chat completion would prefill them (vLLM's
+         *     `/tokenize`). Nothing is generated; the request counts against the key's requests per
+         *     minute.
+         */
+        post: operations["tokenize"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/admin/models/load": {
         parameters: {
             query?: never;
@@ -522,6 +563,16 @@ export interface components {
              *     `model_not_found` otherwise). Absent: the default model.
              */
             model?: string | null;
+        };
+        /** @description Tokens to turn back into text. */
+        DetokenizeRequest: {
+            /** @description As `/tokenize`'s. */
+            model?: string | null;
+            tokens: number[];
+        };
+        DetokenizeResponse: {
+            /** @description The tokens' text, special tokens as they are written. */
+            prompt: string;
         };
         /** @description Every error's body (OpenAI's shape). */
         ErrorBody: {
@@ -1084,6 +1135,37 @@ export interface components {
         TokenText: {
             text: string;
         };
+        /** @description A prompt, or chat messages, to tokenize. */
+        TokenizeRequest: {
+            /**
+             * @description A served model's name (as `/v1/models` lists it, or `name@version`); absent: the default
+             *     model. A repository model is loaded first if it must be, as for a completion.
+             */
+            model?: string | null;
+            /** @description A prompt as it is. Give this or `messages`. */
+            prompt?: string | null;
+            /** @description Chat messages, as chat completions take them, rendered with the model's chat template. */
+            messages?: components["schemas"]["InMessage"][] | null;
+            /** @description With `messages`: the tools a completion would offer; their description heads the prompt. */
+            tools?: components["schemas"]["Tool"][] | null;
+            /** @description With `prompt`: the BOS token first (default `true`). */
+            add_special_tokens?: boolean | null;
+            /** @description With `messages`: the prompt ends where the reply begins. Only `true` (the default). */
+            add_generation_prompt?: boolean | null;
+            /** @description Only `false` (the default): the last message is not continued. */
+            continue_final_message?: boolean | null;
+            /** @description Each token's text too, special tokens as they are written. */
+            return_token_strs?: boolean | null;
+        };
+        TokenizeResponse: {
+            /** @description How many tokens: what a completion of the same input counts as its prompt. */
+            count: number;
+            /** @description The model's context, in tokens. */
+            max_model_len: number | null;
+            tokens: number[];
+            /** @description Each token's text, when `return_token_strs` asked for it; else null. */
+            token_strs: string[] | null;
+        };
         /** @description A tool the model may call: only functions. */
         Tool: {
             /** @description `function` */
@@ -1275,6 +1357,234 @@ export interface components {
 }
 export type $defs = Record<string, never>;
 export interface operations {
+    detokenize: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["DetokenizeRequest"];
+            };
+        };
+        responses: {
+            /** @description The text */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["DetokenizeResponse"];
+                };
+            };
+            /** @description The body is not JSON, or not a JSON object */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A token outside the vocabulary */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    tokenize: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["TokenizeRequest"];
+            };
+        };
+        responses: {
+            /** @description The tokens */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["TokenizeResponse"];
+                };
+            };
+            /** @description The body is not JSON, or not a JSON object */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Neither or both of `prompt` and `messages`, or a field Hearth cannot honour */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
     loadModel: {
         parameters: {
             query?: never;

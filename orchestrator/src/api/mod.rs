@@ -122,6 +122,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions::completions))
         .route("/v1/models", get(openai::models::models))
         .route("/v1/models/{id}", get(openai::models::model))
+        .route("/tokenize", post(openai::tokenize::tokenize))
+        .route("/detokenize", post(openai::tokenize::detokenize))
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))

@@ -36,6 +36,8 @@ use super::native::{ReplyFailed, TokenText};
         super::openai::completions::completions,
         super::openai::models::models,
         super::openai::models::model,
+        super::openai::tokenize::tokenize,
+        super::openai::tokenize::detokenize,
         super::admin::workers,
         super::admin::load,
         super::admin::unload,

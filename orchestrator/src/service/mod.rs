@@ -26,6 +26,7 @@ mod session;
 mod shared_prompt;
 mod stateless;
 mod takeover;
+mod tokenize;
 mod tokenizers;
 mod turn;
 
@@ -35,6 +36,7 @@ pub use models::{ModelDefaults, Target};
 pub use session::{next_cursor, session_query, MessagePage, ValidPatch, ValidSession};
 pub use shared_prompt::{SharedPromptText, SharedPrompts};
 pub use takeover::{JobRecord, Swept};
+pub use tokenize::{ToTokenize, Tokenized};
 pub use tokenizers::{ModelTokenizer, Tokenizers};
 
 pub use turn::{

@@ -8,11 +8,13 @@
 //! - `chat`: `POST /v1/chat/completions`;
 //! - `stream`: streamed choices as chunks;
 //! - `completions`: the legacy `POST /v1/completions`;
-//! - `models`: `GET /v1/models`.
+//! - `models`: `GET /v1/models`;
+//! - `tokenize`: `POST /tokenize` and `POST /detokenize`, in vLLM's shapes.
 
 pub(super) mod chat;
 mod chunk;
 pub(super) mod completions;
 pub(super) mod models;
 pub(super) mod stream;
+pub(super) mod tokenize;
 pub(super) mod wire;

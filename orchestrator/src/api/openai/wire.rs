@@ -317,40 +317,7 @@ impl ChatRequest {
     }
 
     fn conversation(&self, tools: Option<&Tools>) -> Result<Conversation, ApiError> {
-        let mut out = Vec::with_capacity(self.messages.len());
-        let mut calls: Vec<(String, String)> = Vec::new();
-        for (i, m) in self.messages.iter().enumerate() {
-            let field = format!("messages[{i}]");
-            let text = m.text(&field)?;
-            let entry = match m.role.as_str() {
-                "system" | "developer" => (ChatRole::System, text),
-                "user" => (ChatRole::User, text),
-                "assistant" => {
-                    calls.extend(call_names(m.tool_calls.as_deref()));
-                    let text = assistant_text(&field, text, m.tool_calls.as_deref())?;
-                    (ChatRole::Assistant, text)
-                }
-                "tool" => {
-                    let text = tool_text(&field, &text, m.tool_call_id.as_deref(), &calls)?;
-                    (ChatRole::User, text)
-                }
-                other => {
-                    return Err(refuse(
-                        &format!("{field}.role"),
-                        &format!(
-                            "`{other}` is not supported (system, developer, user, assistant, tool)"
-                        ),
-                    ))
-                }
-            };
-            out.push(entry);
-        }
-        let convo = Conversation::new(out)?;
-        // The tools' description comes first, then the client's own system prompt.
-        Ok(match tools.and_then(Tools::system_text) {
-            Some(t) => convo.with_system_prefix(t),
-            None => convo,
-        })
+        conversation(&self.messages, tools)
     }
 
     /// The request as a validated turn: every field checked once, here.
@@ -387,6 +354,49 @@ impl ChatRequest {
             self.stream,
         ))
     }
+}
+
+/// Chat messages as a conversation, each checked (its field named in an error); tool messages
+/// become user messages holding their results, and `tools`' description heads the system
+/// prompt.
+pub(super) fn conversation(
+    messages: &[InMessage],
+    tools: Option<&Tools>,
+) -> Result<Conversation, ApiError> {
+    let mut out = Vec::with_capacity(messages.len());
+    let mut calls: Vec<(String, String)> = Vec::new();
+    for (i, m) in messages.iter().enumerate() {
+        let field = format!("messages[{i}]");
+        let text = m.text(&field)?;
+        let entry = match m.role.as_str() {
+            "system" | "developer" => (ChatRole::System, text),
+            "user" => (ChatRole::User, text),
+            "assistant" => {
+                calls.extend(call_names(m.tool_calls.as_deref()));
+                let text = assistant_text(&field, text, m.tool_calls.as_deref())?;
+                (ChatRole::Assistant, text)
+            }
+            "tool" => {
+                let text = tool_text(&field, &text, m.tool_call_id.as_deref(), &calls)?;
+                (ChatRole::User, text)
+            }
+            other => {
+                return Err(refuse(
+                    &format!("{field}.role"),
+                    &format!(
+                        "`{other}` is not supported (system, developer, user, assistant, tool)"
+                    ),
+                ))
+            }
+        };
+        out.push(entry);
+    }
+    let convo = Conversation::new(out)?;
+    // The tools' description comes first, then the client's own system prompt.
+    Ok(match tools.and_then(Tools::system_text) {
+        Some(t) => convo.with_system_prefix(t),
+        None => convo,
+    })
 }
 
 /// A finished chat completion.
