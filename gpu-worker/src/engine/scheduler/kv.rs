@@ -321,15 +321,16 @@ impl KvManager {
             d.remove(&id);
         }
         s.tokens.truncate(s.kv_len);
-        self.keep(id, s);
+        let tokens = std::mem::take(&mut s.tokens);
+        self.keep(id, s, tokens);
     }
 
-    /// Makes `s`'s first `kv_len` positions session `id`'s cache.
-    fn keep(&mut self, id: SessionId, s: &mut Seq) {
+    /// Makes `s`'s first `kv_len` positions, whose tokens are `tokens`, session `id`'s cache.
+    fn keep(&mut self, id: SessionId, s: &mut Seq, tokens: Vec<u32>) {
         self.truncate(&mut s.blocks, s.kv_len);
         let cache = SessionCache {
             user: s.user.clone(),
-            tokens: s.tokens[..s.kv_len].to_vec(),
+            tokens,
             blocks: std::mem::take(&mut s.blocks),
             packed: std::mem::take(&mut s.packed),
             last_used: self.tick(),
@@ -451,7 +452,10 @@ impl KvManager {
     /// it had as its cache; shared blocks go back to the prefix cache.
     pub(super) fn detach(&mut self, s: &mut Seq) {
         match s.session.clone() {
-            Some(id) if s.kv_len > 0 => self.keep(id, s),
+            Some(id) if s.kv_len > 0 => {
+                let tokens = s.tokens[..s.kv_len].to_vec();
+                self.keep(id, s, tokens);
+            }
             _ => self.forget(s),
         }
     }
