@@ -66,6 +66,7 @@ fn end(content: &str) -> RunEvent {
         usage: Default::default(),
         timings: Default::default(),
         worker: Some("w1".into()),
+        stop_sequence: None,
     }))
 }
 

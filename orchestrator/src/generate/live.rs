@@ -25,6 +25,8 @@ pub struct Outcome {
     pub timings: ReplyTimings,
     /// The worker that finished the reply.
     pub worker: Option<String>,
+    /// The stop string that ended the reply, when one did.
+    pub stop_sequence: Option<String>,
 }
 
 impl Outcome {
@@ -562,6 +564,7 @@ mod tests {
             },
             timings: ReplyTimings::default(),
             worker: None,
+            stop_sequence: None,
         })));
         live.settle();
         live
@@ -591,6 +594,7 @@ mod tests {
             usage: ReplyUsage::default(),
             timings: ReplyTimings::default(),
             worker: None,
+            stop_sequence: None,
         }))
     }
 

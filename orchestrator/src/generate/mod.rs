@@ -75,6 +75,8 @@ struct Progress {
     /// The text and tokens of the events before this replica's log (another replica's,
     /// taken over), which every checkpoint begins with.
     before: (String, Vec<u32>),
+    /// The stop string that ended the reply, once one has.
+    stop_sequence: Option<String>,
 }
 
 impl Progress {
@@ -125,6 +127,7 @@ impl Generator {
             cached_tokens: None,
             last_token: None,
             worker: None,
+            stop_sequence: None,
         };
         let end = self.attempts(&mut job, &live, &mut p, a).await;
         let first_token = p.first_token;
@@ -147,6 +150,7 @@ impl Generator {
     async fn attempts(&self, job: &mut Job, live: &Live, p: &mut Progress, mut a: Attempts) -> End {
         // Taken over after a stop string had already shown (its replica died before the end).
         if a.stops.is_done() {
+            p.stop_sequence = a.stops.matched().map(str::to_string);
             return End::Finished(FinishReason::Stop);
         }
         loop {
@@ -293,6 +297,7 @@ impl Generator {
             let fed = a.stops.push(&piece);
             self.emit(job, live, p, fed.text);
             if fed.stopped {
+                p.stop_sequence = a.stops.matched().map(str::to_string);
                 return Some(Next::End(End::Finished(FinishReason::Stop)));
             }
         }
@@ -321,6 +326,7 @@ impl Generator {
         let tail = a.detok.finish(&job.placement.tokenizer).unwrap_or_default();
         let mut rest = a.stops.push(&tail).text;
         rest.push_str(&a.stops.flush());
+        p.stop_sequence = a.stops.matched().map(str::to_string);
         self.emit(job, live, p, rest);
         Next::End(End::Finished(finish))
     }
@@ -460,6 +466,7 @@ fn outcome_of(job: &Job, p: Progress, end: End) -> Outcome {
             duration_ms: job.owner.arrived.elapsed().as_millis() as u64,
         },
         worker: p.worker,
+        stop_sequence: p.stop_sequence,
     }
 }
 

@@ -408,6 +408,7 @@ impl ChatService {
                 usage: ReplyUsage::default(),
                 timings: ReplyTimings::default(),
                 worker: None,
+                stop_sequence: None,
             })));
             live.settle();
         }

@@ -8,6 +8,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
     done: bool,
+    /// The stop string found, once one is.
+    matched: Option<String>,
 }
 
 /// The result of feeding text.
@@ -33,6 +35,12 @@ impl StopMatcher {
         self.done
     }
 
+    /// The stop string found (the first in the text; of two that begin there, the first
+    /// given), once one is.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
+    }
+
     pub fn push(&mut self, text: &str) -> Fed {
         if self.done {
             return Fed {
@@ -44,10 +52,11 @@ impl StopMatcher {
         let first = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min();
-        if let Some(at) = first {
+            .filter_map(|s| Some((self.held.find(s.as_str())?, s)))
+            .min_by_key(|(at, _)| *at);
+        if let Some((at, stop)) = first {
             self.done = true;
+            self.matched = Some(stop.clone());
             let text = self.held[..at].to_string();
             self.held.clear();
             return Fed {
@@ -118,6 +127,20 @@ mod tests {
         assert_eq!(run(&["END"], &["done E"]), ("done E".into(), false));
         assert_eq!(run(&[], &["a", "b"]), ("ab".into(), false));
         assert_eq!(run(&[""], &["a"]), ("a".into(), false));
+    }
+
+    #[test]
+    fn the_stop_string_found_is_told() {
+        let mut m = StopMatcher::new(["yz", "c", "cx"].map(String::from));
+        assert_eq!(m.push("ab").text, "ab");
+        assert_eq!(m.matched(), None);
+        assert!(m.push("cxyz").stopped);
+        // The earliest in the text; of two that begin there, the first given.
+        assert_eq!(m.matched(), Some("c"));
+        let mut m = StopMatcher::new(["END".to_string()]);
+        m.push("no stop here");
+        m.flush();
+        assert_eq!(m.matched(), None);
     }
 
     #[test]
