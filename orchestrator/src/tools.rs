@@ -81,6 +81,44 @@ pub struct NamedFunction {
     name: String,
 }
 
+impl Tool {
+    /// A function tool, as another API than OpenAI's describes one (Anthropic's `input_schema`
+    /// is OpenAI's `parameters`).
+    pub fn function(name: String, description: Option<String>, parameters: Option<Value>) -> Self {
+        Self {
+            kind: "function".into(),
+            function: FunctionDef {
+                name,
+                description,
+                parameters,
+                strict: None,
+            },
+        }
+    }
+}
+
+impl ToolChoice {
+    /// A call of the function `name`, forced.
+    pub fn named(name: String) -> Self {
+        Self::Named {
+            kind: "function".into(),
+            function: NamedFunction { name },
+        }
+    }
+}
+
+impl InToolCall {
+    /// A call of the history as another API than OpenAI's spells one: its id, the function's
+    /// name and its arguments as a JSON text.
+    pub fn new(id: String, name: String, arguments: String) -> Self {
+        Self {
+            id,
+            kind: None,
+            function: InFunctionCall { name, arguments },
+        }
+    }
+}
+
 /// A call in an assistant message of the history.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct InToolCall {

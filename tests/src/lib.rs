@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod chaos;
+pub mod client;
 pub mod http;
 pub mod pg;
 pub mod prometheus;

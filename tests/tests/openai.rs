@@ -357,30 +357,10 @@ print(json.dumps({"model": model, "text": r.choices[0].message.content, "streame
 
 #[tokio::test]
 async fn the_unmodified_openai_python_client_works() {
-    let probe = std::process::Command::new("python3")
-        .args(["-c", "import openai"])
-        .output();
-    assert!(
-        probe.is_ok_and(|o| o.status.success()),
-        "this test needs the `openai` Python package: `python3 -m pip install openai`"
-    );
     let s = Stack::start("oaipy", Db::Sqlite, 1, &[]).await;
     let k = s.key("alice").await;
-    let out = tokio::process::Command::new("python3")
-        .args(["-c", CLIENT])
-        .env("BASE_URL", format!("http://{}/v1", s.addr()))
-        .env("API_KEY", &k)
-        .env("NO_PROXY", "*")
-        .output()
-        .await
-        .expect("run python");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_str(stdout.trim()).expect("client output");
+    let base = format!("http://{}/v1", s.addr());
+    let v = hearth_e2e::client::run_python("openai", CLIENT, &base, &k).await;
     assert!(v["text"].is_string() && v["streamed"].is_string(), "{v}");
     s.finish().await;
 }

@@ -137,6 +137,47 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/messages": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Anthropic's Messages API: a reply to `messages`, whole or streamed (`stream`: Server-Sent
+         *     Events from `message_start` to `message_stop`). Stateless: nothing is stored, and a client
+         *     that goes away cancels its generation.
+         */
+        post: operations["createMessage"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/messages/count_tokens": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * How many tokens the message's prompt holds (its system prompt, tools and messages, rendered
+         *     as `POST /v1/messages` renders them), without generating.
+         */
+        post: operations["countMessageTokens"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/models": {
         parameters: {
             query?: never;
@@ -340,6 +381,163 @@ export interface paths {
 export type webhooks = Record<string, never>;
 export interface components {
     schemas: {
+        /**
+         * @description A content block: `text`, `tool_use` (an assistant's call), `tool_result` (a user's answer
+         *     to one); `thinking` blocks of the history are skipped.
+         */
+        AnthropicBlock: {
+            type: string;
+            text?: string | null;
+            /** @description `tool_use`: the call's id. */
+            id?: string | null;
+            /** @description `tool_use`: the tool called. */
+            name?: string | null;
+            /** @description `tool_use`: its input. */
+            input?: Record<string, never> | null;
+            /** @description `tool_result`: the call it answers. */
+            tool_use_id?: string | null;
+            /** @description `tool_result`: a string or text blocks. */
+            content?: Record<string, never> | null;
+            /** @description `tool_result`: the tool failed. */
+            is_error?: boolean | null;
+        };
+        /** @description A string, or content blocks. */
+        AnthropicContent: string | components["schemas"]["AnthropicBlock"][];
+        /** @description Anthropic's error body. */
+        AnthropicError: {
+            /** @description `error` */
+            type: string;
+            /**
+             * @description `type` (`invalid_request_error`, `authentication_error`, `not_found_error`, …) and
+             *     `message`.
+             */
+            error: Record<string, never>;
+        };
+        AnthropicInputMessage: {
+            /** @description `user` or `assistant`. */
+            role: string;
+            content: components["schemas"]["AnthropicContent"];
+        };
+        /** @description A finished message. */
+        AnthropicMessage: {
+            id: string;
+            /** @description `message` */
+            type: string;
+            /** @description `assistant` */
+            role: string;
+            model: string;
+            content: components["schemas"]["AnthropicOutBlock"][];
+            stop_reason?: null | components["schemas"]["AnthropicStopReason"];
+            /** @description The stop sequence that ended the reply, when one did. */
+            stop_sequence?: string | null;
+            usage: components["schemas"]["AnthropicMessageUsage"];
+        };
+        AnthropicMessageUsage: {
+            /**
+             * Format: u-int64
+             * @description Prompt tokens the worker computed (those it held in its cache are apart).
+             */
+            input_tokens: number;
+            /** Format: u-int64 */
+            output_tokens: number;
+            /**
+             * Format: u-int64
+             * @description Prompt tokens the worker already held in its cache.
+             */
+            cache_read_input_tokens: number;
+            /**
+             * Format: u-int64
+             * @description Always 0: Hearth caches prompts without being asked to.
+             */
+            cache_creation_input_tokens: number;
+        };
+        /**
+         * @description Anthropic's Messages request. Fields that do not change the output (`metadata` but its
+         *     `user_id`, `cache_control`, `service_tier`, `thinking`: the served models do not think
+         *     aloud) are accepted and ignored; content Hearth cannot read (images, documents) is refused by
+         *     name.
+         */
+        AnthropicMessagesRequest: {
+            /** @description A served model's name, as `/v1/models` lists it, or `name@version`. */
+            model: string;
+            /**
+             * Format: u-int32
+             * @description Longest reply: at least 1. Required, except by `count_tokens`.
+             */
+            max_tokens?: number | null;
+            /** @description Alternating `user` and `assistant` messages, ending with a `user` message. */
+            messages: components["schemas"]["AnthropicInputMessage"][];
+            system?: null | components["schemas"]["AnthropicContent"];
+            stop_sequences?: string[] | null;
+            stream?: boolean;
+            /**
+             * Format: float
+             * @description Anthropic's default, 1, when absent (unless the model's manifest sets one); 0 is greedy.
+             */
+            temperature?: number | null;
+            /** Format: float */
+            top_p?: number | null;
+            /** Format: u-int32 */
+            top_k?: number | null;
+            metadata?: null | components["schemas"]["AnthropicMetadata"];
+            /** @description Functions the model may call (at most 128); see `tool_choice`. */
+            tools?: components["schemas"]["AnthropicTool"][] | null;
+            tool_choice?: null | components["schemas"]["AnthropicToolChoice"];
+            output_config?: null | components["schemas"]["AnthropicOutputConfig"];
+        };
+        AnthropicMetadata: {
+            user_id?: string | null;
+        };
+        /** @description A block of the answer: its text, or a call. */
+        AnthropicOutBlock: {
+            text: string;
+            /** @enum {string} */
+            type: "text";
+        } | {
+            id: string;
+            name: string;
+            input: Record<string, never>;
+            /** @enum {string} */
+            type: "tool_use";
+        };
+        AnthropicOutputConfig: {
+            format?: null | components["schemas"]["AnthropicOutputFormat"];
+            /** @description Accepted: the served models answer as they do. */
+            effort?: string | null;
+        };
+        AnthropicOutputFormat: {
+            /** @description `json_schema` */
+            type: string;
+            /** @description The JSON Schema the reply follows. */
+            schema: Record<string, never>;
+        };
+        /**
+         * @description Why the reply ended.
+         * @enum {string}
+         */
+        AnthropicStopReason: "end_turn" | "max_tokens" | "stop_sequence" | "tool_use";
+        /** @description The answer to `POST /v1/messages/count_tokens`. */
+        AnthropicTokenCount: {
+            /** @description The prompt's tokens: what the message would count as its input. */
+            input_tokens: number;
+        };
+        /** @description A tool: its name, what it does, and its input's JSON Schema. */
+        AnthropicTool: {
+            name: string;
+            description?: string | null;
+            /** @description An object's JSON Schema. */
+            input_schema: Record<string, never>;
+            /** @description Only custom tools (absent or `custom`): Anthropic's server tools run on its servers. */
+            type?: string | null;
+        };
+        AnthropicToolChoice: {
+            /** @description `auto`, `any`, `tool` or `none`. */
+            type: string;
+            /** @description With `tool`: the tool to call. */
+            name?: string | null;
+            /** @description Accepted: a reply holds one call or several, as the model writes it. */
+            disable_parallel_tool_use?: boolean | null;
+        };
         AssistantMessage: {
             /** @description `assistant` */
             role: string;
@@ -2086,6 +2284,217 @@ export interface operations {
                 };
                 content: {
                     "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    createMessage: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["AnthropicMessagesRequest"];
+            };
+        };
+        responses: {
+            /** @description The message (or, with `stream`, its events) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicMessage"];
+                    "text/event-stream": string;
+                };
+            };
+            /** @description A field is missing, out of range or asks for what Hearth cannot do (`invalid_request_error`) */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description A missing or unknown key (`authentication_error`) */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`not_found_error`) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+        };
+    };
+    countMessageTokens: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["AnthropicMessagesRequest"];
+            };
+        };
+        responses: {
+            /** @description The prompt's size */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicTokenCount"];
+                };
+            };
+            /** @description A field is missing or out of range (`invalid_request_error`) */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`not_found_error`) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["AnthropicError"];
                 };
             };
         };

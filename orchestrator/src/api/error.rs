@@ -249,6 +249,20 @@ impl ApiError {
 }
 
 impl ApiError {
+    /// The same error with the field it names renamed by `rename`: for an API whose request
+    /// names the field otherwise than the check does.
+    pub fn with_param(self, rename: impl Fn(&str) -> String) -> Self {
+        let renamed = |i: Invalid| match i.param {
+            Some(p) => Invalid::field(rename(&p), i.why),
+            None => i,
+        };
+        match self {
+            Self::Validation(i) => Self::Validation(renamed(i)),
+            Self::InvalidGrammar(i) => Self::InvalidGrammar(renamed(i)),
+            other => other,
+        }
+    }
+
     /// An edit aimed at a message that is not a user message.
     pub fn not_a_user_message(message: String) -> Self {
         Self::Unprocessable {

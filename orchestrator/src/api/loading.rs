@@ -6,11 +6,13 @@
 //! - on OpenAI's API, as SSE comments (`: loading model gemma-3-1b@1, 3 s`), which OpenAI's
 //!   clients skip;
 //! - on the native API, as `model_loading` events (no id: they are not part of the reply, and
-//!   a resume does not repeat them).
+//!   a resume does not repeat them);
+//! - on Anthropic's, as `ping` events, which its clients skip.
 //!
 //! A request refused after that (the load failed, or what the handler checks once the model is
 //! known) can no longer get an HTTP status: it ends the stream with the error's JSON body, as a
-//! `data` event on OpenAI's API and as an `error` event without an id on the native one.
+//! `data` event on OpenAI's API, as an `error` event without an id on the native one, and as an
+//! `error` event of Anthropic's shape on Anthropic's.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -32,6 +34,7 @@ pub const LOADING_EVERY: Duration = Duration::from_secs(2);
 pub(super) enum Api {
     OpenAi,
     Native,
+    Anthropic,
 }
 
 /// The native `model_loading` event's data.
@@ -78,6 +81,7 @@ fn loading(api: Api, model: &str, waited: Duration) -> Event {
         Api::OpenAi => {
             Event::default().comment(format!("loading model {model}, {} s", waited.as_secs()))
         }
+        Api::Anthropic => Event::default().event("ping").data(r#"{"type":"ping"}"#),
         Api::Native => Event::default().event("model_loading").data(
             serde_json::to_string(&ModelLoading {
                 model: model.to_string(),
@@ -94,5 +98,9 @@ fn refused(api: Api, e: &ApiError) -> Event {
     match api {
         Api::OpenAi => Event::default().data(body),
         Api::Native => Event::default().event("error").data(body),
+        Api::Anthropic => {
+            let body = super::anthropic::error_body(e.status(), &e.to_string());
+            Event::default().event("error").data(body.to_string())
+        }
     }
 }

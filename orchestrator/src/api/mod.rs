@@ -3,12 +3,14 @@
 //! - [`sessions`]: the caller's sessions and stored messages;
 //! - [`chat`]: generation on the native API (post, regenerate, stop, resume; SSE or JSON);
 //! - [`openai`]: `/v1/chat/completions` and `/v1/models`; [`completions`]: `/v1/completions`;
+//! - [`anthropic`]: Anthropic's `/v1/messages` and `/v1/messages/count_tokens`;
 //! - [`admin`]: the workers' models, loaded and unloaded (admin keys only);
 //! - operations: `/healthz`, `/readyz` (database and at least one worker), `/metrics`;
 //! - [`openapi`]: the API's OpenAPI 3.1 document at `/openapi.json`;
 //! - [`web`]: the web UI's static files at `/` (every path the API does not claim).
 
 mod admin;
+mod anthropic;
 mod error;
 mod ids;
 pub mod loading;
@@ -124,6 +126,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models/{id}", get(openai::models::model))
         .route("/tokenize", post(openai::tokenize::tokenize))
         .route("/detokenize", post(openai::tokenize::detokenize))
+        .merge(anthropic::routes())
         .fallback(web::fallback)
         .method_not_allowed_fallback(|| async { ApiError::MethodNotAllowed })
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
@@ -139,6 +142,7 @@ pub fn router(state: AppState) -> Router {
         router
     };
     router
+        .layer(axum::middleware::from_fn(anthropic::errors_in_its_shape))
         .layer(axum::middleware::from_fn(crate::telemetry::count_requests))
         .with_state(state)
 }
@@ -323,15 +327,20 @@ impl FromRequestParts<AppState> for Caller {
 
 /// The request's caller: the local user without keys, else the owner of its API key.
 async fn caller_of(parts: &Parts, state: &AppState) -> Result<Caller, ApiError> {
-    caller_with(state, bearer(&parts.headers)).await
+    caller_with(state, api_key(&parts.headers)).await
 }
 
-/// The key an `Authorization: Bearer …` header carries, if there is one.
-fn bearer(headers: &axum::http::HeaderMap) -> Option<&str> {
-    headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
+/// The key a request carries, if it carries one: in an `Authorization: Bearer …` header, or
+/// in `x-api-key` (Anthropic's clients send it there).
+fn api_key(headers: &axum::http::HeaderMap) -> Option<&str> {
+    let header_str = |name| {
+        headers
+            .get(name)
+            .and_then(|v: &header::HeaderValue| v.to_str().ok())
+    };
+    header_str(header::AUTHORIZATION)
         .and_then(|v| v.strip_prefix("Bearer "))
+        .or_else(|| header_str(header::HeaderName::from_static("x-api-key")))
 }
 
 /// The caller of a request that carries `key` (if any): the local user without keys, else the

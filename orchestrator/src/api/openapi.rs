@@ -38,6 +38,8 @@ use super::native::{ReplyFailed, TokenText};
         super::openai::models::model,
         super::openai::tokenize::tokenize,
         super::openai::tokenize::detokenize,
+        super::anthropic::messages,
+        super::anthropic::count_tokens,
         super::admin::workers,
         super::admin::load,
         super::admin::unload,
@@ -56,6 +58,7 @@ use super::native::{ReplyFailed, TokenText};
         (name = "sessions", description = "The caller's chat sessions and their stored messages"),
         (name = "generation", description = "Replies on the native API, streamed as Server-Sent Events"),
         (name = "openai", description = "OpenAI-compatible and stateless"),
+        (name = "anthropic", description = "Anthropic's Messages API, stateless; errors in Anthropic's shape (`AnthropicError`)"),
         (name = "admin", description = "The workers' models, loaded and unloaded (admin keys only)"),
     ),
 )]
@@ -198,8 +201,9 @@ pub async fn serve() -> axum::response::Response {
         .into_response()
 }
 
-/// Answers any route can give, added to every operation with the `ErrorBody` schema (a route's
-/// own description of the same status is kept), and the API key scheme.
+/// Answers any route can give, added to every operation with the `ErrorBody` schema (on
+/// Anthropic's routes `AnthropicError`; a route's own description of the same status is kept),
+/// and the API key scheme.
 struct CommonAnswers;
 
 /// Statuses every authenticated route may answer, and why.
@@ -313,6 +317,13 @@ fn link_new_sessions(doc: &mut Document) {
 
 fn add_common(op: &mut Operation) {
     let has_body = op.request_body.is_some();
+    // Anthropic's API answers its own error shape, and a bad value as a 400.
+    let anthropic = op.tags.iter().flatten().any(|t| t == "anthropic");
+    let body_schema = if anthropic {
+        "AnthropicError"
+    } else {
+        "ErrorBody"
+    };
     let has_query = op
         .parameters
         .iter()
@@ -323,13 +334,10 @@ fn add_common(op: &mut Operation) {
         // are values.
         let skip = match status {
             "400" | "413" | "415" => !has_body,
-            "422" => !has_body && !has_query,
+            "422" => anthropic || (!has_body && !has_query),
             _ => false,
         };
         if skip || op.responses.responses.contains_key(status) {
-            continue;
-        }
-        if op.responses.responses.contains_key(status) {
             continue;
         }
         let response = ResponseBuilder::new()
@@ -337,7 +345,7 @@ fn add_common(op: &mut Operation) {
             .content(
                 "application/json",
                 ContentBuilder::new()
-                    .schema(Some(RefOr::Ref(Ref::from_schema_name("ErrorBody"))))
+                    .schema(Some(RefOr::Ref(Ref::from_schema_name(body_schema))))
                     .build(),
             )
             .build();

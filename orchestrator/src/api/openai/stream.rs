@@ -295,7 +295,8 @@ pub(super) fn streamed_events(
     }
 }
 
-pub(super) struct StopOnDrop(pub(super) Arc<Live>);
+/// A generation that stops when its answer is dropped (its client went away).
+pub(in crate::api) struct StopOnDrop(pub(in crate::api) Arc<Live>);
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {

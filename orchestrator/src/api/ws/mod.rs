@@ -42,7 +42,7 @@ use tokio::time::Instant;
 use tokio_stream::{Stream, StreamExt};
 
 use super::native::{resume_from, NativeEvent, StopResult};
-use super::{bearer, caller_with, ApiError, AppState};
+use super::{api_key, caller_with, ApiError, AppState};
 use crate::generate::{Live, TurnIds};
 use crate::ids::SessionId;
 use crate::limits::Limited;
@@ -162,9 +162,9 @@ pub async fn socket(
 }
 
 /// The key: the API's own rules, with the key taken from a `hearth.key.<key>` subprotocol when
-/// there is no `Authorization` header.
+/// there is none in the headers.
 fn socket_key(headers: &HeaderMap) -> Option<&str> {
-    bearer(headers).or_else(|| {
+    api_key(headers).or_else(|| {
         headers
             .get_all(header::SEC_WEBSOCKET_PROTOCOL)
             .iter()
