@@ -215,6 +215,26 @@ export interface paths {
         patch?: never;
         trace?: never;
     };
+    "/v1/responses": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * A model's reply to `input`, as a `response` object or (with `stream`) its events. Stateless:
+         *     nothing is stored, and a client that goes away cancels its generation.
+         */
+        post: operations["createResponse"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
     "/v1/sessions": {
         parameters: {
             query?: never;
@@ -1133,6 +1153,42 @@ export interface components {
             /** Format: u-int64 */
             completion_tokens: number;
         };
+        /** @description The `response` object. */
+        Response: {
+            id: string;
+            /** @description `response` */
+            object: string;
+            /**
+             * Format: int64
+             * @description Unix seconds.
+             */
+            created_at: number;
+            /** @description `in_progress`, `completed`, `incomplete` or `failed`. */
+            status: string;
+            model: string;
+            output: components["schemas"]["ResponseOutputItem"][];
+            error?: Record<string, never> | null;
+            /** @description `{"reason": "max_output_tokens"}` for a reply cut by its length. */
+            incomplete_details?: Record<string, never> | null;
+            instructions?: string | null;
+            /** Format: u-int32 */
+            max_output_tokens?: number | null;
+            metadata: Record<string, never>;
+            parallel_tool_calls: boolean;
+            previous_response_id?: string | null;
+            /** @description Always `false`: responses are not kept on this server. */
+            store: boolean;
+            background: boolean;
+            /** Format: float */
+            temperature?: number | null;
+            /** Format: float */
+            top_p?: number | null;
+            tool_choice: Record<string, never>;
+            tools: Record<string, never>[];
+            text: Record<string, never>;
+            truncation: string;
+            usage?: null | components["schemas"]["ResponseUsage"];
+        };
         /** @description OpenAI's `response_format`. */
         ResponseFormat: {
             /** @enum {string} */
@@ -1144,6 +1200,109 @@ export interface components {
             json_schema: components["schemas"]["JsonSchemaFormat"];
             /** @enum {string} */
             type: "json_schema";
+        };
+        /** @description An output item: a message with its text, or a function call. */
+        ResponseOutputItem: {
+            id: string;
+            /** @description `assistant` */
+            role: string;
+            status: string;
+            content: components["schemas"]["ResponseOutputText"][];
+            /** @enum {string} */
+            type: "message";
+        } | {
+            id: string;
+            call_id: string;
+            name: string;
+            /** @description The arguments as a JSON text. */
+            arguments: string;
+            status: string;
+            /** @enum {string} */
+            type: "function_call";
+        };
+        ResponseOutputText: {
+            /** @description `output_text` */
+            type: string;
+            text: string;
+            annotations: Record<string, never>[];
+        };
+        ResponseTextConfig: {
+            format?: Record<string, never> | null;
+        };
+        /** @description A tool: only functions. */
+        ResponseTool: {
+            /** @description `function` */
+            type: string;
+            name?: string | null;
+            description?: string | null;
+            parameters?: Record<string, never> | null;
+        };
+        ResponseUsage: {
+            /** Format: u-int64 */
+            input_tokens: number;
+            /** @description `cached_tokens`: prompt tokens the worker already held in its cache. */
+            input_tokens_details: Record<string, never>;
+            /** Format: u-int64 */
+            output_tokens: number;
+            output_tokens_details: Record<string, never>;
+            /** Format: u-int64 */
+            total_tokens: number;
+        };
+        /**
+         * @description OpenAI's Responses request. Fields that do not change the output (`metadata`, `include`,
+         *     `reasoning`, `prompt_cache_key`, `service_tier`, `parallel_tool_calls`, `truncation`) are
+         *     accepted; those Hearth cannot honour are refused by name.
+         */
+        ResponsesRequest: {
+            /**
+             * @description A served model's name, as `/v1/models` lists it, or `name@version`; absent: the default
+             *     model.
+             */
+            model?: string | null;
+            /**
+             * @description A user message's text, or items: messages (`system`, `developer`, `user`, `assistant`;
+             *     text content), `function_call` and `function_call_output`.
+             */
+            input: Record<string, never>;
+            /** @description A system prompt, before the input's own. */
+            instructions?: string | null;
+            /**
+             * Format: u-int32
+             * @description Longest reply: at least 1 and less than the model's context.
+             */
+            max_output_tokens?: number | null;
+            /**
+             * Format: float
+             * @description OpenAI's default, 1, when absent; 0 is greedy.
+             */
+            temperature?: number | null;
+            /** Format: float */
+            top_p?: number | null;
+            /** @description Function tools (`{"type": "function", "name", "description", "parameters"}`). */
+            tools?: components["schemas"]["ResponseTool"][] | null;
+            /** @description `auto`, `none`, `required`, or `{"type": "function", "name"}`. */
+            tool_choice?: Record<string, never>;
+            text?: null | components["schemas"]["ResponseTextConfig"];
+            stream?: boolean;
+            /**
+             * @description Responses are not kept on this server: `true` (OpenAI's default) is answered as `false`,
+             *     the `response` object's `store`.
+             */
+            store?: boolean | null;
+            /** @description Only absent or `false`. */
+            background?: boolean | null;
+            /** @description Only absent: no response is kept to continue from. */
+            previous_response_id?: string | null;
+            /** @description The end user the request is for (as chat completions' `user`). */
+            user?: string | null;
+            metadata?: Record<string, never>;
+            /** @description Accepted: a reply holds one call or several, as the model writes it. */
+            parallel_tool_calls?: boolean | null;
+            /**
+             * @description `auto` or `disabled`: a prompt longer than the context loses its oldest turns either
+             *     way, the system prompt and the last message kept.
+             */
+            truncation?: string | null;
         };
         /** @enum {string} */
         Role: "user" | "assistant" | "tool";
@@ -2614,6 +2773,121 @@ export interface operations {
             };
             /** @description The body did not arrive in time */
             408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    createResponse: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        requestBody: {
+            content: {
+                "application/json": components["schemas"]["ResponsesRequest"];
+            };
+        };
+        responses: {
+            /** @description The response (or, with `stream`, its events) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Response"];
+                    "text/event-stream": string;
+                };
+            };
+            /** @description The body is not JSON, or not a JSON object */
+            400: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is larger than 1 MiB */
+            413: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body is not `application/json` */
+            415: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A field is out of range or asks for what Hearth cannot do */
+            422: {
                 headers: {
                     [name: string]: unknown;
                 };

@@ -122,6 +122,7 @@ pub fn router(state: AppState) -> Router {
         .merge(admin::routes())
         .route("/v1/chat/completions", post(openai::chat::completions))
         .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/responses", post(openai::responses::create))
         .route("/v1/models", get(openai::models::models))
         .route("/v1/models/{id}", get(openai::models::model))
         .route("/tokenize", post(openai::tokenize::tokenize))

@@ -34,6 +34,7 @@ use super::native::{ReplyFailed, TokenText};
         super::ws::socket,
         super::openai::chat::completions,
         super::openai::completions::completions,
+        super::openai::responses::create,
         super::openai::models::models,
         super::openai::models::model,
         super::openai::tokenize::tokenize,
