@@ -330,6 +330,44 @@ impl Tools {
     }
 }
 
+/// A streamed reply's text, held back while it may still become calls of the request's tools,
+/// so that a stream never shows as words what ends as a call (every API streams this way).
+#[derive(Debug, Default)]
+pub struct HeldText {
+    /// The request's tools, when the model may call them.
+    tools: Option<std::sync::Arc<Tools>>,
+    /// What is held; `None` once the reply cannot be a call, or without tools.
+    held: Option<String>,
+}
+
+impl HeldText {
+    pub fn new(tools: Option<std::sync::Arc<Tools>>) -> Self {
+        let tools = tools.filter(|t| t.callable());
+        Self {
+            held: tools.as_ref().map(|_| String::new()),
+            tools,
+        }
+    }
+
+    /// The text to show for the reply's next piece `t`: `t` after what was held, once the
+    /// reply can no longer be a call; `None` while it still may.
+    pub fn pass(&mut self, t: String) -> Option<String> {
+        let (Some(held), Some(tools)) = (&mut self.held, &self.tools) else {
+            return Some(t);
+        };
+        held.push_str(&t);
+        if tools.may_be_call(held) {
+            return None;
+        }
+        self.held.take()
+    }
+
+    /// At the reply's end: its whole text if it was held all along (it may be calls).
+    pub fn take(&mut self) -> Option<String> {
+        self.held.take()
+    }
+}
+
 /// Tool `i` of a request, checked: a function with a valid name not offered before (in `defs`)
 /// and, if it has parameters, a JSON Schema object of a shape the grammar engine takes.
 fn check_tool<'a>(
@@ -505,6 +543,28 @@ mod tests {
         .expect("tools");
         let c: Option<ToolChoice> = choice.map(|c| serde_json::from_value(c).expect("choice"));
         Tools::new(Some(&t), c.as_ref())
+    }
+
+    #[test]
+    fn a_streamed_reply_is_held_while_it_may_be_a_call() {
+        let auto = tools(None).expect("ok").map(std::sync::Arc::new);
+        let mut h = HeldText::new(auto.clone());
+        assert_eq!(h.pass(" {\"na".into()), None);
+        assert_eq!(h.pass("me\": \"now\"}".into()), None);
+        assert_eq!(h.take().as_deref(), Some(" {\"name\": \"now\"}"));
+        // Words: released, with what was held, as soon as they cannot be a call.
+        let mut h = HeldText::new(auto);
+        assert_eq!(h.pass(" ".into()), None);
+        assert_eq!(h.pass("It is".into()).as_deref(), Some(" It is"));
+        assert_eq!(h.pass(" sunny".into()).as_deref(), Some(" sunny"));
+        assert_eq!(h.take(), None);
+        // Without callable tools nothing is held.
+        let none = tools(Some(json!("none")))
+            .expect("ok")
+            .map(std::sync::Arc::new);
+        let mut h = HeldText::new(none);
+        assert_eq!(h.pass("{".into()).as_deref(), Some("{"));
+        assert_eq!(HeldText::new(None).pass("[".into()).as_deref(), Some("["));
     }
 
     #[test]

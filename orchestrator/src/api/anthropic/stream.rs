@@ -3,6 +3,7 @@
 //! and usage), `message_stop`; a reply that fails ends with an `error` event.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use axum::response::sse::Event;
 use serde_json::{json, Value};
@@ -12,7 +13,7 @@ use super::wire::{stop_reason, tool_use_block, MessageUsage, OutBlock};
 use super::{error_body, Head};
 use crate::api::openai::stream::StopOnDrop;
 use crate::generate::{Outcome, RunEvent};
-use crate::tools::Tools;
+use crate::tools::{HeldText, Tools};
 
 /// One event: its name and its JSON, whose `type` repeats the name.
 fn event(name: &str, data: Value) -> Result<Event, Infallible> {
@@ -20,33 +21,26 @@ fn event(name: &str, data: Value) -> Result<Event, Infallible> {
 }
 
 /// Where the streamed reply stands: the blocks opened so far, and its text held back while it
-/// may still become calls of the request's tools (`None` once it cannot, or without tools).
+/// may still become calls of the request's tools.
 struct Blocks {
     opened: usize,
     text_open: bool,
-    held: Option<String>,
+    held: HeldText,
 }
 
 impl Blocks {
-    fn new(tools: Option<&Tools>) -> Self {
+    fn new(tools: Option<Arc<Tools>>) -> Self {
         Self {
             opened: 0,
             text_open: false,
-            held: tools.filter(|t| t.callable()).map(|_| String::new()),
+            held: HeldText::new(tools),
         }
     }
 
     /// The events that show `t`: the text block opened first, unless the text is held back.
-    fn text(&mut self, tools: Option<&Tools>, t: String) -> Vec<Result<Event, Infallible>> {
-        let t = match (&mut self.held, tools) {
-            (Some(h), Some(tools)) => {
-                h.push_str(&t);
-                if tools.may_be_call(h) {
-                    return Vec::new();
-                }
-                self.held.take().unwrap_or_default()
-            }
-            _ => t,
+    fn text(&mut self, t: String) -> Vec<Result<Event, Infallible>> {
+        let Some(t) = self.held.pass(t) else {
+            return Vec::new();
         };
         let mut out = Vec::new();
         if t.is_empty() {
@@ -109,7 +103,7 @@ impl Blocks {
             return out;
         }
         if let Some(t) = held {
-            out.extend(self.text(None, t));
+            out.extend(self.text(t));
         }
         if !self.text_open {
             // An empty reply still has its (empty) text block, as a finished one does.
@@ -127,7 +121,7 @@ impl Blocks {
 pub(super) fn events(
     head: Head,
     guard: StopOnDrop,
-    tools: Option<std::sync::Arc<Tools>>,
+    tools: Option<Arc<Tools>>,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
     async_stream::stream! {
         let live = guard.0.clone();
@@ -137,12 +131,12 @@ pub(super) fn events(
             "content": [], "stop_reason": null, "stop_sequence": null,
             "usage": {"input_tokens": 0, "output_tokens": 0}}}));
         yield event("ping", json!({"type": "ping"}));
-        let mut blocks = Blocks::new(tools.as_deref());
+        let mut blocks = Blocks::new(tools);
         let mut events = std::pin::pin!(live.subscribe(0));
         while let Some((_, e)) = events.next().await {
             match e {
                 RunEvent::Text(t) => {
-                    for ev in blocks.text(tools.as_deref(), t) {
+                    for ev in blocks.text(t) {
                         yield ev;
                     }
                 }

@@ -14,7 +14,7 @@ use super::chunk::{data, error, Chunk, ChunkChoice, Delta};
 use super::wire::*;
 use crate::api::native::sse;
 use crate::generate::{Live, OpenAiFinish, Outcome, RunEvent, TokenLogprob};
-use crate::tools::{ToolCall, Tools};
+use crate::tools::{HeldText, ToolCall, Tools};
 
 /// What a streamed choice looks like: a chat completion's delta, or a legacy completion's text.
 #[derive(Debug, Clone)]
@@ -74,10 +74,10 @@ impl Shape {
 
     /// The tools whose calls a streamed reply may be: its text is held back while it may
     /// still become one.
-    fn callable_tools(&self) -> Option<&Tools> {
+    fn tools(&self) -> Option<Arc<Tools>> {
         match self {
-            Self::Chat { tools: Some(t) } if t.callable() => Some(t),
-            _ => None,
+            Self::Chat { tools } => tools.clone(),
+            Self::Text { .. } => None,
         }
     }
 
@@ -123,13 +123,12 @@ impl Shape {
 }
 
 /// One streamed choice's state: the log-probabilities not sent yet, where its text stands
-/// (legacy `text_offset`), and its text held back while it may still become tool calls (`None`
-/// once it cannot, or without tools).
+/// (legacy `text_offset`), and its text held back while it may still become tool calls.
 struct ChoiceStream {
     index: usize,
     pending: Vec<TokenLogprob>,
     offset: usize,
-    held: Option<String>,
+    held: HeldText,
 }
 
 impl ChoiceStream {
@@ -138,7 +137,7 @@ impl ChoiceStream {
             index,
             pending: Vec::new(),
             offset: shape.echoed_len(),
-            held: shape.callable_tools().map(|_| String::new()),
+            held: HeldText::new(shape.tools()),
         }
     }
 
@@ -154,16 +153,7 @@ impl ChoiceStream {
 
     /// The choice to send for new text, if any (none while it is held back).
     pub(super) fn text(&mut self, shape: &Shape, logprobs: bool, t: String) -> Option<ChunkChoice> {
-        let t = match (&mut self.held, shape.callable_tools()) {
-            (Some(h), Some(tools)) => {
-                h.push_str(&t);
-                if tools.may_be_call(h) {
-                    return None;
-                }
-                self.held.take().unwrap_or_default()
-            }
-            _ => t,
-        };
+        let t = self.held.pass(t)?;
         let lp = self.logprobs(shape, logprobs);
         Some(shape.choice(self.index, Some(&t), None, lp))
     }

@@ -16,7 +16,7 @@ use super::wire::{call_item, OutputItem, OutputText};
 use super::Draft;
 use crate::api::openai::stream::StopOnDrop;
 use crate::generate::{Outcome, RunEvent};
-use crate::tools::Tools;
+use crate::tools::{HeldText, Tools};
 
 /// Numbers the events of one response.
 struct Events {
@@ -34,32 +34,19 @@ impl Events {
 }
 
 /// Where the streamed message stands: whether its item is open, its text so far, and its text
-/// held back while it may still become calls of the request's tools (`None` once it cannot, or
-/// without tools).
+/// held back while it may still become calls of the request's tools.
 struct Message {
     id: String,
     open: bool,
     text: String,
-    held: Option<String>,
+    held: HeldText,
 }
 
 impl Message {
     /// The events that show `t`: the item and its part opened first, unless the text is held.
-    fn text(
-        &mut self,
-        ev: &mut Events,
-        tools: Option<&Tools>,
-        t: String,
-    ) -> Vec<Result<Event, Infallible>> {
-        let t = match (&mut self.held, tools) {
-            (Some(h), Some(tools)) => {
-                h.push_str(&t);
-                if tools.may_be_call(h) {
-                    return Vec::new();
-                }
-                self.held.take().unwrap_or_default()
-            }
-            _ => t,
+    fn text(&mut self, ev: &mut Events, t: String) -> Vec<Result<Event, Infallible>> {
+        let Some(t) = self.held.pass(t) else {
+            return Vec::new();
         };
         let mut out = Vec::new();
         if !self.open {
@@ -105,7 +92,7 @@ impl Message {
         }
         let mut out = Vec::new();
         if let Some(t) = held {
-            out.extend(self.text(ev, None, t));
+            out.extend(self.text(ev, t));
         }
         if !self.open {
             out.extend(self.opening(ev));
@@ -184,18 +171,17 @@ pub(super) fn events(
         let mut ev = Events { next: 0 };
         yield ev.event("response.created", json!({"response": draft.in_progress()}));
         yield ev.event("response.in_progress", json!({"response": draft.in_progress()}));
-        let callable = tools.as_deref().filter(|t| t.callable());
         let mut message = Message {
             id: draft.message_id(),
             open: false,
             text: String::new(),
-            held: callable.map(|_| String::new()),
+            held: HeldText::new(tools),
         };
         let mut run = std::pin::pin!(live.subscribe(0));
         while let Some((_, e)) = run.next().await {
             match e {
                 RunEvent::Text(t) => {
-                    for e in message.text(&mut ev, tools.as_deref(), t) {
+                    for e in message.text(&mut ev, t) {
                         yield e;
                     }
                 }
