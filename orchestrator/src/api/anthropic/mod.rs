@@ -81,11 +81,7 @@ pub async fn messages(
     if req.stream {
         return Ok(sse(stream::events(head, guard, tools.map(Arc::new))));
     }
-    let outcome = guard
-        .0
-        .outcome()
-        .await
-        .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+    let outcome = guard.outcome().await?;
     Ok(Json(Message {
         id: head.id,
         kind: "message",
@@ -109,18 +105,12 @@ async fn start(
 ) -> Result<(Head, StopOnDrop), ApiError> {
     let target = s.chat.target(caller, Some(req.model.as_str())).await?;
     let turn = req.turn(tools, &target.defaults())?;
-    let live = s
-        .chat
-        .complete(caller, turn, &target, 1)
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ApiError::Internal("no generation started".into()))?;
+    let guard = StopOnDrop::start(&s.chat, caller, turn, &target).await?;
     let head = Head {
         id: format!("msg_{}", uuid::Uuid::new_v4().simple()),
         model: target.name(),
     };
-    Ok((head, StopOnDrop(live)))
+    Ok((head, guard))
 }
 
 /// How many tokens the message's prompt holds (its system prompt, tools and messages, rendered

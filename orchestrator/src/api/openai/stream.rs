@@ -13,7 +13,9 @@ use super::chat::*;
 use super::chunk::{data, error, Chunk, ChunkChoice, Delta};
 use super::wire::*;
 use crate::api::native::sse;
+use crate::api::ApiError;
 use crate::generate::{Live, OpenAiFinish, Outcome, RunEvent, TokenLogprob};
+use crate::service::{Caller, ChatError, ChatService, Conversation, Target, ValidTurn};
 use crate::tools::{HeldText, ToolCall, Tools};
 
 /// What a streamed choice looks like: a chat completion's delta, or a legacy completion's text.
@@ -287,6 +289,33 @@ pub(super) fn streamed_events(
 
 /// A generation that stops when its answer is dropped (its client went away).
 pub(in crate::api) struct StopOnDrop(pub(in crate::api) Arc<Live>);
+
+impl StopOnDrop {
+    /// Starts `turn`'s one stateless generation on `target` (the APIs that answer one choice).
+    pub(in crate::api) async fn start(
+        chat: &ChatService,
+        caller: &Caller,
+        turn: ValidTurn<Conversation>,
+        target: &Target,
+    ) -> Result<Self, ChatError> {
+        let started = chat
+            .complete(caller, turn, target, 1)
+            .await?
+            .into_iter()
+            .next();
+        started
+            .map(Self)
+            .ok_or_else(|| ChatError::Internal("no generation started".into()))
+    }
+
+    /// How the generation ended, once it has.
+    pub(in crate::api) async fn outcome(&self) -> Result<Outcome, ApiError> {
+        self.0
+            .outcome()
+            .await
+            .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))
+    }
+}
 
 impl Drop for StopOnDrop {
     fn drop(&mut self) {

@@ -58,11 +58,7 @@ pub async fn create(
     if req.stream {
         return Ok(sse(stream::events(draft, guard, tools)));
     }
-    let outcome = guard
-        .0
-        .outcome()
-        .await
-        .ok_or_else(|| ApiError::Internal("the generation ended without an outcome".into()))?;
+    let outcome = guard.outcome().await?;
     // A reply that failed is an HTTP error, as a chat completion's is.
     let finish = outcome
         .end
@@ -83,16 +79,11 @@ async fn start(
     let turn = req.turn(tools.as_deref(), &target.defaults())?;
     // The model's limit on the reply's length is checked there, and names OpenAI's field.
     let named = |p: &str| p.replace("max_tokens", "max_output_tokens");
-    let live = s
-        .chat
-        .complete(caller, turn, &target, 1)
+    let guard = StopOnDrop::start(&s.chat, caller, turn, &target)
         .await
-        .map_err(|e| ApiError::from(e).with_param(named))?
-        .into_iter()
-        .next()
-        .ok_or_else(|| ApiError::Internal("no generation started".into()))?;
+        .map_err(|e| ApiError::from(e).with_param(named))?;
     let draft = Draft::new(req, target.name(), tools.is_some());
-    Ok((draft, StopOnDrop(live)))
+    Ok((draft, guard))
 }
 
 /// The `response` object before its reply: what it repeats of the request.
