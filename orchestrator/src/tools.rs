@@ -117,6 +117,12 @@ impl InToolCall {
             function: InFunctionCall { name, arguments },
         }
     }
+
+    /// The call as a message of a session keeps it.
+    pub fn stored(&self) -> ToolCall {
+        let f = &self.function;
+        ToolCall::function(self.id.clone(), f.name.clone(), f.arguments.clone())
+    }
 }
 
 /// A call in an assistant message of the history.
@@ -300,14 +306,9 @@ impl Tools {
                     .or_else(|| item.get("arguments"))
                     .cloned()
                     .unwrap_or_else(|| json!({}));
-                args.is_object().then(|| ToolCall {
-                    id: format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]),
-                    kind: "function".into(),
-                    function: FunctionCall {
-                        name: name.to_string(),
-                        arguments: args.to_string(),
-                    },
-                })
+                let id = format!("call_{}", &uuid::Uuid::new_v4().simple().to_string()[..24]);
+                args.is_object()
+                    .then(|| ToolCall::function(id, name.to_string(), args.to_string()))
             })
             .collect()
     }

@@ -51,7 +51,7 @@ fn every_operation_documents_its_errors_with_the_error_schema() {
             }
         }
     }
-    assert_eq!(operations, 24, "{:?}", paths.keys().collect::<Vec<_>>());
+    assert_eq!(operations, 28, "{:?}", paths.keys().collect::<Vec<_>>());
     let links = &paths["/v1/sessions"]["post"]["responses"]["201"]["links"];
     assert_eq!(
         links["postMessage"]["parameters"]["id"],

@@ -1,7 +1,8 @@
 //! OpenAI's Responses API through the whole stack: raw HTTP (the `response` object, its usage,
 //! a forced function call and its output sent back, the stream's events and their sequence
-//! numbers, refusals by name) and unmodified clients (the `openai` client, the OpenAI Agents
-//! SDK with its default model and a function tool, LangChain's `use_responses_api`).
+//! numbers, refusals by name) and unmodified clients (the `openai` client, kept responses
+//! continued, listed, read again and deleted through it, the OpenAI Agents SDK with its default
+//! model and a function tool, LangChain's `use_responses_api`).
 
 use hearth_e2e::http::{Reply, Req};
 use hearth_e2e::stack::{Db, Stack};
@@ -36,7 +37,7 @@ async fn a_response_a_function_call_and_the_stream_of_events() {
         v["id"].as_str().is_some_and(|id| id.starts_with("resp_")),
         "{v}"
     );
-    assert_eq!(v["store"], false, "{v}");
+    assert_eq!(v["store"], true, "{v}");
     assert_eq!(v["metadata"]["run"], "1", "{v}");
     assert_eq!(v["instructions"], "Be brief.", "{v}");
     let item = &v["output"][0];
@@ -165,9 +166,9 @@ async fn what_cannot_be_honoured_is_refused_by_name() {
     let s = Stack::start("responseserr", Db::Sqlite, 1, &[]).await;
     let k = s.key("alice").await;
     let cases = [
-        (json!({"background": true}), "background"),
+        (json!({"background": true, "store": false}), "background"),
         (
-            json!({"previous_response_id": "resp_1"}),
+            json!({"previous_response_id": "resp_1", "store": false}),
             "previous_response_id",
         ),
         (
@@ -221,6 +222,29 @@ with client.responses.stream(model="tiny", input="Hi", max_output_tokens=40,
     final = s.get_final_response()
 assert final.status == "completed" and deltas == final.output_text, (deltas, final)
 assert isinstance(json.loads(final.output_text)["ok"], bool), final
+
+# Kept (the default): continued by id from the worker's cache, listed, its events read again
+# whole after it ran in the background, deleted.
+from openai import NotFoundError
+more = client.responses.create(model="tiny", input="Go on.", previous_response_id=r.id,
+                               max_output_tokens=8, temperature=0)
+assert more.previous_response_id == r.id, more
+assert more.usage.input_tokens_details.cached_tokens >= r.usage.input_tokens, more
+assert [i.content[0].text for i in client.responses.input_items.list(more.id).data] == ["Go on."]
+bg = client.responses.create(model="tiny", input="Count.", background=True, max_output_tokens=8)
+assert bg.status == "in_progress" and bg.background, bg
+replay = list(client.responses.retrieve(bg.id, stream=True))
+assert [e.sequence_number for e in replay] == list(range(len(replay))), replay
+assert replay[-1].type == "response.incomplete", replay[-1]
+said = "".join(e.delta for e in replay if e.type == "response.output_text.delta")
+assert client.responses.retrieve(bg.id).output_text == said
+for gone in (more.id, r.id):
+    assert client.responses.delete(gone) is None
+try:
+    client.responses.retrieve(r.id)
+    raise AssertionError("a deleted response was found")
+except NotFoundError:
+    pass
 
 # The Agents SDK with its default model (the Responses API) and a function tool it must call.
 from agents import (Agent, FunctionTool, ModelSettings, Runner, set_default_openai_client,

@@ -225,10 +225,74 @@ export interface paths {
         get?: never;
         put?: never;
         /**
-         * A model's reply to `input`, as a `response` object or (with `stream`) its events. Stateless:
-         *     nothing is stored, and a client that goes away cancels its generation.
+         * A model's reply to `input`, as a `response` object or (with `stream`) its events; with
+         *     `background`, the response `in_progress` at once. Kept unless `store` is `false`.
          */
         post: operations["createResponse"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/responses/{id}": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * A kept response as it stands, or (with `stream`) its events again: those of a reply still
+         *     running as they come, from any replica.
+         */
+        get: operations["getResponse"];
+        put?: never;
+        post?: never;
+        /**
+         * Deletes a kept response (stopping its reply if it runs). When its session holds no other
+         *     response, the session goes too, purged with its messages as deleted sessions are.
+         */
+        delete: operations["deleteResponse"];
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/responses/{id}/cancel": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        get?: never;
+        put?: never;
+        /**
+         * Stops a kept response's reply if it is still running, and answers the response as it then
+         *     stands (`cancelled` when it was stopped).
+         */
+        post: operations["cancelResponse"];
+        delete?: never;
+        options?: never;
+        head?: never;
+        patch?: never;
+        trace?: never;
+    };
+    "/v1/responses/{id}/input_items": {
+        parameters: {
+            query?: never;
+            header?: never;
+            path?: never;
+            cookie?: never;
+        };
+        /**
+         * The items a kept response's request added to its conversation: its messages, function
+         *     calls and their outputs (its instructions are not items).
+         */
+        get: operations["listResponseInputItems"];
+        put?: never;
+        post?: never;
         delete?: never;
         options?: never;
         head?: never;
@@ -782,6 +846,12 @@ export interface components {
              */
             model?: string | null;
         };
+        Deleted: {
+            id: string;
+            /** @description `response` */
+            object: string;
+            deleted: boolean;
+        };
         /** @description Tokens to turn back into text. */
         DetokenizeRequest: {
             /** @description As `/tokenize`'s. */
@@ -879,6 +949,14 @@ export interface components {
             /** @description `function` */
             type?: string | null;
             function: components["schemas"]["InFunctionCall"];
+        };
+        ItemList: {
+            /** @description `list` */
+            object: string;
+            data: Record<string, never>[];
+            first_id?: string | null;
+            last_id?: string | null;
+            has_more: boolean;
         };
         JsonSchemaFormat: {
             /** @description The format's name (letters, digits, `_` and `-`, at most 64). */
@@ -1154,7 +1232,8 @@ export interface components {
             completion_tokens: number;
         };
         /** @description The `response` object. */
-        Response: {
+        Response: components["schemas"]["ResponseRequestEcho"] & {
+            /** @description `resp_` and the id of the message that holds the reply, when kept. */
             id: string;
             /** @description `response` */
             object: string;
@@ -1163,30 +1242,12 @@ export interface components {
              * @description Unix seconds.
              */
             created_at: number;
-            /** @description `in_progress`, `completed`, `incomplete` or `failed`. */
+            /** @description `in_progress`, `completed`, `incomplete`, `cancelled` or `failed`. */
             status: string;
-            model: string;
             output: components["schemas"]["ResponseOutputItem"][];
             error?: Record<string, never> | null;
             /** @description `{"reason": "max_output_tokens"}` for a reply cut by its length. */
             incomplete_details?: Record<string, never> | null;
-            instructions?: string | null;
-            /** Format: u-int32 */
-            max_output_tokens?: number | null;
-            metadata: Record<string, never>;
-            parallel_tool_calls: boolean;
-            previous_response_id?: string | null;
-            /** @description Always `false`: responses are not kept on this server. */
-            store: boolean;
-            background: boolean;
-            /** Format: float */
-            temperature?: number | null;
-            /** Format: float */
-            top_p?: number | null;
-            tool_choice: Record<string, never>;
-            tools: Record<string, never>[];
-            text: Record<string, never>;
-            truncation: string;
             usage?: null | components["schemas"]["ResponseUsage"];
         };
         /** @description OpenAI's `response_format`. */
@@ -1225,6 +1286,27 @@ export interface components {
             type: string;
             text: string;
             annotations: Record<string, never>[];
+        };
+        /** @description What the `response` object repeats of its request (kept with a kept response). */
+        ResponseRequestEcho: {
+            model: string;
+            instructions?: string | null;
+            /** Format: u-int32 */
+            max_output_tokens?: number | null;
+            metadata: Record<string, never>;
+            parallel_tool_calls: boolean;
+            previous_response_id?: string | null;
+            /** @description Whether the response is kept. */
+            store: boolean;
+            background: boolean;
+            /** Format: float */
+            temperature?: number | null;
+            /** Format: float */
+            top_p?: number | null;
+            tool_choice: Record<string, never>;
+            tools: Record<string, never>[];
+            text: Record<string, never>;
+            truncation: string;
         };
         ResponseTextConfig: {
             format?: Record<string, never> | null;
@@ -1285,13 +1367,20 @@ export interface components {
             text?: null | components["schemas"]["ResponseTextConfig"];
             stream?: boolean;
             /**
-             * @description Responses are not kept on this server: `true` (OpenAI's default) is answered as `false`,
-             *     the `response` object's `store`.
+             * @description Whether the response is kept (the default): as a session of the caller's and its
+             *     messages, so that `previous_response_id` continues it and `GET /v1/responses/{id}` reads
+             *     it. `false`: nothing is stored, and a client that goes away stops the reply.
              */
             store?: boolean | null;
-            /** @description Only absent or `false`. */
+            /**
+             * @description Answer at once with the response `in_progress`, and run it detached: read it with
+             *     `GET /v1/responses/{id}` (its events with `stream=true`, from any replica). Needs `store`.
+             */
             background?: boolean | null;
-            /** @description Only absent: no response is kept to continue from. */
+            /**
+             * @description A kept response of the caller's to continue: its conversation, then `input`. Needs
+             *     `store`.
+             */
             previous_response_id?: string | null;
             /** @description The end user the request is for (as chat completions' `user`). */
             user?: string | null;
@@ -2850,7 +2939,7 @@ export interface operations {
                     "application/json": components["schemas"]["ErrorBody"];
                 };
             };
-            /** @description `model` names a model this server does not serve (`model_not_found`) */
+            /** @description `model` names a model this server does not serve (`model_not_found`), or `previous_response_id` no response of the caller's */
             404: {
                 headers: {
                     [name: string]: unknown;
@@ -2861,6 +2950,15 @@ export interface operations {
             };
             /** @description The body did not arrive in time */
             408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The response to continue is still in progress */
+            409: {
                 headers: {
                     [name: string]: unknown;
                 };
@@ -2887,6 +2985,345 @@ export interface operations {
                 };
             };
             /** @description A field is out of range or asks for what Hearth cannot do */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    getResponse: {
+        parameters: {
+            query?: {
+                /** @description The response's events (Server-Sent Events), from its first, as they were streamed. */
+                stream?: boolean;
+                /** @description With `stream`: only the events after this `sequence_number`. */
+                starting_after?: number;
+            };
+            header?: never;
+            path: {
+                /** @description A response id, as `POST /v1/responses` returned it. */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description The response (or, with `stream`, its events) */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Response"];
+                    "text/event-stream": string;
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No response of the caller's has this id */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A value is out of range or of the wrong kind */
+            422: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    deleteResponse: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description A response id, as `POST /v1/responses` returned it. */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description Deleted */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Deleted"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No response of the caller's has this id */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    cancelResponse: {
+        parameters: {
+            query?: never;
+            header?: never;
+            path: {
+                /** @description A response id, as `POST /v1/responses` returned it. */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description The response as it stands */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["Response"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No response of the caller's has this id */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The key's rate or daily token limit is reached (see `Retry-After`) */
+            429: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No worker or the database cannot be reached */
+            503: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+        };
+    };
+    listResponseInputItems: {
+        parameters: {
+            query?: {
+                /** @description `asc` or `desc` (the default: newest first). */
+                order?: string;
+                /** @description Page size, 1 to 100 (default 20). */
+                limit?: number;
+                /** @description Only the items after this item id, in `order`. */
+                after?: string;
+            };
+            header?: never;
+            path: {
+                /** @description A response id, as `POST /v1/responses` returned it. */
+                id: string;
+            };
+            cookie?: never;
+        };
+        requestBody?: never;
+        responses: {
+            /** @description One page of items */
+            200: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ItemList"];
+                };
+            };
+            /** @description The API key is missing, unknown, expired or revoked */
+            401: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description Without API keys: the request names another site (Host or Origin) */
+            403: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description No response of the caller's has this id */
+            404: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description The body did not arrive in time */
+            408: {
+                headers: {
+                    [name: string]: unknown;
+                };
+                content: {
+                    "application/json": components["schemas"]["ErrorBody"];
+                };
+            };
+            /** @description A parameter is out of range */
             422: {
                 headers: {
                     [name: string]: unknown;

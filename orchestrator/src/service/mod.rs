@@ -22,6 +22,7 @@ mod error;
 mod models;
 mod native;
 mod prompt;
+mod responses;
 mod session;
 mod shared_prompt;
 mod stateless;

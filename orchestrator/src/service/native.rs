@@ -10,7 +10,9 @@ use super::prompt::{check_max_tokens, compile_grammars, owner};
 use super::{Caller, ChatError, ChatService, JobRecord, NativeTurn, ToolResult, ValidTurn};
 use crate::generate::{Before, Job, Live, Persistence, Reservation, TurnIds};
 use crate::ids::{MessageId, SessionId, UserId};
-use crate::storage::{Message, NewToolResult, ReplyLease, Role, Session};
+use crate::storage::{
+    Message, NewItem, NewResponse, NewToolResult, ReplyLease, Role, Session, ToolCall,
+};
 use crate::tools::{result_text, Tools};
 use crate::workers::Tenant;
 
@@ -34,7 +36,7 @@ impl ChatService {
     ) -> Result<Arc<Live>, ChatError> {
         let user_id = &caller.user.id;
         let (input, opts, arrived) = turn.into_parts();
-        let session = self.store.get_session(user_id, session_id).await?;
+        let session = settled(self.store.get_session(user_id, session_id).await?, &input);
         let loaded = self.loaded_target(session.model.as_deref()).await?;
         // The turn's own value, else the session's default (else the server's).
         let max_tokens = opts
@@ -168,6 +170,10 @@ impl ChatService {
                     .await?;
                 (Some(t.user.id), t.assistant.id)
             }
+            StoreTurn::Response(new) => {
+                let reply = self.store.begin_response(user_id, session_id, &new).await?;
+                (None, reply.id)
+            }
         })
     }
 }
@@ -186,6 +192,16 @@ enum StoreTurn {
         message_id: MessageId,
         content: String,
     },
+    Response(Box<NewResponse>),
+}
+
+/// The session as the turn sees it: a kept response sets its system prompt and model.
+fn settled(mut session: Session, input: &NativeTurn) -> Session {
+    if let NativeTurn::Response(r) = input {
+        session.system_prompt.clone_from(&r.system_prompt);
+        session.model.clone_from(&r.model);
+    }
+    session
 }
 
 /// The conversation a native turn answers, and how to store the turn. Refuses a regenerate
@@ -199,11 +215,16 @@ fn prepare(
 ) -> Result<(Vec<ChatMessage>, StoreTurn), ChatError> {
     match input {
         NativeTurn::Post(content) => {
-            let mut convo = conversation(session, &history, tools);
+            let mut convo = conversation(session, said(&history), tools);
             convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
             Ok((convo, StoreTurn::Post(content.as_str().to_string())))
         }
         NativeTurn::ToolResults(results) => prepare_results(session, &history, results, tools),
+        NativeTurn::Response(r) => {
+            let added = r.items.iter().map(Said::from);
+            let convo = conversation(session, history.iter().map(Said::from).chain(added), tools);
+            Ok((convo, StoreTurn::Response(r.clone())))
+        }
         NativeTurn::Regenerate => {
             // The reply to replace is the last message; what came before must end with a user
             // message.
@@ -214,7 +235,7 @@ fn prepare(
             let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
             let asked = earlier.last().map(|m| m.id.clone());
             Ok((
-                conversation(session, &earlier, tools),
+                conversation(session, said(&earlier), tools),
                 StoreTurn::Regenerate { from, asked },
             ))
         }
@@ -224,7 +245,7 @@ fn prepare(
         } => {
             let from = edited(session, &history, message_id)?.seq;
             let earlier: Vec<Message> = history.into_iter().filter(|m| m.seq < from).collect();
-            let mut convo = conversation(session, &earlier, tools);
+            let mut convo = conversation(session, said(&earlier), tools);
             convo.push(ChatMessage::new(ChatRole::User, content.as_str()));
             Ok((
                 convo,
@@ -246,7 +267,7 @@ fn prepare_results(
     tools: Option<&Tools>,
 ) -> Result<(Vec<ChatMessage>, StoreTurn), ChatError> {
     let names = answered_calls(history.last(), results)?;
-    let mut convo = conversation(session, history, tools);
+    let mut convo = conversation(session, said(history), tools);
     for (r, name) in results.iter().zip(&names) {
         convo.push(ChatMessage::new(
             ChatRole::User,
@@ -331,12 +352,59 @@ fn answered_calls(
     Ok(names)
 }
 
+/// A message of the conversation, stored or about to be.
+struct Said<'a> {
+    role: Role,
+    content: &'a str,
+    calls: &'a [ToolCall],
+    call_id: Option<&'a str>,
+}
+
+impl<'a> Said<'a> {
+    fn new(
+        role: Role,
+        content: &'a str,
+        calls: Option<&'a [ToolCall]>,
+        call_id: Option<&'a str>,
+    ) -> Self {
+        let calls = calls.unwrap_or_default();
+        Self {
+            role,
+            content,
+            calls,
+            call_id,
+        }
+    }
+}
+
+impl<'a> From<&'a Message> for Said<'a> {
+    fn from(m: &'a Message) -> Self {
+        let (calls, id) = (m.tool_calls.as_deref(), m.tool_call_id.as_deref());
+        Self::new(m.role, &m.content, calls, id)
+    }
+}
+
+impl<'a> From<&'a NewItem> for Said<'a> {
+    fn from(m: &'a NewItem) -> Self {
+        let (calls, id) = (m.tool_calls.as_deref(), m.tool_call_id.as_deref());
+        Self::new(m.role, &m.content, calls, id)
+    }
+}
+
+fn said(history: &[Message]) -> impl Iterator<Item = Said<'_>> {
+    history.iter().map(Said::from)
+}
+
 /// The stored conversation as the template sees it: the tools' description and the system
 /// prompt, then every message with text (a reply that was cut off counts with what it said; a
 /// reply that made calls, with the text that made them). A tool's result is a user turn that
 /// names its function.
-fn conversation(session: &Session, history: &[Message], tools: Option<&Tools>) -> Vec<ChatMessage> {
-    let mut out = Vec::with_capacity(history.len() + 2);
+fn conversation<'a>(
+    session: &Session,
+    history: impl Iterator<Item = Said<'a>>,
+    tools: Option<&Tools>,
+) -> Vec<ChatMessage> {
+    let mut out = Vec::new();
     if let Some(sys) = session.system_prompt.as_deref().filter(|s| !s.is_empty()) {
         out.push(ChatMessage::new(ChatRole::System, sys));
     }
@@ -346,16 +414,19 @@ fn conversation(session: &Session, history: &[Message], tools: Option<&Tools>) -
     let mut calls: Vec<(&str, &str)> = Vec::new();
     for m in history {
         let (role, text) = match m.role {
-            Role::User => (ChatRole::User, m.content.clone()),
+            Role::User => (ChatRole::User, m.content.to_string()),
             Role::Assistant => {
-                let made = m.tool_calls.iter().flatten();
-                calls.extend(made.map(|c| (c.id.as_str(), c.function.name.as_str())));
-                (ChatRole::Assistant, m.content.clone())
+                calls.extend(
+                    m.calls
+                        .iter()
+                        .map(|c| (c.id.as_str(), c.function.name.as_str())),
+                );
+                (ChatRole::Assistant, m.content.to_string())
             }
             Role::Tool => {
-                let id = m.tool_call_id.as_deref().unwrap_or_default();
+                let id = m.call_id.unwrap_or_default();
                 let name = calls.iter().find(|(c, _)| *c == id).map_or(id, |(_, n)| n);
-                (ChatRole::User, result_text(name, &m.content))
+                (ChatRole::User, result_text(name, m.content))
             }
         };
         if !text.is_empty() {

@@ -15,6 +15,7 @@ use tokio::time::Instant;
 
 use super::ChatError;
 use crate::ids::MessageId;
+use crate::storage::NewResponse;
 use crate::tools::Tools;
 
 /// Largest message a user may post.
@@ -50,6 +51,17 @@ impl<I> ValidTurn<I> {
 
     pub(super) fn into_parts(self) -> (I, GenOptions, Instant) {
         (self.input, self.options, self.arrived)
+    }
+}
+
+impl ValidTurn<NativeTurn> {
+    /// A kept response's turn that no longer expects the response it continues to be its
+    /// session's last message: it runs in a copy of that session.
+    pub(super) fn without_previous(mut self) -> Self {
+        if let NativeTurn::Response(r) = &mut self.input {
+            r.previous = None;
+        }
+        self
     }
 }
 
@@ -248,6 +260,9 @@ pub enum NativeTurn {
         message_id: MessageId,
         content: UserText,
     },
+    /// A kept response of OpenAI's Responses API: its input items added to the session, whose
+    /// system prompt and model it sets (made with [`NativeTurn::response`]).
+    Response(Box<NewResponse>),
 }
 
 impl NativeTurn {
@@ -256,6 +271,7 @@ impl NativeTurn {
         match self {
             Self::Post(t) | Self::Edit { content: t, .. } => t.as_str().len(),
             Self::ToolResults(r) => r.iter().map(|r| r.content.len()).sum(),
+            Self::Response(r) => r.items.iter().map(|i| i.content.len()).sum(),
             Self::Regenerate => 0,
         }
     }
@@ -265,8 +281,23 @@ impl NativeTurn {
     pub(super) fn new_messages(&self) -> usize {
         match self {
             Self::ToolResults(r) => r.len() + 1,
+            Self::Response(r) => r.items.len() + 1,
             Self::Post(_) | Self::Regenerate | Self::Edit { .. } => 2,
         }
+    }
+}
+
+impl NativeTurn {
+    /// A kept response's turn, its texts checked as a message's are (errors name `input` and
+    /// `instructions`).
+    pub fn response(new: NewResponse) -> Result<Self, ChatError> {
+        for (i, item) in new.items.iter().enumerate() {
+            check_storable(&format!("input[{i}]"), &item.content)?;
+        }
+        if let Some(system) = &new.system_prompt {
+            check_storable("instructions", system)?;
+        }
+        Ok(Self::Response(Box::new(new)))
     }
 }
 

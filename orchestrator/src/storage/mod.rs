@@ -1,7 +1,8 @@
-//! Users, API keys, sessions and messages, behind four narrow traits: [`Accounts`] (users and
+//! Users, API keys, sessions and messages, behind five narrow traits: [`Accounts`] (users and
 //! keys), [`Sessions`] (a user's chats), [`Transcript`] (a session's messages and the writes that
-//! begin a reply) and [`ReplyLog`] (a streaming reply's job, checkpoints and lease). [`Store`] is
-//! all four on one database, which the server holds; code that uses one imports that trait only.
+//! begin a reply), [`ReplyLog`] (a streaming reply's job, checkpoints and lease) and
+//! [`Responses`] (the Responses API's responses, kept on sessions). [`Store`] is all five on one
+//! database, which the server holds; code that uses one imports that trait only.
 //!
 //! PostgreSQL is the system of record in production; SQLite is the embedded default, so a first
 //! run needs nothing installed. Both run the same SQL through sqlx's `Any` driver (`sql`);
@@ -12,6 +13,7 @@
 
 mod accounts;
 mod reply_log;
+mod responses;
 mod sessions;
 mod sql;
 mod transcript;
@@ -19,6 +21,7 @@ mod types;
 
 pub use accounts::Accounts;
 pub use reply_log::ReplyLog;
+pub use responses::{NewItem, NewResponse, Responses, StoredResponse};
 pub use sessions::Sessions;
 pub use sql::SqlStore;
 pub use transcript::Transcript;
@@ -50,11 +53,11 @@ pub enum StoreError {
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
-/// Everything the service stores, one database behind four narrow traits; code that needs one
+/// Everything the service stores, one database behind five narrow traits; code that needs one
 /// of them imports that trait only.
 #[async_trait]
 pub trait Store:
-    Accounts + Sessions + Transcript + ReplyLog + Send + Sync + std::fmt::Debug
+    Accounts + Sessions + Transcript + ReplyLog + Responses + Send + Sync + std::fmt::Debug
 {
     /// Which database this is (`postgres` or `sqlite`), for logs.
     fn backend(&self) -> &'static str;

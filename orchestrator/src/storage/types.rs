@@ -214,6 +214,17 @@ pub struct ToolCall {
     pub function: FunctionCall,
 }
 
+impl ToolCall {
+    /// A call of the function `name` with `arguments` (a JSON text).
+    pub fn function(id: String, name: String, arguments: String) -> Self {
+        Self {
+            id,
+            kind: "function".into(),
+            function: FunctionCall { name, arguments },
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct FunctionCall {
     pub name: String,

@@ -2,10 +2,11 @@
 //! `TEST_DATABASE_URL`, default the local server). A missing PostgreSQL fails the test.
 //!
 //! The suites, by concern: `accounts` (users, keys, one user's data hidden from another),
-//! `listing` (sessions, paging, search), `replies` (turns, streaming, finishing, edits) and
-//! `races` (concurrent turns on one session).
+//! `listing` (sessions, paging, search), `replies` (turns, streaming, finishing, edits),
+//! `kept` (the Responses API's kept responses) and `races` (concurrent turns on one session).
 
 mod accounts;
+mod kept;
 mod listing;
 mod races;
 mod replies;
@@ -68,6 +69,7 @@ both!(search_and_values, listing::search_and_values_suite);
 both!(edit, replies::edit_suite);
 both!(purge, replies::purge_suite);
 both!(tools, replies::tools_suite);
+both!(responses, kept::responses_suite);
 
 #[tokio::test]
 async fn sqlite_migration_keeps_messages() {

@@ -2,11 +2,12 @@
 //! queries for both. Placeholders are `$1, $2, …` in order of first use, which both databases
 //! read the same way; values are the types both share (text, 64-bit integers, nulls).
 //!
-//! One file per trait: [`accounts`], [`sessions`], [`transcript`], [`reply_log`]. This one holds
-//! the pool, the migrations and the error mapping they share.
+//! One file per trait: [`accounts`], [`sessions`], [`transcript`], [`reply_log`],
+//! [`responses`]. This one holds the pool, the migrations and the error mapping they share.
 
 mod accounts;
 mod reply_log;
+mod responses;
 mod sessions;
 mod transcript;
 

@@ -226,6 +226,16 @@ impl Sessions for SqlStore {
 
     async fn purge_deleted(&self, before_ms: i64) -> StoreResult<(u64, u64)> {
         let mut tx = self.begin().await?;
+        // Their responses first, where the database does not cascade (SQLite without its
+        // foreign keys enforced).
+        sqlx::query(
+            "DELETE FROM responses WHERE session_id IN \
+             (SELECT id FROM sessions WHERE deleted_at IS NOT NULL AND deleted_at < $1)",
+        )
+        .bind(before_ms)
+        .execute(&mut *tx)
+        .await
+        .map_err(db_err)?;
         let messages = sqlx::query(
             "DELETE FROM messages WHERE session_id IN \
              (SELECT id FROM sessions WHERE deleted_at IS NOT NULL AND deleted_at < $1)",

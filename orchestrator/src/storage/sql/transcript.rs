@@ -19,8 +19,21 @@ impl SqlStore {
         messages: &[NewMessage<'_>],
     ) -> StoreResult<Vec<Message>> {
         let mut tx = self.begin().await?;
+        let written = Self::append_in(&mut tx, user_id, session_id, rewrite, messages).await?;
+        tx.commit().await.map_err(db_err)?;
+        Ok(written)
+    }
+
+    /// [`Self::append`] inside the caller's transaction, which commits it.
+    pub(super) async fn append_in(
+        tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+        user_id: &UserId,
+        session_id: &SessionId,
+        rewrite: Rewrite<'_>,
+        messages: &[NewMessage<'_>],
+    ) -> StoreResult<Vec<Message>> {
         let now = now_ms();
-        Self::claim(&mut tx, user_id, session_id, now).await?;
+        Self::claim(tx, user_id, session_id, now).await?;
         // One reply per session across every replica: the session row is locked now, so of two
         // racing turns (a new message on one replica, a regenerate on another) the second sees
         // the first's reply streaming and is refused, and never deletes what the first stored.
@@ -31,7 +44,7 @@ impl SqlStore {
             "SELECT id FROM messages WHERE session_id = $1 AND status = 'streaming' LIMIT 1",
         )
         .bind(session_id)
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut **tx)
         .await
         .map_err(db_err)?;
         if running.is_some() {
@@ -45,24 +58,18 @@ impl SqlStore {
                 message_id,
                 content,
             } => {
-                let edited = edit_message(&mut tx, session_id, message_id, content, now).await?;
+                let edited = edit_message(tx, session_id, message_id, content, now).await?;
                 let after = edited.seq + 1;
                 written.push(edited);
                 Some(after)
             }
         };
         if let Some(seq) = truncate_from {
-            sqlx::query("DELETE FROM messages WHERE session_id = $1 AND seq >= $2")
-                .bind(session_id)
-                .bind(seq)
-                .execute(&mut *tx)
-                .await
-                .map_err(db_err)?;
+            truncate(tx, session_id, seq).await?;
         }
         for m in messages {
-            written.push(insert_message(&mut tx, session_id, m, now).await?);
+            written.push(insert_message(tx, session_id, m, now).await?);
         }
-        tx.commit().await.map_err(db_err)?;
         Ok(written)
     }
 
@@ -82,9 +89,31 @@ impl SqlStore {
     }
 }
 
+/// Drops the session's messages from sequence number `seq` on, and the responses those replies
+/// were.
+async fn truncate(
+    tx: &mut sqlx::Transaction<'static, sqlx::Any>,
+    session_id: &SessionId,
+    seq: i64,
+) -> StoreResult<()> {
+    for sql in [
+        "DELETE FROM responses WHERE message_id IN \
+         (SELECT id FROM messages WHERE session_id = $1 AND seq >= $2)",
+        "DELETE FROM messages WHERE session_id = $1 AND seq >= $2",
+    ] {
+        sqlx::query(sql)
+            .bind(session_id)
+            .bind(seq)
+            .execute(&mut **tx)
+            .await
+            .map_err(db_err)?;
+    }
+    Ok(())
+}
+
 /// How a write changes the history before appending.
 #[derive(Debug, Clone, Copy)]
-enum Rewrite<'a> {
+pub(super) enum Rewrite<'a> {
     /// A new turn: nothing.
     Keep,
     /// Regenerate: drop messages from this sequence number on.
@@ -96,11 +125,12 @@ enum Rewrite<'a> {
     },
 }
 
-const MESSAGE_COLUMNS: &str = "id, seq, role, content, status, finish_reason, prompt_tokens, \
+pub(super) const MESSAGE_COLUMNS: &str =
+    "id, seq, role, content, status, finish_reason, prompt_tokens, \
      cached_tokens, completion_tokens, ttft_ms, duration_ms, worker, tool_calls, tool_call_id, \
      created_at, updated_at";
 
-fn message_from(r: &AnyRow) -> StoreResult<Message> {
+pub(super) fn message_from(r: &AnyRow) -> StoreResult<Message> {
     let role: String = r.try_get("role").map_err(db_err)?;
     let status: String = r.try_get("status").map_err(db_err)?;
     let finish: Option<String> = r.try_get("finish_reason").map_err(db_err)?;
@@ -168,12 +198,14 @@ async fn edit_message(
 }
 
 /// A message `append` writes.
-struct NewMessage<'a> {
-    role: Role,
-    content: &'a str,
-    status: MessageStatus,
+pub(super) struct NewMessage<'a> {
+    pub(super) role: Role,
+    pub(super) content: &'a str,
+    pub(super) status: MessageStatus,
+    /// For an assistant message: the calls it made.
+    pub(super) tool_calls: Option<&'a [ToolCall]>,
     /// For a `tool` message: the call it answers.
-    tool_call_id: Option<&'a str>,
+    pub(super) tool_call_id: Option<&'a str>,
 }
 
 impl<'a> NewMessage<'a> {
@@ -182,16 +214,18 @@ impl<'a> NewMessage<'a> {
             role: Role::User,
             content,
             status: MessageStatus::Complete,
+            tool_calls: None,
             tool_call_id: None,
         }
     }
 
     /// An empty reply, streaming.
-    fn reply() -> Self {
+    pub(super) fn reply() -> Self {
         Self {
             role: Role::Assistant,
             content: "",
             status: MessageStatus::Streaming,
+            tool_calls: None,
             tool_call_id: None,
         }
     }
@@ -201,13 +235,14 @@ impl<'a> NewMessage<'a> {
             role: Role::Tool,
             content: &r.content,
             status: MessageStatus::Complete,
+            tool_calls: None,
             tool_call_id: Some(&r.tool_call_id),
         }
     }
 }
 
 /// Inserts a message inside a transaction, at the session's next sequence number.
-async fn insert_message(
+pub(super) async fn insert_message(
     tx: &mut sqlx::Transaction<'_, sqlx::Any>,
     session_id: &SessionId,
     m: &NewMessage<'_>,
@@ -220,9 +255,11 @@ async fn insert_message(
             .await
             .map_err(db_err)?;
     let id = MessageId::random();
+    let calls = m.tool_calls.map(serde_json::to_string).transpose();
+    let calls = calls.map_err(|e| StoreError::Internal(format!("tool calls: {e}")))?;
     sqlx::query(
         "INSERT INTO messages (id, session_id, seq, role, content, status, tool_call_id, \
-         created_at, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8)",
+         created_at, updated_at, tool_calls) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8, $9)",
     )
     .bind(&id)
     .bind(session_id)
@@ -232,6 +269,7 @@ async fn insert_message(
     .bind(m.status.as_str())
     .bind(m.tool_call_id)
     .bind(now)
+    .bind(calls)
     .execute(&mut **tx)
     .await
     .map_err(conflict("a concurrent turn in this session"))?;
@@ -248,7 +286,7 @@ async fn insert_message(
         ttft_ms: None,
         duration_ms: None,
         worker: None,
-        tool_calls: None,
+        tool_calls: m.tool_calls.map(<[ToolCall]>::to_vec),
         tool_call_id: m.tool_call_id.map(str::to_string),
         created_at: now,
         updated_at: now,

@@ -1,12 +1,20 @@
-//! `POST /v1/responses`: OpenAI's Responses API (the OpenAI Agents SDK's default, Codex,
-//! LangChain's `use_responses_api`), stateless as chat completions are: `input` (a string or
-//! items, function calls and their outputs among them) becomes one reply, answered as a
-//! `response` object or streamed as its events. Responses are not kept: `store` is answered
-//! `false`, and `previous_response_id` and `background` are refused by name.
+//! OpenAI's Responses API (the OpenAI Agents SDK's default, Codex, LangChain's
+//! `use_responses_api`): `input` (a string or items, function calls and their outputs among
+//! them) becomes one reply, answered as a `response` object or streamed as its events.
+//!
+//! A response is kept unless its request says `store: false`: as a session of its user's and
+//! that session's messages (`kept`), so `previous_response_id` continues it on the worker that
+//! holds its cache, and `GET`, `DELETE`, `cancel` and `input_items` reach it. With
+//! `store: false` nothing is kept, as with chat completions, and a client that goes away stops
+//! the reply.
 //!
 //! - `wire`: the request and the `response` object;
-//! - `stream`: the streamed events, each with its `sequence_number`.
+//! - `draft`: the object of one response, as its reply runs and ends;
+//! - `stream`: the streamed events, each with its `sequence_number`;
+//! - `kept`: kept responses.
 
+mod draft;
+pub(crate) mod kept;
 mod stream;
 pub(super) mod wire;
 
@@ -15,26 +23,26 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
 
 use super::stream::StopOnDrop;
 use crate::api::loading::{after_load, Api};
 use crate::api::native::sse;
 use crate::api::{ApiError, AppState, ValidJson};
-use crate::generate::{OpenAiFinish, Outcome};
 use crate::service::Caller;
 use crate::tools::Tools;
-use wire::{call_item, OutputItem, OutputText, ResponseObject, ResponseUsage, ResponsesRequest};
+use draft::Draft;
+use wire::{ResponseObject, ResponsesRequest};
 
-/// A model's reply to `input`, as a `response` object or (with `stream`) its events. Stateless:
-/// nothing is stored, and a client that goes away cancels its generation.
+/// A model's reply to `input`, as a `response` object or (with `stream`) its events; with
+/// `background`, the response `in_progress` at once. Kept unless `store` is `false`.
 #[utoipa::path(post, path = "/v1/responses", operation_id = "createResponse", tag = "openai", request_body = ResponsesRequest,
     responses(
         (status = 200, description = "The response (or, with `stream`, its events)", content(
             (ResponseObject = "application/json"),
             (String = "text/event-stream"),
         )),
-        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`)", body = crate::api::ErrorBody),
+        (status = 404, description = "`model` names a model this server does not serve (`model_not_found`), or `previous_response_id` no response of the caller's", body = crate::api::ErrorBody),
+        (status = 409, description = "The response to continue is still in progress", body = crate::api::ErrorBody),
         (status = 422, description = "A field is out of range or asks for what Hearth cannot do", body = crate::api::ErrorBody),
     ))]
 pub async fn create(
@@ -43,6 +51,9 @@ pub async fn create(
     ValidJson(req): ValidJson<ResponsesRequest>,
 ) -> Result<Response, ApiError> {
     let tools = req.tools()?.map(Arc::new);
+    if req.stored() {
+        return kept::create(s, caller, req, tools).await;
+    }
     if let Some(model) = s.chat.needs_load(req.model.as_deref()) {
         // What can be refused before the load is, with its status.
         req.turn(tools.as_deref(), &Default::default())?;
@@ -84,85 +95,4 @@ async fn start(
         .map_err(|e| ApiError::from(e).with_param(named))?;
     let draft = Draft::new(req, target.name(), tools.is_some());
     Ok((draft, guard))
-}
-
-/// The `response` object before its reply: what it repeats of the request.
-#[derive(Debug, Clone)]
-pub(super) struct Draft(ResponseObject);
-
-impl Draft {
-    fn new(req: &ResponsesRequest, model: String, has_tools: bool) -> Self {
-        let tools: Vec<Value> = req
-            .tools
-            .iter()
-            .flatten()
-            .map(|t| serde_json::to_value(t).unwrap_or_default())
-            .collect();
-        let default_choice = if has_tools { "auto" } else { "none" };
-        Self(ResponseObject {
-            id: format!("resp_{}", uuid::Uuid::new_v4().simple()),
-            object: "response",
-            created_at: crate::storage::now_ms() / 1000,
-            status: "in_progress",
-            model,
-            output: Vec::new(),
-            error: None,
-            incomplete_details: None,
-            instructions: req.instructions.clone(),
-            max_output_tokens: req.max_output_tokens,
-            metadata: req.metadata.clone().unwrap_or_else(|| json!({})),
-            parallel_tool_calls: req.parallel_tool_calls.unwrap_or(true),
-            previous_response_id: None,
-            store: false,
-            background: false,
-            temperature: req.temperature,
-            top_p: req.top_p,
-            tool_choice: req.tool_choice.clone().unwrap_or(json!(default_choice)),
-            tools,
-            text: json!({"format": req.text.as_ref().and_then(|t| t.format.clone())
-                .unwrap_or(json!({"type": "text"}))}),
-            truncation: req.truncation.clone().unwrap_or("disabled".into()),
-            usage: None,
-        })
-    }
-
-    /// The object as it stands before the reply: `in_progress`, no output.
-    pub(super) fn in_progress(&self) -> &ResponseObject {
-        &self.0
-    }
-
-    /// The `message` item's id.
-    pub(super) fn message_id(&self) -> String {
-        format!("msg_{}", self.0.id.trim_start_matches("resp_"))
-    }
-
-    /// The object once the reply finished (`finish`): `completed`, or `incomplete` when it
-    /// was cut by its length, with its output and usage.
-    pub(super) fn finished(&self, o: &Outcome, finish: OpenAiFinish) -> ResponseObject {
-        let mut r = self.0.clone();
-        r.output = match &o.tool_calls {
-            Some(calls) => calls.iter().map(call_item).collect(),
-            None => vec![OutputItem::Message {
-                id: self.message_id(),
-                role: "assistant",
-                status: "completed",
-                content: vec![OutputText::new(o.content.clone())],
-            }],
-        };
-        (r.status, r.incomplete_details) = match finish {
-            OpenAiFinish::Length => ("incomplete", Some(json!({"reason": "max_output_tokens"}))),
-            OpenAiFinish::Stop | OpenAiFinish::ToolCalls => ("completed", None),
-        };
-        r.usage = Some(ResponseUsage::of(o));
-        r
-    }
-
-    /// The object of a reply that failed saying `message`.
-    pub(super) fn failed(&self, o: &Outcome, message: &str) -> ResponseObject {
-        let mut r = self.0.clone();
-        r.status = "failed";
-        r.error = Some(json!({"code": "server_error", "message": message}));
-        r.usage = Some(ResponseUsage::of(o));
-        r
-    }
 }

@@ -4,6 +4,10 @@
 //! function call (`response.output_item.added`, `response.function_call_arguments.delta` and
 //! `.done`, `response.output_item.done`); then `response.completed`, `response.incomplete` or
 //! `response.failed`.
+//!
+//! The events are derived from the reply's pieces (its text as it came, then its end) alone, so
+//! a kept response's stream read again from the reply's log, on any replica, numbers them the
+//! same, and `starting_after` resumes it where a client left off.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -12,24 +16,38 @@ use axum::response::sse::Event;
 use serde_json::{json, Value};
 use tokio_stream::{Stream, StreamExt};
 
-use super::wire::{call_item, OutputItem, OutputText};
+use super::wire::{OutputItem, OutputText, ResponseObject};
 use super::Draft;
 use crate::api::openai::stream::StopOnDrop;
-use crate::generate::{Outcome, RunEvent};
+use crate::generate::RunEvent;
 use crate::tools::{HeldText, Tools};
 
-/// Numbers the events of one response.
+/// What a response's events are made of: the reply's text as it comes, then the object as it
+/// ended.
+pub(super) enum Piece {
+    Text(String),
+    End(Box<ResponseObject>),
+}
+
+/// Numbers the events of one response, and leaves out those a resumed stream was shown.
 struct Events {
     next: u64,
+    /// The last event the client has (`starting_after`).
+    after: Option<u64>,
 }
 
 impl Events {
-    /// Event `kind` with `fields`, its `type` and `sequence_number` added.
-    fn event(&mut self, kind: &str, mut fields: Value) -> Result<Event, Infallible> {
-        fields["type"] = json!(kind);
-        fields["sequence_number"] = json!(self.next);
+    /// Event `kind` with `fields`, its `type` and `sequence_number` added; none when the
+    /// client has it already.
+    fn event(&mut self, kind: &str, mut fields: Value) -> Option<Result<Event, Infallible>> {
+        let n = self.next;
         self.next += 1;
-        Ok(Event::default().event(kind).data(fields.to_string()))
+        if self.after.is_some_and(|a| n <= a) {
+            return None;
+        }
+        fields["type"] = json!(kind);
+        fields["sequence_number"] = json!(n);
+        Some(Ok(Event::default().event(kind).data(fields.to_string())))
     }
 }
 
@@ -54,7 +72,7 @@ impl Message {
         }
         if !t.is_empty() {
             self.text.push_str(&t);
-            out.push(ev.event(
+            out.extend(ev.event(
                 "response.output_text.delta",
                 json!({"item_id": self.id,
                 "output_index": 0, "content_index": 0, "delta": t, "logprobs": []}),
@@ -67,27 +85,34 @@ impl Message {
         self.open = true;
         let item = json!({"type": "message", "id": self.id, "role": "assistant",
                           "status": "in_progress", "content": []});
-        vec![
+        let part = OutputText::new(String::new());
+        [
             ev.event(
                 "response.output_item.added",
                 json!({"output_index": 0, "item": item}),
             ),
             ev.event(
                 "response.content_part.added",
-                json!({"item_id": self.id,
-                "output_index": 0, "content_index": 0, "part": OutputText::new(String::new())}),
+                json!({"item_id": self.id, "output_index": 0, "content_index": 0, "part": part}),
             ),
         ]
+        .into_iter()
+        .flatten()
+        .collect()
     }
 
-    /// The events that end the output: the held text as calls, or the message's closing.
-    fn end(&mut self, ev: &mut Events, o: &Outcome) -> Vec<Result<Event, Infallible>> {
+    /// The events that end the output of `done`: the held text as its calls, or the
+    /// message's closing.
+    fn end(&mut self, ev: &mut Events, done: &ResponseObject) -> Vec<Result<Event, Infallible>> {
         let held = self.held.take();
-        if let Some(calls) = o.tool_calls.as_ref().filter(|_| held.is_some()) {
+        let calls = done
+            .output
+            .iter()
+            .filter(|i| matches!(i, OutputItem::FunctionCall { .. }));
+        if held.is_some() && calls.clone().next().is_some() {
             return calls
-                .iter()
                 .zip(0..)
-                .flat_map(|(c, i)| call_events(ev, &call_item(c), i))
+                .flat_map(|(c, i)| call_events(ev, c, i))
                 .collect();
         }
         let mut out = Vec::new();
@@ -101,20 +126,24 @@ impl Message {
         let item = OutputItem::Message {
             id: self.id.clone(),
             role: "assistant",
-            status: "completed",
+            status: if done.status == "completed" {
+                "completed"
+            } else {
+                "incomplete"
+            },
             content: vec![part.clone()],
         };
-        out.push(ev.event(
+        out.extend(ev.event(
             "response.output_text.done",
             json!({"item_id": self.id,
             "output_index": 0, "content_index": 0, "text": self.text, "logprobs": []}),
         ));
-        out.push(ev.event(
+        out.extend(ev.event(
             "response.content_part.done",
             json!({"item_id": self.id,
             "output_index": 0, "content_index": 0, "part": part}),
         ));
-        out.push(ev.event(
+        out.extend(ev.event(
             "response.output_item.done",
             json!({"output_index": 0, "item": item}),
         ));
@@ -136,7 +165,7 @@ fn call_events(ev: &mut Events, item: &OutputItem, index: usize) -> Vec<Result<E
     };
     let added = json!({"type": "function_call", "id": id, "call_id": call_id, "name": name,
                        "arguments": "", "status": "in_progress"});
-    vec![
+    [
         ev.event(
             "response.output_item.added",
             json!({"output_index": index, "item": added}),
@@ -156,57 +185,83 @@ fn call_events(ev: &mut Events, item: &OutputItem, index: usize) -> Vec<Result<E
             json!({"output_index": index, "item": item}),
         ),
     ]
+    .into_iter()
+    .flatten()
+    .collect()
 }
 
-/// The response's events, from `response.created` to its end. Dropping the stream (the client
-/// went away) stops the generation.
+/// A stateless response's events, from `response.created` to its end. Dropping the stream
+/// (the client went away) stops the generation.
 pub(super) fn events(
     draft: Draft,
     guard: StopOnDrop,
     tools: Option<Arc<Tools>>,
 ) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    let live = guard.0.clone();
+    let ending = draft.clone();
+    let pieces = live.subscribe(0).filter_map(move |(_, e)| match e {
+        RunEvent::Text(t) => Some(Piece::Text(t)),
+        RunEvent::End(o) => Some(Piece::End(Box::new(match o.end.openai_finish_reason() {
+            Ok(finish) => ending.finished(&o, finish),
+            Err(e) => ending.failed(&o, &e.to_string()),
+        }))),
+        RunEvent::Begin | RunEvent::Logprobs(_) => None,
+    });
+    let events = translate(draft, tools, pieces, None);
     async_stream::stream! {
-        let live = guard.0.clone();
         let _guard = guard;
-        let mut ev = Events { next: 0 };
-        yield ev.event("response.created", json!({"response": draft.in_progress()}));
-        yield ev.event("response.in_progress", json!({"response": draft.in_progress()}));
+        let mut events = std::pin::pin!(events);
+        while let Some(e) = events.next().await {
+            yield e;
+        }
+    }
+}
+
+/// A response's events from its `pieces`: `response.created` first, the events the pieces
+/// make, then the end's. Those numbered up to `after` are left out.
+pub(super) fn translate(
+    draft: Draft,
+    tools: Option<Arc<Tools>>,
+    pieces: impl Stream<Item = Piece> + Send + 'static,
+    after: Option<u64>,
+) -> impl Stream<Item = Result<Event, Infallible>> + Send + 'static {
+    async_stream::stream! {
+        let mut ev = Events { next: 0, after };
+        let start = json!({"response": draft.in_progress()});
+        for e in [ev.event("response.created", start.clone()), ev.event("response.in_progress", start)].into_iter().flatten() {
+            yield e;
+        }
         let mut message = Message {
             id: draft.message_id(),
             open: false,
             text: String::new(),
             held: HeldText::new(tools),
         };
-        let mut run = std::pin::pin!(live.subscribe(0));
-        while let Some((_, e)) = run.next().await {
-            match e {
-                RunEvent::Text(t) => {
+        let mut pieces = std::pin::pin!(pieces);
+        while let Some(piece) = pieces.next().await {
+            let done = match piece {
+                Piece::Text(t) => {
                     for e in message.text(&mut ev, t) {
                         yield e;
                     }
+                    continue;
                 }
-                RunEvent::End(o) => {
-                    let finish = match o.end.openai_finish_reason() {
-                        Ok(f) => f,
-                        Err(e) => {
-                            let failed = draft.failed(&o, &e.to_string());
-                            yield ev.event("response.failed", json!({"response": failed}));
-                            return;
-                        }
-                    };
-                    for e in message.end(&mut ev, &o) {
-                        yield e;
-                    }
-                    let done = draft.finished(&o, finish);
-                    let kind = match done.status {
-                        "incomplete" => "response.incomplete",
-                        _ => "response.completed",
-                    };
-                    yield ev.event(kind, json!({"response": done}));
-                    return;
+                Piece::End(done) => done,
+            };
+            let kind = match done.status {
+                "failed" => "response.failed",
+                "completed" => "response.completed",
+                _ => "response.incomplete",
+            };
+            if kind != "response.failed" {
+                for e in message.end(&mut ev, &done) {
+                    yield e;
                 }
-                RunEvent::Begin | RunEvent::Logprobs(_) => {}
             }
+            if let Some(e) = ev.event(kind, json!({"response": done})) {
+                yield e;
+            }
+            return;
         }
     }
 }

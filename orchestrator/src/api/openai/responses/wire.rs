@@ -9,8 +9,8 @@ use utoipa::ToSchema;
 
 use super::super::wire::refuse;
 use crate::api::ApiError;
-use crate::generate::Outcome;
 use crate::service::{Conversation, GenOptions, ModelDefaults, ValidTurn};
+use crate::storage::{NewItem, ReplyUsage, Role};
 use crate::tools::{assistant_text, tool_text, InToolCall, Tool, ToolCall, ToolChoice, Tools};
 
 /// OpenAI's Responses request. Fields that do not change the output (`metadata`, `include`,
@@ -53,15 +53,17 @@ pub struct ResponsesRequest {
     pub(super) text: Option<TextConfig>,
     #[serde(default)]
     pub(super) stream: bool,
-    /// Responses are not kept on this server: `true` (OpenAI's default) is answered as `false`,
-    /// the `response` object's `store`.
+    /// Whether the response is kept (the default): as a session of the caller's and its
+    /// messages, so that `previous_response_id` continues it and `GET /v1/responses/{id}` reads
+    /// it. `false`: nothing is stored, and a client that goes away stops the reply.
     #[serde(default)]
-    #[allow(dead_code)]
     pub(super) store: Option<bool>,
-    /// Only absent or `false`.
+    /// Answer at once with the response `in_progress`, and run it detached: read it with
+    /// `GET /v1/responses/{id}` (its events with `stream=true`, from any replica). Needs `store`.
     #[serde(default)]
     pub(super) background: Option<bool>,
-    /// Only absent: no response is kept to continue from.
+    /// A kept response of the caller's to continue: its conversation, then `input`. Needs
+    /// `store`.
     #[serde(default)]
     pub(super) previous_response_id: Option<String>,
     /// The end user the request is for (as chat completions' `user`).
@@ -106,45 +108,22 @@ pub(super) struct TextConfig {
 impl ResponsesRequest {
     /// The request's tools and tool choice, as Hearth's; `None` without tools.
     pub(super) fn tools(&self) -> Result<Option<Tools>, ApiError> {
-        let mut tools = Vec::new();
-        for (i, t) in self.tools.iter().flatten().enumerate() {
-            if t.kind != "function" {
-                let why = format!("`{}` tools are not supported (only `function`)", t.kind);
-                return Err(refuse(&format!("tools[{i}].type"), &why));
-            }
-            let name = t
-                .name
-                .clone()
-                .ok_or_else(|| refuse(&format!("tools[{i}].name"), "required"))?;
-            let parameters = t.parameters.clone();
-            tools.push(Tool::function(name, t.description.clone(), parameters));
-        }
-        let choice = match &self.tool_choice {
-            None => None,
-            Some(Value::String(m)) => Some(ToolChoice::Mode(m.clone())),
-            Some(Value::Object(o)) if o.get("type") == Some(&json!("function")) => {
-                let name = o.get("name").and_then(Value::as_str);
-                let name = name.ok_or_else(|| refuse("tool_choice.name", "required"))?;
-                Some(ToolChoice::named(name.to_string()))
-            }
-            Some(_) => {
-                let why = "`auto`, `none`, `required` or {\"type\": \"function\", \"name\"}";
-                return Err(refuse("tool_choice", why));
-            }
-        };
-        let flat = |p: &str| p.replace(".function.", ".");
-        Tools::new(Some(tools.as_slice()), choice.as_ref())
-            .map_err(|e| ApiError::from(e).with_param(flat))
+        tools_of(self.tools.as_deref(), self.tool_choice.as_ref())
     }
 
-    /// What this server cannot do, refused by name: keep responses, run them detached.
+    /// Whether the response is kept (`store`, true unless it says `false`).
+    pub(super) fn stored(&self) -> bool {
+        self.store != Some(false)
+    }
+
+    /// What needs a kept response, refused by name without one.
     fn check_supported(&self) -> Result<(), ApiError> {
-        if self.background == Some(true) {
-            let why = "responses are not kept on this server, so none runs detached";
+        if !self.stored() && self.background == Some(true) {
+            let why = "a background response is kept: leave `store` true";
             return Err(refuse("background", why));
         }
-        if self.previous_response_id.is_some() {
-            let why = "responses are not kept on this server: send the conversation in `input`";
+        if !self.stored() && self.previous_response_id.is_some() {
+            let why = "a response that continues another is kept: leave `store` true";
             return Err(refuse("previous_response_id", why));
         }
         if let Some(t) = self.truncation.as_deref() {
@@ -174,29 +153,40 @@ impl ResponsesRequest {
         })
     }
 
-    /// The request as a validated turn: every field checked once, here.
+    /// The request as a validated stateless turn: every field checked once, here.
     pub(super) fn turn(
         &self,
         tools: Option<&Tools>,
         defaults: &ModelDefaults,
     ) -> Result<ValidTurn<Conversation>, ApiError> {
-        self.check_supported()?;
-        let mut params = defaults.params().clone();
-        params.temperature = self.temperature.unwrap_or(defaults.openai_temperature());
-        params.top_p = self.top_p.unwrap_or(params.top_p);
-        let (field, grammar) = crate::tools::turn_grammar(tools, "text.format", self.format()?)?;
-        let options = GenOptions::new(Some(params), "", self.max_output_tokens, Vec::new(), false)
-            .map_err(|e| {
-                ApiError::from(e).with_param(|p| p.replace("max_tokens", "max_output_tokens"))
-            })?
-            .with_grammar(field, grammar)?
-            .with_tools(tools.cloned())
-            .with_end_user(self.user.as_deref())?;
+        let options = self.options(tools, defaults)?;
         Ok(ValidTurn::new(
             self.conversation(tools)?,
             options,
             self.stream,
         ))
+    }
+
+    /// The request's options (sampling, length, format, tools), checked.
+    pub(super) fn options(
+        &self,
+        tools: Option<&Tools>,
+        defaults: &ModelDefaults,
+    ) -> Result<GenOptions, ApiError> {
+        self.check_supported()?;
+        let mut params = defaults.params().clone();
+        params.temperature = self.temperature.unwrap_or(defaults.openai_temperature());
+        params.top_p = self.top_p.unwrap_or(params.top_p);
+        let (field, grammar) = crate::tools::turn_grammar(tools, "text.format", self.format()?)?;
+        Ok(
+            GenOptions::new(Some(params), "", self.max_output_tokens, Vec::new(), false)
+                .map_err(|e| {
+                    ApiError::from(e).with_param(|p| p.replace("max_tokens", "max_output_tokens"))
+                })?
+                .with_grammar(field, grammar)?
+                .with_tools(tools.cloned())
+                .with_end_user(self.user.as_deref())?,
+        )
     }
 
     /// `instructions` and `input` as a conversation: function calls as the model writes
@@ -206,12 +196,78 @@ impl ResponsesRequest {
         if let Some(i) = &self.instructions {
             out.push((ChatRole::System, i.clone()));
         }
+        let mut calls: Vec<(String, String)> = Vec::new();
+        for entry in self.entries()? {
+            out.push(match entry {
+                Entry::Said(role, text) => (role, text),
+                Entry::Calls(field, made) => {
+                    calls.extend(crate::tools::call_names(Some(made.as_slice())));
+                    (ChatRole::Assistant, calls_text(&field, &made)?)
+                }
+                Entry::Output(out) => (ChatRole::User, out.text(&calls)?),
+            });
+        }
+        let convo = Conversation::new(out)
+            .map_err(|e| ApiError::from(e).with_param(|p| p.replace("messages", "input")))?;
+        Ok(match tools.and_then(Tools::system_text) {
+            Some(t) => convo.with_system_prefix(t),
+            None => convo,
+        })
+    }
+
+    /// `instructions` and `input` as a kept response stores them: its system prompt (the
+    /// instructions, then the input's system and developer messages) and the messages it adds
+    /// to its session. `calls` are the calls its history made, as (id, name), which function
+    /// outputs may answer.
+    pub(super) fn kept_input(
+        &self,
+        mut calls: Vec<(String, String)>,
+    ) -> Result<(Option<String>, Vec<NewItem>), ApiError> {
+        let mut system: Vec<String> = self.instructions.iter().cloned().collect();
+        let mut items = Vec::new();
+        let item = |role, content| NewItem {
+            role,
+            content,
+            tool_calls: None,
+            tool_call_id: None,
+        };
+        for entry in self.entries()? {
+            match entry {
+                Entry::Said(ChatRole::System, text) => system.push(text),
+                Entry::Said(ChatRole::User, text) => items.push(item(Role::User, text)),
+                Entry::Said(ChatRole::Assistant, text) => items.push(item(Role::Assistant, text)),
+                Entry::Calls(field, made) => {
+                    calls.extend(crate::tools::call_names(Some(made.as_slice())));
+                    let stored = made.iter().map(InToolCall::stored).collect();
+                    items.push(NewItem {
+                        tool_calls: Some(stored),
+                        ..item(Role::Assistant, calls_text(&field, &made)?)
+                    });
+                }
+                Entry::Output(out) => {
+                    out.text(&calls)?;
+                    items.push(NewItem {
+                        tool_call_id: out.call_id,
+                        ..item(Role::Tool, out.output)
+                    });
+                }
+            }
+        }
+        if items.is_empty() {
+            return Err(refuse("input", "holds no message to answer"));
+        }
+        let system = (!system.is_empty()).then(|| system.join("\n\n"));
+        Ok((system, items))
+    }
+
+    /// The input's items read in order, consecutive function calls as one turn's.
+    fn entries(&self) -> Result<Vec<Entry>, ApiError> {
         let items = match &self.input {
             Value::String(text) => vec![json!({"role": "user", "content": text})],
             Value::Array(items) => items.clone(),
             _ => return Err(refuse("input", "a string or an array of items")),
         };
-        let mut calls: Vec<(String, String)> = Vec::new();
+        let mut out = Vec::with_capacity(items.len());
         let mut pending: Vec<InToolCall> = Vec::new();
         for (i, item) in items.iter().enumerate() {
             let field = format!("input[{i}]");
@@ -220,19 +276,19 @@ impl ResponsesRequest {
                 .and_then(Value::as_str)
                 .unwrap_or("message");
             if kind != "function_call" && !pending.is_empty() {
-                out.push(made_calls(&field, &mut pending, &mut calls)?);
+                out.push(Entry::Calls(field.clone(), std::mem::take(&mut pending)));
             }
             match kind {
-                "message" => out.push(message(item, &field)?),
-                "function_call" => pending.push(function_call(item, &field)?),
-                "function_call_output" => {
-                    let id = item.get("call_id").and_then(Value::as_str);
-                    let output = output_text(item.get("output"), &format!("{field}.output"))?;
-                    let text = tool_text(&field, &output, id, &calls).map_err(|e| {
-                        ApiError::from(e).with_param(|p| p.replace(".tool_call_id", ".call_id"))
-                    })?;
-                    out.push((ChatRole::User, text));
+                "message" => {
+                    let (role, text) = message(item, &field)?;
+                    out.push(Entry::Said(role, text));
                 }
+                "function_call" => pending.push(function_call(item, &field)?),
+                "function_call_output" => out.push(Entry::Output(CallOutput {
+                    call_id: item.get("call_id").and_then(Value::as_str).map(Into::into),
+                    output: output_text(item.get("output"), &format!("{field}.output"))?,
+                    field,
+                })),
                 // A reasoning model's summary of its thinking: not part of what it said.
                 "reasoning" => {}
                 other => {
@@ -245,27 +301,76 @@ impl ResponsesRequest {
             }
         }
         if !pending.is_empty() {
-            out.push(made_calls("input", &mut pending, &mut calls)?);
+            out.push(Entry::Calls("input".into(), pending));
         }
-        let convo = Conversation::new(out)
-            .map_err(|e| ApiError::from(e).with_param(|p| p.replace("messages", "input")))?;
-        Ok(match tools.and_then(Tools::system_text) {
-            Some(t) => convo.with_system_prefix(t),
-            None => convo,
-        })
+        Ok(out)
     }
 }
 
-/// The function calls just read, as the assistant turn that made them.
-fn made_calls(
-    field: &str,
-    pending: &mut Vec<InToolCall>,
-    calls: &mut Vec<(String, String)>,
-) -> Result<(ChatRole, String), ApiError> {
-    let made = std::mem::take(pending);
-    calls.extend(crate::tools::call_names(Some(made.as_slice())));
-    let text = assistant_text(field, String::new(), Some(made.as_slice()))?;
-    Ok((ChatRole::Assistant, text))
+/// One input item read: a message, the function calls of one assistant turn, or the output of
+/// a call.
+enum Entry {
+    Said(ChatRole, String),
+    /// The field of the item after the calls, and the calls.
+    Calls(String, Vec<InToolCall>),
+    Output(CallOutput),
+}
+
+/// A `function_call_output` item.
+struct CallOutput {
+    field: String,
+    call_id: Option<String>,
+    output: String,
+}
+
+impl CallOutput {
+    /// The output as the model reads it, naming the function of the call it answers, one of
+    /// `calls` (else refused).
+    fn text(&self, calls: &[(String, String)]) -> Result<String, ApiError> {
+        tool_text(&self.field, &self.output, self.call_id.as_deref(), calls)
+            .map_err(|e| ApiError::from(e).with_param(|p| p.replace(".tool_call_id", ".call_id")))
+    }
+}
+
+/// An assistant turn's function calls as the model writes them.
+fn calls_text(field: &str, made: &[InToolCall]) -> Result<String, ApiError> {
+    Ok(assistant_text(field, String::new(), Some(made))?)
+}
+
+/// Tools and a tool choice of the Responses API, as Hearth's; `None` without tools.
+pub(super) fn tools_of(
+    given: Option<&[InTool]>,
+    choice: Option<&Value>,
+) -> Result<Option<Tools>, ApiError> {
+    let mut tools = Vec::new();
+    for (i, t) in given.into_iter().flatten().enumerate() {
+        if t.kind != "function" {
+            let why = format!("`{}` tools are not supported (only `function`)", t.kind);
+            return Err(refuse(&format!("tools[{i}].type"), &why));
+        }
+        let name = t
+            .name
+            .clone()
+            .ok_or_else(|| refuse(&format!("tools[{i}].name"), "required"))?;
+        let parameters = t.parameters.clone();
+        tools.push(Tool::function(name, t.description.clone(), parameters));
+    }
+    let choice = match choice {
+        None => None,
+        Some(Value::String(m)) => Some(ToolChoice::Mode(m.clone())),
+        Some(Value::Object(o)) if o.get("type") == Some(&json!("function")) => {
+            let name = o.get("name").and_then(Value::as_str);
+            let name = name.ok_or_else(|| refuse("tool_choice.name", "required"))?;
+            Some(ToolChoice::named(name.to_string()))
+        }
+        Some(_) => {
+            let why = "`auto`, `none`, `required` or {\"type\": \"function\", \"name\"}";
+            return Err(refuse("tool_choice", why));
+        }
+    };
+    let flat = |p: &str| p.replace(".function.", ".");
+    Tools::new(Some(tools.as_slice()), choice.as_ref())
+        .map_err(|e| ApiError::from(e).with_param(flat))
 }
 
 /// A message item: its role and its text.
@@ -329,27 +434,37 @@ fn function_call(item: &Value, field: &str) -> Result<InToolCall, ApiError> {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 #[schema(as = Response)]
 pub struct ResponseObject {
+    /// `resp_` and the id of the message that holds the reply, when kept.
     pub id: String,
     /// `response`
     pub object: &'static str,
     /// Unix seconds.
     pub created_at: i64,
-    /// `in_progress`, `completed`, `incomplete` or `failed`.
+    /// `in_progress`, `completed`, `incomplete`, `cancelled` or `failed`.
     pub status: &'static str,
-    pub model: String,
     pub output: Vec<OutputItem>,
     #[schema(value_type = Option<Object>)]
     pub error: Option<Value>,
     /// `{"reason": "max_output_tokens"}` for a reply cut by its length.
     #[schema(value_type = Option<Object>)]
     pub incomplete_details: Option<Value>,
+    #[serde(flatten)]
+    pub request: Echo,
+    pub usage: Option<ResponseUsage>,
+}
+
+/// What the `response` object repeats of its request (kept with a kept response).
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[schema(as = ResponseRequestEcho)]
+pub struct Echo {
+    pub model: String,
     pub instructions: Option<String>,
     pub max_output_tokens: Option<u32>,
     #[schema(value_type = Object)]
     pub metadata: Value,
     pub parallel_tool_calls: bool,
     pub previous_response_id: Option<String>,
-    /// Always `false`: responses are not kept on this server.
+    /// Whether the response is kept.
     pub store: bool,
     pub background: bool,
     pub temperature: Option<f32>,
@@ -361,7 +476,18 @@ pub struct ResponseObject {
     #[schema(value_type = Object)]
     pub text: Value,
     pub truncation: String,
-    pub usage: Option<ResponseUsage>,
+}
+
+impl Echo {
+    /// The tools and tool choice it repeats, as Hearth's.
+    pub(super) fn tools(&self) -> Result<Option<Tools>, ApiError> {
+        if self.tools.is_empty() {
+            return Ok(None);
+        }
+        let given: Vec<InTool> = serde_json::from_value(Value::Array(self.tools.clone()))
+            .map_err(|e| ApiError::Internal(format!("a kept response's tools: {e}")))?;
+        tools_of(Some(&given), Some(&self.tool_choice))
+    }
 }
 
 /// An output item: a message with its text, or a function call.
@@ -431,8 +557,7 @@ pub struct ReasoningDetails {
 }
 
 impl ResponseUsage {
-    pub(super) fn of(o: &Outcome) -> Self {
-        let u = o.usage;
+    pub(super) fn of(u: &ReplyUsage) -> Self {
         Self {
             input_tokens: u.prompt_tokens,
             input_tokens_details: CachedDetails {
