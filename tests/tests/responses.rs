@@ -163,7 +163,13 @@ async fn a_response_a_function_call_and_the_stream_of_events() {
 
 #[tokio::test]
 async fn what_cannot_be_honoured_is_refused_by_name() {
-    let s = Stack::start("responseserr", Db::Sqlite, 1, &[]).await;
+    let s = Stack::start(
+        "responseserr",
+        Db::Sqlite,
+        1,
+        &["--max-sessions-per-user", "1"],
+    )
+    .await;
     let k = s.key("alice").await;
     let cases = [
         (json!({"background": true, "store": false}), "background"),
@@ -196,6 +202,21 @@ async fn what_cannot_be_honoured_is_refused_by_name() {
         assert_eq!(r.status, 422, "{field}: {}", r.text());
         assert_eq!(r.json()["error"]["param"], field, "{}", r.text());
     }
+    // A kept response is a session, and counts against the key's cap on them; one not kept
+    // does not.
+    let kept = json!({"model": "tiny", "input": "Hi", "max_output_tokens": 2});
+    assert_eq!(post(&s, &k, &kept).await.status, 200);
+    let r = post(&s, &k, &kept).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(
+        r.json()["error"]["code"],
+        "too_many_sessions",
+        "{}",
+        r.text()
+    );
+    let mut not_kept = kept.clone();
+    not_kept["store"] = json!(false);
+    assert_eq!(post(&s, &k, &not_kept).await.status, 200);
     s.finish().await;
 }
 

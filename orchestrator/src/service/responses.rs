@@ -26,6 +26,7 @@ impl ChatService {
     ) -> Result<Arc<Live>, ChatError> {
         let user_id = &caller.user.id;
         let Some(previous) = previous else {
+            self.room_for_session(user_id).await?;
             let new = NewSession {
                 title: title.chars().take(TITLE_CHARS).collect(),
                 ..NewSession::default()
@@ -55,6 +56,7 @@ impl ChatService {
                 started => return started,
             }
         }
+        self.room_for_session(user_id).await?;
         let fork = self
             .store
             .fork_session(user_id, &previous.session_id, previous.reply.seq)

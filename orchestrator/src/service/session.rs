@@ -13,7 +13,7 @@ use hearth_shared::SamplingParams;
 
 use super::prompt::check_max_tokens;
 use super::{ChatError, ChatService, Target};
-use crate::ids::SessionId;
+use crate::ids::{SessionId, UserId};
 use crate::storage::NewSession;
 use crate::storage::{Message, Session, SessionPatch, SessionQuery, User};
 
@@ -239,10 +239,7 @@ impl ChatService {
         user: &User,
         session: ValidSession,
     ) -> Result<Session, ChatError> {
-        let cap = self.limits.max_sessions_per_user;
-        if self.store.count_sessions(&user.id).await? >= cap {
-            return Err(ChatError::TooManySessions { max: cap });
-        }
+        self.room_for_session(&user.id).await?;
         let mut new = session.new;
         let target = self.loaded_target(new.model.as_deref()).await?;
         new.max_tokens = session
@@ -250,6 +247,15 @@ impl ChatService {
             .map(|n| session_max_tokens(n, target.as_ref()))
             .transpose()?;
         Ok(self.store.create_session(&user.id, new).await?)
+    }
+
+    /// Refuses a new session to a user who holds as many as one may.
+    pub(super) async fn room_for_session(&self, user_id: &UserId) -> Result<(), ChatError> {
+        let cap = self.limits.max_sessions_per_user;
+        if self.store.count_sessions(user_id).await? >= cap {
+            return Err(ChatError::TooManySessions { max: cap });
+        }
+        Ok(())
     }
 
     pub async fn sessions(&self, user: &User, q: &SessionQuery) -> Result<Vec<Session>, ChatError> {
