@@ -75,8 +75,13 @@ async fn a_response_a_function_call_and_the_stream_of_events() {
         .events(s.addr())
         .await;
     let (mut names, mut streamed, mut last) = (Vec::<String>::new(), String::new(), None);
-    let mut seq = 0;
+    let (mut seq, mut done) = (0, false);
     while let Some(e) = sse.next().await {
+        assert!(!done, "an event after [DONE]: {e:?}");
+        if e.data == "[DONE]" {
+            done = true;
+            continue;
+        }
         let data: Value = serde_json::from_str(&e.data).expect("JSON data");
         assert_eq!(data["type"].as_str(), Some(e.event.as_str()), "{data}");
         assert_eq!(data["sequence_number"], seq, "{data}");
@@ -89,6 +94,7 @@ async fn a_response_a_function_call_and_the_stream_of_events() {
         }
         last = Some(data);
     }
+    assert!(done, "the stream ends with [DONE]");
     let end = if v["status"] == "completed" {
         "response.completed"
     } else {

@@ -31,16 +31,20 @@ fn text(v: &Value) -> &str {
         .unwrap_or_default()
 }
 
-/// The response's events from `addr`, after `after` when given.
+/// The response's events from `addr`, after `after` when given, up to the `[DONE]` that
+/// ends them.
 async fn events(addr: SocketAddr, key: &str, id: &str, after: Option<u64>) -> Vec<Event> {
     let query = after.map_or(String::new(), |n| format!("&starting_after={n}"));
     let path = format!("/v1/responses/{id}?stream=true{query}");
-    Req::new("GET", &path)
+    let mut all = Req::new("GET", &path)
         .key(Some(key))
         .events(addr)
         .await
         .rest()
-        .await
+        .await;
+    let done = all.pop().map(|e| e.data);
+    assert_eq!(done.as_deref(), Some("[DONE]"), "{all:?}");
+    all
 }
 
 fn deltas(events: &[Event]) -> String {

@@ -1248,6 +1248,11 @@ export interface components {
             error?: Record<string, never> | null;
             /** @description `{"reason": "max_output_tokens"}` for a reply cut by its length. */
             incomplete_details?: Record<string, never> | null;
+            /**
+             * Format: int64
+             * @description Unix seconds, once the reply ended.
+             */
+            completed_at?: number | null;
             usage?: null | components["schemas"]["ResponseUsage"];
         };
         /** @description OpenAI's `response_format`. */
@@ -1299,14 +1304,38 @@ export interface components {
             /** @description Whether the response is kept. */
             store: boolean;
             background: boolean;
+            /**
+             * Format: float
+             * @description The sampling the reply had: the request's, else the model's defaults.
+             */
+            temperature: number;
             /** Format: float */
-            temperature?: number | null;
+            top_p: number;
             /** Format: float */
-            top_p?: number | null;
+            presence_penalty: number;
+            /** Format: float */
+            frequency_penalty: number;
+            /**
+             * Format: u-int32
+             * @description Always 0: `include` asks for no log-probabilities here.
+             */
+            top_logprobs: number;
             tool_choice: Record<string, never>;
             tools: Record<string, never>[];
             text: Record<string, never>;
             truncation: string;
+            user?: string | null;
+            /** @description Always null: the served models do not reason apart from their reply. */
+            reasoning?: Record<string, never> | null;
+            /**
+             * Format: u-int32
+             * @description Always null: a reply makes as many calls as the model writes.
+             */
+            max_tool_calls?: number | null;
+            /** @description `default` */
+            service_tier: string;
+            safety_identifier?: string | null;
+            prompt_cache_key?: string | null;
         };
         ResponseTextConfig: {
             format?: Record<string, never> | null;
@@ -1318,6 +1347,8 @@ export interface components {
             name?: string | null;
             description?: string | null;
             parameters?: Record<string, never> | null;
+            /** @description Accepted: a forced call follows its schema whatever this says. */
+            strict?: boolean | null;
         };
         ResponseUsage: {
             /** Format: u-int64 */
@@ -1384,6 +1415,10 @@ export interface components {
             previous_response_id?: string | null;
             /** @description The end user the request is for (as chat completions' `user`). */
             user?: string | null;
+            /** @description Accepted and repeated: the prefix cache finds shared prompts by their tokens. */
+            prompt_cache_key?: string | null;
+            /** @description Accepted and repeated. */
+            safety_identifier?: string | null;
             metadata?: Record<string, never>;
             /** @description Accepted: a reply holds one call or several, as the model writes it. */
             parallel_tool_calls?: boolean | null;

@@ -7,6 +7,7 @@ use super::wire::{call_item, Echo, OutputItem, OutputText, ResponseObject, Respo
 use super::ResponsesRequest;
 use crate::generate::{OpenAiFinish, Outcome};
 use crate::ids::MessageId;
+use crate::service::ModelDefaults;
 use crate::storage::{Completion, Finish, Message, MessageStatus, ReplyUsage, ToolCall};
 
 /// The `response` object before its reply: what it repeats of the request.
@@ -14,7 +15,13 @@ use crate::storage::{Completion, Finish, Message, MessageStatus, ReplyUsage, Too
 pub(super) struct Draft(ResponseObject);
 
 impl Draft {
-    pub(super) fn new(req: &ResponsesRequest, model: String, has_tools: bool) -> Self {
+    /// The draft of `req`, answered by `model` whose sampling defaults are `defaults`.
+    pub(super) fn new(
+        req: &ResponsesRequest,
+        model: String,
+        has_tools: bool,
+        defaults: &ModelDefaults,
+    ) -> Self {
         let tools: Vec<Value> = req
             .tools
             .iter()
@@ -35,13 +42,22 @@ impl Draft {
                 previous_response_id: req.previous_response_id.clone().filter(|_| stored),
                 store: stored,
                 background: stored && req.background == Some(true),
-                temperature: req.temperature,
-                top_p: req.top_p,
+                temperature: req.temperature.unwrap_or(defaults.openai_temperature()),
+                top_p: req.top_p.unwrap_or(defaults.params().top_p),
+                presence_penalty: defaults.params().presence_penalty,
+                frequency_penalty: defaults.params().frequency_penalty,
+                top_logprobs: 0,
                 tool_choice: req.tool_choice.clone().unwrap_or(json!(default_choice)),
                 tools,
                 text: json!({"format": req.text.as_ref().and_then(|t| t.format.clone())
                 .unwrap_or(json!({"type": "text"}))}),
                 truncation: req.truncation.clone().unwrap_or("disabled".into()),
+                user: req.user.clone(),
+                reasoning: None,
+                max_tool_calls: None,
+                service_tier: "default".into(),
+                safety_identifier: req.safety_identifier.clone(),
+                prompt_cache_key: req.prompt_cache_key.clone(),
             },
         )
     }
@@ -61,6 +77,7 @@ impl Draft {
             output: Vec::new(),
             error: None,
             incomplete_details: None,
+            completed_at: None,
             request,
             usage: None,
         })
@@ -95,6 +112,7 @@ impl Draft {
     pub(super) fn failed(&self, o: &Outcome, message: &str) -> ResponseObject {
         let mut r = self.0.clone();
         r.status = "failed";
+        r.completed_at = Some(crate::storage::now_ms() / 1000);
         r.error = Some(json!({"code": "server_error", "message": message}));
         r.usage = Some(ResponseUsage::of(&o.usage));
         r
@@ -115,7 +133,7 @@ impl Draft {
             r.output.retain(|_| !m.content.is_empty());
             return r;
         }
-        self.ended(&Completion {
+        let mut r = self.ended(&Completion {
             content: m.content.clone(),
             status: m.status,
             finish_reason: m.finish_reason.unwrap_or(Finish::Stop),
@@ -123,7 +141,9 @@ impl Draft {
             timings: Default::default(),
             worker: m.worker.clone(),
             tool_calls: m.tool_calls.clone(),
-        })
+        });
+        r.completed_at = Some(m.updated_at / 1000);
+        r
     }
 
     /// The object of a kept response whose reply ended as `c`: `completed`, `incomplete` (cut
@@ -168,6 +188,9 @@ impl Draft {
             }],
         };
         r.status = status;
+        if status != "in_progress" {
+            r.completed_at = Some(crate::storage::now_ms() / 1000);
+        }
         if status == "incomplete" {
             r.incomplete_details = Some(json!({"reason": "max_output_tokens"}));
         }

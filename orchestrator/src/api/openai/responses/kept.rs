@@ -136,7 +136,7 @@ pub(super) async fn create(
 async fn start(s: &AppState, caller: &Caller, k: &Kept) -> Result<(Draft, Arc<Live>), ApiError> {
     let target = s.chat.target(caller, k.req.model.as_deref()).await?;
     let options = k.req.options(k.tools.as_deref(), &target.defaults())?;
-    let draft = Draft::new(&k.req, target.name(), k.tools.is_some());
+    let draft = Draft::new(&k.req, target.name(), k.tools.is_some(), &target.defaults());
     let request = serde_json::to_string(draft.request())
         .map_err(|e| ApiError::Internal(format!("a response's request: {e}")))?;
     let new = NewResponse {

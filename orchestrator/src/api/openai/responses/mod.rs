@@ -93,6 +93,6 @@ async fn start(
     let guard = StopOnDrop::start(&s.chat, caller, turn, &target)
         .await
         .map_err(|e| ApiError::from(e).with_param(named))?;
-    let draft = Draft::new(req, target.name(), tools.is_some());
+    let draft = Draft::new(req, target.name(), tools.is_some(), &target.defaults());
     Ok((draft, guard))
 }

@@ -3,7 +3,7 @@
 //! `response.content_part.added`, `response.output_text.delta`s, `.done` of each), or each
 //! function call (`response.output_item.added`, `response.function_call_arguments.delta` and
 //! `.done`, `response.output_item.done`); then `response.completed`, `response.incomplete` or
-//! `response.failed`.
+//! `response.failed`, and last `[DONE]`.
 //!
 //! The events are derived from the reply's pieces (its text as it came, then its end) alone, so
 //! a kept response's stream read again from the reply's log, on any replica, numbers them the
@@ -261,6 +261,8 @@ pub(super) fn translate(
             if let Some(e) = ev.event(kind, json!({"response": done})) {
                 yield e;
             }
+            // The Open Responses stream's terminal event.
+            yield Ok(Event::default().data("[DONE]"));
             return;
         }
     }

@@ -69,6 +69,12 @@ pub struct ResponsesRequest {
     /// The end user the request is for (as chat completions' `user`).
     #[serde(default)]
     pub(super) user: Option<String>,
+    /// Accepted and repeated: the prefix cache finds shared prompts by their tokens.
+    #[serde(default)]
+    pub(super) prompt_cache_key: Option<String>,
+    /// Accepted and repeated.
+    #[serde(default)]
+    pub(super) safety_identifier: Option<String>,
     #[serde(default)]
     #[schema(value_type = Object)]
     pub(super) metadata: Option<Value>,
@@ -90,11 +96,14 @@ pub(super) struct InTool {
     kind: String,
     #[serde(default)]
     name: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     description: Option<String>,
     #[serde(default)]
     #[schema(value_type = Option<Object>)]
     parameters: Option<Value>,
+    /// Accepted: a forced call follows its schema whatever this says.
+    #[serde(default)]
+    strict: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -448,6 +457,8 @@ pub struct ResponseObject {
     /// `{"reason": "max_output_tokens"}` for a reply cut by its length.
     #[schema(value_type = Option<Object>)]
     pub incomplete_details: Option<Value>,
+    /// Unix seconds, once the reply ended.
+    pub completed_at: Option<i64>,
     #[serde(flatten)]
     pub request: Echo,
     pub usage: Option<ResponseUsage>,
@@ -467,8 +478,13 @@ pub struct Echo {
     /// Whether the response is kept.
     pub store: bool,
     pub background: bool,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
+    /// The sampling the reply had: the request's, else the model's defaults.
+    pub temperature: f32,
+    pub top_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Always 0: `include` asks for no log-probabilities here.
+    pub top_logprobs: u32,
     #[schema(value_type = Object)]
     pub tool_choice: Value,
     #[schema(value_type = Vec<Object>)]
@@ -476,6 +492,16 @@ pub struct Echo {
     #[schema(value_type = Object)]
     pub text: Value,
     pub truncation: String,
+    pub user: Option<String>,
+    /// Always null: the served models do not reason apart from their reply.
+    #[schema(value_type = Option<Object>)]
+    pub reasoning: Option<Value>,
+    /// Always null: a reply makes as many calls as the model writes.
+    pub max_tool_calls: Option<u32>,
+    /// `default`
+    pub service_tier: String,
+    pub safety_identifier: Option<String>,
+    pub prompt_cache_key: Option<String>,
 }
 
 impl Echo {
