@@ -7,6 +7,7 @@ mod repl;
 use std::path::{Path, PathBuf};
 
 use clap::{Parser, Subcommand};
+use hearth_shared::tracing_export::{self, TraceExport};
 use hearth_worker::bench::{run_bench, BenchOptions};
 use hearth_worker::check::{check_golden, check_greedy, CheckOptions, GoldenOptions};
 use hearth_worker::gen_model::GenModelOptions;
@@ -22,6 +23,11 @@ use hearth_worker::server::{ServeConfig, Worker};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Where to send traces, over OTLP/gRPC (`http://collector:4317`) [default: not sent].
+    /// `OTEL_SERVICE_NAME` names the service (`hearth-worker`), `OTEL_TRACES_SAMPLER_ARG` is
+    /// the share of new traces kept (1; a request's trace is followed whenever it is sampled).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", global = true)]
+    otlp_endpoint: Option<String>,
 }
 
 #[derive(Subcommand, Debug)]
@@ -66,15 +72,10 @@ enum Command {
 }
 
 fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colours for a person at a terminal; plain text for log files and collectors.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
+    let export = TraceExport::from_env(cli.otlp_endpoint.clone(), "hearth-worker")
+        .map_err(anyhow::Error::msg)?;
+    let _exporting = tracing_export::init("info", &export).map_err(anyhow::Error::msg)?;
     let models = std::env::var_os("HEARTH_MODELS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(default_models_dir);

@@ -8,6 +8,7 @@ use clap::{Args, Parser, Subcommand};
 use hearth_orchestrator::auth::{hash_key, issue_key, KeyOptions, PREFIX_LEN};
 use hearth_orchestrator::server::{patiently, serve, Config, ServeArgs};
 use hearth_orchestrator::storage::{now_ms, Accounts, KeyRole, SqlStore, StoreError};
+use hearth_shared::tracing_export::{self, TraceExport};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -22,6 +23,11 @@ struct Cli {
     serve: ServeArgs,
     #[command(subcommand)]
     command: Option<Command>,
+    /// Where to send traces, over OTLP/gRPC (`http://collector:4317`) [default: not sent].
+    /// `OTEL_SERVICE_NAME` names the service (`hearth`), `OTEL_TRACES_SAMPLER_ARG` is the
+    /// share of new traces kept (1).
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", global = true)]
+    otlp_endpoint: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -73,14 +79,6 @@ enum KeysCommand {
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        // Colours for a person at a terminal; plain text for log files and collectors.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cli = Cli::parse();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -89,6 +87,18 @@ fn main() -> ExitCode {
         Ok(r) => r,
         Err(e) => {
             eprintln!("hearth: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let export = TraceExport::from_env(cli.otlp_endpoint.clone(), "hearth");
+    let exporting = export.and_then(|e| {
+        let _inside = runtime.enter();
+        tracing_export::init("warn", &e)
+    });
+    let _exporting = match exporting {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("hearth: {e}");
             return ExitCode::FAILURE;
         }
     };

@@ -44,6 +44,8 @@ pub const DECODE_TIME: &str = "hearth_request_decode_seconds";
 pub const DATABASE_UP: &str = "hearth_database_up";
 /// Models loaded on demand (a request for a repository model no worker held).
 pub const MODEL_LOADS: &str = "hearth_model_loads_on_demand_total";
+/// Trace spans dropped on their way to the collector (shared with the worker).
+pub use hearth_shared::tracing_export::DROPPED_SPANS;
 
 /// Buckets for per-request token counts (prompt and reply lengths), 1 to 32k tokens.
 const LENGTH_BUCKETS: &[f64] = &[
@@ -172,12 +174,17 @@ fn describe_failures() {
         DATABASE_UP,
         "1 when the last periodic database check succeeded, 0 when it failed"
     );
+    describe_counter!(
+        DROPPED_SPANS,
+        "Trace spans never delivered to the OTLP collector (its queue full, or export failed)"
+    );
 }
 
 /// Series that only move on rare events start at zero, so dashboards and alerts see a flat
 /// line (and `rate()` works) rather than no data until the first event.
 fn start_at_zero() {
     counter!(WORKER_FAILOVERS).increment(0);
+    counter!(DROPPED_SPANS).increment(0);
     counter!(PREEMPTIONS).increment(0);
     counter!(REPLICA_TAKEOVERS).increment(0);
     counter!(MODEL_LOADS).increment(0);
@@ -267,6 +274,37 @@ pub async fn count_requests(req: Request, next: Next) -> Response {
     let response = next.run(req).await;
     let status = response.status().as_u16().to_string();
     counter!(REQUESTS, "route" => route, "status" => status).increment(1);
+    response
+}
+
+/// The request's span, the root of its trace (or, when the client sent a W3C `traceparent`,
+/// a child of the client's span). Every response carries the trace's id as `x-trace-id` when
+/// it is traced.
+pub async fn trace_request(req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let method = req.method().as_str().to_string();
+    let span = tracing::info_span!(
+        "http.request",
+        otel.name = %format!("{method} {route}"),
+        otel.kind = "server",
+        http.request.method = %method,
+        http.route = %route,
+        http.response.status_code = tracing::field::Empty,
+    );
+    let parent = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok());
+    hearth_shared::tracing_export::set_parent(&span, parent);
+    let trace_id = hearth_shared::tracing_export::trace_id(&span);
+    let mut response = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+    span.record("http.response.status_code", response.status().as_u16());
+    if let Some(v) = trace_id.and_then(|id| axum::http::HeaderValue::from_str(&id).ok()) {
+        response.headers_mut().insert("x-trace-id", v);
+    }
     response
 }
 

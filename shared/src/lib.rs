@@ -19,6 +19,7 @@ pub mod proto;
 pub mod sampling;
 pub mod telemetry;
 pub mod tokenizer;
+pub mod tracing_export;
 pub mod versions;
 pub mod worker_auth;
 

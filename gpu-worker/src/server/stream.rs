@@ -19,6 +19,7 @@ use hearth_shared::{Grammar, RequestId, SamplingParams, SessionId, UserId};
 use tokio::sync::{mpsc, Notify};
 use tokio::task::JoinSet;
 use tonic::{Code, Status, Streaming};
+use tracing::Instrument;
 
 use super::models::ModelGuard;
 use super::state::{InFlight, WorkerState};
@@ -197,7 +198,7 @@ impl Connection {
     /// Starts `r` on its model's engine, or says why not.
     async fn start(
         &mut self,
-        r: proto::GenerateRequest,
+        mut r: proto::GenerateRequest,
         guard: InFlight,
     ) -> Result<(), (Code, String)> {
         let client_id = r.request_id;
@@ -216,6 +217,8 @@ impl Connection {
         if let Some(ms) = r.keep_alive_ms {
             slot.set_keep_alive(ms, r.keep_alive_may_shorten);
         }
+        let (model, traceparent) = (r.model.clone(), std::mem::take(&mut r.traceparent));
+        let prompt_tokens = r.prompt_token_ids.len();
         let req = self
             .to_engine_request(r)
             .map_err(|m| (Code::InvalidArgument, m))?;
@@ -234,9 +237,9 @@ impl Connection {
             Box::pin(submit_unless_cancelled(engine, req, live.cancel.clone()))
         };
         let out = self.out.clone();
-        let task = self
-            .forwarders
-            .spawn(forward(client_id, submitted, out, (guard, on_model)));
+        let span = request_span(&model, prompt_tokens, &traceparent);
+        let forwarding = forward(client_id, submitted, out, (guard, on_model));
+        let task = self.forwarders.spawn(forwarding.instrument(span));
         self.live.insert(client_id, live);
         self.tasks.insert(task.id(), client_id);
         Ok(())
@@ -403,8 +406,82 @@ fn push_token(t: &mut proto::Tokens, id: u32, logprob: f32, top: Vec<(u32, f32)>
     }
 }
 
+/// The span of one request on this worker, in the orchestrator's trace when it sent one: its
+/// phases (`admission`, `prefill`, `decode`) are its children.
+fn request_span(model: &str, prompt_tokens: usize, traceparent: &str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "hearth.worker.generate",
+        otel.name = "worker generate",
+        otel.kind = "server",
+        gen_ai.request.model = %model,
+        hearth.prompt_tokens = prompt_tokens,
+        hearth.cached_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        hearth.time_to_first_token_ms = tracing::field::Empty,
+        hearth.finish_reason = tracing::field::Empty,
+    );
+    let parent = Some(traceparent).filter(|t| !t.is_empty());
+    hearth_shared::tracing_export::set_parent(&span, parent);
+    span
+}
+
+/// Which phase a request is in, each a span under the request's: waiting for the engine to take
+/// it, computing its prompt, then generating.
+struct Phase {
+    span: tracing::Span,
+    decoding: bool,
+    tokens: usize,
+    steps: usize,
+}
+
+impl Phase {
+    fn new() -> Self {
+        Self {
+            span: tracing::info_span!("admission"),
+            decoding: false,
+            tokens: 0,
+            steps: 0,
+        }
+    }
+
+    fn started(&mut self, cached_tokens: usize) {
+        tracing::Span::current().record("hearth.cached_tokens", cached_tokens);
+        self.span = tracing::info_span!("prefill", hearth.cached_tokens = cached_tokens);
+    }
+
+    fn tokens(&mut self, n: usize) {
+        if !self.decoding {
+            self.decoding = true;
+            self.span = tracing::info_span!(
+                "decode",
+                hearth.tokens = tracing::field::Empty,
+                hearth.steps = tracing::field::Empty
+            );
+        }
+        self.tokens += n;
+        self.steps += 1;
+    }
+
+    fn finished(
+        &self,
+        reason: hearth_shared::FinishReason,
+        completion_tokens: usize,
+        ttft_ms: Option<f64>,
+    ) {
+        self.span.record("hearth.tokens", self.tokens);
+        self.span.record("hearth.steps", self.steps);
+        let request = tracing::Span::current();
+        request.record("gen_ai.usage.output_tokens", completion_tokens);
+        request.record("hearth.finish_reason", format!("{reason:?}").as_str());
+        if let Some(ms) = ttft_ms {
+            request.record("hearth.time_to_first_token_ms", ms);
+        }
+    }
+}
+
 async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto::WorkerEvent {
     let mut next: Option<EngineEvent> = None;
+    let mut phase = Phase::new();
     loop {
         let event = match next.take() {
             Some(e) => e,
@@ -420,10 +497,13 @@ async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto
             EngineEvent::Started {
                 cached_tokens,
                 queue_ms,
-            } => Kind::Started(proto::Started {
-                cached_tokens: cached_tokens as u32,
-                queue_ms,
-            }),
+            } => {
+                phase.started(cached_tokens);
+                Kind::Started(proto::Started {
+                    cached_tokens: cached_tokens as u32,
+                    queue_ms,
+                })
+            }
             EngineEvent::Token { id, logprob, top } => {
                 let mut t = proto::Tokens::default();
                 push_token(&mut t, id, logprob, top);
@@ -439,6 +519,7 @@ async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto
                         Err(_) => break,
                     }
                 }
+                phase.tokens(t.ids.len());
                 Kind::Tokens(t)
             }
             EngineEvent::Finished {
@@ -448,6 +529,8 @@ async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto
                 completion_tokens,
                 timings,
             } => {
+                let ttft = Some(timings.time_to_first_token_ms);
+                phase.finished(reason, completion_tokens, ttft);
                 return proto::WorkerEvent {
                     request_id: client_id,
                     kind: Some(Kind::Finished(proto::Finished {
@@ -461,7 +544,7 @@ async fn relay(client_id: u64, events: &mut EventStream, out: &EventTx) -> proto
                             total_ms: timings.total_ms,
                         }),
                     })),
-                }
+                };
             }
             EngineEvent::Error(e) => {
                 return error_event(client_id, status::code(&e), e.to_string());

@@ -157,6 +157,7 @@ pub fn router(state: AppState) -> Router {
     router
         .layer(axum::middleware::from_fn(anthropic::errors_in_its_shape))
         .layer(axum::middleware::from_fn(crate::telemetry::count_requests))
+        .layer(axum::middleware::from_fn(crate::telemetry::trace_request))
         .with_state(state)
 }
 

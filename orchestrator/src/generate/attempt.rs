@@ -78,12 +78,14 @@ impl Attempts {
         let addr = lease.addr();
         match Fault::of(e.code) {
             Fault::Failover => {
+                tracing::Span::current().record("hearth.failover_reason", e.message.as_str());
                 tracing::warn!(worker = %addr, error = %e.message, generated, "worker failed mid-request; moving on");
                 metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
                 self.failed.push(lease.excluded());
                 Next::Retry
             }
             Fault::Busy => {
+                tracing::Span::current().record("hearth.failover_reason", "the worker is full");
                 tracing::debug!(worker = %addr, error = %e.message, "worker full; trying another");
                 self.failed.push(lease.excluded());
                 self.busy = true;
@@ -151,6 +153,7 @@ pub(super) fn request(job: &Job, p: &Progress, remaining: u32) -> proto::Generat
             .unwrap_or_default(),
         keep_alive_ms: keep_alive.map(|k| k.ms),
         keep_alive_may_shorten: keep_alive.is_some_and(|k| k.may_shorten),
+        traceparent: hearth_shared::tracing_export::current_traceparent().unwrap_or_default(),
     }
 }
 

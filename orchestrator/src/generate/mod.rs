@@ -35,7 +35,9 @@ pub use live::{
 pub use shared::{Before, Published, SharedReplies, SharedReply, StreamState};
 
 use std::sync::Arc;
+
 use std::time::Duration;
+use tracing::Instrument;
 
 use hearth_shared::proto::{self, worker_event::Kind};
 use hearth_shared::tokenizer::Tokenizer;
@@ -100,6 +102,33 @@ impl Generator {
     pub async fn run(self: Arc<Self>, job: Job, live: Arc<Live>) -> Outcome {
         live.push(RunEvent::Begin);
         self.run_from(job, live, Vec::new()).await
+    }
+
+    /// Runs `job` on a task of its own, in its reply's span under the current one.
+    pub fn spawn(self: Arc<Self>, job: Job, live: Arc<Live>) {
+        let span = Self::chat_span(&job);
+        tokio::spawn(self.run(job, live).instrument(span));
+    }
+
+    /// The span of one reply, under the current one, with the GenAI request attributes; its
+    /// usage and finish are recorded at its end.
+    pub fn chat_span(job: &Job) -> tracing::Span {
+        let model = job.placement.model.as_ref().map(|m| m.to_string());
+        let model = model.unwrap_or_default();
+        tracing::info_span!(
+            "gen_ai.chat",
+            otel.name = %format!("chat {model}"),
+            gen_ai.operation.name = "chat",
+            gen_ai.request.model = %model,
+            gen_ai.request.max_tokens = job.request.stopping.max_new_tokens,
+            gen_ai.request.temperature = f64::from(job.request.sampling.params.temperature),
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+            hearth.cached_tokens = tracing::field::Empty,
+            hearth.time_to_first_token_ms = tracing::field::Empty,
+            hearth.time_per_output_token_ms = tracing::field::Empty,
+        )
     }
 
     /// Runs `job` on from the tokens another replica generated (and published) before it died:
@@ -172,7 +201,13 @@ impl Generator {
             if remaining == 0 {
                 return End::Finished(FinishReason::Length);
             }
-            let gen = match lease.generate(request(job, p, remaining)) {
+            let attempt = tracing::info_span!(
+                "hearth.attempt",
+                otel.name = "attempt",
+                hearth.worker = %lease.name(),
+                hearth.failover_reason = tracing::field::Empty,
+            );
+            let gen = match attempt.in_scope(|| lease.generate(request(job, p, remaining))) {
                 Ok(g) => g,
                 Err(e) => {
                     tracing::warn!(worker = %lease.addr(), error = %e, "worker refused the request");
@@ -183,7 +218,8 @@ impl Generator {
             p.worker = Some(lease.name().to_string());
             // `gen` is dropped inside `follow`, before the lease: the generation is cancelled
             // on the worker before its place is freed.
-            if let Next::End(end) = self.follow(job, live, p, &mut a, &lease, gen).await {
+            let follow = self.follow(job, live, p, &mut a, &lease, gen);
+            if let Next::End(end) = follow.instrument(attempt).await {
                 return end;
             }
         }
@@ -255,6 +291,8 @@ impl Generator {
                 Some(Kind::Finished(f)) => Some(self.finished(job, live, p, a, lease, f.reason)),
                 Some(Kind::Error(e)) => Some(a.fault(lease, e, p.generated.len())),
                 None => {
+                    let why = "the worker's stream ended";
+                    tracing::Span::current().record("hearth.failover_reason", why);
                     a.failed.push(lease.excluded());
                     Some(Next::Retry)
                 }
@@ -473,6 +511,7 @@ fn outcome_of(job: &Job, p: Progress, end: End) -> Outcome {
 /// Records a reply's end in the metrics: its duration, tokens and finish reason (the decode
 /// time from its `first_token`).
 fn record_end(job: &Job, outcome: &Outcome, first_token: Option<Instant>) {
+    trace_end(job, outcome, first_token);
     telemetry::observe(
         telemetry::REQUEST_DURATION,
         job.owner.arrived.elapsed().as_secs_f64(),
@@ -488,6 +527,25 @@ fn record_end(job: &Job, outcome: &Outcome, first_token: Option<Instant>) {
         completion_tokens: usage.completion_tokens,
         decode: first_token.map(|t| t.elapsed()),
     });
+}
+
+/// Records a reply's end on its span (the current one): usage, finish, and its timing.
+fn trace_end(job: &Job, outcome: &Outcome, first_token: Option<Instant>) {
+    let span = tracing::Span::current();
+    let usage = outcome.usage;
+    span.record("gen_ai.usage.input_tokens", usage.prompt_tokens);
+    span.record("gen_ai.usage.output_tokens", usage.completion_tokens);
+    span.record("hearth.cached_tokens", usage.cached_tokens);
+    let finish = format!("[\"{}\"]", outcome.finish_reason().as_str());
+    span.record("gen_ai.response.finish_reasons", finish.as_str());
+    if let Some(t) = first_token {
+        let ttft = t.duration_since(job.owner.arrived).as_secs_f64() * 1000.0;
+        span.record("hearth.time_to_first_token_ms", ttft);
+        if usage.completion_tokens > 1 {
+            let per = t.elapsed().as_secs_f64() * 1000.0 / (usage.completion_tokens - 1) as f64;
+            span.record("hearth.time_per_output_token_ms", per);
+        }
+    }
 }
 
 /// Longest a reply's end waits to be in its shared stream before it is stored anyway (the

@@ -4,11 +4,13 @@
 use crate::invalid::Invalid;
 use std::sync::Arc;
 
+use tracing::Instrument;
+
 use hearth_shared::chat::{Message as ChatMessage, Role as ChatRole};
 
 use super::prompt::{check_max_tokens, compile_grammars, owner};
 use super::{Caller, ChatError, ChatService, JobRecord, NativeTurn, ToolResult, ValidTurn};
-use crate::generate::{Before, Job, Live, Persistence, Reservation, TurnIds};
+use crate::generate::{Before, Generator, Job, Live, Persistence, Reservation, TurnIds};
 use crate::ids::{MessageId, SessionId, UserId};
 use crate::storage::{
     Message, NewItem, NewResponse, NewToolResult, ReplyLease, Role, Session, ToolCall,
@@ -109,10 +111,12 @@ impl ChatService {
         }
         let g = self.generator.clone();
         let running = live.clone();
-        tokio::spawn(async move {
+        let span = Generator::chat_span(&job);
+        let run = async move {
             g.clone().run(job, running.clone()).await;
             g.streams.expire_later(running);
-        });
+        };
+        tokio::spawn(run.instrument(span));
         live
     }
 

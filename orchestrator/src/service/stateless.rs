@@ -4,12 +4,14 @@
 use crate::invalid::Invalid;
 use std::sync::Arc;
 
+use tracing::Instrument;
+
 use super::prompt::{check_max_tokens, compile_grammars, owner, Planned};
 use super::{
     Caller, ChatError, ChatService, Conversation, GenOptions, RawPrompt, Target, ValidTurn,
     MAX_CHOICES,
 };
-use crate::generate::{Job, Live, Persistence, Prompt};
+use crate::generate::{Generator, Job, Live, Persistence, Prompt};
 use crate::limits::Budget;
 use crate::workers::Tenant;
 use hearth_shared::tokenizer::Tokenizer;
@@ -121,10 +123,7 @@ impl ChatService {
             .await?;
         let params = opts.params().cloned().unwrap_or_default();
         let request = self.gen_request(&plan, &opts, params).await?;
-        let mut budgets: Vec<Option<Budget>> = match budget {
-            Some(b) => b.split(n as usize).into_iter().map(Some).collect(),
-            None => (0..n).map(|_| None).collect(),
-        };
+        let mut budgets = shares(budget, n);
         // Choice `i` is the same request with the seed `seed + i`.
         let job = |i: u32, budget: Option<Budget>| {
             let mut request = request.clone();
@@ -141,22 +140,32 @@ impl ChatService {
         let mut lives = vec![first.clone()];
         let mut lead = job(0, budgets.remove(0));
         lead.placement.lease = Some(lease);
-        tokio::spawn(self.generator.clone().run(lead, first.clone()));
+        self.generator.clone().spawn(lead, first.clone());
         for (i, budget) in (1..n).zip(budgets) {
             let live = Live::new(None);
             lives.push(live.clone());
             let (g, mut follower, user) = (self.generator.clone(), job(i, budget), tenant.clone());
             let (keys, first) = (keys.clone(), first.clone());
-            tokio::spawn(async move {
+            let span = Generator::chat_span(&follower);
+            let follow = async move {
                 first.first_progress().await;
                 // Failing here, the generation waits in the queue like a failover.
                 let model = follower.placement.model.clone();
                 follower.placement.lease =
                     g.pool.admit_prefix(&user, model.as_ref(), &keys).await.ok();
                 g.run(follower, live).await;
-            });
+            };
+            tokio::spawn(follow.instrument(span));
         }
         Ok(lives)
+    }
+}
+
+/// The caller's token budget split between `n` choices (none: none for each).
+fn shares(budget: Option<Budget>, n: u32) -> Vec<Option<Budget>> {
+    match budget {
+        Some(b) => b.split(n as usize).into_iter().map(Some).collect(),
+        None => (0..n).map(|_| None).collect(),
     }
 }
 

@@ -33,6 +33,8 @@
 use std::ops::ControlFlow;
 use std::sync::Arc;
 
+use tracing::Instrument;
+
 use hearth_shared::{Grammar, SamplingParams};
 use serde::{Deserialize, Serialize};
 
@@ -308,7 +310,10 @@ impl ChatService {
             shared.publish(live.clone(), &lease, None, resume.before);
         }
         let g = self.generator.clone();
-        g.clone().run_from(job, live.clone(), resume.tokens).await;
+        let span = tracing::info_span!("hearth.takeover", otel.name = "takeover", hearth.message_id = %id, hearth.epoch = lease.epoch);
+        let chat = span.in_scope(|| crate::generate::Generator::chat_span(&job));
+        let run = g.clone().run_from(job, live.clone(), resume.tokens);
+        run.instrument(chat).instrument(span).await;
         g.streams.expire_later(live);
     }
 

@@ -1,0 +1,284 @@
+//! Distributed tracing through the whole stack, received by a real OTLP/gRPC receiver inside
+//! the test: one native turn is one connected trace (the orchestrator's request, its reply with
+//! the GenAI attributes, the worker attempt, and the worker's request with its phases), a
+//! client's `traceparent` becomes the root's parent, and with the receiver gone turns still
+//! complete while the dropped spans are counted.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use hearth_e2e::http::Req;
+use hearth_e2e::stack::{metric, new_session, Db, Stack};
+use hearth_worker::fixtures::TinySpec;
+use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
+    TraceService, TraceServiceServer,
+};
+use opentelemetry_proto::tonic::collector::trace::v1::{
+    ExportTraceServiceRequest, ExportTraceServiceResponse,
+};
+use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
+use serde_json::json;
+
+/// A span as received: its service, ids, name and attributes (as text).
+#[derive(Debug, Clone)]
+struct Got {
+    service: String,
+    trace: String,
+    id: String,
+    parent: String,
+    name: String,
+    attrs: HashMap<String, String>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct Receiver {
+    spans: Arc<Mutex<Vec<Got>>>,
+}
+
+fn text(v: &Option<opentelemetry_proto::tonic::common::v1::AnyValue>) -> String {
+    match v.as_ref().and_then(|v| v.value.clone()) {
+        Some(Any::StringValue(s)) => s,
+        Some(Any::IntValue(i)) => i.to_string(),
+        Some(Any::DoubleValue(d)) => d.to_string(),
+        Some(Any::BoolValue(b)) => b.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[tonic::async_trait]
+impl TraceService for Receiver {
+    async fn export(
+        &self,
+        request: tonic::Request<ExportTraceServiceRequest>,
+    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
+        let mut got = self.spans.lock().expect("spans");
+        for rs in request.into_inner().resource_spans {
+            let service = rs
+                .resource
+                .iter()
+                .flat_map(|r| &r.attributes)
+                .find(|a| a.key == "service.name")
+                .map(|a| text(&a.value))
+                .unwrap_or_default();
+            for s in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
+                got.push(Got {
+                    service: service.clone(),
+                    trace: hex(&s.trace_id),
+                    id: hex(&s.span_id),
+                    parent: hex(&s.parent_span_id),
+                    name: s.name,
+                    attrs: s
+                        .attributes
+                        .iter()
+                        .map(|a| (a.key.clone(), text(&a.value)))
+                        .collect(),
+                });
+            }
+        }
+        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
+    }
+}
+
+/// A receiver listening on loopback, and what shuts it down (its connections closed, its
+/// port no longer listening).
+async fn receiver() -> (Receiver, SocketAddr, Gone) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let r = Receiver::default();
+    let service = TraceServiceServer::new(r.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let _ = tonic::transport::Server::builder()
+            .add_service(service)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
+            .await;
+    });
+    (r, addr, Gone { stop, task })
+}
+
+struct Gone {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Gone {
+    async fn now(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// The spans of the trace whose root's HTTP route is `route`, once `names` all arrived.
+async fn trace_of(r: &Receiver, route: &str, names: &[&str]) -> Vec<Got> {
+    for _ in 0..200 {
+        let spans = r.spans.lock().expect("spans").clone();
+        let root = spans
+            .iter()
+            .find(|s| s.attrs.get("http.route").map(String::as_str) == Some(route));
+        if let Some(root) = root {
+            let trace: Vec<Got> = spans
+                .iter()
+                .filter(|s| s.trace == root.trace)
+                .cloned()
+                .collect();
+            if names
+                .iter()
+                .all(|n| trace.iter().any(|s| s.name.starts_with(n)))
+            {
+                return trace;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let spans = r.spans.lock().expect("spans").clone();
+    panic!("no trace of {route} with {names:?}: {spans:#?}");
+}
+
+async fn turn(addr: SocketAddr, key: &str, sid: &str, traceparent: Option<&str>) {
+    let path = format!("/v1/sessions/{sid}/messages");
+    let mut req = Req::new("POST", &path)
+        .key(Some(key))
+        .json(&json!({"content": "Hello", "max_tokens": 6, "stream": false}));
+    if let Some(tp) = traceparent {
+        req = req.header("traceparent", tp);
+    }
+    let r = req.send(addr).await;
+    assert!(r.status < 300, "{}", r.text());
+}
+
+#[tokio::test]
+async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
+    let (r, at, serving) = receiver().await;
+    let endpoint = format!("http://{at}");
+    let flags = ["--kv-budget", "64MiB", "--otlp-endpoint", endpoint.as_str()];
+    let extra = ["--otlp-endpoint", endpoint.as_str()];
+    let s = Stack::start_full(
+        "tracing",
+        &TinySpec::default(),
+        Db::Sqlite,
+        1,
+        &flags,
+        &extra,
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+
+    // A client's span is the parent of the request's.
+    let client_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let tp = format!("00-{client_trace}-00f067aa0ba902b7-01");
+    turn(s.addr(), &k, &sid, Some(&tp)).await;
+    let route = "/v1/sessions/{id}/messages";
+    let names = [
+        "POST",
+        "chat",
+        "attempt",
+        "worker generate",
+        "prefill",
+        "decode",
+    ];
+    let trace = trace_of(&r, route, &names).await;
+    let by = |name: &str| {
+        trace
+            .iter()
+            .find(|s| s.name.starts_with(name))
+            .unwrap_or_else(|| panic!("{name}: {trace:#?}"))
+            .clone()
+    };
+    let root = by("POST");
+    assert_eq!(
+        (root.trace.as_str(), root.parent.as_str()),
+        (client_trace, "00f067aa0ba902b7")
+    );
+    assert_eq!(root.service, "hearth");
+    // Each span's parent is in the trace, up to the root: one connected tree.
+    let ids: Vec<&str> = trace.iter().map(|s| s.id.as_str()).collect();
+    for span in trace.iter().filter(|s| s.id != root.id) {
+        assert!(
+            ids.contains(&span.parent.as_str()),
+            "{span:?} hangs loose in {trace:#?}"
+        );
+    }
+    let chat = by("chat");
+    assert_eq!(chat.attrs["gen_ai.operation.name"], "chat");
+    assert_eq!(chat.attrs["gen_ai.request.max_tokens"], "6");
+    assert_eq!(chat.attrs["gen_ai.usage.output_tokens"], "6", "{chat:?}");
+    assert!(chat.attrs.contains_key("gen_ai.request.model"), "{chat:?}");
+    assert!(
+        chat.attrs.contains_key("gen_ai.usage.input_tokens"),
+        "{chat:?}"
+    );
+    assert!(
+        chat.attrs["gen_ai.response.finish_reasons"].contains("length"),
+        "{chat:?}"
+    );
+    assert!(
+        chat.attrs.contains_key("hearth.time_to_first_token_ms"),
+        "{chat:?}"
+    );
+    let attempt = by("attempt");
+    assert_eq!(attempt.parent, chat.id);
+    let worker = by("worker generate");
+    assert_eq!(
+        (worker.service.as_str(), worker.parent.as_str()),
+        ("hearth-worker", attempt.id.as_str())
+    );
+    assert_eq!(
+        worker.attrs["gen_ai.usage.output_tokens"], "6",
+        "{worker:?}"
+    );
+    assert_eq!(by("decode").parent, worker.id);
+    // No prompt or reply text goes into a span.
+    for span in &trace {
+        assert!(
+            span.attrs.values().all(|v| !v.contains("Hello")),
+            "{span:?}"
+        );
+    }
+
+    // Without a client's span, the request's is a root.
+    let before = r.spans.lock().expect("spans").len();
+    turn(s.addr(), &k, &sid, None).await;
+    let fresh = loop {
+        let spans = r.spans.lock().expect("spans").clone();
+        let root = spans[before..]
+            .iter()
+            .find(|s| s.attrs.get("http.route").map(String::as_str) == Some(route))
+            .cloned();
+        if let Some(root) = root {
+            break root;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_ne!(fresh.trace, client_trace);
+    assert!(fresh.parent.is_empty(), "{fresh:?}");
+
+    // The receiver gone: turns still complete, and the spans they make are counted as dropped.
+    serving.now().await;
+    let dropped = |addr| metric(addr, "hearth_trace_spans_dropped_total");
+    let was = dropped(s.addr()).await;
+    for _ in 0..3 {
+        turn(s.addr(), &k, &sid, None).await;
+    }
+    let mut now = was;
+    for _ in 0..200 {
+        now = dropped(s.addr()).await;
+        if now > was {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(now > was, "dropped spans {was} -> {now}");
+    s.finish().await;
+}
