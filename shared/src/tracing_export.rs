@@ -249,3 +249,12 @@ pub fn trace_id(span: &tracing::Span) -> Option<String> {
     let sc = cx.span().span_context().clone();
     sc.is_valid().then(|| sc.trace_id().to_string())
 }
+
+/// Links `span` to the trace `traceparent` names, if any (a takeover to the reply's first trace).
+pub fn link_to(span: &tracing::Span, traceparent: Option<&str>) {
+    use opentelemetry::trace::TraceContextExt;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    if let Some(cx) = context_of(traceparent) {
+        span.add_link(cx.span().span_context().clone());
+    }
+}

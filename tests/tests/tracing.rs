@@ -2,7 +2,8 @@
 //! the test: one native turn is one connected trace (the orchestrator's request, its reply with
 //! the GenAI attributes, the worker attempt, and the worker's request with its phases), a
 //! client's `traceparent` becomes the root's parent, and with the receiver gone turns still
-//! complete while the dropped spans are counted.
+//! complete while the dropped spans are counted. A reply whose worker is killed mid-way shows
+//! both attempts, the second with the reason it moved on.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -10,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{metric, new_session, Db, Stack};
+use hearth_e2e::stack::{metric, new_session, serving_worker, slow_spec, Db, Stack};
 use hearth_worker::fixtures::TinySpec;
 use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
     TraceService, TraceServiceServer,
@@ -280,5 +281,71 @@ async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(now > was, "dropped spans {was} -> {now}");
+    s.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_that_fails_over_shows_both_attempts() {
+    let (r, at, serving) = receiver().await;
+    let endpoint = format!("http://{at}");
+    let flags = ["--kv-budget", "64MiB", "--otlp-endpoint", endpoint.as_str()];
+    let extra = ["--otlp-endpoint", endpoint.as_str()];
+    let mut s = Stack::start_full(
+        "tracing_failover",
+        &slow_spec(),
+        Db::Sqlite,
+        2,
+        &flags,
+        &extra,
+    )
+    .await;
+    let k = s.key("alice").await;
+    let sid = new_session(s.addr(), &k).await;
+    let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
+        .key(Some(&k))
+        .json(&json!({"content": "A long story, please", "max_tokens": 80, "ignore_eos": true}))
+        .events(s.addr())
+        .await;
+    let mut tokens = 0;
+    while tokens < 10 {
+        let e = sse.next().await.expect("the reply ended early");
+        tokens += usize::from(e.event == "token");
+    }
+    let victim = serving_worker(&s).await;
+    s.workers[victim].child.kill().expect("kill -9");
+    let end = sse.rest().await.pop().expect("an end");
+    assert_eq!(end.event, "message_end", "{end:?}");
+
+    let trace = trace_of(&r, "/v1/sessions/{id}/messages", &["chat"]).await;
+    let mut attempts: Vec<Got> = Vec::new();
+    for _ in 0..200 {
+        let spans = r.spans.lock().expect("spans").clone();
+        attempts = spans
+            .into_iter()
+            .filter(|s| s.trace == trace[0].trace && s.name == "attempt")
+            .collect();
+        if attempts.len() == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(attempts.len(), 2, "{attempts:#?}");
+    let failed = attempts
+        .iter()
+        .find(|a| a.attrs.contains_key("hearth.error"));
+    let next = attempts
+        .iter()
+        .find(|a| a.attrs.contains_key("hearth.failover_reason"));
+    let (failed, next) = (
+        failed.expect("the failed attempt"),
+        next.expect("the next attempt"),
+    );
+    assert_eq!(
+        failed.attrs["hearth.error"],
+        next.attrs["hearth.failover_reason"]
+    );
+    assert_ne!(failed.attrs["hearth.worker"], next.attrs["hearth.worker"]);
+    assert_eq!(failed.parent, next.parent, "both under the reply's span");
+    serving.now().await;
     s.finish().await;
 }

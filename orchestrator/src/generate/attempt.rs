@@ -39,6 +39,8 @@ pub(super) struct Attempts {
     pub(super) preempted: bool,
     pub(super) saver: Option<Saver>,
     pub(super) tick: Interval,
+    /// Why the last worker failed the reply, for the next attempt's span.
+    pub(super) failure: Option<String>,
 }
 
 impl Attempts {
@@ -56,7 +58,15 @@ impl Attempts {
                 saved_events: 0,
             }),
             tick,
+            failure: None,
         }
+    }
+
+    /// The reply leaves its worker because `why`: said on this attempt's span, and on the
+    /// next one's.
+    pub(super) fn failing(&mut self, why: &str) {
+        tracing::Span::current().record("hearth.error", why);
+        self.failure = Some(why.to_string());
     }
 
     /// Feeds the tokens a reply already has (taken over from another replica) through the
@@ -78,14 +88,14 @@ impl Attempts {
         let addr = lease.addr();
         match Fault::of(e.code) {
             Fault::Failover => {
-                tracing::Span::current().record("hearth.failover_reason", e.message.as_str());
+                self.failing(&e.message);
                 tracing::warn!(worker = %addr, error = %e.message, generated, "worker failed mid-request; moving on");
                 metrics::counter!(telemetry::WORKER_FAILOVERS).increment(1);
                 self.failed.push(lease.excluded());
                 Next::Retry
             }
             Fault::Busy => {
-                tracing::Span::current().record("hearth.failover_reason", "the worker is full");
+                self.failing("the worker is full");
                 tracing::debug!(worker = %addr, error = %e.message, "worker full; trying another");
                 self.failed.push(lease.excluded());
                 self.busy = true;

@@ -205,7 +205,8 @@ impl Generator {
                 "hearth.attempt",
                 otel.name = "attempt",
                 hearth.worker = %lease.name(),
-                hearth.failover_reason = tracing::field::Empty,
+                hearth.failover_reason = a.failure.take(),
+                hearth.error = tracing::field::Empty,
             );
             let gen = match attempt.in_scope(|| lease.generate(request(job, p, remaining))) {
                 Ok(g) => g,
@@ -291,8 +292,7 @@ impl Generator {
                 Some(Kind::Finished(f)) => Some(self.finished(job, live, p, a, lease, f.reason)),
                 Some(Kind::Error(e)) => Some(a.fault(lease, e, p.generated.len())),
                 None => {
-                    let why = "the worker's stream ended";
-                    tracing::Span::current().record("hearth.failover_reason", why);
+                    a.failing("the worker's stream ended");
                     a.failed.push(lease.excluded());
                     Some(Next::Retry)
                 }

@@ -78,6 +78,10 @@ pub struct JobRecord {
     /// An operator's `keep_alive` (absent in older records: then an ordinary one).
     #[serde(default)]
     keep_alive_may_shorten: bool,
+    /// The W3C `traceparent` of the request that began the reply, when it was traced: a
+    /// takeover's spans link to that trace.
+    #[serde(default)]
+    traceparent: Option<String>,
 }
 
 impl JobRecord {
@@ -108,6 +112,7 @@ impl JobRecord {
             model: job.placement.model.as_ref().map(ToString::to_string),
             keep_alive_ms: keep_alive.map(|k| k.ms),
             keep_alive_may_shorten: keep_alive.is_some_and(|k| k.may_shorten),
+            traceparent: hearth_shared::tracing_export::current_traceparent(),
         };
         serde_json::to_string(&record).ok()
     }
@@ -311,6 +316,7 @@ impl ChatService {
         }
         let g = self.generator.clone();
         let span = tracing::info_span!("hearth.takeover", otel.name = "takeover", hearth.message_id = %id, hearth.epoch = lease.epoch);
+        hearth_shared::tracing_export::link_to(&span, record.traceparent.as_deref());
         let chat = span.in_scope(|| crate::generate::Generator::chat_span(&job));
         let run = g.clone().run_from(job, live.clone(), resume.tokens);
         run.instrument(chat).instrument(span).await;
@@ -526,6 +532,7 @@ mod tests {
             model: Some("gemma@2".into()),
             keep_alive_ms: Some(-1),
             keep_alive_may_shorten: false,
+            traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
         }
     }
 
