@@ -81,7 +81,7 @@ python3 grafana/generate.py --check
 # (never committed), so the copy drops any local one and must then refuse to render, proving
 # nothing applies unchanged; a throwaway file stands in for the rest.
 mkdir -p "$tmp/deploy"
-cp -R k8s grafana prometheus "$tmp/deploy/"
+cp -R k8s grafana prometheus otel "$tmp/deploy/"
 rm -f "$tmp/deploy/k8s/base/secrets.env"
 step "the Kubernetes base refuses to render without k8s/base/secrets.env"
 if kubectl kustomize "$tmp/deploy/k8s/overlays/cpu" >/dev/null 2>&1; then
