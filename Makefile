@@ -2,7 +2,7 @@
 CARGO ?= cargo
 SHELL := /bin/bash
 
-.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies flake-hunt chaos tenancy-soak fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
+.PHONY: run chat test test-web web openapi test-deploy deploy-test fetch-model build bench bench-stateless bench-loops bench-shared-replies bench-tracing flake-hunt chaos tenancy-soak fmt lint check-cuda build-cuda gpu-pack gpu-bench-dry-run
 
 ## Fetch the model if missing, build (the web UI too, when it is missing or stale), and serve the
 ## chat UI and API on http://127.0.0.1:8080/ (a local worker, SQLite under ./data, no auth).
@@ -86,6 +86,12 @@ bench-loops: fetch-model
 ## this machine; builds BASE in a scratch worktree; minutes; not in CI).
 bench-shared-replies:
 	bash tests/anchor/shared-replies-cost.sh
+
+## What tracing costs at 64 streams: the real model through the whole stack, tracing off against
+## every trace sent to a real OTLP/gRPC receiver, alternately (ROUNDS, default 3; minutes; not
+## in CI).
+bench-tracing: fetch-model
+	bash tests/anchor/tracing-cost.sh
 
 ## A seeded chaos run of the whole stack (tests/src/chaos): 3 replicas, 2 workers with the real
 ## model, PostgreSQL and Redis of its own; 12 clients of 10 greedy turns of 300 tokens (enough

@@ -6,7 +6,8 @@
 //! client over real sockets; [`pg`] gives each test a PostgreSQL database of its own, or a whole
 //! server it may stop; [`redis`] is a Redis a test may stop; [`prometheus`] runs a real Prometheus
 //! for the deploy/ dashboard test; [`tls`] makes a test's own certificate authority for servers
-//! with TLS on; [`proxy`] is a TCP proxy a test can cut; [`chaos`] is the seeded chaos run and
+//! with TLS on; [`proxy`] is a TCP proxy a test can cut; [`otlp`] is an OTLP/gRPC trace receiver
+//! that keeps what it is sent; [`chaos`] is the seeded chaos run and
 //! its history checker (`make chaos`); and [`rng`] is the tests' one seeded random source
 //! (`HEARTH_TEST_SEED` replays a run). The tests are in `tests/tests/`; the engine's own tests are
 //! in `gpu-worker/tests`. [`bench`] is the `hearth-bench` load generator.
@@ -15,6 +16,7 @@ pub mod bench;
 pub mod chaos;
 pub mod client;
 pub mod http;
+pub mod otlp;
 pub mod pg;
 pub mod prometheus;
 pub mod proxy;

@@ -5,120 +5,14 @@
 //! complete while the dropped spans are counted. A reply whose worker is killed mid-way shows
 //! both attempts, the second with the reason it moved on.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_e2e::http::Req;
+use hearth_e2e::otlp::{receiver, Got, Receiver};
 use hearth_e2e::stack::{metric, new_session, serving_worker, slow_spec, Db, Stack};
 use hearth_worker::fixtures::TinySpec;
-use opentelemetry_proto::tonic::collector::trace::v1::trace_service_server::{
-    TraceService, TraceServiceServer,
-};
-use opentelemetry_proto::tonic::collector::trace::v1::{
-    ExportTraceServiceRequest, ExportTraceServiceResponse,
-};
-use opentelemetry_proto::tonic::common::v1::any_value::Value as Any;
 use serde_json::json;
-
-/// A span as received: its service, ids, name and attributes (as text).
-#[derive(Debug, Clone)]
-struct Got {
-    service: String,
-    trace: String,
-    id: String,
-    parent: String,
-    name: String,
-    attrs: HashMap<String, String>,
-}
-
-#[derive(Debug, Clone, Default)]
-struct Receiver {
-    spans: Arc<Mutex<Vec<Got>>>,
-}
-
-fn text(v: &Option<opentelemetry_proto::tonic::common::v1::AnyValue>) -> String {
-    match v.as_ref().and_then(|v| v.value.clone()) {
-        Some(Any::StringValue(s)) => s,
-        Some(Any::IntValue(i)) => i.to_string(),
-        Some(Any::DoubleValue(d)) => d.to_string(),
-        Some(Any::BoolValue(b)) => b.to_string(),
-        other => format!("{other:?}"),
-    }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-#[tonic::async_trait]
-impl TraceService for Receiver {
-    async fn export(
-        &self,
-        request: tonic::Request<ExportTraceServiceRequest>,
-    ) -> Result<tonic::Response<ExportTraceServiceResponse>, tonic::Status> {
-        let mut got = self.spans.lock().expect("spans");
-        for rs in request.into_inner().resource_spans {
-            let service = rs
-                .resource
-                .iter()
-                .flat_map(|r| &r.attributes)
-                .find(|a| a.key == "service.name")
-                .map(|a| text(&a.value))
-                .unwrap_or_default();
-            for s in rs.scope_spans.into_iter().flat_map(|s| s.spans) {
-                got.push(Got {
-                    service: service.clone(),
-                    trace: hex(&s.trace_id),
-                    id: hex(&s.span_id),
-                    parent: hex(&s.parent_span_id),
-                    name: s.name,
-                    attrs: s
-                        .attributes
-                        .iter()
-                        .map(|a| (a.key.clone(), text(&a.value)))
-                        .collect(),
-                });
-            }
-        }
-        Ok(tonic::Response::new(ExportTraceServiceResponse::default()))
-    }
-}
-
-/// A receiver listening on loopback, and what shuts it down (its connections closed, its
-/// port no longer listening).
-async fn receiver() -> (Receiver, SocketAddr, Gone) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let r = Receiver::default();
-    let service = TraceServiceServer::new(r.clone());
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
-        let _ = tonic::transport::Server::builder()
-            .add_service(service)
-            .serve_with_incoming_shutdown(incoming, async {
-                let _ = stopped.await;
-            })
-            .await;
-    });
-    (r, addr, Gone { stop, task })
-}
-
-struct Gone {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Gone {
-    async fn now(self) {
-        let _ = self.stop.send(());
-        let _ = self.task.await;
-    }
-}
 
 /// The spans of the trace whose root's HTTP route is `route`, once `names` all arrived.
 async fn trace_of(r: &Receiver, route: &str, names: &[&str]) -> Vec<Got> {
