@@ -20,7 +20,7 @@ struct Args {
 async fn main() {
     let args = Args::parse();
     let (received, addr, gone) = hearth_e2e::otlp::receiver_at(&args.listen).await;
-    println!("{}", serde_json::json!({ "listening": addr.to_string() }));
+    say(&serde_json::json!({ "listening": addr.to_string() }));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("SIGTERM handler");
     tokio::select! {
@@ -29,5 +29,13 @@ async fn main() {
     }
     gone.now().await;
     let spans = received.spans.lock().map(|s| s.len()).unwrap_or(0);
-    println!("{}", serde_json::json!({ "spans": spans }));
+    say(&serde_json::json!({ "spans": spans }));
+}
+
+/// One JSON line on stdout, flushed at once (a script waits for it).
+fn say(line: &serde_json::Value) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
 }
