@@ -1,7 +1,8 @@
 //! Distributed tracing through the whole stack, received by a real OTLP/gRPC receiver inside
 //! the test: one native turn is one connected trace (the orchestrator's request, its reply with
 //! the GenAI attributes, the worker attempt, and the worker's request with its phases), a
-//! client's `traceparent` becomes the root's parent, and with the receiver gone turns still
+//! client's `traceparent` becomes the root's parent (templating, the fair queue and the
+//! database calls are spans of the request too), and with the receiver gone turns still
 //! complete while the dropped spans are counted. A reply whose worker is killed mid-way shows
 //! both attempts, the second with the reason it moved on.
 
@@ -77,6 +78,9 @@ async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
     let route = "/v1/sessions/{id}/messages";
     let names = [
         "POST",
+        "template",
+        "queue",
+        "db.begin_turn",
         "chat",
         "attempt",
         "worker generate",
@@ -134,6 +138,7 @@ async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
         "{worker:?}"
     );
     assert_eq!(by("decode").parent, worker.id);
+    assert_eq!(by("db.begin_turn").attrs["db.system"], "sqlite");
     // No prompt or reply text goes into a span.
     for span in &trace {
         assert!(

@@ -40,6 +40,7 @@ impl ChatService {
     /// whole turns are dropped until the prompt leaves room for the reply. Tokenizing runs on
     /// the blocking pool, so a long history never holds up the runtime's other requests (or
     /// its health checks).
+    #[tracing::instrument(name = "template", skip_all)]
     pub(super) async fn plan(
         &self,
         convo: Vec<ChatMessage>,

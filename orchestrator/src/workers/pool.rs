@@ -262,6 +262,7 @@ impl WorkerPool {
 
     /// Chooses a worker for `user`'s stateless request with the affinity keys `keys` (from
     /// [`prefix_keys`]): the worker that served the longest of them, unless it is overloaded.
+    #[tracing::instrument(name = "queue", skip_all)]
     pub async fn admit_prefix(
         self: &Arc<Self>,
         user: &Tenant,
@@ -283,6 +284,7 @@ impl WorkerPool {
 
     /// Chooses a worker serving `model` for `user`'s request of `session` (if any), skipping
     /// `exclude`. Waits in the bounded queue when every such worker is full.
+    #[tracing::instrument(name = "queue", skip_all)]
     pub async fn admit(
         self: &Arc<Self>,
         user: &Tenant,
@@ -309,6 +311,7 @@ impl WorkerPool {
     /// A worker for a reply that gave its place up to another user ([`Lease::yielded`]), to
     /// continue on: its `session`'s worker if it has room, else any, skipping `exclude`. It
     /// waits ahead of its user's new requests, without the queue's bound or timeout.
+    #[tracing::instrument(name = "queue", skip_all)]
     pub async fn readmit(
         self: &Arc<Self>,
         user: &Tenant,

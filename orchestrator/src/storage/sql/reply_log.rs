@@ -97,6 +97,7 @@ impl ReplyLog for SqlStore {
         Ok(lost)
     }
 
+    #[tracing::instrument(name = "db.finish_message", skip_all, fields(db.system = self.backend))]
     async fn finish_message(&self, lease: &ReplyLease, d: &Completion) -> StoreResult<bool> {
         let done = sqlx::query(
             "UPDATE messages SET content = $1, status = $2, finish_reason = $3, \

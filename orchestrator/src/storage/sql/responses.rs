@@ -20,6 +20,7 @@ fn response_columns() -> String {
 
 #[async_trait]
 impl Responses for SqlStore {
+    #[tracing::instrument(name = "db.begin_response", skip_all, fields(db.system = self.backend))]
     async fn begin_response(
         &self,
         user_id: &UserId,
@@ -73,6 +74,7 @@ impl Responses for SqlStore {
         Ok(reply.clone())
     }
 
+    #[tracing::instrument(name = "db.get_response", skip_all, fields(db.system = self.backend))]
     async fn get_response(
         &self,
         user_id: &UserId,
@@ -102,6 +104,7 @@ impl Responses for SqlStore {
         })
     }
 
+    #[tracing::instrument(name = "db.delete_response", skip_all, fields(db.system = self.backend))]
     async fn delete_response(&self, user_id: &UserId, message_id: &MessageId) -> StoreResult<()> {
         let kept = self.get_response(user_id, message_id).await?;
         let mut tx = self.begin().await?;
@@ -131,6 +134,7 @@ impl Responses for SqlStore {
         tx.commit().await.map_err(db_err)
     }
 
+    #[tracing::instrument(name = "db.fork_session", skip_all, fields(db.system = self.backend))]
     async fn fork_session(
         &self,
         user_id: &UserId,

@@ -48,6 +48,7 @@ fn like_pattern(q: &str) -> String {
 
 #[async_trait]
 impl Sessions for SqlStore {
+    #[tracing::instrument(name = "db.create_session", skip_all, fields(db.system = self.backend))]
     async fn create_session(&self, user_id: &UserId, new: NewSession) -> StoreResult<Session> {
         let now = now_ms();
         let s = Session {
@@ -121,6 +122,7 @@ impl Sessions for SqlStore {
         rows.iter().map(session_from).collect()
     }
 
+    #[tracing::instrument(name = "db.get_session", skip_all, fields(db.system = self.backend))]
     async fn get_session(&self, user_id: &UserId, session_id: &SessionId) -> StoreResult<Session> {
         let sql = format!(
             "SELECT {SESSION_COLUMNS} FROM sessions \
@@ -136,6 +138,7 @@ impl Sessions for SqlStore {
         session_from(&row)
     }
 
+    #[tracing::instrument(name = "db.count_sessions", skip_all, fields(db.system = self.backend))]
     async fn count_sessions(&self, user_id: &UserId) -> StoreResult<u64> {
         let n: i64 = sqlx::query_scalar(
             "SELECT COUNT(*) FROM sessions WHERE user_id = $1 AND deleted_at IS NULL",

@@ -295,6 +295,7 @@ pub(super) async fn insert_message(
 
 #[async_trait]
 impl Transcript for SqlStore {
+    #[tracing::instrument(name = "db.list_messages", skip_all, fields(db.system = self.backend))]
     async fn list_messages(
         &self,
         user_id: &UserId,
@@ -342,6 +343,7 @@ impl Transcript for SqlStore {
         Ok(page)
     }
 
+    #[tracing::instrument(name = "db.last_message", skip_all, fields(db.system = self.backend))]
     async fn last_message(
         &self,
         user_id: &UserId,
@@ -361,6 +363,7 @@ impl Transcript for SqlStore {
         row.as_ref().map(message_from).transpose()
     }
 
+    #[tracing::instrument(name = "db.get_message", skip_all, fields(db.system = self.backend))]
     async fn get_message(
         &self,
         user_id: &UserId,
@@ -381,6 +384,7 @@ impl Transcript for SqlStore {
         message_from(&row.ok_or(StoreError::NotFound("message"))?)
     }
 
+    #[tracing::instrument(name = "db.begin_turn", skip_all, fields(db.system = self.backend))]
     async fn begin_turn(
         &self,
         user_id: &UserId,
@@ -405,6 +409,7 @@ impl Transcript for SqlStore {
         }
     }
 
+    #[tracing::instrument(name = "db.begin_tool_results", skip_all, fields(db.system = self.backend))]
     async fn begin_tool_results(
         &self,
         user_id: &UserId,
@@ -422,6 +427,7 @@ impl Transcript for SqlStore {
         Ok((written, reply))
     }
 
+    #[tracing::instrument(name = "db.begin_regenerate", skip_all, fields(db.system = self.backend))]
     async fn begin_regenerate(
         &self,
         user_id: &UserId,
@@ -439,6 +445,7 @@ impl Transcript for SqlStore {
         .ok_or_else(|| StoreError::Internal("a reply wrote no message".into()))
     }
 
+    #[tracing::instrument(name = "db.begin_edit", skip_all, fields(db.system = self.backend))]
     async fn begin_edit(
         &self,
         user_id: &UserId,
