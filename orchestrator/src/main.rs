@@ -28,6 +28,10 @@ struct Cli {
     /// share of new traces kept (1).
     #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", global = true)]
     otlp_endpoint: Option<String>,
+    /// Put each reply's prompt and text into its span (`gen_ai.prompt`, `gen_ai.completion`).
+    /// Off by default: traces then hold no conversation text.
+    #[arg(long, env = "HEARTH_OTLP_INCLUDE_CONTENT", global = true)]
+    otlp_include_content: bool,
 }
 
 #[derive(Args, Debug)]
@@ -90,6 +94,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    tracing_export::set_include_content(cli.otlp_include_content);
     let export = TraceExport::from_env(cli.otlp_endpoint.clone(), "hearth");
     let exporting = export.and_then(|e| {
         let _inside = runtime.enter();

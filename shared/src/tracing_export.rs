@@ -258,3 +258,15 @@ pub fn link_to(span: &tracing::Span, traceparent: Option<&str>) {
         span.add_link(cx.span().span_context().clone());
     }
 }
+
+static INCLUDE_CONTENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether spans may hold prompt and reply text (`--otlp-include-content`; off by default).
+pub fn include_content() -> bool {
+    INCLUDE_CONTENT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Lets spans hold prompt and reply text, or not.
+pub fn set_include_content(on: bool) {
+    INCLUDE_CONTENT.store(on, std::sync::atomic::Ordering::Relaxed);
+}

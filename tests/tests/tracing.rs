@@ -4,7 +4,8 @@
 //! client's `traceparent` becomes the root's parent (templating, the fair queue and the
 //! database calls are spans of the request too), and with the receiver gone turns still
 //! complete while the dropped spans are counted. A reply whose worker is killed mid-way shows
-//! both attempts, the second with the reason it moved on.
+//! both attempts, the second with the reason it moved on; with `--otlp-include-content` its
+//! span holds the prompt and the reply.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -188,7 +189,11 @@ async fn a_reply_that_fails_over_shows_both_attempts() {
     let (r, at, serving) = receiver().await;
     let endpoint = format!("http://{at}");
     let flags = ["--kv-budget", "64MiB", "--otlp-endpoint", endpoint.as_str()];
-    let extra = ["--otlp-endpoint", endpoint.as_str()];
+    let extra = [
+        "--otlp-endpoint",
+        endpoint.as_str(),
+        "--otlp-include-content",
+    ];
     let mut s = Stack::start_full(
         "tracing_failover",
         &slow_spec(),
@@ -245,6 +250,16 @@ async fn a_reply_that_fails_over_shows_both_attempts() {
     );
     assert_ne!(failed.attrs["hearth.worker"], next.attrs["hearth.worker"]);
     assert_eq!(failed.parent, next.parent, "both under the reply's span");
+    // Asked for, the reply's span holds its prompt and text.
+    let chat = trace
+        .iter()
+        .find(|s| s.name.starts_with("chat"))
+        .expect("chat");
+    assert!(
+        chat.attrs["gen_ai.prompt"].contains("A long story, please"),
+        "{chat:?}"
+    );
+    assert!(!chat.attrs["gen_ai.completion"].is_empty(), "{chat:?}");
     serving.now().await;
     s.finish().await;
 }

@@ -128,6 +128,8 @@ impl Generator {
             hearth.cached_tokens = tracing::field::Empty,
             hearth.time_to_first_token_ms = tracing::field::Empty,
             hearth.time_per_output_token_ms = tracing::field::Empty,
+            gen_ai.prompt = tracing::field::Empty,
+            gen_ai.completion = tracing::field::Empty,
         )
     }
 
@@ -538,6 +540,11 @@ fn trace_end(job: &Job, outcome: &Outcome, first_token: Option<Instant>) {
     span.record("hearth.cached_tokens", usage.cached_tokens);
     let finish = format!("[\"{}\"]", outcome.finish_reason().as_str());
     span.record("gen_ai.response.finish_reasons", finish.as_str());
+    if hearth_shared::tracing_export::include_content() {
+        let prompt = job.placement.tokenizer.decode(&job.request.prompt.tokens);
+        span.record("gen_ai.prompt", prompt.unwrap_or_default().as_str());
+        span.record("gen_ai.completion", outcome.content.as_str());
+    }
     if let Some(t) = first_token {
         let ttft = t.duration_since(job.owner.arrived).as_secs_f64() * 1000.0;
         span.record("hearth.time_to_first_token_ms", ttft);
