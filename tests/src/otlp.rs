@@ -22,6 +22,8 @@ pub struct Got {
     pub parent: String,
     pub name: String,
     pub attrs: HashMap<String, String>,
+    /// The trace ids of the spans it links to.
+    pub links: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -70,6 +72,7 @@ impl TraceService for Receiver {
                         .iter()
                         .map(|a| (a.key.clone(), text(&a.value)))
                         .collect(),
+                    links: s.links.iter().map(|l| hex(&l.trace_id)).collect(),
                 });
             }
         }

@@ -2,7 +2,7 @@
 //! serves any session, a stop reaches the replica running the reply, rate limits hold across
 //! both, a client that moves to the other replica mid-reply resumes it there with
 //! `Last-Event-ID`, with no gap and no event twice, and a reply whose replica is killed, or shut
-//! down, goes on on another, the same reply.
+//! down, goes on on another, the same reply (its takeover's trace linked to the one it began in).
 
 use futures_util::{SinkExt, StreamExt};
 use hearth_e2e::http::Req;
@@ -321,6 +321,9 @@ async fn whole_story(addr: std::net::SocketAddr, key: &str) -> String {
 
 /// Begins the story in a new session on `addr` and reads it up to its `tokens`-th token: the
 /// session, the stream and the events read.
+/// The trace a story's request is part of (its client's `traceparent`).
+const STORY_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+
 async fn begin_story(
     addr: std::net::SocketAddr,
     key: &str,
@@ -329,6 +332,10 @@ async fn begin_story(
     let sid = new_session(addr, key).await;
     let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
         .key(Some(key))
+        .header(
+            "traceparent",
+            format!("00-{STORY_TRACE}-00f067aa0ba902b7-01"),
+        )
         .json(&story_turn())
         .events(addr)
         .await;
@@ -379,7 +386,16 @@ async fn assert_stored_once(addr: std::net::SocketAddr, key: &str, sid: &str, wh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
     let redis = redis_url();
-    let extra = ["--redis-url", redis.as_str(), "--orphan-after-secs", "1"];
+    let (traces, at, receiving) = hearth_e2e::otlp::receiver().await;
+    let otlp = format!("http://{at}");
+    let extra = [
+        "--redis-url",
+        redis.as_str(),
+        "--orphan-after-secs",
+        "1",
+        "--otlp-endpoint",
+        otlp.as_str(),
+    ];
     let mut s = Stack::scripted("replica_takeover", Db::Postgres, 2, 20, &extra).await;
     let args = Stack::args(&s.assets, &s.db_url, &s.workers, &extra);
     let (b, c) = (Hearth::spawn(&args), Hearth::spawn(&args));
@@ -401,6 +417,20 @@ async fn a_reply_whose_replica_is_killed_goes_on_on_another_one() {
     let takeovers = metric(b_addr, "hearth_replica_takeovers_total").await
         + metric(c.addr, "hearth_replica_takeovers_total").await;
     assert_eq!(takeovers, 1.0, "one replica took the reply over");
+    // The takeover's trace links to the one the reply began in (A's spans died with it).
+    let mut linked = false;
+    for _ in 0..200 {
+        let spans = traces.spans.lock().expect("spans").clone();
+        linked = spans
+            .iter()
+            .any(|t| t.name == "takeover" && t.links.iter().any(|l| l == STORY_TRACE));
+        if linked {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(linked, "no takeover span links to the story's trace");
+    receiving.now().await;
     drop((b, c));
     s.finish().await;
 }
