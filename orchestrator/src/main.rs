@@ -84,6 +84,11 @@ enum KeysCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(endpoint) = &cli.otlp_endpoint {
+        // A local worker (started without --worker) inherits it, and traces with this process.
+        // Set before any other thread exists.
+        std::env::set_var("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

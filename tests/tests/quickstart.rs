@@ -1,5 +1,6 @@
 //! The quick start: `hearth` with no `--worker` starts its own worker, keeps its data in SQLite
-//! under the data directory, and serves without keys on loopback.
+//! under the data directory, and serves without keys on loopback; given `--otlp-endpoint`, its
+//! worker traces too.
 
 use hearth_e2e::http::Req;
 use hearth_e2e::stack::{assets, path, worker_bin, Hearth};
@@ -51,6 +52,52 @@ async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
         .await;
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["status"], "complete");
+    drop(hearth);
+    let _ = std::fs::remove_dir_all(&a.dir);
+}
+
+#[tokio::test]
+async fn hearth_alone_passes_its_trace_endpoint_to_its_local_worker() {
+    let (traces, at, receiving) = hearth_e2e::otlp::receiver().await;
+    let a = assets("quick_traces");
+    let hearth = Hearth::spawn(&[
+        "--worker-bin".into(),
+        path(&worker_bin()),
+        "--model".into(),
+        path(&a.model),
+        "--tokenizer".into(),
+        path(&a.tokenizer),
+        "--data-dir".into(),
+        path(&a.dir.join("data")),
+        "--worker-arg=--kv-budget=64MiB".into(),
+        format!("--otlp-endpoint=http://{at}"),
+    ]);
+    let r = Req::new("POST", "/v1/chat/completions")
+        .json(&json!({"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}))
+        .send(hearth.addr)
+        .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut services = Vec::new();
+    for _ in 0..200 {
+        services = traces
+            .spans
+            .lock()
+            .expect("spans")
+            .iter()
+            .map(|s| s.service.clone())
+            .collect();
+        if services.iter().any(|s| s == "hearth") && services.iter().any(|s| s == "hearth-worker") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    services.dedup();
+    assert!(
+        services.contains(&"hearth-worker".to_string()),
+        "{services:?}"
+    );
+    assert!(services.contains(&"hearth".to_string()), "{services:?}");
+    receiving.now().await;
     drop(hearth);
     let _ = std::fs::remove_dir_all(&a.dir);
 }
