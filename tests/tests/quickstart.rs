@@ -3,14 +3,12 @@
 //! worker traces too.
 
 use hearth_e2e::http::Req;
-use hearth_e2e::stack::{assets, path, worker_bin, Hearth};
+use hearth_e2e::stack::{assets, path, worker_bin, Assets, Hearth};
 use serde_json::json;
 
-#[tokio::test]
-async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
-    let a = assets("quick");
-    let data = a.dir.join("data");
-    let hearth = Hearth::spawn(&[
+/// `hearth` with no `--worker`, on `a`'s model, data under `a`'s directory, with `extra` flags.
+fn alone(a: &Assets, extra: &[String]) -> Hearth {
+    let mut args = vec![
         "--worker-bin".into(),
         path(&worker_bin()),
         "--model".into(),
@@ -18,9 +16,18 @@ async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
         "--tokenizer".into(),
         path(&a.tokenizer),
         "--data-dir".into(),
-        path(&data),
+        path(&a.dir.join("data")),
         "--worker-arg=--kv-budget=64MiB".into(),
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    Hearth::spawn(&args)
+}
+
+#[tokio::test]
+async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
+    let a = assets("quick");
+    let data = a.dir.join("data");
+    let hearth = alone(&a, &[]);
     // It prints its address only once the local worker is ready.
     let ready = Req::new("GET", "/readyz").send(hearth.addr).await;
     assert_eq!(ready.status, 200, "{}", ready.text());
@@ -60,18 +67,7 @@ async fn hearth_alone_starts_a_local_worker_and_serves_a_chat() {
 async fn hearth_alone_passes_its_trace_endpoint_to_its_local_worker() {
     let (traces, at, receiving) = hearth_e2e::otlp::receiver().await;
     let a = assets("quick_traces");
-    let hearth = Hearth::spawn(&[
-        "--worker-bin".into(),
-        path(&worker_bin()),
-        "--model".into(),
-        path(&a.model),
-        "--tokenizer".into(),
-        path(&a.tokenizer),
-        "--data-dir".into(),
-        path(&a.dir.join("data")),
-        "--worker-arg=--kv-budget=64MiB".into(),
-        format!("--otlp-endpoint=http://{at}"),
-    ]);
+    let hearth = alone(&a, &[format!("--otlp-endpoint=http://{at}")]);
     let r = Req::new("POST", "/v1/chat/completions")
         .json(&json!({"max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}))
         .send(hearth.addr)

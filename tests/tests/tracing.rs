@@ -54,21 +54,26 @@ async fn turn(addr: SocketAddr, key: &str, sid: &str, traceparent: Option<&str>)
     assert!(r.status < 300, "{}", r.text());
 }
 
-#[tokio::test]
-async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
+/// A receiver, and a stack of `workers` workers of `spec` whose processes all send it their
+/// spans, `hearth` with `extra` flags too.
+async fn traced(
+    tag: &str,
+    spec: &TinySpec,
+    workers: usize,
+    extra: &[&str],
+) -> (Receiver, hearth_e2e::otlp::Gone, Stack) {
     let (r, at, serving) = receiver().await;
     let endpoint = format!("http://{at}");
     let flags = ["--kv-budget", "64MiB", "--otlp-endpoint", endpoint.as_str()];
-    let extra = ["--otlp-endpoint", endpoint.as_str()];
-    let s = Stack::start_full(
-        "tracing",
-        &TinySpec::default(),
-        Db::Sqlite,
-        1,
-        &flags,
-        &extra,
-    )
-    .await;
+    let mut hearth = vec!["--otlp-endpoint", endpoint.as_str()];
+    hearth.extend_from_slice(extra);
+    let s = Stack::start_full(tag, spec, Db::Sqlite, workers, &flags, &hearth).await;
+    (r, serving, s)
+}
+
+#[tokio::test]
+async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
+    let (r, serving, s) = traced("tracing", &TinySpec::default(), 1, &[]).await;
     let k = s.key("alice").await;
     let sid = new_session(s.addr(), &k).await;
 
@@ -186,23 +191,8 @@ async fn a_turn_is_one_trace_across_orchestrator_and_worker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_that_fails_over_shows_both_attempts() {
-    let (r, at, serving) = receiver().await;
-    let endpoint = format!("http://{at}");
-    let flags = ["--kv-budget", "64MiB", "--otlp-endpoint", endpoint.as_str()];
-    let extra = [
-        "--otlp-endpoint",
-        endpoint.as_str(),
-        "--otlp-include-content",
-    ];
-    let mut s = Stack::start_full(
-        "tracing_failover",
-        &slow_spec(),
-        Db::Sqlite,
-        2,
-        &flags,
-        &extra,
-    )
-    .await;
+    let content = ["--otlp-include-content"];
+    let (r, serving, mut s) = traced("tracing_failover", &slow_spec(), 2, &content).await;
     let k = s.key("alice").await;
     let sid = new_session(s.addr(), &k).await;
     let mut sse = Req::new("POST", &format!("/v1/sessions/{sid}/messages"))
