@@ -7,11 +7,12 @@ use std::collections::HashMap;
 use axum::extract::{FromRequestParts, Path};
 use axum::http::request::Parts;
 
+use super::openai::responses::kept::ResponseId;
 use super::ApiError;
 use crate::ids::{MessageId, SessionId};
 
 macro_rules! path_id {
-    ($name:ident, $param:literal, $what:literal) => {
+    ($name:ty, $param:literal, $what:literal) => {
         /// The route's `{
         #[doc = $param]
         /// }` segment.
@@ -34,3 +35,4 @@ macro_rules! path_id {
 
 path_id!(SessionId, "id", "session");
 path_id!(MessageId, "message_id", "message");
+path_id!(ResponseId, "id", "response");

@@ -120,15 +120,9 @@ impl ChatService {
         caller: &Caller,
         reply: &MessageId,
     ) -> Result<(), ChatError> {
-        let kept = self.cancel_response(caller, reply).await?;
-        self.store.delete_response(&caller.user.id, reply).await?;
-        if self
-            .store
-            .get_session(&caller.user.id, &kept.session_id)
-            .await
-            .is_err()
-        {
-            self.forget_session(&kept.session_id);
+        self.cancel_response(caller, reply).await?;
+        if let Some(session) = self.store.delete_response(&caller.user.id, reply).await? {
+            self.forget_session(&session);
         }
         Ok(())
     }

@@ -64,8 +64,13 @@ pub trait Responses: Send + Sync + std::fmt::Debug {
     ) -> StoreResult<StoredResponse>;
 
     /// Forgets the response. When its session holds no other response, the session goes too
-    /// (deleted, then purged with its messages as any deleted session is).
-    async fn delete_response(&self, user_id: &UserId, message_id: &MessageId) -> StoreResult<()>;
+    /// (deleted, then purged with its messages as any deleted session is): then it returns
+    /// that session's id.
+    async fn delete_response(
+        &self,
+        user_id: &UserId,
+        message_id: &MessageId,
+    ) -> StoreResult<Option<SessionId>>;
 
     /// A new session of the caller's holding a copy of `session_id`'s messages up to and
     /// including sequence number `through`, its settings the same: where a response that was

@@ -120,7 +120,8 @@ pub(crate) async fn responses_suite(s: &SqlStore) {
     );
 
     // Deleting the last response of a session deletes the session.
-    s.delete_response(&u, &first.id).await.expect("delete");
+    let gone = s.delete_response(&u, &first.id).await.expect("delete");
+    assert_eq!(gone, Some(sid.clone()), "its session went with it");
     assert_eq!(
         s.get_session(&u, &sid).await.err(),
         Some(StoreError::NotFound("session"))

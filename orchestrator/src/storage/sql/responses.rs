@@ -105,7 +105,11 @@ impl Responses for SqlStore {
     }
 
     #[tracing::instrument(name = "db.delete_response", skip_all, fields(db.system = self.backend))]
-    async fn delete_response(&self, user_id: &UserId, message_id: &MessageId) -> StoreResult<()> {
+    async fn delete_response(
+        &self,
+        user_id: &UserId,
+        message_id: &MessageId,
+    ) -> StoreResult<Option<SessionId>> {
         let kept = self.get_response(user_id, message_id).await?;
         let mut tx = self.begin().await?;
         sqlx::query("DELETE FROM responses WHERE message_id = $1")
@@ -119,7 +123,8 @@ impl Responses for SqlStore {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(db_err)?;
-        if others == 0 {
+        let gone = (others == 0).then(|| kept.session_id.clone());
+        if gone.is_some() {
             sqlx::query(
                 "UPDATE sessions SET deleted_at = $1 \
                  WHERE id = $2 AND user_id = $3 AND deleted_at IS NULL",
@@ -131,7 +136,8 @@ impl Responses for SqlStore {
             .await
             .map_err(db_err)?;
         }
-        tx.commit().await.map_err(db_err)
+        tx.commit().await.map_err(db_err)?;
+        Ok(gone)
     }
 
     #[tracing::instrument(name = "db.fork_session", skip_all, fields(db.system = self.backend))]

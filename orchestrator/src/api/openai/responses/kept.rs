@@ -3,12 +3,10 @@
 //! (`…/input_items`), stopped (`…/cancel`) and deleted. A response belongs to its user: to
 //! anyone else it is not found.
 
-use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, Path, State};
-use axum::http::request::Parts;
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::{Deserialize, Serialize};
@@ -18,7 +16,7 @@ use utoipa::{IntoParams, ToSchema};
 
 use super::draft::Draft;
 use super::stream::{self, Piece};
-use super::wire::{Echo, ResponseObject, ResponsesRequest};
+use super::wire::{call_item, Echo, ResponseObject, ResponsesRequest};
 use crate::api::loading::{after_load, Api};
 use crate::api::native::sse;
 use crate::api::{ApiError, AppState, ValidQuery};
@@ -36,22 +34,9 @@ type Pieces = Pin<Box<dyn Stream<Item = Piece> + Send>>;
 pub struct ResponseId(MessageId);
 
 impl ResponseId {
-    fn parse(id: &str) -> Option<Self> {
+    /// `resp_` and a message id; extracted from a route's `{id}` by `api::ids`.
+    pub(crate) fn parse(id: &str) -> Option<Self> {
         MessageId::parse(id.strip_prefix("resp_")?).map(Self)
-    }
-}
-
-impl<S: Send + Sync> FromRequestParts<S> for ResponseId {
-    type Rejection = ApiError;
-
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
-            .await
-            .map_err(|_| ApiError::NotFound("response"))?;
-        params
-            .get("id")
-            .and_then(|id| Self::parse(id))
-            .ok_or(ApiError::NotFound("response"))
     }
 }
 
@@ -420,11 +405,7 @@ fn input_item(m: &Message) -> Vec<Value> {
             "content": [{"type": "input_text", "text": m.content}]})],
         (Role::Assistant, Some(calls)) => calls
             .iter()
-            .map(|c| {
-                json!({"type": "function_call", "id": format!("fc_{}", c.id.trim_start_matches("call_")),
-                "call_id": c.id, "name": c.function.name, "arguments": c.function.arguments,
-                "status": "completed"})
-            })
+            .map(|c| serde_json::to_value(call_item(c)).unwrap_or_default())
             .collect(),
         (Role::Assistant, None) => vec![json!({"type": "message", "id": format!("msg_{id}"),
             "role": "assistant", "status": "completed",
